@@ -1,0 +1,17 @@
+"""Helpers for the DeepSpeed communication course.
+
+Notebooks import the modules they need, each named for what it deals with:
+
+- ``environment``: what this machine offers (CPU/gloo or GPUs/NCCL, ranks, precisions).
+- ``configs``: DeepSpeed configs from ``ds_configs/`` and the checker for their traps.
+- ``launch``: starting real multi-rank runs with DeepSpeed's launcher.
+- ``records``: reading the ``summary.json`` each run writes, and tables of them.
+- ``theory``: the ZeRO paper's memory and communication formulas.
+- ``plots``: the figures every chapter draws.
+- ``models``: the models and data every run and baseline trains on.
+- ``train``: the script each rank runs (started by ``launch``, never imported by a notebook).
+
+This file imports nothing heavy, so ``python3 -m helpers.course`` works before torch is installed.
+"""
+
+__all__ = ["environment", "configs", "launch", "records", "theory", "plots", "models"]

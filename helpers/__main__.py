@@ -1,0 +1,125 @@
+"""Command line for instructors and scripts: the same code the notebooks call.
+
+    python -m helpers env                          what the course uses on this machine, and why
+    python -m helpers check CONFIG [--world-size N] [--client-optimizer]
+    python -m helpers run CONFIG [--world-size N] [--steps S] [--model NAME] [--out DIR]
+    python -m helpers build-ops                    compile DeepSpeed's ops once, visibly
+    python -m helpers bench-launch [--repeats R]   where a launch's seconds go
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _env(args: argparse.Namespace) -> int:
+    from helpers import environment
+
+    env = environment.detect(args.world_size)
+    print(env.report())
+    _, changes = environment.child_env(env, env.default_world_size)
+    print("changes for the ranks:" if changes else "changes for the ranks: none")
+    for change in changes:
+        print(f"  - {change}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from helpers import configs, environment
+
+    env = environment.detect(args.world_size)
+    config = configs.load(args.config)
+    findings = configs.check(config, env.default_world_size, env, args.client_optimizer)
+    print(f"{configs.path_of(args.config).name} on {env.default_world_size} rank(s), {env.device_name}:")
+    for finding in findings:
+        print(finding)
+    errors = sum(f.severity == "error" for f in findings)
+    print(f"{errors} error(s), {len(findings) - errors} warning(s)")
+    return 1 if errors else 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from helpers import configs, launch, records
+
+    try:
+        record = launch.run(args.config, world_size=args.world_size, steps=args.steps, model=args.model,
+                            out=args.out, timeout=args.timeout, launcher=args.launcher)
+    except configs.ConfigError as error:
+        print(error, file=sys.stderr)
+        return 1
+    except launch.RunFailed as failure:
+        print(failure.explain(traceback_lines=8), file=sys.stderr)
+        return 1
+    s = record.summary
+    states = record.states(0)
+    print(f"record: {record.out / 'summary.json'}")
+    print(f"ZeRO-{s['zero_stage']} {s['precision']}, {s['model']['name']} ({s['model']['params']:,} params), "
+          f"{s['world_size']} x {s['device']} ({s['backend']})")
+    print(f"losses: {', '.join(f'{x:.4f}' for x in s['losses'])}")
+    print(f"step time (median): {s['step_time_s']['median'] * 1000:.1f} ms, {s['samples_per_s']:.1f} samples/s")
+    print("model states on rank 0: " + ", ".join(f"{k} {records.format_bytes(v)}" for k, v in states.items() if v))
+    print(f"communication per step: {records.format_bytes(s['comm']['bytes_per_step'])} logged, "
+          f"paper {records.format_bytes(s['theory']['comm_bytes_per_step'])}")
+    return 0
+
+
+def _build_ops(args: argparse.Namespace) -> int:
+    from helpers import environment
+
+    print("Building DeepSpeed's C++ ops once (a few minutes on a 2-core machine; cached afterwards):", flush=True)
+    environment.build_ops()
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from helpers import benchmarks
+
+    print(benchmarks.launch_overhead_report(benchmarks.launch_overhead(args.repeats, args.world_size)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m helpers", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    verbs = parser.add_subparsers(dest="verb", required=True)
+
+    env = verbs.add_parser("env", help="what the course will use on this machine and why")
+    env.add_argument("--world-size", type=int)
+    env.set_defaults(func=_env)
+
+    check = verbs.add_parser("check", help="lint a DeepSpeed config (exit 1 on errors)")
+    check.add_argument("config", help="name in ds_configs/ or path to a JSON file")
+    check.add_argument("--world-size", type=int)
+    check.add_argument("--client-optimizer", action="store_true",
+                       help="the script passes its own optimizer to deepspeed.initialize")
+    check.set_defaults(func=_check)
+
+    run = verbs.add_parser("run", help="launch a real multi-rank run and write its summary.json")
+    run.add_argument("config", help="name in ds_configs/ or path to a JSON file")
+    run.add_argument("--world-size", type=int)
+    run.add_argument("--steps", type=int, default=4)
+    run.add_argument("--model", default="linear", help="linear, mlp or llama")
+    run.add_argument("--out", help="output folder (default runs/<config>-<model>-<N>r)")
+    run.add_argument("--timeout", type=float, default=600)
+    run.add_argument("--launcher", default="launch", choices=("launch", "deepspeed"))
+    run.set_defaults(func=_run)
+
+    build = verbs.add_parser("build-ops", help="compile DeepSpeed's JIT ops now, with progress")
+    build.set_defaults(func=_build_ops)
+
+    bench = verbs.add_parser("bench-launch", help="time 2-step launches: course launcher vs the deepspeed CLI")
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--world-size", type=int)
+    bench.set_defaults(func=_bench)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""What this machine offers the course: CPU ranks over gloo, or NVIDIA GPUs over NCCL.
+
+Everything a run needs to know about the hardware comes from :func:`detect`, and every
+environment variable the ranks get comes from :func:`child_env`, which also says what it
+changed and why (known traps, fixed before any process starts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from pathlib import Path
+
+#: Repository root (the folder holding ``helpers/``, ``notebooks/``, ``ds_configs/``).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: Environment variable a learner or instructor sets to choose the number of ranks.
+WORLD_SIZE_VARIABLE = "COURSE_WORLD_SIZE"
+
+#: DS_ACCELERATOR as this process found it, before :func:`detect` set it for a CPU-only machine.
+_ORIGINAL_DS_ACCELERATOR = os.environ.get("DS_ACCELERATOR")
+
+#: Ranks used on a machine without GPUs: two is the smallest world where ZeRO partitions anything.
+CPU_DEFAULT_RANKS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """The hardware a run will use, as seen from this process."""
+
+    device: str  # "cpu" or "cuda"
+    device_name: str  # e.g. "CPU (2 cores)" or "NVIDIA H100 80GB HBM3"
+    gpu_count: int
+    cpu_cores: int
+    backend: str  # "gloo" or "nccl"
+    default_world_size: int
+    world_size_source: str  # why default_world_size has its value
+    precisions: tuple[str, ...]  # subset of ("fp32", "bf16", "fp16") that DeepSpeed accepts here
+    torch_version: str
+    deepspeed_version: str
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    def supports(self, precision: str) -> bool:
+        """True when DeepSpeed trains in ``precision`` ("fp32", "bf16" or "fp16") on this device."""
+        return precision in self.precisions
+
+    def report(self) -> str:
+        """A short, learner-facing description of what the course will use and why."""
+        lines = [
+            f"device           : {self.device_name}",
+            f"backend          : {self.backend}",
+            f"ranks by default : {self.default_world_size} ({self.world_size_source})",
+            f"precisions       : {', '.join(self.precisions)}"
+            + ("" if "fp16" in self.precisions else "  (fp16: DeepSpeed refuses it on this device)"),
+            f"torch / deepspeed: {self.torch_version} / {self.deepspeed_version}",
+        ]
+        return "\n".join(lines)
+
+
+def quiet_deepspeed_import() -> None:
+    """Before importing DeepSpeed in this process: on a machine without GPUs, say "CPU" up front,
+    or DeepSpeed warns that it found no accelerator."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_precisions() -> tuple[str, ...]:
+    """Ask DeepSpeed's own CPU accelerator which half precisions it accepts."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    accelerator = CPU_Accelerator()
+    found = ["fp32"]
+    if accelerator.is_bf16_supported():
+        found.append("bf16")
+    if accelerator.is_fp16_supported():
+        found.append("fp16")
+    return tuple(found)
+
+
+def detect(world_size: int | None = None) -> Environment:
+    """Detect CPU or GPUs and choose the number of ranks.
+
+    ``world_size`` overrides the default; otherwise ``$COURSE_WORLD_SIZE`` does; otherwise the
+    course uses every GPU, or 2 ranks on a machine without GPUs.
+    """
+    import torch
+
+    cores = _cpu_cores()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    quiet_deepspeed_import()
+    import deepspeed
+    if gpus:
+        device, backend = "cuda", "nccl"
+        name = f"{gpus} x {torch.cuda.get_device_name(0)}"
+        precisions = ["fp32", "fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
+        precisions = tuple(p for p in ("fp32", "bf16", "fp16") if p in precisions)
+        default, source = gpus, "one rank per GPU"
+    else:
+        device, backend = "cpu", "gloo"
+        name = f"CPU ({cores} cores)"
+        precisions = _cpu_precisions()
+        default, source = CPU_DEFAULT_RANKS, "no GPU: 2 CPU ranks"
+
+    if world_size is None and os.environ.get(WORLD_SIZE_VARIABLE):
+        value = os.environ[WORLD_SIZE_VARIABLE]
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"${WORLD_SIZE_VARIABLE}={value!r}: set it to a positive whole number of ranks, or unset it")
+        world_size, source = int(value), f"set by ${WORLD_SIZE_VARIABLE}"
+    elif world_size is not None:
+        source = "chosen by the caller"
+    if world_size is not None:
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size}: a run needs at least one rank")
+        if gpus and world_size > gpus:
+            raise ValueError(f"world_size={world_size}: this machine has {gpus} GPU(s); use at most {gpus}")
+        default = world_size
+
+    return Environment(
+        device=device,
+        device_name=name,
+        gpu_count=gpus,
+        cpu_cores=cores,
+        backend=backend,
+        default_world_size=default,
+        world_size_source=source,
+        precisions=precisions,
+        torch_version=torch.__version__,
+        deepspeed_version=deepspeed.__version__,
+    )
+
+
+_ARCH_SUFFIX = re.compile(r"^(\d+\.\d+)[a-z]+$")
+
+
+def _fixed_arch_list(value: str) -> str:
+    """``"9.0a"`` -> ``"9.0"``: DeepSpeed's FusedAdam build parses each entry as ``int(minor)``."""
+    entries = re.split(r"[;\s]+", value.strip())
+    fixed = []
+    for entry in entries:
+        suffix = "+PTX" if entry.endswith("+PTX") else ""
+        core = entry[: -len(suffix)] if suffix else entry
+        match = _ARCH_SUFFIX.match(core)
+        fixed.append((match.group(1) if match else core) + suffix)
+    return ";".join(dict.fromkeys(e for e in fixed if e))
+
+
+def child_env(env: Environment, world_size: int, base: dict[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
+    """The environment for the launcher and its ranks, and a list of what was changed and why.
+
+    Keeps everything the caller has (``NCCL_*`` included) and only neutralizes known traps.
+    """
+    child = dict(os.environ if base is None else base)
+    changes: list[str] = []
+
+    # The ranks import ``helpers``: make the repository importable wherever the kernel started.
+    paths = [p for p in child.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO_ROOT) not in paths:
+        child["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])
+
+    arch = child.get("TORCH_CUDA_ARCH_LIST")
+    if arch:
+        fixed = _fixed_arch_list(arch)
+        if fixed != arch:
+            child["TORCH_CUDA_ARCH_LIST"] = fixed
+            changes.append(
+                f"TORCH_CUDA_ARCH_LIST {arch!r} -> {fixed!r}: DeepSpeed's FusedAdam build cannot parse "
+                "an architecture suffix such as 'a'"
+            )
+
+    if not env.is_gpu:
+        if _ORIGINAL_DS_ACCELERATOR != "cpu":
+            child["DS_ACCELERATOR"] = "cpu"
+            changes.append("DS_ACCELERATOR=cpu: no GPU here; saying so silences DeepSpeed's accelerator warning")
+        threads = max(1, env.cpu_cores // max(1, world_size))
+        if child.get("OMP_NUM_THREADS") != str(threads):
+            child["OMP_NUM_THREADS"] = str(threads)
+            changes.append(
+                f"OMP_NUM_THREADS={threads}: {env.cpu_cores} cores shared by {world_size} ranks "
+                "(more threads than cores makes every rank slower)"
+            )
+    child.setdefault("PYTHONUNBUFFERED", "1")
+    return child, changes
+
+
+def python_executable() -> str:
+    """The Python that runs the course (the kernel's own, so ranks see the same packages)."""
+    return sys.executable
+
+
+def build_ops(env: Environment | None = None) -> list[tuple[str, float]]:
+    """Compile (or load from cache) the DeepSpeed C++/CUDA ops the course uses, one by one, visibly.
+
+    DeepSpeed builds these just in time on first use; building them here, once, keeps the first
+    notebook cell from stalling for minutes with no word to the learner. Returns (op, seconds).
+    """
+    import time
+
+    env = env or detect()
+    child, changes = child_env(env, env.default_world_size)
+    for change in changes:
+        print(f"  environment: {change}")
+    os.environ.update({k: v for k, v in child.items() if k in ("DS_ACCELERATOR", "TORCH_CUDA_ARCH_LIST")})
+    from deepspeed.accelerator import get_accelerator
+
+    names = ["FusedAdamBuilder", "CPUAdamBuilder"]
+    if not env.is_gpu:
+        names.insert(0, "ShareMemCommBuilder")
+    done = []
+    for name in names:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None:
+            print(f"  {name}: not available on this accelerator, skipped")
+            continue
+        print(f"  {name} ({builder.name}): building or loading from cache ...", flush=True)
+        start = time.perf_counter()
+        builder.load(verbose=False)
+        seconds = time.perf_counter() - start
+        print(f"  {name}: ready in {seconds:.1f} s", flush=True)
+        done.append((name, seconds))
+    return done

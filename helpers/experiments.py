@@ -1,0 +1,131 @@
+"""The experiments chapters repeat, as single calls: a stage against its baseline, a knob's effect.
+
+Each function launches real runs through :func:`helpers.launch.run` and returns their records;
+the ``*_table`` functions turn records into the plain-text tables the notebooks print.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Mapping, Sequence
+
+from helpers import environment, launch, records, theory
+
+#: Results measured on GPU machines, committed with the course (one JSON file per experiment and device).
+REFERENCE_DIR = environment.REPO_ROOT / "notebooks" / "reference"
+#: Where a GPU run saves its own results for an instructor to commit.
+NEW_REFERENCE_DIR = launch.RUNS_DIR / "reference"
+
+
+def stage_against_baseline(stage: int, model: str = "mlp", steps: int = 4,
+                           precisions: Sequence[str] = ("fp32", "bf16"), also: Sequence[int] = (),
+                           env=None) -> dict[tuple[int, str], records.Record]:
+    """Run ZeRO ``stage`` and stage 0 with the same seed and data in each precision the device supports.
+
+    ``also`` adds fp32 runs of other stages (to compare with the neighbouring stage). Returns
+    {(stage, precision): record}. Precisions the device refuses are left out (and said so).
+    """
+    env = env or environment.detect()
+    runs: dict[tuple[int, str], records.Record] = {}
+    for precision in precisions:
+        if not env.supports(precision):
+            print(f"{precision}: not supported on {env.device_name}, skipped")
+            continue
+        overrides = {precision: {"enabled": True}} if precision != "fp32" else None
+        for s in (0, stage):
+            runs[(s, precision)] = launch.run(f"zero{s}", model=model, steps=steps, overrides=overrides,
+                                              name=f"zero{s}-{precision}")
+    for s in also:
+        runs[(s, "fp32")] = launch.run(f"zero{s}", model=model, steps=steps, name=f"zero{s}-fp32")
+    return runs
+
+
+def agreement_table(runs: Mapping[tuple[int, str], records.Record], stage: int, digits: int = 6) -> str:
+    """Per precision: the losses of stage 0 and ``stage`` side by side and their largest difference."""
+    rows = []
+    for precision in dict.fromkeys(p for _, p in runs):
+        base, other = runs.get((0, precision)), runs.get((stage, precision))
+        if base is None or other is None:
+            continue
+        diff = records.max_loss_difference(base.losses, other.losses)
+        rows.append([precision, " ".join(f"{x:.{digits}f}" for x in base.losses),
+                     " ".join(f"{x:.{digits}f}" for x in other.losses), "identical" if diff == 0 else f"{diff:.1e}"])
+    return records.format_table(rows, ["precision", "stage 0 losses", f"stage {stage} losses", "max |difference|"])
+
+
+def halving_table(numerator: records.Record, denominator: records.Record, keys: Sequence[str], rank: int = 0) -> str:
+    """measured[key] of one run divided by another's, per key: the 'half of' checks of the ZeRO chapters."""
+    rows = []
+    for key in keys:
+        a, b = numerator.states(rank)[key], denominator.states(rank)[key]
+        rows.append([key, f"{numerator.label}: {a:,}", f"{denominator.label}: {b:,}", f"{a / b:.4f}"])
+    return records.format_table(rows, ["state", "measured", "compared with", "ratio"])
+
+
+def knob_runs(stage: int, settings: Mapping[str, dict], model: str = "mlp", steps: int = 4) -> dict[str, records.Record]:
+    """One run per named setting of ``zero_optimization`` knobs on top of ``ds_configs/zero<stage>.json``."""
+    return {name: launch.run(f"zero{stage}", model=model, steps=steps, name=f"zero{stage}-{name}",
+                             overrides={"zero_optimization": knobs} if knobs else None)
+            for name, knobs in settings.items()}
+
+
+def knob_table(runs: Mapping[str, records.Record], timings: bool = False) -> str:
+    """Per setting: collectives and bytes per step, buffers and gradients held; with timings, peak memory and step time.
+
+    Counts and bytes are deterministic (nbval checks them); timings are not (print them separately).
+    """
+    rows = []
+    for name, r in runs.items():
+        ops = r.comm_ops()
+        row = [name, " ".join(f"{op}:{row['count']:g}" for op, row in ops.items()),
+               f"{r['comm.bytes_per_step']:,.0f}", records.format_bytes(r.states(0)["buffers"]),
+               records.format_bytes(r.states(0)["grads"]), records.format_bytes(r.states(0)["params"])]
+        if timings:
+            row += [records.format_bytes(r["memory.peak_bytes_per_rank"][0]), f"{r['step_time_s.median'] * 1000:.1f}"]
+        rows.append(row)
+    headers = ["setting", "collectives per step", "bytes/step", "buffers", "grads", "params"]
+    if timings:
+        headers += ["peak (rank 0)", "step ms"]
+    return records.format_table(rows, headers)
+
+
+def scaled_out_table(psi: float, world_size: int, largest_layer_params: int = 0, k: int = theory.PAPER_K) -> str:
+    """The paper's per-device GB for every stage at ``psi`` parameters on ``world_size`` ranks, with DeepSpeed's estimate."""
+    rows = []
+    for stage in theory.STAGES:
+        paper = theory.paper_bytes_per_device(psi, stage, world_size, k) / 1e9
+        estimate = theory.deepspeed_estimate_bytes(int(psi), stage, world_size, largest_layer_params)
+        rows.append([f"stage {stage}", f"{paper:.1f}", "-" if estimate is None else f"{estimate / 1e9:.1f}"])
+    return records.format_table(rows, ["ZeRO", "paper GB/device", "DeepSpeed estimator GB/device"])
+
+
+def save_reference(name: str, runs: Mapping[str, records.Record]) -> None:
+    """On a GPU machine, keep ``runs`` as ``runs/reference/<name>-<device>.json`` for an instructor to commit
+    to ``notebooks/reference/``. Does nothing for CPU runs."""
+    first = next(iter(runs.values())).summary
+    if first["device"] != "cuda":
+        return
+    device = f"{first['world_size']}x{first['device_name']}".replace(" ", "-")
+    NEW_REFERENCE_DIR.mkdir(parents=True, exist_ok=True)
+    payload = {"experiment": name, "device": f"{first['world_size']} x {first['device_name']}",
+               "date": datetime.date.today().isoformat(), "runs": {k: r.summary for k, r in runs.items()}}
+    (NEW_REFERENCE_DIR / f"{name}-{device}.json").write_text(json.dumps(payload, indent=1))
+
+
+def reference_runs(name: str) -> list[tuple[str, str, dict[str, records.Record]]]:
+    """Committed GPU results of experiment ``name``: a list of (device, date, {setting: record})."""
+    found = []
+    for path in sorted(REFERENCE_DIR.glob(f"{name}-*.json")):
+        payload = json.loads(path.read_text())
+        found.append((payload["device"], payload["date"],
+                      {k: records.Record(v) for k, v in payload["runs"].items()}))
+    return found
+
+
+def reference_report(name: str) -> str:
+    """The knob table of every committed GPU result of ``name``, timings included, each labelled with its device."""
+    found = reference_runs(name)
+    if not found:
+        return f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json)."
+    return "\n\n".join(f"Measured on {device}, {date}:\n{knob_table(runs, timings=True)}" for device, date, runs in found)

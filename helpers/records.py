@@ -1,0 +1,168 @@
+"""The run record: the ``summary.json`` each run writes, and the tables notebooks print from it.
+
+Every number a notebook shows about a run comes from one of these files; ``Record.out`` says
+which folder, and ``runs/<name>/launch.log`` holds DeepSpeed's own log of that run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+#: Keys every summary.json has (nested keys after a dot).
+REQUIRED_KEYS = (
+    "world_size", "backend", "device", "zero_stage", "precision", "micro_batch", "grad_accum", "train_batch",
+    "steps", "model.name", "model.params", "losses", "step_time_s.median", "step_time_s.all", "samples_per_s",
+    "memory.model_states_bytes_per_rank", "memory.peak_bytes_per_rank", "comm.by_op", "comm.bytes_per_step",
+    "comm.wire_bytes_per_step", "theory.model_states_bytes_per_rank", "theory.comm_bytes_per_step",
+    "theory.comm_wire_bytes_per_step",
+)
+STATE_KEYS = ("params", "grads", "optimizer", "master", "buffers")
+
+
+def _get(data: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data[part]
+    return data
+
+
+def validate(summary: dict) -> None:
+    """Raise ValueError naming every missing or inconsistent key of a summary."""
+    problems = []
+    for key in REQUIRED_KEYS:
+        try:
+            _get(summary, key)
+        except (KeyError, TypeError):
+            problems.append(f"missing {key}")
+    if not problems:
+        if len(summary["losses"]) != summary["steps"]:
+            problems.append(f"losses has {len(summary['losses'])} entries for {summary['steps']} steps")
+        if len(summary["memory"]["model_states_bytes_per_rank"]) != summary["world_size"]:
+            problems.append("memory.model_states_bytes_per_rank needs one entry per rank")
+        if summary["train_batch"] != summary["micro_batch"] * summary["grad_accum"] * summary["world_size"]:
+            problems.append("train_batch != micro_batch * grad_accum * world_size")
+        for op, row in summary["comm"]["by_op"].items():
+            if set(row) != {"count", "bytes"}:
+                problems.append(f"comm.by_op.{op} needs count and bytes")
+    if problems:
+        raise ValueError("summary.json: " + "; ".join(problems))
+
+
+class Record:
+    """One run's summary with attribute access to the figures chapters use."""
+
+    def __init__(self, summary: dict, out: Path | None = None):
+        validate(summary)
+        self.summary = summary
+        self.out = out
+        self.wall_s: float | None = None  # set by helpers.launch.run: launch to exit, seconds
+
+    def __getitem__(self, key: str) -> Any:
+        return _get(self.summary, key)
+
+    @property
+    def losses(self) -> list[float]:
+        return self.summary["losses"]
+
+    @property
+    def stage(self) -> int:
+        return self.summary["zero_stage"]
+
+    @property
+    def params(self) -> int:
+        return self.summary["model"]["params"]
+
+    @property
+    def label(self) -> str:
+        s = self.summary
+        return f"ZeRO-{s['zero_stage']} {s['precision']}"
+
+    def states(self, rank: int = 0) -> dict[str, int]:
+        """Measured model-state bytes of ``rank``."""
+        return self.summary["memory"]["model_states_bytes_per_rank"][rank]
+
+    @property
+    def theory_states(self) -> dict[str, float]:
+        return self.summary["theory"]["model_states_bytes_per_rank"]
+
+    def comm_ops(self) -> dict[str, dict[str, float]]:
+        """Collective -> {count, bytes} per optimizer step."""
+        return self.summary["comm"]["by_op"]
+
+    def __repr__(self) -> str:
+        s = self.summary
+        return (f"<Record {self.label}, {s['model']['name']} ({s['model']['params']:,} params), "
+                f"{s['world_size']} x {s['device']}, {s['steps']} steps>")
+
+
+def load(out: str | Path) -> Record:
+    """Read ``out/summary.json`` (``out`` is a run's folder or the file itself)."""
+    path = Path(out)
+    if path.is_dir():
+        path = path / "summary.json"
+    return Record(json.loads(path.read_text()), path.parent)
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1, three significant digits."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    for i, unit in enumerate(units):
+        if unit == "B" and abs(n) < 1024:
+            return f"{n:.0f} B"
+        # switch unit once the value would print as 1000 or more
+        if abs(n) < 999.5 or i == len(units) - 1:
+            return f"{n:.3g} {unit}" if abs(n) >= 1 else f"{n:.3f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
+    """A plain-text table (fixed width, right-aligned numbers): deterministic, so nbval can check it."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+
+
+def loss_table(runs: dict[str, Iterable[float]], digits: int = 4) -> str:
+    """Losses per optimizer step, one column per run, rounded to ``digits`` decimals."""
+    names = list(runs)
+    columns = [list(v) for v in runs.values()]
+    rows = [[i + 1] + [f"{c[i]:.{digits}f}" if i < len(c) else "" for c in columns]
+            for i in range(max(len(c) for c in columns))]
+    return format_table(rows, ["step"] + names)
+
+
+def max_loss_difference(a: Iterable[float], b: Iterable[float]) -> float:
+    """Largest absolute difference between two runs' losses, step by step."""
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def memory_table(runs: Sequence[Record], rank: int = 0) -> str:
+    """Measured model-state bytes of one rank, run by run, beside the paper's formula."""
+    rows = []
+    for r in runs:
+        measured, paper = r.states(rank), r.theory_states
+        for key in STATE_KEYS:
+            if not measured.get(key) and not paper.get(key):
+                continue
+            expected = paper.get(key)
+            ratio = f"{measured[key] / expected:.3f}" if expected else "(not in paper)"
+            rows.append([r.label, key, f"{measured[key]:,}", f"{expected:,.0f}" if expected is not None else "-", ratio])
+    return format_table(rows, ["run", "state", "measured bytes", "paper bytes", "measured/paper"])
+
+
+def comm_table(runs: Sequence[Record]) -> str:
+    """Collectives per optimizer step (count and logged bytes) run by run, with the paper's volume."""
+    rows = []
+    for r in runs:
+        for op, row in r.comm_ops().items():
+            rows.append([r.label, op, f"{row['count']:g}", f"{row['bytes']:,.0f}"])
+        comm = r.summary["comm"]
+        rows.append([r.label, "= wire bytes per rank (ring)", "", f"{comm['wire_bytes_per_step']:,.0f}"])
+        rows.append([r.label, "= paper (2Ψ or 3Ψ) x (n-1)/n", "", f"{r['theory.comm_wire_bytes_per_step']:,.0f}"])
+    return format_table(rows, ["run", "collective", "count/step", "bytes/step"])

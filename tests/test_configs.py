@@ -1,0 +1,286 @@
+"""helpers.configs: loading, merging and the checker's findings, plus `python -m helpers check`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import configs, environment
+from helpers.environment import REPO_ROOT
+
+BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
+
+
+def _env(precisions=("fp32", "bf16", "fp16"), device="cpu", gpus=0) -> environment.Environment:
+    return environment.Environment(
+        device=device, device_name="Test device", gpu_count=gpus, cpu_cores=2,
+        backend="gloo" if device == "cpu" else "nccl", default_world_size=2, world_size_source="test",
+        precisions=tuple(precisions), torch_version="0", deepspeed_version="0")
+
+
+def _by_key(findings, key, severity=None):
+    return [f for f in findings if f.key == key and (severity is None or f.severity == severity)]
+
+
+def _errors(findings):
+    return [f for f in findings if f.severity == "error"]
+
+
+# --- the source article's config --------------------------------------------------------------
+
+def test_source_article_on_8_ranks_batch_error_and_offload_param_warning():
+    findings = configs.check(configs.load("source_article"), world_size=8)
+    batch = _by_key(findings, "train_batch_size", "error")
+    assert len(batch) == 1
+    assert "32 != 4 * 8 * 8" in batch[0].rule
+    assert "= 256" in batch[0].rule
+    assert "256" in batch[0].fix
+    assert len(_by_key(findings, "zero_optimization.offload_param", "warning")) == 1
+    # errors come first
+    severities = [f.severity for f in findings]
+    assert severities == sorted(severities, key=lambda s: s != "error")
+
+
+def test_source_article_on_one_rank_has_no_batch_error():
+    findings = configs.check(configs.load("source_article"), world_size=1)
+    assert _by_key(findings, "train_batch_size") == []
+    assert _errors(findings) == []  # 32 == 4 * 8 * 1; the offload_param warning remains
+    assert len(_by_key(findings, "zero_optimization.offload_param", "warning")) == 1
+
+
+def test_client_optimizer_with_offload_optimizer_is_an_error():
+    config = configs.load("source_article")
+    assert _by_key(configs.check(config, 1), "zero_optimization.offload_optimizer") == []
+    findings = configs.check(config, 1, client_optimizer=True)
+    errors = _by_key(findings, "zero_optimization.offload_optimizer", "error")
+    assert len(errors) == 1
+    assert "client optimizer" in errors[0].rule
+
+
+def test_offload_optimizer_without_any_optimizer_is_an_error():
+    config = configs.merged(BASE, {"optimizer": None,
+                                   "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert len(_by_key(configs.check(config, 2), "optimizer", "error")) == 1
+
+
+def test_offload_optimizer_at_stage_0_is_an_error():
+    config = configs.merged(BASE, {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
+    errors = _by_key(configs.check(config, 2), "zero_optimization.offload_optimizer", "error")
+    assert any("stage" in f.rule for f in errors)
+
+
+def test_offload_param_at_stage_3_is_fine():
+    config = configs.merged(BASE, {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    assert configs.check(config, 2) == []
+
+
+# --- typos and types --------------------------------------------------------------------------
+
+def test_misspelt_top_level_key_suggests_the_right_one():
+    config = configs.merged(BASE, {"train_batch_szie": 8})
+    errors = _by_key(configs.check(config, 2), "train_batch_szie", "error")
+    assert len(errors) == 1
+    assert "train_batch_size" in errors[0].fix
+
+
+def test_unknown_top_level_key_with_no_close_match_is_an_error():
+    errors = _by_key(configs.check(configs.merged(BASE, {"banana": 1}), 2), "banana", "error")
+    assert len(errors) == 1
+    assert "did you mean" not in errors[0].fix
+
+
+def test_wrong_type_is_an_error():
+    findings = configs.check({"train_batch_size": "32"}, 1)
+    errors = _by_key(findings, "train_batch_size", "error")
+    assert errors
+    assert any("str" in f.rule and "'32'" in f.rule for f in errors)
+
+
+def test_bool_is_not_a_number():
+    errors = _by_key(configs.check(configs.merged(BASE, {"gradient_clipping": True}), 2), "gradient_clipping")
+    assert len(errors) == 1 and errors[0].severity == "error"
+
+
+@pytest.mark.parametrize("value", [0, -4])
+def test_non_positive_batch_size_is_an_error(value):
+    config = configs.merged(BASE, {"train_micro_batch_size_per_gpu": value})
+    assert len(_by_key(configs.check(config, 2), "train_micro_batch_size_per_gpu", "error")) == 1
+
+
+def test_no_batch_size_at_all_is_an_error():
+    config = configs.merged(BASE, {"train_micro_batch_size_per_gpu": None})
+    assert len(_by_key(configs.check(config, 2), "train_batch_size", "error")) == 1
+
+
+def test_train_batch_size_not_divisible_is_an_error():
+    config = {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4}
+    errors = _by_key(configs.check(config, 2), "train_batch_size", "error")
+    assert len(errors) == 1 and "8" in errors[0].rule
+    assert configs.check({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, 2) == []
+
+
+def test_misspelt_zero_key_is_an_error():
+    config = configs.merged(BASE, {"zero_optimization": {"overlap_com": True}})
+    errors = _by_key(configs.check(config, 2), "zero_optimization.overlap_com", "error")
+    assert len(errors) == 1
+    assert "overlap_comm" in errors[0].fix
+
+
+def test_bad_zero_stage_is_an_error():
+    config = configs.merged(BASE, {"zero_optimization": {"stage": 4}})
+    assert len(_by_key(configs.check(config, 2), "zero_optimization.stage", "error")) == 1
+
+
+def test_unknown_optimizer_type_is_an_error():
+    config = configs.merged(BASE, {"optimizer": {"type": "Adamm"}})
+    errors = _by_key(configs.check(config, 2), "optimizer.type", "error")
+    assert len(errors) == 1 and "adam" in errors[0].fix
+
+
+def test_non_object_config_is_an_error():
+    findings = configs.check([1, 2], 2)
+    assert len(findings) == 1 and findings[0].severity == "error"
+
+
+def test_offload_section_that_is_not_an_object_gives_a_finding_not_a_crash():
+    # BUG in helpers/configs.py _check_zero: `zero.get("offload_param") or {}` is then `.get(...)`-ed, so a
+    # string such as "cpu" (a plausible learner mistake) raises AttributeError instead of a Finding.
+    config = configs.merged(BASE, {"zero_optimization": {"offload_param": "cpu"}})
+    findings = configs.check(config, 2)
+    assert any(f.key.startswith("zero_optimization.offload_param") and f.severity == "error" for f in findings)
+
+
+# --- precision --------------------------------------------------------------------------------
+
+def test_fp16_on_a_device_without_fp16_is_an_error_naming_fp16_enabled():
+    config = configs.merged(BASE, {"fp16": {"enabled": True}})
+    assert configs.check(config, 2, _env(("fp32", "bf16", "fp16"))) == []
+    findings = configs.check(config, 2, _env(("fp32", "bf16")))
+    errors = _by_key(findings, "fp16.enabled", "error")
+    assert len(errors) == 1
+    assert "bf16" in errors[0].fix  # the alternative the device supports
+
+
+def test_bf16_on_a_device_without_half_precision_suggests_fp32():
+    config = configs.merged(BASE, {"bf16": {"enabled": True}})
+    errors = _by_key(configs.check(config, 2, _env(("fp32",))), "bf16.enabled", "error")
+    assert len(errors) == 1 and "fp32" in errors[0].fix
+
+
+def test_fp16_and_bf16_both_enabled_is_an_error():
+    config = configs.merged(BASE, {"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    errors = _by_key(configs.check(config, 2), "fp16.enabled", "error")
+    assert len(errors) == 1 and "bf16" in errors[0].rule
+
+
+def test_more_ranks_than_gpus_is_an_error():
+    findings = configs.check(BASE, 4, _env(device="cuda", gpus=2))
+    assert len(_by_key(findings, "(world size)", "error")) == 1
+    assert configs.check(BASE, 2, _env(device="cuda", gpus=2)) == []
+
+
+# --- the course's configs ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_course_configs_are_clean_on_two_ranks(stage):
+    config = configs.load(f"zero{stage}")
+    assert config["zero_optimization"]["stage"] == stage
+    assert configs.check(config, 2) == []
+    assert configs.check(configs.for_run(config), 2, environment.detect(2)) == []
+
+
+def test_load_and_path_of():
+    assert configs.path_of("zero2") == REPO_ROOT / "ds_configs" / "zero2.json"
+    assert configs.path_of("zero2.json") == REPO_ROOT / "ds_configs" / "zero2.json"
+    assert configs.load("zero2") == json.loads((REPO_ROOT / "ds_configs" / "zero2.json").read_text())
+    with pytest.raises(FileNotFoundError, match="zero2"):  # the message lists what ds_configs/ has
+        configs.load("no_such_config")
+
+
+def test_load_rejects_invalid_json(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        configs.load(bad)
+
+
+# --- merged / for_run -------------------------------------------------------------------------
+
+def test_merged_deep_merges_and_none_removes():
+    base = {"a": 1, "zero_optimization": {"stage": 2, "overlap_comm": True, "offload_param": {"device": "cpu"}},
+            "fp16": {"enabled": True}}
+    snapshot = json.loads(json.dumps(base))
+    result = configs.merged(base, {"a": None, "zero_optimization": {"stage": 3, "offload_param": None},
+                                   "fp16": 5, "new": {"x": [1]}})
+    assert result == {"zero_optimization": {"stage": 3, "overlap_comm": True}, "fp16": 5, "new": {"x": [1]}}
+    assert base == snapshot  # the input is not modified
+
+
+def test_merged_returns_a_deep_copy():
+    base = {"zero_optimization": {"stage": 2}}
+    overrides = {"optimizer": {"params": {"lr": 1}}}
+    result = configs.merged(base, overrides)
+    result["zero_optimization"]["stage"] = 0
+    result["optimizer"]["params"]["lr"] = 2
+    assert base == {"zero_optimization": {"stage": 2}}
+    assert overrides == {"optimizer": {"params": {"lr": 1}}}
+    assert configs.merged(base) == base and configs.merged(base) is not base
+
+
+def test_for_run_adds_the_comms_logger_under_the_config():
+    run = configs.for_run({"steps_per_print": 5, "comms_logger": {"verbose": True}})
+    assert run["steps_per_print"] == 5
+    assert run["comms_logger"]["enabled"] is True and run["comms_logger"]["verbose"] is True
+
+
+# --- check_or_raise ---------------------------------------------------------------------------
+
+def test_check_or_raise_raises_config_error_listing_findings():
+    config = configs.load("source_article")
+    with pytest.raises(configs.ConfigError) as caught:
+        configs.check_or_raise(config, 8, source="source_article")
+    error = caught.value
+    assert isinstance(error, ValueError)
+    keys = {f.key for f in error.findings}
+    assert {"train_batch_size", "zero_optimization.offload_param"} <= keys
+    message = str(error)
+    assert message.startswith("source_article: 1 error(s)")
+    assert "32 != 4 * 8 * 8" in message
+    assert "WARNING zero_optimization.offload_param" in message
+
+
+def test_check_or_raise_returns_warnings_when_there_are_no_errors():
+    warnings = configs.check_or_raise(configs.load("source_article"), 1)
+    assert [f.key for f in warnings] == ["zero_optimization.offload_param"]
+    assert configs.check_or_raise(configs.load("zero2"), 2) == []
+
+
+def test_finding_str():
+    finding = configs.Finding("error", "k", "rule text", "fix text")
+    assert str(finding) == "ERROR k: rule text\n    fix: fix text"
+
+
+# --- the command line -------------------------------------------------------------------------
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "helpers", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_check_source_article_on_8_ranks_exits_1():
+    result = _cli("check", "source_article", "--world-size", "8")
+    assert result.returncode == 1, result.stderr
+    assert "ERROR train_batch_size" in result.stdout
+    assert "32 != 4 * 8 * 8" in result.stdout
+    assert "WARNING zero_optimization.offload_param" in result.stdout
+    assert "on 8 rank(s)" in result.stdout
+
+
+def test_cli_check_clean_config_exits_0():
+    result = _cli("check", "zero2", "--world-size", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 error(s), 0 warning(s)" in result.stdout

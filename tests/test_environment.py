@@ -1,0 +1,164 @@
+"""helpers.environment: what this (CPU-only, 2-core) machine offers, and the ranks' environment."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from helpers import environment
+from helpers.environment import REPO_ROOT, WORLD_SIZE_VARIABLE
+
+
+def _env(device="cpu", cores=2, gpus=0) -> environment.Environment:
+    return environment.Environment(
+        device=device, device_name="test", gpu_count=gpus, cpu_cores=cores,
+        backend="gloo" if device == "cpu" else "nccl", default_world_size=2, world_size_source="test",
+        precisions=("fp32", "bf16"), torch_version="0", deepspeed_version="0")
+
+
+@pytest.fixture
+def no_world_size_variable(monkeypatch):
+    monkeypatch.delenv(WORLD_SIZE_VARIABLE, raising=False)
+
+
+# --- detect -----------------------------------------------------------------------------------
+
+def test_detect_on_this_cpu_machine(no_world_size_variable):
+    env = environment.detect()
+    assert env.device == "cpu"
+    assert env.backend == "gloo"
+    assert env.default_world_size == 2
+    assert env.gpu_count == 0
+    assert not env.is_gpu
+    assert env.cpu_cores == len(os.sched_getaffinity(0))
+    assert env.device_name == f"CPU ({env.cpu_cores} cores)"
+    assert env.precisions[0] == "fp32" and set(env.precisions) <= {"fp32", "bf16", "fp16"}
+    assert env.supports("fp32") and not env.supports("fp64")
+    import deepspeed
+    import torch
+    assert (env.torch_version, env.deepspeed_version) == (torch.__version__, deepspeed.__version__)
+    report = env.report()
+    assert "gloo" in report and "ranks by default : 2" in report
+
+
+def test_world_size_variable_overrides_the_default(monkeypatch):
+    monkeypatch.setenv(WORLD_SIZE_VARIABLE, "3")
+    env = environment.detect()
+    assert env.default_world_size == 3
+    assert WORLD_SIZE_VARIABLE in env.world_size_source
+
+
+def test_explicit_world_size_beats_the_variable(monkeypatch):
+    monkeypatch.setenv(WORLD_SIZE_VARIABLE, "3")
+    env = environment.detect(4)
+    assert env.default_world_size == 4
+    assert env.world_size_source == "chosen by the caller"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "2.5", " "])
+def test_bad_world_size_variable_raises(monkeypatch, value):
+    monkeypatch.setenv(WORLD_SIZE_VARIABLE, value)
+    with pytest.raises(ValueError, match=WORLD_SIZE_VARIABLE):
+        environment.detect()
+
+
+def test_empty_world_size_variable_is_ignored(monkeypatch):
+    monkeypatch.setenv(WORLD_SIZE_VARIABLE, "")
+    assert environment.detect().default_world_size == 2
+
+
+def test_explicit_world_size_below_one_raises(no_world_size_variable):
+    with pytest.raises(ValueError):
+        environment.detect(0)
+
+
+def test_supports_reads_precisions():
+    env = _env()
+    assert env.supports("bf16") and not env.supports("fp16")
+    assert "fp16: DeepSpeed refuses it" in env.report()
+
+
+# --- child_env --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("before, after", [
+    ("9.0a", "9.0"),
+    ("8.0;9.0a+PTX", "8.0;9.0+PTX"),
+    ("9.0a;10.0a;12.0a", "9.0;10.0;12.0"),
+])
+def test_child_env_fixes_arch_suffixes_and_reports_it(before, after):
+    child, changes = environment.child_env(_env(), 2, base={"TORCH_CUDA_ARCH_LIST": before})
+    assert child["TORCH_CUDA_ARCH_LIST"] == after
+    arch_changes = [c for c in changes if c.startswith("TORCH_CUDA_ARCH_LIST")]
+    assert len(arch_changes) == 1
+    assert f"{before!r} -> {after!r}" in arch_changes[0]
+
+
+@pytest.mark.parametrize("value", ["9.0", "8.0;9.0+PTX", "7.5;8.0;8.6"])
+def test_child_env_leaves_valid_arch_lists_alone(value):
+    child, changes = environment.child_env(_env(), 2, base={"TORCH_CUDA_ARCH_LIST": value})
+    assert child["TORCH_CUDA_ARCH_LIST"] == value
+    assert not any("TORCH_CUDA_ARCH_LIST" in c for c in changes)
+
+
+def test_child_env_keeps_nccl_variables_untouched():
+    base = {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "NCCL_NVLS_ENABLE": "0", "NCCL_P2P_DISABLE": "1",
+            "SOME_OTHER": "x"}
+    for env in (_env(), _env(device="cuda", gpus=2)):
+        child, changes = environment.child_env(env, 2, base=dict(base))
+        assert {k: child[k] for k in base} == base
+        assert {k for k in child if k.startswith("NCCL_")} == {k for k in base if k.startswith("NCCL_")}
+        assert not any("NCCL" in c for c in changes)
+
+
+def test_child_env_does_not_modify_its_base_or_os_environ():
+    base = {"TORCH_CUDA_ARCH_LIST": "9.0a"}
+    before = dict(os.environ)
+    environment.child_env(_env(), 2, base=base)
+    assert base == {"TORCH_CUDA_ARCH_LIST": "9.0a"}
+    assert dict(os.environ) == before
+
+
+def test_child_env_puts_the_repo_root_on_pythonpath():
+    child, _ = environment.child_env(_env(), 2, base={})
+    assert child["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT)]
+    child, _ = environment.child_env(_env(), 2, base={"PYTHONPATH": "/somewhere" + os.pathsep + "/else"})
+    assert child["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), "/somewhere", "/else"]
+    already = os.pathsep.join(["/a", str(REPO_ROOT)])
+    child, _ = environment.child_env(_env(), 2, base={"PYTHONPATH": already})
+    assert child["PYTHONPATH"] == already
+
+
+def test_child_env_defaults_to_os_environ(monkeypatch):
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    child, changes = environment.child_env(_env(), 2)
+    assert child["NCCL_DEBUG"] == "WARN"
+    assert child["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    assert str(REPO_ROOT) in child["PYTHONPATH"].split(os.pathsep)
+
+
+@pytest.mark.parametrize("cores, ranks, threads", [(2, 2, "1"), (8, 2, "4"), (2, 4, "1"), (16, 1, "16")])
+def test_child_env_shares_cpu_cores_between_ranks(cores, ranks, threads):
+    child, changes = environment.child_env(_env(cores=cores), ranks, base={})
+    assert child["OMP_NUM_THREADS"] == threads
+    assert any(c.startswith(f"OMP_NUM_THREADS={threads}") for c in changes)
+    # already right: nothing to report
+    child, changes = environment.child_env(_env(cores=cores), ranks, base={"OMP_NUM_THREADS": threads})
+    assert not any(c.startswith("OMP_NUM_THREADS") for c in changes)
+
+
+def test_child_env_sets_ds_accelerator_cpu_without_gpus(monkeypatch):
+    monkeypatch.setattr(environment, "_ORIGINAL_DS_ACCELERATOR", None)
+    child, changes = environment.child_env(_env(), 2, base={})
+    assert child["DS_ACCELERATOR"] == "cpu"
+    assert any(c.startswith("DS_ACCELERATOR=cpu") for c in changes)
+    assert child["PYTHONUNBUFFERED"] == "1"
+
+
+def test_child_env_on_gpus_changes_no_cpu_settings():
+    base = {"OMP_NUM_THREADS": "7"}
+    child, changes = environment.child_env(_env(device="cuda", gpus=4), 4, base=base)
+    assert child["OMP_NUM_THREADS"] == "7"
+    assert "DS_ACCELERATOR" not in child
+    assert changes == []

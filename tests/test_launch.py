@@ -1,0 +1,159 @@
+"""helpers.launch: real 2-rank DeepSpeed runs on CPU (three launches, ~6-30 s each) and the checks before them."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from helpers import configs, launch, models, records, theory
+from helpers.environment import WORLD_SIZE_VARIABLE
+
+
+@pytest.fixture(autouse=True)
+def _two_ranks(monkeypatch):
+    monkeypatch.delenv(WORLD_SIZE_VARIABLE, raising=False)
+
+
+def processes_of(out) -> list[str]:
+    """Command lines of live processes that mention the run's output folder."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmdline = proc.info.get("cmdline") or []
+        if proc.info.get("status") == psutil.STATUS_ZOMBIE:
+            continue
+        if any(str(out) in part for part in cmdline):
+            found.append(f"{proc.info['pid']}: {' '.join(cmdline)}")
+    return found
+
+
+# --- a real run -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero2-mlp")
+    record = launch.run("zero2", model="mlp", steps=3, world_size=2, out=out, progress=False, timeout=300)
+    return record, out
+
+
+def test_zero2_run_writes_a_complete_summary(zero2_run):
+    record, out = zero2_run
+    assert isinstance(record, records.Record)
+    assert record.out == out
+    assert record.wall_s is not None and record.wall_s > 0
+    summary = records.load(out).summary
+    records.validate(summary)
+    assert summary == record.summary
+    assert summary["world_size"] == 2
+    assert summary["backend"] == "gloo" and summary["device"] == "cpu"
+    assert summary["zero_stage"] == 2 and summary["precision"] == "fp32"
+    assert summary["model"] == {"name": "mlp", "params": models.count_parameters(models.build("mlp"))}
+    assert summary["steps"] == 3 and len(summary["losses"]) == 3
+    assert all(loss > 0 for loss in summary["losses"])
+    config = configs.load("zero2")
+    assert summary["micro_batch"] == config["train_micro_batch_size_per_gpu"]
+    assert summary["grad_accum"] == config.get("gradient_accumulation_steps", 1)
+    assert summary["train_batch"] == summary["micro_batch"] * summary["grad_accum"] * 2
+    assert "all_reduce" in summary["comm"]["by_op"]
+    assert summary["comm"]["bytes_per_step"] > 0
+    assert len(summary["memory"]["model_states_bytes_per_rank"]) == 2
+    assert len(summary["memory"]["peak_bytes_per_rank"]) == 2
+    for name in ("ds_config.json", "command.txt", "launch.log", "rank0.json", "rank1.json"):
+        assert (out / name).exists(), name
+
+
+def test_zero2_partitions_gradients_not_parameters(zero2_run):
+    record, _ = zero2_run
+    psi = record.params
+    for rank in (0, 1):
+        states = record.states(rank)
+        assert states["params"] == 4 * psi  # fp32, every rank holds all parameters at stage 2
+        assert states["grads"] == pytest.approx(states["params"] / 2, rel=0.02)
+        assert states["optimizer"] == pytest.approx(8 * psi / 2, rel=0.02)
+
+
+def test_zero2_theory_is_the_papers(zero2_run):
+    record, _ = zero2_run
+    psi = record.params
+    assert record.theory_states == pytest.approx(theory.model_state_bytes(psi, 2, 2, "fp32"))
+    assert record["theory.comm_bytes_per_step"] == theory.comm_bytes_per_step(psi, 2, "fp32")
+
+
+def test_zero2_run_leaves_no_process(zero2_run):
+    _, out = zero2_run
+    assert processes_of(out) == []
+
+
+# --- failures ---------------------------------------------------------------------------------
+
+def test_failing_rank_ends_the_run_with_its_error(tmp_path):
+    out = tmp_path / "fail"
+    started = time.perf_counter()
+    with pytest.raises(launch.RunFailed) as caught:
+        launch.run("zero2", model="linear", steps=2, world_size=2, out=out, progress=False, timeout=120,
+                   extra_args=["--fail-on-rank", "1"])
+    seconds = time.perf_counter() - started
+    failure = caught.value
+    assert seconds < 30
+    assert failure.rank == 1
+    assert failure.error_type == "RuntimeError"
+    assert "deliberate failure" in str(failure)
+    assert "deliberate failure" in failure.message
+    assert "Traceback" in failure.traceback
+    assert failure.out == out
+    assert processes_of(out) == []
+
+
+def test_hanging_rank_times_out_and_leaves_no_process(tmp_path):
+    out = tmp_path / "hang"
+    started = time.perf_counter()
+    with pytest.raises(launch.RunFailed) as caught:
+        launch.run("zero2", model="linear", steps=2, world_size=2, out=out, progress=False, timeout=20,
+                   extra_args=["--hang-on-rank", "0"])
+    seconds = time.perf_counter() - started
+    assert "timed out" in str(caught.value)
+    assert 19 < seconds < 60
+    assert caught.value.out == out
+    assert processes_of(out) == []
+
+
+# --- checks before any process starts ---------------------------------------------------------
+
+def test_bad_config_raises_before_any_process_starts(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: started.append(a) or pytest.fail("launched"))
+    name = f"badbatch-{tmp_path.name}"
+    out = tmp_path / "bad"
+    with pytest.raises(configs.ConfigError) as caught:
+        launch.run("zero2", model="linear", steps=2, world_size=2, name=name, out=out, progress=False,
+                   overrides={"train_batch_size": 7})
+    assert started == []
+    assert any(f.key == "train_batch_size" for f in caught.value.findings)
+    assert str(caught.value).startswith(f"{name}: ")
+    assert not out.exists()
+    assert not (launch.RUNS_DIR / name / "launch.log").exists()
+    assert not list(launch.RUNS_DIR.glob(f"{name}*"))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"model": "resnet"}, "resnet"),
+    ({"steps": 0}, "steps=0"),
+    ({"launcher": "torchrun"}, "torchrun"),
+])
+def test_bad_arguments_raise_before_any_process_starts(tmp_path, monkeypatch, kwargs, match):
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match=match):
+        launch.run("zero2", world_size=2, out=tmp_path / "x", progress=False, **kwargs)
+    assert not (tmp_path / "x" / "launch.log").exists()
+
+
+def test_command_starts_helpers_train_on_every_rank(tmp_path):
+    argv = launch.command(tmp_path / "c.json", tmp_path, 2, 12345, "mlp", 3, 0, extra_args=["--x"])
+    assert argv[1:4] == ["-u", "-m", "deepspeed.launcher.launch"]
+    assert "--master_port=12345" in argv
+    assert argv[argv.index("--module") + 1] == "helpers.train"
+    assert argv[argv.index("--out") + 1] == str(tmp_path)
+    assert argv[-1] == "--x"
+    cli = launch.command(tmp_path / "c.json", tmp_path, 2, 12345, "mlp", 3, 0, launcher="deepspeed")
+    assert cli[cli.index("--num_gpus") + 1] == "2"
