@@ -28,10 +28,11 @@ def _env(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from helpers import configs, environment
 
-    env = environment.detect(args.world_size)
+    env = environment.detect()  # a config may be checked for more ranks than this machine has
+    world = args.world_size or env.default_world_size
     config = configs.load(args.config)
-    findings = configs.check(config, env.default_world_size, env, args.client_optimizer)
-    print(f"{configs.path_of(args.config).name} on {env.default_world_size} rank(s), {env.device_name}:")
+    findings = configs.check(config, world, env, args.client_optimizer)
+    print(f"{configs.path_of(args.config).name} on {world} rank(s), device checks for {env.device_name}:")
     for finding in findings:
         print(finding)
     errors = sum(f.severity == "error" for f in findings)

@@ -255,8 +255,9 @@ def check(config: dict, world_size: int, env: Environment | None = None, client_
                                         f"DeepSpeed refuses {name} on {env.device_name} "
                                         f"(ValueError: Type {name} is not supported on your device)", fix))
         if env.is_gpu and world_size > env.gpu_count:
-            findings.append(Finding("error", "(world size)", f"{world_size} ranks but {env.gpu_count} GPU(s)",
-                                    f"use at most {env.gpu_count} ranks"))
+            findings.append(Finding("warning", "(world size)",
+                                    f"checked for {world_size} ranks, but this machine has {env.gpu_count} GPU(s)",
+                                    f"launch it here with at most {env.gpu_count} ranks"))
 
     zero = config.get("zero_optimization")
     if isinstance(zero, dict):

@@ -50,7 +50,6 @@ def set_up(python: str) -> None:
     fingerprint = hashlib.sha256(requirements + python.encode()).hexdigest()
     if not STAMP.exists() or STAMP.read_text().strip() != fingerprint:
         _say("installing requirements.txt (torch, deepspeed, jupyterlab, nbval, ...)")
-        _run([python, "-m", "pip", "install", "--quiet", "--upgrade", "pip"])
         _run([python, "-m", "pip", "install", "--quiet", "-r", "requirements.txt"])
         STAMP.write_text(fingerprint + "\n")
     else:

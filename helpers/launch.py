@@ -20,6 +20,7 @@ import base64
 import json
 import os
 import queue
+import random
 import shlex
 import signal
 import socket
@@ -53,11 +54,28 @@ class RunFailed(RuntimeError):
         return text
 
 
+#: Master ports are drawn from here: below Linux's ephemeral range (32768-60999), which NCCL, gloo
+#: and every outgoing connection draw from, so a port found free stays free until the ranks bind it.
+PORT_RANGE = (20000, 32000)
+PORT_RETRIES = 3  # launches retried on "address already in use" before giving up
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on now, so two runs (two notebooks) never share a master port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A random TCP port in :data:`PORT_RANGE` that nobody listens on now (two notebooks, two ports)."""
+    for _ in range(100):
+        port = random.randint(*PORT_RANGE)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port found in {PORT_RANGE}")
+
+
+def _port_taken(failure: "RunFailed") -> bool:
+    text = f"{failure.message or ''} {failure.log_tail}"
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 def command(config_path: Path, out: Path, world_size: int, port: int, model: str, steps: int, seed: int,
@@ -125,16 +143,30 @@ def run(config: str | Path | dict, *, world_size: int | None = None, model: str 
 
     out = Path(out) if out else RUNS_DIR / f"{label}-{model}-{world}r"
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ["summary.json", "launch.log", *out.glob("rank*.json")]:
-        (out / stale).unlink(missing_ok=True)
     config_path = out / "ds_config.json"
     config_path.write_text(json.dumps(full, indent=1))
     args = list(extra_args or []) + (["--client-optimizer"] if client_optimizer else [])
-    argv = command(config_path, out, world, free_port(), model, steps, seed, launcher, args)
     child, _ = environment.child_env(env, world)
-    (out / "command.txt").write_text(shlex.join(argv) + "\n")
+    for attempt in range(1, PORT_RETRIES + 1):
+        argv = command(config_path, out, world, free_port(), model, steps, seed, launcher, args)
+        (out / "command.txt").write_text(shlex.join(argv) + "\n")
+        try:
+            return _launch(argv, child, out, f"[{label} · {world} {'GPU' if env.is_gpu else 'CPU'} "
+                           f"rank{'s' if world > 1 else ''}]", steps, timeout, progress)
+        except RunFailed as failure:
+            # Another program took the master port between our check and the ranks' bind.
+            if attempt == PORT_RETRIES or not _port_taken(failure):
+                raise
+            if progress:
+                print(f"master port taken by another program; retrying on a new port ({attempt}/{PORT_RETRIES - 1})")
+    raise AssertionError("unreachable")
 
-    prefix = f"[{label} · {world} {'GPU' if env.is_gpu else 'CPU'} rank{'s' if world > 1 else ''}]"
+
+def _launch(argv: list[str], child: dict[str, str], out: Path, prefix: str, steps: int, timeout: float,
+            progress: bool) -> records.Record:
+    """Start one launch, follow its events, and return its record or raise RunFailed."""
+    for stale in ["summary.json", "launch.log", *out.glob("rank*.json")]:
+        (out / stale).unlink(missing_ok=True)
     started = time.perf_counter()
     error_event: dict | None = None
     log_lines: list[str] = []

@@ -83,8 +83,7 @@ def model_states(engine) -> dict[str, int]:
             found["grads"] = [grad_buffer]
         else:
             found["grads"] = [g for group in opt.averaged_gradients.values() for g in group]
-        ipg = getattr(opt, "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer", None)
-        found["buffers"] = [ipg]
+        found["buffers"] = [getattr(bucket, "buffer", None) for bucket in getattr(opt, "ipg_buckets", {}).values()]
     elif hasattr(opt, "single_partition_of_fp32_groups"):  # ZeRO-1 and ZeRO-2 (DeepSpeedZeroOptimizer)
         found["master"] = list(opt.single_partition_of_fp32_groups)
         found["optimizer"] = _state_tensors(opt.optimizer)

@@ -8,8 +8,7 @@ import matplotlib.pyplot as plt
 
 from helpers import records, theory
 
-STATE_COLOURS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "master": "#C44E52",
-                 "buffers": "#8172B3"}
+STATE_COLOURS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "master": "#C44E52"}
 
 
 def loss_curves(runs: Mapping[str, Sequence[float]], title: str = "Training loss", ylabel: str = "loss"):
@@ -24,18 +23,26 @@ def loss_curves(runs: Mapping[str, Sequence[float]], title: str = "Training loss
     return fig
 
 
+MODEL_STATE_KEYS = ("params", "grads", "optimizer", "master")
+
+
 def measured_vs_theory(runs: Sequence[records.Record], rank: int = 0, title: str | None = None):
-    """Stacked bars of model-state bytes on one rank: measured (left) beside the paper (right), per run."""
+    """Stacked bars of model-state bytes on one rank: measured (plain) beside the paper (hatched), per run.
+
+    Communication buffers are left out (they can dwarf a small model's states; the tables show them).
+    """
     fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(runs), 3.8))
     width = 0.38
+    labelled: set[str] = set()
     for i, run in enumerate(runs):
         for offset, states, hatch in ((-width / 2, run.states(rank), ""), (width / 2, run.theory_states, "//")):
             bottom = 0.0
-            for key in records.STATE_KEYS:
+            for key in MODEL_STATE_KEYS:
                 value = states.get(key, 0) / 2**20
                 if value:
                     ax.bar(i + offset, value, width, bottom=bottom, color=STATE_COLOURS[key], hatch=hatch,
-                           edgecolor="white", label=key if (i == 0 and offset < 0) else None)
+                           edgecolor="white", label=None if key in labelled else key)
+                    labelled.add(key)
                     bottom += value
     ax.set_xticks(range(len(runs)), [f"{r.label}\nmeasured | paper" for r in runs], fontsize=8)
     ax.set_ylabel(f"MiB on rank {rank}")

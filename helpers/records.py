@@ -18,7 +18,7 @@ REQUIRED_KEYS = (
     "comm.wire_bytes_per_step", "theory.model_states_bytes_per_rank", "theory.comm_bytes_per_step",
     "theory.comm_wire_bytes_per_step",
 )
-STATE_KEYS = ("params", "grads", "optimizer", "master", "buffers")
+STATE_KEYS = ("params", "grads", "optimizer", "master", "buffers")  # as measured by helpers.memory
 
 
 def _get(data: dict, dotted: str) -> Any:
@@ -81,6 +81,10 @@ class Record:
     def states(self, rank: int = 0) -> dict[str, int]:
         """Measured model-state bytes of ``rank``."""
         return self.summary["memory"]["model_states_bytes_per_rank"][rank]
+
+    def model_state_bytes(self, rank: int = 0) -> int:
+        """Measured parameters + gradients + optimizer states + master copy of ``rank`` (not buffers)."""
+        return sum(v for k, v in self.states(rank).items() if k != "buffers")
 
     @property
     def theory_states(self) -> dict[str, float]:

@@ -177,9 +177,11 @@ def test_fp16_and_bf16_both_enabled_is_an_error():
     assert len(errors) == 1 and "bf16" in errors[0].rule
 
 
-def test_more_ranks_than_gpus_is_an_error():
+def test_more_ranks_than_gpus_is_a_warning():
+    # A config may be checked for a bigger machine than this one (launch.run refuses it earlier).
     findings = configs.check(BASE, 4, _env(device="cuda", gpus=2))
-    assert len(_by_key(findings, "(world size)", "error")) == 1
+    assert len(_by_key(findings, "(world size)", "warning")) == 1
+    assert not _by_key(findings, "(world size)", "error")
     assert configs.check(BASE, 2, _env(device="cuda", gpus=2)) == []
 
 
