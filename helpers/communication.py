@@ -14,20 +14,44 @@ from helpers import theory
 IGNORED_OPS = ("barrier", "log_summary_barrier")
 
 
-def by_op(summary: dict, world_size: int) -> dict[str, dict[str, float]]:
-    """Fold ``log_summary(return_dict=True)["summary"]`` into op -> {count, bytes, wire_bytes}."""
-    table: dict[str, dict[str, float]] = {}
-    for op, sizes in sorted(summary.items()):
+def split_name(record_name: str) -> tuple[str, str]:
+    """``"all_reduce | [Caller Func: allreduce_bucket]"`` -> ("all_reduce", "allreduce_bucket").
+
+    With ``"debug": true`` the comms logger appends the DeepSpeed function that issued the call.
+    """
+    op, _, rest = record_name.partition(" | ")
+    caller = rest.removeprefix("[Caller Func: ").removesuffix("]")
+    return op, caller
+
+
+def _fold(summary: dict, world_size: int, with_caller: bool) -> dict:
+    table: dict = {}
+    for record_name, sizes in sorted(summary.items()):
+        op, caller = split_name(record_name)
         if op in IGNORED_OPS:
             continue
-        row = {"count": 0, "bytes": 0, "wire_bytes": 0.0}
+        key = (op, caller) if with_caller else op
+        row = table.setdefault(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0})
         for size, stats in sizes.items():
             count = int(stats["count"])
             row["count"] += count
             row["bytes"] += int(size) * count
             row["wire_bytes"] += theory.wire_bytes(op, int(size), world_size) * count
-        table[op] = row
     return table
+
+
+def by_op(summary: dict, world_size: int) -> dict[str, dict[str, float]]:
+    """Fold ``log_summary(return_dict=True)["summary"]`` into op -> {count, bytes, wire_bytes}."""
+    return _fold(summary, world_size, with_caller=False)
+
+
+def by_caller(summary: dict, world_size: int) -> dict[str, dict[str, dict[str, float]]]:
+    """Like :func:`by_op`, split further by the DeepSpeed function that issued each call:
+    op -> caller -> {count, bytes, wire_bytes} (caller "" without the logger's debug mode)."""
+    nested: dict = {}
+    for (op, caller), row in _fold(summary, world_size, with_caller=True).items():
+        nested.setdefault(op, {})[caller] = row
+    return nested
 
 
 def per_step(table: dict[str, dict[str, float]], steps: int) -> dict[str, dict[str, float]]:

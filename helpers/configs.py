@@ -47,7 +47,8 @@ OPTIMIZER_TYPES = ("adam", "adamw", "lamb", "onebitadam", "zerooneadam", "onebit
 #: What the course adds to every run's config: the comms logger (the source of the comm figures)
 #: and quiet logs.
 RUN_DEFAULTS: dict[str, Any] = {
-    "comms_logger": {"enabled": True, "verbose": False, "prof_all": True, "debug": False},
+    # debug: the logger also records which DeepSpeed function issued each collective
+    "comms_logger": {"enabled": True, "verbose": False, "prof_all": True, "debug": True},
     "steps_per_print": 1_000_000,
 }
 

@@ -114,11 +114,11 @@ def save_reference(name: str, runs: Mapping[str, records.Record]) -> None:
 
 
 def reference_runs(name: str) -> list[tuple[str, str, dict[str, records.Record]]]:
-    """Committed GPU results of experiment ``name``: a list of (device, date, {setting: record})."""
+    """Committed GPU results of experiment ``name``: a list of (device, date, note, {setting: record})."""
     found = []
     for path in sorted(REFERENCE_DIR.glob(f"{name}-*.json")):
         payload = json.loads(path.read_text())
-        found.append((payload["device"], payload["date"],
+        found.append((payload["device"], payload["date"], payload.get("note", ""),
                       {k: records.Record(v) for k, v in payload["runs"].items()}))
     return found
 
@@ -128,4 +128,5 @@ def reference_report(name: str) -> str:
     found = reference_runs(name)
     if not found:
         return f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json)."
-    return "\n\n".join(f"Measured on {device}, {date}:\n{knob_table(runs, timings=True)}" for device, date, runs in found)
+    return "\n\n".join(f"Measured on {device}, {date} ({note}):\n{knob_table(runs, timings=True)}"
+                       for device, date, note, runs in found)

@@ -94,6 +94,39 @@ def command(config_path: Path, out: Path, world_size: int, port: int, model: str
             "--master_addr=127.0.0.1", f"--master_port={port}", *script]
 
 
+def remove_shared_memory(port: int) -> list[Path]:
+    """Delete the shared-memory segments a CPU run's ranks left behind, and return them.
+
+    DeepSpeed's CPU all-reduce (``deepspeed_shm_comm``) maps one segment of about 70 MB per rank,
+    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, and never unlinks it: without
+    this, every run leaks them until /dev/shm fills the machine's memory and the kernel kills ranks.
+    """
+    leftovers = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    for segment in leftovers:
+        segment.unlink(missing_ok=True)
+    return leftovers
+
+
+def parse_events(line: str) -> tuple[str, list[dict]]:
+    """Split one line of the launcher's output into ordinary log text and the ranks' events.
+
+    Events are written in one piece, but another process's log output can still land on the same line.
+    """
+    decoder = json.JSONDecoder()
+    text, events = [], []
+    head, *chunks = line.split(EVENT_PREFIX)
+    text.append(head)
+    for chunk in chunks:
+        try:
+            event, end = decoder.raw_decode(chunk)
+        except json.JSONDecodeError:
+            text.append(chunk)
+            continue
+        events.append(event)
+        text.append(chunk[end:])
+    return "".join(text), events
+
+
 def _reader(stream, lines: queue.Queue) -> None:
     for line in iter(stream.readline, ""):
         lines.put(line)
@@ -148,11 +181,12 @@ def run(config: str | Path | dict, *, world_size: int | None = None, model: str 
     args = list(extra_args or []) + (["--client-optimizer"] if client_optimizer else [])
     child, _ = environment.child_env(env, world)
     for attempt in range(1, PORT_RETRIES + 1):
-        argv = command(config_path, out, world, free_port(), model, steps, seed, launcher, args)
+        port = free_port()
+        argv = command(config_path, out, world, port, model, steps, seed, launcher, args)
         (out / "command.txt").write_text(shlex.join(argv) + "\n")
         try:
             return _launch(argv, child, out, f"[{label} · {world} {'GPU' if env.is_gpu else 'CPU'} "
-                           f"rank{'s' if world > 1 else ''}]", steps, timeout, progress)
+                           f"rank{'s' if world > 1 else ''}]", steps, timeout, progress, port)
         except RunFailed as failure:
             # Another program took the master port between our check and the ranks' bind.
             if attempt == PORT_RETRIES or not _port_taken(failure):
@@ -163,7 +197,7 @@ def run(config: str | Path | dict, *, world_size: int | None = None, model: str 
 
 
 def _launch(argv: list[str], child: dict[str, str], out: Path, prefix: str, steps: int, timeout: float,
-            progress: bool) -> records.Record:
+            progress: bool, port: int) -> records.Record:
     """Start one launch, follow its events, and return its record or raise RunFailed."""
     for stale in ["summary.json", "launch.log", *out.glob("rank*.json")]:
         (out / stale).unlink(missing_ok=True)
@@ -188,14 +222,17 @@ def _launch(argv: list[str], child: dict[str, str], out: Path, prefix: str, step
                     continue
                 if line is None:
                     break
-                if line.startswith(EVENT_PREFIX):
-                    event = json.loads(line[len(EVENT_PREFIX):])
-                    if event["event"] == "step" and progress:
-                        print(f"\r{prefix} step {event['step']}/{event['steps']}  loss {event['loss']:.4f}",
-                              end="", flush=True)
-                    elif event["event"] == "error" and error_event is None:
-                        error_event = event
-                    continue
+                if EVENT_PREFIX in line:
+                    text, events = parse_events(line)
+                    for event in events:
+                        if event["event"] == "step" and progress:
+                            print(f"\r{prefix} step {event['step']}/{event['steps']}  loss {event['loss']:.4f}",
+                                  end="", flush=True)
+                        elif event["event"] == "error" and error_event is None:
+                            error_event = event
+                    if not text.strip():
+                        continue
+                    line = text
                 log.write(line)
                 log_lines.append(line)
                 del log_lines[:-40]
@@ -207,6 +244,7 @@ def _launch(argv: list[str], child: dict[str, str], out: Path, prefix: str, step
     finally:
         code = process.poll()
         _kill_group(process)  # nothing of a run outlives it, whatever happened
+        remove_shared_memory(port)
     seconds = time.perf_counter() - started
     if progress:
         print()

@@ -161,12 +161,15 @@ def memory_table(runs: Sequence[Record], rank: int = 0) -> str:
 
 
 def comm_table(runs: Sequence[Record]) -> str:
-    """Collectives per optimizer step (count and logged bytes) run by run, with the paper's volume."""
+    """Collectives per optimizer step (count and logged bytes, and the DeepSpeed function that issued them)
+    run by run, with the wire bytes per rank and the paper's volume."""
     rows = []
     for r in runs:
-        for op, row in r.comm_ops().items():
-            rows.append([r.label, op, f"{row['count']:g}", f"{row['bytes']:,.0f}"])
+        callers = r.summary["comm"].get("by_caller") or {op: {"": row} for op, row in r.comm_ops().items()}
+        for op, by_caller in callers.items():
+            for caller, row in by_caller.items():
+                rows.append([r.label, op, caller or "-", f"{row['count']:g}", f"{row['bytes']:,.0f}"])
         comm = r.summary["comm"]
-        rows.append([r.label, "= wire bytes per rank (ring)", "", f"{comm['wire_bytes_per_step']:,.0f}"])
-        rows.append([r.label, "= paper (2Ψ or 3Ψ) x (n-1)/n", "", f"{r['theory.comm_wire_bytes_per_step']:,.0f}"])
-    return format_table(rows, ["run", "collective", "count/step", "bytes/step"])
+        rows.append([r.label, "= wire bytes per rank (ring)", "", "", f"{comm['wire_bytes_per_step']:,.0f}"])
+        rows.append([r.label, "= paper (2Ψ or 3Ψ) x (n-1)/n", "", "", f"{r['theory.comm_wire_bytes_per_step']:,.0f}"])
+    return format_table(rows, ["run", "collective", "issued by (DeepSpeed function)", "count/step", "bytes/step"])

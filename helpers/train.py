@@ -21,9 +21,19 @@ import traceback
 EVENT_PREFIX = "@@course "
 
 
+#: Ranks share the launcher's stdout; one write() of at most this many bytes is never interleaved
+#: with another process's write (POSIX PIPE_BUF).
+ATOMIC_WRITE_BYTES = 4096
+
+
 def emit(event: str, **fields) -> None:
-    """Send one event to the process that launched the run."""
-    print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)
+    """Send one event to the process that launched the run, as one line written in one piece."""
+    line = (EVENT_PREFIX + json.dumps({"event": event, **fields}) + "\n").encode()
+    if len(line) > ATOMIC_WRITE_BYTES and "traceback" in fields:  # keep the end of a long traceback
+        fields["traceback"] = "...\n" + fields["traceback"][-(ATOMIC_WRITE_BYTES // 2):]
+        line = (EVENT_PREFIX + json.dumps({"event": event, **fields}) + "\n").encode()
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), line)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -163,6 +173,7 @@ def train(args: argparse.Namespace) -> None:
         mean_losses = [statistics.fmean(r["losses"][i] for r in gathered) for i in range(args.steps)]
         table = communication.by_op(comm_summary.get("summary", {}), world)
         per_step = communication.per_step(table, comm_steps)
+        callers = communication.by_caller(comm_summary.get("summary", {}), world)
         median = statistics.median(step_times)
         theory_states = theory.model_state_bytes(psi, stage, world, precision)
         summary = {
@@ -196,6 +207,8 @@ def train(args: argparse.Namespace) -> None:
                 "by_op": {op: {"count": row["count"], "bytes": row["bytes"]} for op, row in per_step.items()},
                 "bytes_per_step": sum(row["bytes"] for row in per_step.values()),
                 "wire_bytes_per_step": sum(row["wire_bytes"] for row in per_step.values()),
+                "by_caller": {op: {caller: {"count": row["count"] / comm_steps, "bytes": row["bytes"] / comm_steps}
+                                   for caller, row in rows.items()} for op, rows in callers.items()},
                 "measured_steps": comm_steps,
                 "totals": {op: {"count": row["count"], "bytes": row["bytes"]} for op, row in table.items()},
             },

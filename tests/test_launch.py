@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -157,3 +158,19 @@ def test_command_starts_helpers_train_on_every_rank(tmp_path):
     assert argv[-1] == "--x"
     cli = launch.command(tmp_path / "c.json", tmp_path, 2, 12345, "mlp", 3, 0, launcher="deepspeed")
     assert cli[cli.index("--num_gpus") + 1] == "2"
+
+
+def test_runs_leave_no_shared_memory_segments(zero2_run):
+    # DeepSpeed's CPU all-reduce never unlinks its /dev/shm segments; launch.run must.
+    record, out = zero2_run
+    port = (out / "command.txt").read_text().split("--master_port=")[1].split()[0]
+    leftovers = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert leftovers == []
+
+
+def test_events_are_parsed_from_interleaved_output():
+    line = ('log text @@course {"event": "error", "rank": 1, "type": "X", "message": "m", "traceback": "t"}'
+            '@@course {"event": "step", "step": 1, "steps": 2, "loss": 0.5, "seconds": 0.1}\n')
+    text, events = launch.parse_events(line)
+    assert [e["event"] for e in events] == ["error", "step"]
+    assert text.strip() == "log text"

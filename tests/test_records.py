@@ -118,8 +118,7 @@ def test_format_bytes(n, text):
 
 
 def test_format_bytes_never_uses_scientific_notation():
-    # BUG in helpers/records.py format_bytes: f"{n:.3g}" switches to exponent notation for 1000 <= n < 1024
-    # of a unit, e.g. format_bytes(1_024_000) == "1e+03 KiB" and format_bytes(1024**2 - 1) == "1.02e+03 KiB".
+    # Values of 1000-1023 of a unit must not print as "1e+03 KiB" (the next unit is used instead).
     for n in (1000 * 1024, 1024**2 - 1, 1010 * 1024**2, 1023 * 1024**3):
         text = records.format_bytes(n)
         assert "e+" not in text, f"format_bytes({n}) == {text!r}"
@@ -159,17 +158,30 @@ def test_memory_table_lists_measured_beside_paper():
 def test_comm_table_rows():
     record = records.Record(minimal_summary())
     lines = records.comm_table([record]).splitlines()
-    assert lines[0].split() == ["run", "collective", "count/step", "bytes/step"]
-    assert lines[2].split() == ["ZeRO-2", "fp32", "all_reduce", "1", "4,000"]
-    assert lines[3].split() == ["ZeRO-2", "fp32", "all_gather_into_tensor", "1", "2,000"]
+    assert lines[0].split() == ["run", "collective", "issued", "by", "(DeepSpeed", "function)", "count/step",
+                                "bytes/step"]
+    # without the logger's caller names (no comm.by_caller) the caller column reads "-"
+    assert lines[2].split() == ["ZeRO-2", "fp32", "all_reduce", "-", "1", "4,000"]
+    assert lines[3].split() == ["ZeRO-2", "fp32", "all_gather_into_tensor", "-", "1", "2,000"]
     assert lines[4].endswith("6,000") and "wire bytes" in lines[4]
     assert lines[5].endswith("4,000") and "paper" in lines[5]
 
 
+def test_comm_table_names_the_calling_function_when_logged():
+    summary = minimal_summary()
+    summary["comm"]["by_caller"] = {"all_reduce": {"allreduce_bucket": {"count": 1.0, "bytes": 4000.0}}}
+    lines = records.comm_table([records.Record(summary)]).splitlines()
+    assert lines[2].split() == ["ZeRO-2", "fp32", "all_reduce", "allreduce_bucket", "1", "4,000"]
+
+
+def test_split_name_reads_the_debug_caller():
+    assert communication.split_name("all_reduce | [Caller Func: allreduce_bucket]") == ("all_reduce", "allreduce_bucket")
+    assert communication.split_name("all_reduce") == ("all_reduce", "")
+
+
 def test_a_summary_that_validates_can_be_shown_in_comm_table():
-    # BUG in helpers/records.py: comm_table reads comm.wire_bytes_per_step and
-    # theory.comm_wire_bytes_per_step, but REQUIRED_KEYS lists neither, so validate() accepts a summary
-    # that comm_table then fails on with KeyError.
+    # comm_table reads comm.wire_bytes_per_step and theory.comm_wire_bytes_per_step: validate() must
+    # require them, so a summary it accepts can always be shown.
     summary = minimal_summary()
     del summary["comm"]["wire_bytes_per_step"]
     del summary["theory"]["comm_wire_bytes_per_step"]
