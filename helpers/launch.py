@@ -25,7 +25,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path

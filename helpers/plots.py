@@ -1,4 +1,8 @@
-"""The figures every chapter draws, from run records and the theory module."""
+"""The figures every chapter draws, from run records and the theory module.
+
+Each function returns its figure already closed, so a notebook shows it exactly once: as the value
+of the cell's last line (pyplot's own display of open figures would show it a second time).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ def loss_curves(runs: Mapping[str, Sequence[float]], title: str = "Training loss
     ax.set(xlabel="optimizer step", ylabel=ylabel, title=title)
     ax.legend()
     fig.tight_layout()
+    plt.close(fig)
     return fig
 
 
@@ -49,6 +54,7 @@ def measured_vs_theory(runs: Sequence[records.Record], rank: int = 0, title: str
     ax.set_title(title or f"Model states per rank ({runs[0].summary['world_size']} ranks)")
     ax.legend(fontsize=8)
     fig.tight_layout()
+    plt.close(fig)
     return fig
 
 
@@ -74,6 +80,7 @@ def comm_per_step(runs: Sequence[records.Record], title: str = "Communication pe
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    plt.close(fig)
     return fig
 
 
@@ -88,4 +95,5 @@ def paper_scaling(psi: float = 7.5e9, world_sizes: Sequence[int] = (1, 4, 8, 16,
     ax.set_xticks(list(world_sizes), [str(n) for n in world_sizes])
     ax.legend()
     fig.tight_layout()
+    plt.close(fig)
     return fig
