@@ -2,6 +2,7 @@
 
     python3 -m helpers.course lab     # set up, then open the notebooks in JupyterLab
     python3 -m helpers.course test    # set up, then pytest --nbval notebooks/ plus the unit tests
+    python3 -m helpers.course setup   # set up only
 
 Set-up, each step skipped when already done: a virtual environment in ``.venv`` (unless one is
 already active), ``pip install -r requirements.txt``, then DeepSpeed's C++ ops built once, with

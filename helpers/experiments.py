@@ -130,3 +130,32 @@ def reference_report(name: str) -> str:
         return f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json)."
     return "\n\n".join(f"Measured on {device}, {date} ({note}):\n{knob_table(runs, timings=True)}"
                        for device, date, note, runs in found)
+
+
+def comparison_table(subject: records.Record, baselines: Mapping[str, records.Record], rank: int = 0) -> str:
+    """One run against others, ratio by ratio: the 'when to use this stage' tables of the ZeRO chapters.
+
+    Rows: model states, Adam states, gradients and parameters per rank (measured, ``rank``), collective
+    calls and wire bytes per step, and how far the losses are apart. Columns: one per baseline.
+    """
+    def calls(r: records.Record) -> float:
+        return sum(row["count"] for row in r.comm_ops().values())
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}x" if b else "-"
+
+    def losses(a: records.Record, b: records.Record) -> str:
+        diff = records.max_loss_difference(a.losses, b.losses)
+        return "identical" if diff == 0 else f"differ by {diff:.1e}"
+
+    s = subject
+    rows = [
+        ["model states per rank", *(ratio(s.model_state_bytes(rank), b.model_state_bytes(rank)) for b in baselines.values())],
+        *([f"{name} per rank", *(ratio(s.states(rank)[key], b.states(rank)[key]) for b in baselines.values())]
+          for key, name in (("optimizer", "Adam states"), ("grads", "gradients"), ("params", "parameters"))),
+        ["collective calls per step", *(f"{calls(s):g} vs {calls(b):g}" for b in baselines.values())],
+        ["wire bytes per step", *(ratio(s["comm.wire_bytes_per_step"], b["comm.wire_bytes_per_step"])
+                                  for b in baselines.values())],
+        ["losses", *(losses(s, b) for b in baselines.values())],
+    ]
+    return records.format_table(rows, [s.label, *(f"vs {name}" for name in baselines)])
