@@ -54,6 +54,11 @@ def by_caller(summary: dict, world_size: int) -> dict[str, dict[str, dict[str, f
     return nested
 
 
+def counts_and_bytes(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The table as summary.json keeps it: {count, bytes} per entry (wire bytes are derived)."""
+    return {key: {"count": row["count"], "bytes": row["bytes"]} for key, row in table.items()}
+
+
 def per_step(table: dict[str, dict[str, float]], steps: int) -> dict[str, dict[str, float]]:
     """Divide every count and byte figure by ``steps``."""
     return {op: {k: v / steps for k, v in row.items()} for op, row in table.items()}

@@ -28,9 +28,6 @@ def loss_curves(runs: Mapping[str, Sequence[float]], title: str = "Training loss
     return fig
 
 
-MODEL_STATE_KEYS = ("params", "grads", "optimizer", "master")
-
-
 def measured_vs_theory(runs: Sequence[records.Record], rank: int = 0, title: str | None = None):
     """Stacked bars of model-state bytes on one rank: measured (plain) beside the paper (hatched), per run.
 
@@ -42,7 +39,7 @@ def measured_vs_theory(runs: Sequence[records.Record], rank: int = 0, title: str
     for i, run in enumerate(runs):
         for offset, states, hatch in ((-width / 2, run.states(rank), ""), (width / 2, run.theory_states, "//")):
             bottom = 0.0
-            for key in MODEL_STATE_KEYS:
+            for key in records.MODEL_STATE_KEYS:
                 value = states.get(key, 0) / 2**20
                 if value:
                     ax.bar(i + offset, value, width, bottom=bottom, color=STATE_COLOURS[key], hatch=hatch,

@@ -18,7 +18,8 @@ REQUIRED_KEYS = (
     "comm.wire_bytes_per_step", "theory.model_states_bytes_per_rank", "theory.comm_bytes_per_step",
     "theory.comm_wire_bytes_per_step",
 )
-STATE_KEYS = ("params", "grads", "optimizer", "master", "buffers")  # as measured by helpers.memory
+MODEL_STATE_KEYS = ("params", "grads", "optimizer", "master")  # what the ZeRO paper partitions
+STATE_KEYS = MODEL_STATE_KEYS + ("buffers",)  # as measured by helpers.memory
 
 
 def _get(data: dict, dotted: str) -> Any:
@@ -84,7 +85,7 @@ class Record:
 
     def model_state_bytes(self, rank: int = 0) -> int:
         """Measured parameters + gradients + optimizer states + master copy of ``rank`` (not buffers)."""
-        return sum(v for k, v in self.states(rank).items() if k != "buffers")
+        return sum(self.states(rank)[key] for key in MODEL_STATE_KEYS)
 
     @property
     def theory_states(self) -> dict[str, float]:

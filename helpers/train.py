@@ -204,13 +204,13 @@ def train(args: argparse.Namespace) -> None:
                 "peak_source": peak_source,
             },
             "comm": {
-                "by_op": {op: {"count": row["count"], "bytes": row["bytes"]} for op, row in per_step.items()},
+                "by_op": communication.counts_and_bytes(per_step),
                 "bytes_per_step": sum(row["bytes"] for row in per_step.values()),
                 "wire_bytes_per_step": sum(row["wire_bytes"] for row in per_step.values()),
-                "by_caller": {op: {caller: {"count": row["count"] / comm_steps, "bytes": row["bytes"] / comm_steps}
-                                   for caller, row in rows.items()} for op, rows in callers.items()},
+                "by_caller": {op: communication.counts_and_bytes(communication.per_step(rows, comm_steps))
+                              for op, rows in callers.items()},
                 "measured_steps": comm_steps,
-                "totals": {op: {"count": row["count"], "bytes": row["bytes"]} for op, row in table.items()},
+                "totals": communication.counts_and_bytes(table),
             },
             "theory": {
                 "model_states_bytes_per_rank": theory_states,
