@@ -30,9 +30,15 @@ def _check(args: argparse.Namespace) -> int:
 
     env = environment.detect()  # a config may be checked for more ranks than this machine has
     world = args.world_size or env.default_world_size
-    config = configs.load(args.config)
-    findings = configs.check(config, world, env, args.client_optimizer)
     print(f"{configs.path_of(args.config).name} on {world} rank(s), device checks for {env.device_name}:")
+    try:
+        config = configs.load(args.config)
+    except configs.ConfigError as error:  # read, but refused by DeepSpeed's parser (duplicate keys)
+        for finding in error.findings:
+            print(finding)
+        print(f"{len(error.findings)} error(s), 0 warning(s)")
+        return 1
+    findings = configs.check(config, world, env, args.client_optimizer)
     for finding in findings:
         print(finding)
     errors = sum(f.severity == "error" for f in findings)
@@ -57,11 +63,12 @@ def _run(args: argparse.Namespace) -> int:
     print(f"record: {record.out / 'summary.json'}")
     print(f"ZeRO-{s['zero_stage']} {s['precision']}, {s['model']['name']} ({s['model']['params']:,} params), "
           f"{s['world_size']} x {s['device']} ({s['backend']})")
-    print(f"losses: {', '.join(f'{x:.4f}' for x in s['losses'])}")
+    print(f"losses (mean over ranks of each step's micro-batch losses): {', '.join(f'{x:.4f}' for x in s['losses'])}")
     print(f"step time (median): {s['step_time_s']['median'] * 1000:.1f} ms, {s['samples_per_s']:.1f} samples/s")
     print("model states on rank 0: " + ", ".join(f"{k} {records.format_bytes(v)}" for k, v in states.items() if v))
-    print(f"communication per step: {records.format_bytes(s['comm']['bytes_per_step'])} logged, "
-          f"paper {records.format_bytes(s['theory']['comm_bytes_per_step'])}")
+    print(f"sent per rank per step (ring): {records.format_bytes(s['comm']['wire_bytes_per_step'])} measured, "
+          f"paper {records.format_bytes(s['theory']['comm_wire_bytes_per_step'])} "
+          f"({'3' if s['zero_stage'] == 3 else '2'}Ψ x (n-1)/n)")
     return 0
 
 
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError) as error:  # a file that cannot be read at all, a bad argument
         print(f"error: {error}", file=sys.stderr)
         return 2
 

@@ -62,3 +62,20 @@ def counts_and_bytes(table: dict[str, dict[str, float]]) -> dict[str, dict[str, 
 def per_step(table: dict[str, dict[str, float]], steps: int) -> dict[str, dict[str, float]]:
     """Divide every count and byte figure by ``steps``."""
     return {op: {k: v / steps for k, v in row.items()} for op, row in table.items()}
+
+
+def record_section(summary: dict, world_size: int, steps: int) -> dict:
+    """The ``comm`` section of summary.json from one rank's ``log_summary(return_dict=True)["summary"]``
+    covering ``steps`` optimizer steps: per-step counts and bytes by op and by issuing function,
+    logged bytes and ring wire bytes per step, and the raw totals."""
+    table = by_op(summary, world_size)
+    step_rows = per_step(table, steps)
+    return {
+        "by_op": counts_and_bytes(step_rows),
+        "bytes_per_step": sum(row["bytes"] for row in step_rows.values()),
+        "wire_bytes_per_step": sum(row["wire_bytes"] for row in step_rows.values()),
+        "by_caller": {op: counts_and_bytes(per_step(rows, steps))
+                      for op, rows in by_caller(summary, world_size).items()},
+        "measured_steps": steps,
+        "totals": counts_and_bytes(table),
+    }

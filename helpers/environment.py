@@ -8,6 +8,7 @@ changed and why (known traps, fixed before any process starts).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -141,6 +142,23 @@ def detect(world_size: int | None = None) -> Environment:
         torch_version=torch.__version__,
         deepspeed_version=deepspeed.__version__,
     )
+
+
+@functools.lru_cache(maxsize=1)
+def nvme_offload_support() -> tuple[bool, str]:
+    """Whether DeepSpeed's async_io op (NVMe offload) can be built here, and if not, why.
+
+    Asks DeepSpeed's own op builder, which looks for libaio (the library and its headers).
+    """
+    quiet_deepspeed_import()
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    if builder is None:
+        return False, f"DeepSpeed's {get_accelerator().device_name()} accelerator has no async_io op"
+    if builder.is_compatible(verbose=False):
+        return True, "libaio found"
+    return False, "libaio and its headers were not found (Debian/Ubuntu: apt-get install libaio-dev)"
 
 
 _ARCH_SUFFIX = re.compile(r"^(\d+\.\d+)[a-z]+$")

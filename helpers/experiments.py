@@ -21,28 +21,43 @@ NEW_REFERENCE_DIR = launch.RUNS_DIR / "reference"
 def stage_against_baseline(stage: int, model: str = "mlp", steps: int = 4,
                            precisions: Sequence[str] = ("fp32", "bf16"), also: Sequence[int] = (),
                            env=None) -> dict[tuple[int, str], records.Record]:
-    """Run ZeRO ``stage`` and stage 0 with the same seed and data in each precision the device supports.
+    """Run ZeRO ``stage`` and stage 0 with the same seed and data in each precision the device supports,
+    all in one launch (:func:`helpers.launch.sweep`).
 
     ``also`` adds fp32 runs of other stages (to compare with the neighbouring stage). Returns
     {(stage, precision): record}. Precisions the device refuses are left out (and said so).
     """
     env = env or environment.detect()
-    runs: dict[tuple[int, str], records.Record] = {}
+    specs: dict[tuple[int, str], launch.RunSpec] = {}
     for precision in precisions:
         if not env.supports(precision):
             print(f"{precision}: not supported on {env.device_name}, skipped")
             continue
         overrides = {precision: {"enabled": True}} if precision != "fp32" else None
         for s in (0, stage):
-            runs[(s, precision)] = launch.run(f"zero{s}", model=model, steps=steps, overrides=overrides,
-                                              name=f"zero{s}-{precision}")
+            specs[(s, precision)] = launch.RunSpec(f"zero{s}", model=model, steps=steps, overrides=overrides,
+                                                   name=f"zero{s}-{precision}")
     for s in also:
-        runs[(s, "fp32")] = launch.run(f"zero{s}", model=model, steps=steps, name=f"zero{s}-fp32")
-    return runs
+        specs[(s, "fp32")] = launch.RunSpec(f"zero{s}", model=model, steps=steps, name=f"zero{s}-fp32")
+    results = launch.sweep(list(specs.values()), name=f"zero{stage}-against-baseline")
+    return {key: results[spec.name] for key, spec in specs.items()}
 
 
-def agreement_table(runs: Mapping[tuple[int, str], records.Record], stage: int, digits: int = 6) -> str:
-    """Per precision: the losses of stage 0 and ``stage`` side by side and their largest difference."""
+def agreement_table(runs: Mapping[tuple[int, str], records.Record], stage: int) -> str:
+    """Per precision: do stage 0 and ``stage`` land on the same losses, within that precision's tolerance
+    (:data:`helpers.records.LOSS_TOLERANCE`)? The same text on every processor while they do."""
+    rows = []
+    for precision in dict.fromkeys(p for _, p in runs):
+        base, other = runs.get((0, precision)), runs.get((stage, precision))
+        if base is None or other is None:
+            continue
+        rows.append([precision, f"{len(base.losses)} steps", records.loss_agreement(base.losses, other.losses, precision)])
+    return records.format_table(rows, ["precision", "compared", f"stage {stage} vs stage 0 losses"])
+
+
+def losses_side_by_side(runs: Mapping[tuple[int, str], records.Record], stage: int, digits: int = 6) -> str:
+    """The losses of stage 0 and ``stage`` per precision, and their largest difference. The digits
+    depend on the processor's kernels: print this in a cell nbval does not compare."""
     rows = []
     for precision in dict.fromkeys(p for _, p in runs):
         base, other = runs.get((0, precision)), runs.get((stage, precision))
@@ -64,10 +79,13 @@ def halving_table(numerator: records.Record, denominator: records.Record, keys: 
 
 
 def knob_runs(stage: int, settings: Mapping[str, dict], model: str = "mlp", steps: int = 4) -> dict[str, records.Record]:
-    """One run per named setting of ``zero_optimization`` knobs on top of ``ds_configs/zero<stage>.json``."""
-    return {name: launch.run(f"zero{stage}", model=model, steps=steps, name=f"zero{stage}-{name}",
-                             overrides={"zero_optimization": knobs} if knobs else None)
-            for name, knobs in settings.items()}
+    """One run per named setting of ``zero_optimization`` knobs on top of ``ds_configs/zero<stage>.json``,
+    all in one launch."""
+    specs = {name: launch.RunSpec(f"zero{stage}", model=model, steps=steps, name=f"zero{stage}-{name}",
+                                  overrides={"zero_optimization": knobs} if knobs else None)
+             for name, knobs in settings.items()}
+    results = launch.sweep(list(specs.values()), name=f"zero{stage}-knobs")
+    return {name: results[spec.name] for name, spec in specs.items()}
 
 
 def knob_table(runs: Mapping[str, records.Record], timings: bool = False) -> str:
@@ -136,7 +154,7 @@ def comparison_table(subject: records.Record, baselines: Mapping[str, records.Re
     """One run against others, ratio by ratio: the 'when to use this stage' tables of the ZeRO chapters.
 
     Rows: model states, Adam states, gradients and parameters per rank (measured, ``rank``), collective
-    calls and wire bytes per step, and how far the losses are apart. Columns: one per baseline.
+    calls and wire bytes per step, and whether the losses agree (within the precision's tolerance).
     """
     def calls(r: records.Record) -> float:
         return sum(row["count"] for row in r.comm_ops().values())
@@ -145,8 +163,7 @@ def comparison_table(subject: records.Record, baselines: Mapping[str, records.Re
         return f"{a / b:.2f}x" if b else "-"
 
     def losses(a: records.Record, b: records.Record) -> str:
-        diff = records.max_loss_difference(a.losses, b.losses)
-        return "identical" if diff == 0 else f"differ by {diff:.1e}"
+        return records.loss_agreement(a.losses, b.losses, a.summary["precision"])
 
     s = subject
     rows = [

@@ -33,6 +33,12 @@ LM_SEQ_LEN = 64
 LM_VOCAB = 256  # bytes
 
 
+def trainer_of(name: str) -> str:
+    """How model ``name`` takes an optimizer step: a key of ``helpers.train.TRAINERS``."""
+    check_model_name(name)
+    return "data_parallel"
+
+
 def check_model_name(name: str) -> None:
     """Raise a ValueError naming the choices when ``name`` is not a course model."""
     if name not in MODELS:

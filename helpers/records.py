@@ -10,14 +10,23 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-#: Keys every summary.json has (nested keys after a dot).
-REQUIRED_KEYS = (
+#: Keys every summary.json has, whatever its probes (nested keys after a dot).
+CORE_KEYS = (
     "world_size", "backend", "device", "zero_stage", "precision", "micro_batch", "grad_accum", "train_batch",
-    "steps", "model.name", "model.params", "losses", "step_time_s.median", "step_time_s.all", "samples_per_s",
-    "memory.model_states_bytes_per_rank", "memory.peak_bytes_per_rank", "comm.by_op", "comm.bytes_per_step",
-    "comm.wire_bytes_per_step", "theory.model_states_bytes_per_rank", "theory.comm_bytes_per_step",
-    "theory.comm_wire_bytes_per_step",
+    "steps", "model.name", "model.params", "losses", "theory.model_states_bytes_per_rank",
+    "theory.comm_bytes_per_step", "theory.comm_wire_bytes_per_step",
 )
+#: Keys each probe adds (helpers.probes); a summary lists its probes under "probes".
+PROBE_KEYS = {
+    "timing": ("step_time_s.median", "step_time_s.all", "samples_per_s"),
+    "model_states": ("memory.model_states_bytes_per_rank",),
+    "peak_memory": ("memory.peak_bytes_per_rank",),
+    "comm": ("comm.by_op", "comm.bytes_per_step", "comm.wire_bytes_per_step"),
+    "timeline": ("timeline_s.per_rank",),
+}
+#: What a run with the default probes has (a summary without "probes" predates them and had these).
+DEFAULT_PROBES = ("timing", "model_states", "peak_memory", "comm")
+REQUIRED_KEYS = CORE_KEYS + tuple(k for probe in DEFAULT_PROBES for k in PROBE_KEYS[probe])
 MODEL_STATE_KEYS = ("params", "grads", "optimizer", "master")  # what the ZeRO paper partitions
 STATE_KEYS = MODEL_STATE_KEYS + ("buffers",)  # as measured by helpers.memory
 
@@ -31,7 +40,9 @@ def _get(data: dict, dotted: str) -> Any:
 def validate(summary: dict) -> None:
     """Raise ValueError naming every missing or inconsistent key of a summary."""
     problems = []
-    for key in REQUIRED_KEYS:
+    probes = summary.get("probes", DEFAULT_PROBES)
+    required = CORE_KEYS + tuple(k for probe in probes for k in PROBE_KEYS.get(probe, ()))
+    for key in required:
         try:
             _get(summary, key)
         except (KeyError, TypeError):
@@ -39,11 +50,12 @@ def validate(summary: dict) -> None:
     if not problems:
         if len(summary["losses"]) != summary["steps"]:
             problems.append(f"losses has {len(summary['losses'])} entries for {summary['steps']} steps")
-        if len(summary["memory"]["model_states_bytes_per_rank"]) != summary["world_size"]:
+        if ("model_states" in probes
+                and len(summary["memory"]["model_states_bytes_per_rank"]) != summary["world_size"]):
             problems.append("memory.model_states_bytes_per_rank needs one entry per rank")
         if summary["train_batch"] != summary["micro_batch"] * summary["grad_accum"] * summary["world_size"]:
             problems.append("train_batch != micro_batch * grad_accum * world_size")
-        for op, row in summary["comm"]["by_op"].items():
+        for op, row in (summary["comm"]["by_op"] if "comm" in probes else {}).items():
             if set(row) != {"count", "bytes"}:
                 problems.append(f"comm.by_op.{op} needs count and bytes")
     if problems:
@@ -145,6 +157,25 @@ def loss_table(runs: dict[str, Iterable[float]], digits: int = 4) -> str:
 def max_loss_difference(a: Iterable[float], b: Iterable[float]) -> float:
     """Largest absolute difference between two runs' losses, step by step."""
     return max(abs(x - y) for x, y in zip(a, b))
+
+
+#: How close two runs' losses must be to count as "the same arithmetic", by precision. Rounding of
+#: float32 sums differs between processors (seen: identical on an AVX-512 machine, 3e-08 on an
+#: AVX2-only one), so checked outputs state the tolerance, never the digits.
+LOSS_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-3, "fp16": 1e-2}
+
+
+def loss_agreement(a: Iterable[float], b: Iterable[float], precision: str = "fp32",
+                   tolerance: float | None = None) -> str:
+    """``"within 1e-06"`` when two runs' losses agree to ``tolerance`` (default: the precision's, from
+    :data:`LOSS_TOLERANCE`), else ``"differ by more than 1e-06"``.
+
+    No digits of the difference itself: they depend on the processor. This is what a checked notebook
+    cell prints; :func:`max_loss_difference` gives the number for a cell nbval ignores.
+    """
+    tolerance = LOSS_TOLERANCE[precision] if tolerance is None else tolerance
+    agree = max_loss_difference(a, b) <= tolerance
+    return f"within {tolerance:.0e}" if agree else f"differ by more than {tolerance:.0e}"
 
 
 def memory_table(runs: Sequence[Record], rank: int = 0) -> str:

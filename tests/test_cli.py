@@ -23,7 +23,8 @@ def test_run_command_writes_summary_and_prints_it(tmp_path):
     records.validate(summary)
     assert summary["zero_stage"] == 2 and summary["world_size"] == 2 and summary["steps"] == 2
     assert "ZeRO-2 fp32, mlp (526,336 params), 2 x cpu (gloo)" in result.stdout
-    assert "losses: " in result.stdout and "communication per step" in result.stdout
+    assert "losses (mean over ranks" in result.stdout
+    assert "sent per rank per step (ring):" in result.stdout and "paper" in result.stdout
     # Issue #2: a ZeRO-2 run on 2 CPU ranks writes its record in under 20 s once ops are built.
     assert seconds < 20, f"took {seconds:.1f} s"
 

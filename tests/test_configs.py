@@ -67,10 +67,10 @@ def test_offload_optimizer_without_any_optimizer_is_an_error():
     assert len(_by_key(configs.check(config, 2), "optimizer", "error")) == 1
 
 
-def test_offload_optimizer_at_stage_0_is_an_error():
+def test_offload_optimizer_at_stage_0_is_a_warning():
     config = configs.merged(BASE, {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
-    errors = _by_key(configs.check(config, 2), "zero_optimization.offload_optimizer", "error")
-    assert any("stage" in f.rule for f in errors)
+    warnings = _by_key(configs.check(config, 2), "zero_optimization.offload_optimizer", "warning")
+    assert len(warnings) == 1 and "stage 0" in warnings[0].rule
 
 
 def test_offload_param_at_stage_3_is_fine():
@@ -138,7 +138,7 @@ def test_bad_zero_stage_is_an_error():
 def test_unknown_optimizer_type_is_an_error():
     config = configs.merged(BASE, {"optimizer": {"type": "Adamm"}})
     errors = _by_key(configs.check(config, 2), "optimizer.type", "error")
-    assert len(errors) == 1 and "adam" in errors[0].fix
+    assert len(errors) == 1 and "adam" in errors[0].fix.lower()
 
 
 def test_non_object_config_is_an_error():
@@ -202,10 +202,10 @@ def test_load_and_path_of():
         configs.load("no_such_config")
 
 
-def test_load_rejects_invalid_json(tmp_path):
+def test_load_rejects_what_is_neither_json_nor_hjson(tmp_path):
     bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
+    bad.write_text('{"a": [1, }')
+    with pytest.raises(configs.ConfigFileError, match="not valid JSON or hjson"):
         configs.load(bad)
 
 
@@ -232,10 +232,11 @@ def test_merged_returns_a_deep_copy():
     assert configs.merged(base) == base and configs.merged(base) is not base
 
 
-def test_for_run_adds_the_comms_logger_under_the_config():
-    run = configs.for_run({"steps_per_print": 5, "comms_logger": {"verbose": True}})
+def test_for_run_adds_what_the_probes_need_under_the_config():
+    run = configs.for_run({"steps_per_print": 5, "comms_logger": {"verbose": True}}, probes=("comm",))
     assert run["steps_per_print"] == 5
     assert run["comms_logger"]["enabled"] is True and run["comms_logger"]["verbose"] is True
+    assert "comms_logger" not in configs.for_run({}, probes=("timing",))  # no logger unless a probe asks
 
 
 # --- check_or_raise ---------------------------------------------------------------------------

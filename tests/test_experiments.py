@@ -28,8 +28,8 @@ def test_comparison_table_gives_ratios_per_state_and_loss_agreement():
     # model states leave buffers out: (4000 + 1000 + 2000 + 2000) / (4000 + 2000 + 4000 + 2000)
     assert rows["model states per rank"] == "0.75x"
     assert rows["collective calls per step"] == "2 vs 2"
-    assert rows["losses"] == "differ by 1.0e-04"
-    assert experiments.comparison_table(base, {"itself": copy.deepcopy(base)}).splitlines()[-1].endswith("identical")
+    assert rows["losses"] == "differ by more than 1e-06"
+    assert experiments.comparison_table(base, {"itself": copy.deepcopy(base)}).splitlines()[-1].endswith("within 1e-06")
 
 
 def test_every_committed_gpu_reference_loads_and_names_its_device():

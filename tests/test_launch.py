@@ -60,7 +60,7 @@ def test_zero2_run_writes_a_complete_summary(zero2_run):
     assert summary["comm"]["bytes_per_step"] > 0
     assert len(summary["memory"]["model_states_bytes_per_rank"]) == 2
     assert len(summary["memory"]["peak_bytes_per_rank"]) == 2
-    for name in ("ds_config.json", "command.txt", "launch.log", "rank0.json", "rank1.json"):
+    for name in ("ds_config.json", "plan.json", "command.txt", "launch.log", "rank0.json", "rank1.json"):
         assert (out / name).exists(), name
 
 
@@ -93,7 +93,7 @@ def test_failing_rank_ends_the_run_with_its_error(tmp_path):
     started = time.perf_counter()
     with pytest.raises(launch.RunFailed) as caught:
         launch.run("zero2", model="linear", steps=2, world_size=2, out=out, progress=False, timeout=120,
-                   extra_args=["--fail-on-rank", "1"])
+                   faults={"fail_on_rank": 1})
     seconds = time.perf_counter() - started
     failure = caught.value
     assert seconds < 30
@@ -111,7 +111,7 @@ def test_hanging_rank_times_out_and_leaves_no_process(tmp_path):
     started = time.perf_counter()
     with pytest.raises(launch.RunFailed) as caught:
         launch.run("zero2", model="linear", steps=2, world_size=2, out=out, progress=False, timeout=20,
-                   extra_args=["--hang-on-rank", "0"])
+                   faults={"hang_on_rank": 0})
     seconds = time.perf_counter() - started
     assert "timed out" in str(caught.value)
     assert 19 < seconds < 60
@@ -150,14 +150,28 @@ def test_bad_arguments_raise_before_any_process_starts(tmp_path, monkeypatch, kw
 
 
 def test_command_starts_helpers_train_on_every_rank(tmp_path):
-    argv = launch.command(tmp_path / "c.json", tmp_path, 2, 12345, "mlp", 3, 0, extra_args=["--x"])
+    argv = launch.command(tmp_path / "plan.json", 2, 12345)
     assert argv[1:4] == ["-u", "-m", "deepspeed.launcher.launch"]
     assert "--master_port=12345" in argv
     assert argv[argv.index("--module") + 1] == "helpers.train"
-    assert argv[argv.index("--out") + 1] == str(tmp_path)
-    assert argv[-1] == "--x"
-    cli = launch.command(tmp_path / "c.json", tmp_path, 2, 12345, "mlp", 3, 0, launcher="deepspeed")
+    assert argv[argv.index("--plan") + 1] == str(tmp_path / "plan.json")
+    cli = launch.command(tmp_path / "plan.json", 2, 12345, launcher="deepspeed")
     assert cli[cli.index("--num_gpus") + 1] == "2"
+
+
+def test_unknown_probe_is_refused_before_any_process_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match="flops"):
+        launch.run("zero2", world_size=2, out=tmp_path / "x", progress=False, probes=("timing", "flops"))
+
+
+def test_a_run_records_only_what_its_probes_measure(tmp_path):
+    record = launch.run("zero1", model="linear", steps=2, world_size=2, out=tmp_path / "timing-only",
+                        progress=False, probes=("timing",))
+    assert record.summary["probes"] == ["timing"]
+    assert "memory" not in record.summary and "comm" not in record.summary
+    assert len(record["step_time_s.all"]) == 2
+    assert "comms_logger" not in record.summary["config"]  # the comm probe was not asked for
 
 
 def test_runs_leave_no_shared_memory_segments(zero2_run):

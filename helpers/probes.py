@@ -1,0 +1,286 @@
+"""Probes: the measurements a rank takes around its training loop.
+
+The loop in :mod:`helpers.train` knows nothing about what is measured. It calls each probe of a run
+at fixed moments, and each probe contributes sections to that run's ``summary.json``:
+
+========================  =======================================================================
+hook                      when the loop calls it
+========================  =======================================================================
+``start(ctx)``            after ``deepspeed.initialize``, before the first step
+``before_step(ctx, s)``   before the first micro-step of optimizer step ``s`` (0-based)
+``after_backward(ctx,     after ``engine.backward`` of micro-step ``m`` of step ``s``, before
+s, m)``                   ``engine.step``: gradients exist, the optimizer has not used them yet
+``after_step(ctx, s)``    after the last ``engine.step`` of optimizer step ``s``
+``finish(ctx)``           after the last step, on every rank: returns this rank's findings (JSON)
+``combine(ranks, ctx)``   on rank 0 only: every rank's findings -> sections of ``summary.json``
+========================  =======================================================================
+
+A run chooses its probes by name (:data:`DEFAULT`, or ``probes=`` in :func:`helpers.launch.run`).
+A new measurement is a new subclass registered with :func:`register`; the loop does not change.
+A probe that needs DeepSpeed to log something says so in :attr:`Probe.config`, which is merged
+into the run's config before launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, ClassVar
+
+#: The probes a run uses unless it names others.
+DEFAULT = ("timing", "model_states", "peak_memory", "comm", "timeline")
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What a probe may read about the run in progress (one per run, on each rank)."""
+
+    engine: Any  # the DeepSpeed engine
+    rank: int
+    world_size: int
+    device_type: str  # "cpu" or "cuda"
+    precision: str  # "fp32", "bf16" or "fp16"
+    stage: int  # ZeRO stage
+    micro_batch: int
+    grad_accum: int
+    steps: int  # optimizer steps of this run
+    params: int  # trainable parameters of the model (the paper's Ψ)
+    born: float  # this rank's process start (time.time() scale)
+    run_started: float  # when this run's set-up began (time.time() scale)
+    config: dict = dataclasses.field(default_factory=dict)
+
+    def synchronize(self) -> None:
+        """Wait for the device to finish queued work (a no-op on CPU), so host clocks mean something."""
+        if self.device_type == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+
+class Probe:
+    """One kind of measurement. Override the hooks you need; each default does nothing."""
+
+    name: ClassVar[str] = ""
+    #: DeepSpeed config this probe needs (merged under the run's own config before launch).
+    config: ClassVar[dict] = {}
+
+    def start(self, ctx: RunContext) -> None:
+        pass
+
+    def before_step(self, ctx: RunContext, step: int) -> None:
+        pass
+
+    def after_backward(self, ctx: RunContext, step: int, micro_step: int) -> None:
+        pass
+
+    def after_step(self, ctx: RunContext, step: int) -> None:
+        pass
+
+    def finish(self, ctx: RunContext) -> dict:
+        return {}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        """Sections of summary.json made from every rank's :meth:`finish` (rank 0 only)."""
+        return {}
+
+
+#: name -> probe class; see :func:`register`.
+PROBES: dict[str, type[Probe]] = {}
+
+
+def register(cls: type[Probe]) -> type[Probe]:
+    """Class decorator: make a probe available to runs under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a name")
+    PROBES[cls.name] = cls
+    return cls
+
+
+def check_names(names: tuple[str, ...] | list[str]) -> None:
+    """Raise a ValueError naming the choices when a probe name is unknown (before any process starts)."""
+    unknown = [n for n in names if n not in PROBES]
+    if unknown:
+        raise ValueError(f"probes {unknown}: not course probes; choose from {', '.join(sorted(PROBES))}")
+
+
+def config_for(names: tuple[str, ...] | list[str]) -> dict:
+    """The DeepSpeed config the probes ``names`` need, merged (later probes win on conflicts)."""
+    from helpers.configs import merged
+
+    result: dict = {}
+    for name in names:
+        result = merged(result, PROBES[name].config)
+    return result
+
+
+def deep_update(target: dict, sections: dict) -> dict:
+    """Merge ``sections`` into ``target`` in place (nested dicts merge), so two probes can share ``memory``."""
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            deep_update(target[key], value)
+        else:
+            target[key] = value
+    return target
+
+
+# --- the course's probes ----------------------------------------------------------------------
+
+@register
+class Timing(Probe):
+    """Wall time of each optimizer step on rank 0 (device synchronized before and after).
+
+    Sections: ``step_time_s`` (``median`` and ``all``) and ``samples_per_s`` (global batch / median).
+    """
+
+    name = "timing"
+
+    def start(self, ctx: RunContext) -> None:
+        self.times: list[float] = []
+
+    def before_step(self, ctx: RunContext, step: int) -> None:
+        ctx.synchronize()
+        self.started = time.perf_counter()
+
+    def after_step(self, ctx: RunContext, step: int) -> None:
+        ctx.synchronize()
+        self.times.append(time.perf_counter() - self.started)
+
+    def finish(self, ctx: RunContext) -> dict:
+        return {"times": self.times}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        times = ranks[0]["times"]
+        median = statistics.median(times)
+        return {"step_time_s": {"median": median, "all": times},
+                "samples_per_s": ctx.micro_batch * ctx.grad_accum * ctx.world_size / median}
+
+
+@register
+class ModelStates(Probe):
+    """Bytes of parameters, gradients, optimizer states, master copy and buckets each rank holds
+    (:func:`helpers.memory.model_states`), on the second optimizer step: after the backward of the first
+    micro-step (mid-accumulation) and of the last one (the boundary, just before ``engine.step``).
+
+    Section: ``memory.model_states_bytes_per_rank`` (mid-accumulation when there is accumulation, else
+    the boundary), ``memory.model_states_at_boundary_bytes_per_rank``, ``memory.measured_at``.
+    """
+
+    name = "model_states"
+
+    def start(self, ctx: RunContext) -> None:
+        # optimizer states exist once the optimizer has stepped: measure on the second step
+        self.step = 1 if ctx.steps > 1 else 0
+        self.mid: dict | None = None
+        self.boundary: dict | None = None
+
+    def after_backward(self, ctx: RunContext, step: int, micro_step: int) -> None:
+        from helpers import memory
+
+        if step != self.step:
+            return
+        if micro_step == 0 and ctx.grad_accum > 1:
+            self.mid = memory.model_states(ctx.engine)
+        if micro_step == ctx.grad_accum - 1:
+            self.boundary = memory.model_states(ctx.engine)
+
+    def finish(self, ctx: RunContext) -> dict:
+        return {"states": self.mid or self.boundary, "boundary": self.boundary}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        accum = ctx.grad_accum
+        where = (f"step {self.step + 1}, after the backward of micro-step 1 of {accum} (mid-accumulation)"
+                 if accum > 1 else f"step {self.step + 1}, after the backward, before the optimizer step")
+        return {"memory": {"model_states_bytes_per_rank": [r["states"] for r in ranks],
+                           "model_states_at_boundary_bytes_per_rank": [r["boundary"] for r in ranks],
+                           "measured_at": where}}
+
+
+@register
+class PeakMemory(Probe):
+    """Peak memory of each rank (:func:`helpers.memory.peak_bytes`).
+
+    On a GPU the allocator's peak is reset when the run starts, so each run of a sweep has its own.
+    On CPU it is the process's peak resident set, which only grows: in a sweep, a run's figure
+    includes the runs before it in the same processes. Section: ``memory.peak_bytes_per_rank``.
+    """
+
+    name = "peak_memory"
+
+    def start(self, ctx: RunContext) -> None:
+        if ctx.device_type == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+
+    def finish(self, ctx: RunContext) -> dict:
+        from helpers import memory
+
+        peak, source = memory.peak_bytes(ctx.device_type)
+        return {"peak": peak, "source": source}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        return {"memory": {"peak_bytes_per_rank": [r["peak"] for r in ranks], "peak_source": ranks[0]["source"]}}
+
+
+@register
+class Comm(Probe):
+    """Every collective of steps 2..S, from DeepSpeed's comms logger (``deepspeed.comm.log_summary``),
+    folded by :mod:`helpers.communication`: count and bytes per optimizer step, by op and by the
+    DeepSpeed function that issued it. Rank 0's log is the one kept. Section: ``comm``.
+    """
+
+    name = "comm"
+    # debug: the logger also records which DeepSpeed function issued each collective
+    config = {"comms_logger": {"enabled": True, "verbose": False, "prof_all": True, "debug": True}}
+
+    def start(self, ctx: RunContext) -> None:
+        import deepspeed.comm as dist
+
+        dist.reset_log()  # leave out set-up collectives (the initial broadcast of the weights)
+
+    def before_step(self, ctx: RunContext, step: int) -> None:
+        if step == 1:
+            import deepspeed.comm as dist
+
+            dist.reset_log()  # the first step warms up: measure the steady state
+
+    def finish(self, ctx: RunContext) -> dict:
+        import deepspeed.comm as dist
+
+        summary = dist.log_summary(return_dict=True) or {"summary": {}}  # every rank must call it
+        return {"summary": summary.get("summary", {})}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        from helpers import communication
+
+        steps = ctx.steps - 1 if ctx.steps > 1 else 1
+        return {"comm": communication.record_section(ranks[0]["summary"], ctx.world_size, steps)}
+
+
+@register
+class Timeline(Probe):
+    """Where a launch's seconds go: on each rank, seconds from its process start to the end of each
+    phase (imports, process group, ``deepspeed.initialize``, training, measuring). In a sweep, the
+    first two phases happen once, before the first run. Section: ``timeline_s``.
+    """
+
+    name = "timeline"
+    #: phases the rank script marks before any run starts (see helpers.train)
+    process_marks: ClassVar[dict[str, float]] = {}
+
+    def start(self, ctx: RunContext) -> None:
+        self.marks = dict(self.process_marks)
+        self.marks["initialize"] = round(time.time() - ctx.born, 3)
+
+    def after_step(self, ctx: RunContext, step: int) -> None:
+        if step == ctx.steps - 1:
+            self.marks["train"] = round(time.time() - ctx.born, 3)
+
+    def finish(self, ctx: RunContext) -> dict:
+        self.marks["measure"] = round(time.time() - ctx.born, 3)
+        return {"marks": self.marks}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        return {"timeline_s": {"phases": list(ranks[0]["marks"]), "per_rank": [r["marks"] for r in ranks],
+                               "note": "seconds from each rank's process start to the end of each phase"}}

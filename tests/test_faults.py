@@ -1,0 +1,110 @@
+"""A killed, interrupted or hung launch ends every process it started and leaves nothing in /dev/shm.
+
+Each test starts a real 2-rank CPU launch whose rank 0 hangs on purpose (``hang_on_rank``), so the
+launch is alive and holds DeepSpeed's shared-memory segments when the fault is applied.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import launch
+from helpers.environment import REPO_ROOT
+
+HANGING_RUN = textwrap.dedent("""
+    from helpers import launch
+    launch.run("zero0", model="linear", steps=2, world_size=2, out={out!r}, progress=False, timeout=300,
+               faults={{"hang_on_rank": 0}})
+""")
+
+
+def course_processes(out: Path) -> list[psutil.Process]:
+    """Live processes (not zombies) whose command line names the launch's folder."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(str(out) in a for a in proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+def segments_of(out: Path) -> list[Path]:
+    port = (out / "command.txt").read_text().split("--master_port=")[1].split()[0]
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
+def wait_until(condition, seconds: float) -> float:
+    """Poll ``condition`` until it holds; return how long that took (fail after ``seconds``)."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > seconds:
+            pytest.fail(f"not within {seconds} s")
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def wait_for_ranks(out: Path) -> None:
+    """Until both ranks are up and hold their shared-memory segments (the hang comes after)."""
+    wait_until(lambda: (out / "command.txt").exists() and len(segments_of(out)) == 2, 120)
+
+
+def test_killing_the_starting_process_ends_the_launch_and_the_next_run_cleans_up(tmp_path):
+    out = tmp_path / "killed"
+    parent = subprocess.Popen([sys.executable, "-c", HANGING_RUN.format(out=str(out))], cwd=REPO_ROOT)
+    try:
+        wait_for_ranks(out)
+        stale = segments_of(out)
+        assert not set(stale) & set(launch.remove_stale_shared_memory()), "a live launch's segments must stay"
+        assert all(s.exists() for s in stale)
+        parent.kill()  # kill -9: no cleanup code runs in it
+        parent.wait(10)
+        seconds = wait_until(lambda: course_processes(out) == [], 10)  # launcher and ranks die with it
+        assert seconds < 10
+    finally:
+        parent.kill()
+    assert all(s.exists() for s in stale)  # nothing removed them yet: the next launch does
+    removed = launch.remove_stale_shared_memory()
+    assert set(stale) <= set(removed)
+    assert segments_of(out) == []
+
+
+def test_interrupting_a_cell_ends_the_run_within_10_s_and_the_next_cell_works(tmp_path):
+    from jupyter_client.manager import start_new_kernel
+
+    out = tmp_path / "interrupted"
+    manager, client = start_new_kernel(kernel_name="python3", cwd=str(REPO_ROOT))
+    try:
+        hanging = client.execute(HANGING_RUN.format(out=str(out)))
+        wait_for_ranks(out)
+        started = time.monotonic()
+        manager.interrupt_kernel()  # Jupyter's stop button
+        wait_until(lambda: course_processes(out) == [], 10)
+        assert time.monotonic() - started < 10
+        assert segments_of(out) == []
+        reply = client.get_shell_msg(timeout=30)
+        assert reply["parent_header"]["msg_id"] == hanging
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+        reply = client.execute_interactive(
+            'print(launch.run("zero0", model="linear", steps=1, world_size=2, progress=False).summary["steps"])',
+            timeout=120)
+        assert reply["content"]["status"] == "ok"
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def test_a_hung_launch_is_ended_at_its_timeout_with_nothing_left(tmp_path):
+    out = tmp_path / "hung"
+    started = time.perf_counter()
+    with pytest.raises(launch.RunFailed, match="timed out"):
+        launch.run("zero0", model="linear", steps=2, world_size=2, out=out, progress=False, timeout=15,
+                   faults={"hang_on_rank": 1})
+    assert time.perf_counter() - started < 40
+    assert course_processes(out) == []
+    assert segments_of(out) == []
