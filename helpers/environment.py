@@ -214,6 +214,27 @@ def child_env(env: Environment, world_size: int, base: dict[str, str] | None = N
     return child, changes
 
 
+def software() -> dict[str, str]:
+    """Versions that measured a result: torch, DeepSpeed, CUDA, NCCL, and the GPU driver (where there is one)."""
+    import subprocess
+
+    import torch
+
+    quiet_deepspeed_import()
+    import deepspeed
+
+    found = {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "python": sys.version.split()[0]}
+    if torch.cuda.is_available():
+        found["cuda"] = str(torch.version.cuda)
+        found["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        try:
+            found["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                             capture_output=True, text=True, timeout=30).stdout.split()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            pass
+    return found
+
+
 def python_executable() -> str:
     """The Python that runs the course (the kernel's own, so ranks see the same packages)."""
     return sys.executable

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from helpers import environment, launch, records, theory
@@ -118,26 +119,32 @@ def scaled_out_table(psi: float, world_size: int, largest_layer_params: int = 0,
     return records.format_table(rows, ["ZeRO", "paper GB/device", "DeepSpeed estimator GB/device"])
 
 
-def save_reference(name: str, runs: Mapping[str, records.Record]) -> None:
-    """On a GPU machine, keep ``runs`` as ``runs/reference/<name>-<device>.json`` for an instructor to commit
-    to ``notebooks/reference/``. Does nothing for CPU runs."""
-    first = next(iter(runs.values())).summary
-    if first["device"] != "cuda":
-        return
+def save_reference(name: str, runs: Mapping[str, records.Record | dict], note: str = "") -> Path | None:
+    """On a GPU machine, keep ``runs`` (records, or the summary dicts of other tasks) as
+    ``runs/reference/<name>-<N>x<device>.json`` for an instructor to commit to ``notebooks/reference/``,
+    with the software that measured them. Does nothing for CPU runs; returns the file written."""
+    summaries = {k: (r.summary if isinstance(r, records.Record) else r) for k, r in runs.items()}
+    first = next(iter(summaries.values()))
+    if first.get("device") != "cuda":
+        return None
     device = f"{first['world_size']}x{first['device_name']}".replace(" ", "-")
     NEW_REFERENCE_DIR.mkdir(parents=True, exist_ok=True)
     payload = {"experiment": name, "device": f"{first['world_size']} x {first['device_name']}",
-               "date": datetime.date.today().isoformat(), "runs": {k: r.summary for k, r in runs.items()}}
-    (NEW_REFERENCE_DIR / f"{name}-{device}.json").write_text(json.dumps(payload, indent=1))
+               "date": datetime.date.today().isoformat(), "note": note, "software": environment.software(),
+               "runs": summaries}
+    path = NEW_REFERENCE_DIR / f"{name}-{device}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    return path
 
 
-def reference_runs(name: str) -> list[tuple[str, str, dict[str, records.Record]]]:
-    """Committed GPU results of experiment ``name``: a list of (device, date, note, {setting: record})."""
+def reference_runs(name: str) -> list[tuple[str, str, str, dict[str, records.Record | dict]]]:
+    """Committed GPU results of experiment ``name``: a list of (device, date, note, {setting: record}).
+    Training runs come back as :class:`helpers.records.Record`, other tasks' results as dicts."""
     found = []
     for path in sorted(REFERENCE_DIR.glob(f"{name}-*.json")):
         payload = json.loads(path.read_text())
         found.append((payload["device"], payload["date"], payload.get("note", ""),
-                      {k: records.Record(v) for k, v in payload["runs"].items()}))
+                      {k: records.Record(v) if "zero_stage" in v else v for k, v in payload["runs"].items()}))
     return found
 
 

@@ -75,7 +75,9 @@ class RunSpec:
     article does; ``cast_inputs=False`` feeds fp32 inputs to a half-precision model (to show that
     error); ``on_error="record"`` lets a sweep go on past this run's failure and return the
     :class:`RunFailed` in place of its record; ``faults`` ({"fail_on_rank": r} or {"hang_on_rank": r})
-    makes a rank fail or hang on purpose, for the course's own tests.
+    makes a rank fail or hang on purpose, for the course's own tests. ``task`` is what the ranks do:
+    ``"train"``, or ``"package.module:function"`` for other work (see ``helpers.train.resolve_task``),
+    whose result comes back as the plain dict of its ``summary.json``.
     """
 
     config: str | Path | dict = "zero0"
@@ -91,6 +93,7 @@ class RunSpec:
     cast_inputs: bool = True
     on_error: str = "raise"
     faults: dict | None = None
+    task: str = "train"
 
 
 #: Master ports are drawn from here: below Linux's ephemeral range (32768-60999), which NCCL, gloo
@@ -280,7 +283,7 @@ def _plan_entry(p: _Prepared, plan_path: Path) -> dict:
     return {"name": p.name, "out": str(p.out), "config": str(p.out / "ds_config.json"), "model": s.model,
             "steps": s.steps, "seed": s.seed, "probes": list(s.probes), "client_optimizer": s.client_optimizer,
             "cast_inputs": s.cast_inputs, "on_error": s.on_error, "faults": dict(s.faults or {}),
-            "plan": str(plan_path)}
+            "task": s.task, "plan": str(plan_path)}
 
 
 def run(config: str | Path | dict, *, world_size: int | None = None, model: str = "linear", steps: int = 4,
@@ -384,7 +387,8 @@ class _Progress:
         losses.append(event["loss"])
         if len(losses) == self.world and self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix_str(f"loss {sum(losses) / len(losses):.4f}")
+            if None not in losses:  # tasks other than training report steps without a loss
+                self.bar.set_postfix_str(f"loss {sum(losses) / len(losses):.4f}")
 
     def close(self) -> None:
         if self.bar is not None:
@@ -393,7 +397,7 @@ class _Progress:
 
 
 def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list[_Prepared], world: int,
-            where: str, timeout: float, progress: bool, port: int) -> dict[str, records.Record | RunFailed]:
+            where: str, timeout: float, progress: bool, port: int) -> dict[str, records.Record | dict | RunFailed]:
     """Start one launch, follow its events, and return each run's record (or RunFailed, see on_error)."""
     started = time.perf_counter()
     fatal: dict | None = None
@@ -479,6 +483,9 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
         if code != 0 or not (p.out / "summary.json").exists():
             raise RunFailed(f"[{where}] exited with code {code} and no summary for {p.name}. "
                             f"Last log lines:\n{tail}", log_tail=tail, out=p.out)
+        if p.spec.task != "train":
+            results[p.name] = json.loads((p.out / "summary.json").read_text())
+            continue
         record = records.load(p.out)
         times = run_times.get(i, [])
         # a launch of one run: launch to exit; a run of a sweep: its own start to its record

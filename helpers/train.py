@@ -124,6 +124,24 @@ def data_parallel_step(ctx, run: dict, step: int, probes: list) -> list[float]:
 TRAINERS = {"data_parallel": data_parallel_step}
 
 
+def publish(run: dict, position: int, summary: dict) -> None:
+    """Rank 0: write a run's ``summary.json`` into its folder and tell the launcher it is done."""
+    _write_json(os.path.join(run["out"], "summary.json"), summary)
+    emit("done", run=position, out=run["out"])
+
+
+def resolve_task(name: str):
+    """What the ranks do for one entry of the plan: ``"train"`` (:func:`train_run`), or
+    ``"package.module:function"`` for work that is not training (a collective benchmark, say), called
+    as ``function(run, position, count, born)`` and expected to :func:`publish` on rank 0."""
+    if name == "train":
+        return train_run
+    import importlib
+
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def train_run(run: dict, position: int, count: int, born: float) -> None:
     """Train one run of the plan on this rank, write its record (rank 0), and tear its engine down."""
     import deepspeed
@@ -202,8 +220,7 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
             }
             for probe in probes:
                 probe_registry.deep_update(summary, probe.combine([r["probes"][probe.name] for r in ranks], ctx))
-            _write_json(os.path.join(run["out"], "summary.json"), summary)
-            emit("done", run=position, out=run["out"])
+            publish(run, position, summary)
     finally:
         # Teardown before the next run: without it ZeRO-3 keeps hooks and gathered parameters alive.
         engine.destroy()
@@ -236,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
             if dist.get_rank() == 0:
                 emit("run_start", run=position)
             try:
-                train_run(run, position, len(runs), born)
+                resolve_task(run.get("task", "train"))(run, position, len(runs), born)
             except Exception as error:
                 if run.get("on_error") != "record":
                     raise
