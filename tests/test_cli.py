@@ -39,3 +39,11 @@ def test_run_command_reports_a_bad_config_without_launching(tmp_path):
     assert result.returncode == 1
     assert "train_batch_size" in result.stderr and "fix:" in result.stderr
     assert not out.exists()
+
+
+def test_the_course_package_is_importable_from_any_folder(tmp_path):
+    # helpers is installed into the course's environment (pip install -e .): no sys.path edits needed
+    result = subprocess.run([sys.executable, "-m", "helpers", "env"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "backend" in result.stdout
