@@ -107,7 +107,7 @@ def _build_ops(args: argparse.Namespace) -> int:
     from helpers import environment
 
     print("Building DeepSpeed's C++ ops once (a few minutes on a 2-core machine; cached afterwards):", flush=True)
-    environment.build_ops()
+    environment.build_ops(only=args.only.split(",") if args.only else None)
     return 0
 
 
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     multi.set_defaults(func=_multinode)
 
     build = verbs.add_parser("build-ops", help="compile DeepSpeed's JIT ops now, with progress")
+    build.add_argument("--only", help="comma-separated builders, e.g. FusedAdamBuilder (default: all the course uses)")
     build.set_defaults(func=_build_ops)
 
     bench = verbs.add_parser("bench-launch", help="time 2-step launches: course launcher vs the deepspeed CLI")

@@ -34,6 +34,10 @@ PROBES = ("timing", "throughput", "peak_memory", "comm_share")
 MIN_MARGIN = 0.02
 #: The issue's target: model FLOPs utilization per GPU with ZeRO-2 or ZeRO-3 on 2 or more GPUs.
 TARGET_MFU = 0.50
+#: What :func:`walk` sets for the ranks unless already set: fewer, larger CUDA allocator segments (a
+#: candidate that ran out of memory leaves less fragmentation to the next), and a rank stuck in a
+#: collective after another rank failed gives up after 5 minutes instead of DeepSpeed's 10.
+RANK_ENVIRONMENT = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "DEEPSPEED_TIMEOUT": "5"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,9 +346,14 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
 
     Defaults: on GPUs the 1.24B model would be ``size="1.2b"`` with :data:`GPU_LADDER` from
     :data:`GPU_BASELINE`; on CPU ranks :data:`CPU_LADDER` from :data:`CPU_BASELINE`. Each rung is one
-    launch; the first also trains the baseline twice, which sets the noise margin. Returns the
-    :class:`Ladder`; every candidate's record is in ``runs/<name>/``.
+    launch; the first also trains the baseline twice, which sets the noise margin. Sets
+    :data:`RANK_ENVIRONMENT` in this process (unless set) for the ranks. Returns the :class:`Ladder`; every
+    candidate's record is in ``runs/<name>/``.
     """
+    import os
+
+    for key, value in RANK_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
     env = environment.detect(world_size)
     world = env.default_world_size
     ladder = list(ladder if ladder is not None else (GPU_LADDER if env.is_gpu else CPU_LADDER))

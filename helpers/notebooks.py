@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -76,7 +77,8 @@ def execute(path: Path, out_dir: Path, timeout: float = 900) -> dict:
         result["cell"] = failed
         if failed is not None:
             result["cell_source"] = notebook.cells[failed].source.splitlines()[:3]
-        result["error"] = str(error).strip().splitlines()[-1][:500] if str(error).strip() else type(error).__name__
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()  # IPython's colours
+        result["error"] = text.splitlines()[-1][:500] if text else type(error).__name__
     except Exception as error:  # the kernel died, or could not start
         result.update(ok=False, cell=None, error=f"{type(error).__name__}: {error}"[:500])
     result["seconds"] = round(time.monotonic() - started, 1)
