@@ -108,8 +108,9 @@ def _short(value) -> str:
 #: Where the ladder starts on GPUs: the issue's measured baseline (1.24B, sequence 2048, bf16, SDPA,
 #: ZeRO-2, micro batch 8 x accumulation 2, DeepSpeed's defaults otherwise).
 GPU_BASELINE = Setting()
-#: Where it starts on CPU ranks: the tiny model, in fp32 (bf16 is emulated, slowly, on most CPUs).
-CPU_BASELINE = Setting(micro_batch=4, grad_accum=2, seq_len=64, precision="fp32")
+#: Where it starts on CPU ranks: the tiny model, in fp32 (bf16 is emulated, slowly, on most CPUs), with
+#: torch's AdamW (DeepSpeed's FusedAdam is a compiled op on CPUs too, and loading it costs each launch seconds).
+CPU_BASELINE = Setting(micro_batch=4, grad_accum=2, seq_len=64, precision="fp32", optimizer="torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +377,14 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
             continue
         left = budget_s - (time.monotonic() - started)
         estimate = _estimate(history, len(pairs), any(s.compile for _, s in pairs), env.is_gpu)
-        if estimate > left:
+        reduced = best is None and estimate > left
+        if reduced:  # the baseline is measured whatever the budget
+            result.rungs.append({"rung": rung.name, "what": rung.what, "ran": False,
+                                 "why": f"time budget: about {estimate:.0f} s needed, {max(0, left):.0f} s left; "
+                                        "the baseline alone was measured"})
+            pairs = pairs[:2]
+            estimate = _estimate(history, 2, False, env.is_gpu)
+        elif estimate > left:
             result.rungs.append({"rung": rung.name, "what": rung.what, "ran": False,
                                  "why": f"time budget: about {estimate:.0f} s needed, {max(0, left):.0f} s left"})
             continue
@@ -404,8 +412,9 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
         if winner is not None:
             best, best_value, result.best_label = winner.setting, metric(winner.record), f"{rung.name}: {winner.label}"
         result.candidates.extend(found)
-        result.rungs.append({"rung": rung.name, "what": rung.what, "ran": True, "candidates": len(found),
-                             "kept": winner.label if winner else None})
+        if not reduced:
+            result.rungs.append({"rung": rung.name, "what": rung.what, "ran": True, "candidates": len(found),
+                                 "kept": winner.label if winner else None})
     result.best = best
     result.seconds = time.monotonic() - started
     result.fsdp2 = fsdp2_run(best or baseline, size, steps, world)
@@ -415,11 +424,15 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
 def fsdp2_run(setting: Setting, size: str, steps: int, world_size: int) -> dict:
     """HOOK: PyTorch FSDP2 on the ladder's best setting, the alternative a user would weigh.
 
-    The DDP/FSDP2 helpers (runs under ``torchrun`` through the same run record) are built with the chapter
-    that compares DeepSpeed with PyTorch; once they are in ``helpers/``, this function runs the capstone
-    model with FSDP2 (full sharding, the same micro batch, accumulation, sequence length, precision and
-    checkpointing as ``setting``) for ``steps`` steps on ``world_size`` ranks and returns its measurements
-    (:func:`measurements` of its record). Until then it measures nothing and says why.
+    Where the FSDP2 run plugs in. The DDP/FSDP2 helpers are built with the chapter that compares DeepSpeed
+    with PyTorch (``helpers.pytorch_train``: runs under ``torchrun`` with the same run record). Once they
+    are in ``helpers/``, this function trains the capstone model with FSDP2 (full sharding; the same micro
+    batch, accumulation, sequence length, precision and checkpointing as ``setting``) for ``steps`` steps
+    on ``world_size`` ranks, with :data:`PROBES`, in one launch, e.g.
+    ``launch.sweep({"fsdp2": launch.RunSpec(setting.config(world_size), model="llama-capstone", steps=steps,
+    probes=PROBES, model_options=setting.model_options(size), task="helpers.pytorch_train:train_run",
+    options={"strategy": "fsdp2"})}, launcher="torchrun")``, and returns ``{"measured": True,
+    **measurements(record)}``. Until then it measures nothing and says why.
     """
     return {"measured": False,
             "reason": "the FSDP2 comparison is not connected yet: helpers.capstone.fsdp2_run is the hook for "
@@ -440,10 +453,11 @@ def ladder_table(ladder: dict) -> str:
         if c.get("failure") and "tokens_per_s" not in c:
             rows.append([c["rung"], c["label"], "-", "-", "-", "-", "-", c["verdict"]])
             continue
-        tflops = "-" if c["tflops_per_gpu"] is None else f"{c['tflops_per_gpu']:.1f}"
+        tflops = "-" if c["tflops_per_gpu"] is None else f"{c['tflops_per_gpu']:.4g}"
         rows.append([c["rung"], c["label"], f"{c['tokens_per_s']:,.0f}", tflops, _pct(c["mfu"]),
                      records.format_bytes(c["peak_bytes"]), _pct(c["comm_exposed_share"]), c["verdict"]])
-    return records.format_table(rows, ["rung", "candidate", "tokens/s", "TFLOP/s/GPU", "MFU", "peak mem",
+    per = "rank" if ladder["device"].startswith("CPU") else "GPU"
+    return records.format_table(rows, ["rung", "candidate", "tokens/s", f"TFLOP/s/{per}", "MFU", "peak mem",
                                        "comm exposed", "verdict"])
 
 
@@ -461,20 +475,31 @@ def summary(ladder: dict) -> str:
     best = rows.get(ladder["best_run"])
     if not base or best is None:
         return "The ladder has no measured baseline."
+    unit = "model TFLOP/s per " + ("rank" if ladder["device"].startswith("CPU") else "GPU")
     base_value = sum(c["metric"] for c in base) / len(base)
-    lines = [f"{ladder['device']}, {ladder['world_size']} rank(s), {ladder['params']:,} parameters",
-             f"best: {ladder['best_label']} ({best['changes']})",
-             f"model TFLOP/s per GPU {best['metric']:.3g}, {best['metric'] / base_value:.2f}x the baseline's "
-             f"{base_value:.3g}"]
-    if best.get("mfu") is not None:
-        verdict = "reached" if best["mfu"] >= ladder["target_mfu"] else "not reached"
-        lines.append(f"MFU {best['mfu']:.1%} (target {ladder['target_mfu']:.0%}: {verdict}); "
+    lines = [f"{ladder['device']}, {ladder['world_size']} rank(s), {ladder['params']:,} parameters"]
+    if best["verdict"] == "baseline":
+        value, mfu = base_value, _mean([c.get("mfu") for c in base])
+        lines.append(f"no candidate beat the baseline by more than the {ladder['margin']:.1%} margin: "
+                     f"{unit} {value:.3g} (mean of its two runs)")
+    else:
+        value, mfu = best["metric"], best.get("mfu")
+        lines.append(f"best: {ladder['best_label']} ({best['changes']})")
+        lines.append(f"{unit} {value:.3g}, {value / base_value:.2f}x the baseline's {base_value:.3g}")
+    if mfu is not None:
+        verdict = "reached" if mfu >= ladder["target_mfu"] else "not reached"
+        lines.append(f"MFU {mfu:.1%} (target {ladder['target_mfu']:.0%}: {verdict}); "
                      f"exposed communication {_pct(best['comm_exposed_share'])} of a step")
     else:
         lines.append("MFU: none (no dense bf16 peak for this device)")
     fsdp2 = ladder.get("fsdp2") or {}
     lines.append("FSDP2: " + (f"{fsdp2['mfu']:.1%} MFU" if fsdp2.get("measured") else fsdp2.get("reason", "not run")))
     return "\n".join(lines)
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def same_math(ladder: dict) -> str:

@@ -97,6 +97,7 @@ def capstone_config(size: str = "tiny", seq_len: int | None = None, attention: s
                        attn_implementation=attention)
 
 
+@functools.lru_cache(maxsize=None)
 def capstone_parameters(size: str) -> int:
     """Parameters of the capstone model of ``size``, counted on PyTorch's meta device (no memory)."""
     from transformers import LlamaForCausalLM

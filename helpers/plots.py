@@ -108,10 +108,11 @@ def ladder(ladder: dict, title: str | None = None):
     values = [c["metric"] for c in rows]
     ax.bar(range(len(rows)), values, color=[next((v for k, v in colours.items() if c["verdict"].startswith(k)),
                                                   "#4C72B0") for c in rows])
-    ax.set_xticks(range(len(rows)), [f"{c['rung']}\n{c['label']}" for c in rows], rotation=60, ha="right",
+    ax.set_xticks(range(len(rows)), [f"{c['rung']}: {c['label']}" for c in rows], rotation=45, ha="right",
                   fontsize=7)
     uses_flops = bool(rows) and rows[0].get("tflops_per_gpu") is not None
-    ax.set_ylabel("model TFLOP/s per GPU" if uses_flops else "tokens/s")
+    per = "rank" if ladder["device"].startswith("CPU") else "GPU"
+    ax.set_ylabel(f"model TFLOP/s per {per}" if uses_flops else "tokens/s")
     base = [c["metric"] for c in rows if c["verdict"] == "baseline"]
     if base:
         ax.axhline(sum(base) / len(base), color="#8C8C8C", linestyle="--", linewidth=1, label="baseline (mean)")

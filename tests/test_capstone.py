@@ -148,3 +148,13 @@ def test_tables_from_a_ladder_dict():
 def test_fsdp2_hook_says_it_measured_nothing():
     found = capstone.fsdp2_run(capstone.GPU_BASELINE, "1.2b", 8, 2)
     assert found["measured"] is False and "fsdp2_run" in found["reason"]
+
+
+def test_summary_says_when_nothing_beat_the_baseline():
+    base = {"rung": "cpu", "label": "baseline", "run": "r0", "verdict": "baseline", "changes": "same", "metric": 2.0,
+            "mfu": None, "comm_exposed_share": 0.1}
+    ladder = {"candidates": [base, {**base, "run": "r1", "metric": 4.0}], "best_run": "r1", "best_label": "baseline",
+              "device": "CPU (2 cores)", "world_size": 2, "params": 10, "target_mfu": 0.5, "margin": 0.5, "fsdp2": {}}
+    text = capstone.summary(ladder)
+    assert "no candidate beat the baseline by more than the 50.0% margin: model TFLOP/s per rank 3 " in text
+    assert "MFU: none" in text
