@@ -3,6 +3,7 @@
     python benchmarks/capstone.py                      # 1.24B model on every GPU, 540 s budget
     python benchmarks/capstone.py --size 2.7b --budget 900 --world-size 4
     COURSE_GPUS=0,1 python benchmarks/capstone.py      # two GPUs of a shared box
+    python benchmarks/capstone.py --resume runs/capstone/ladder-1.2b-2r.json   # climb the rungs left
 
 Each rung of ``helpers.capstone.GPU_LADDER`` is one launch of its candidates; a candidate is kept when its
 model TFLOP/s per GPU beats the best so far by more than the noise margin. Writes every candidate's
@@ -14,6 +15,7 @@ On CPU ranks it climbs the one-launch CPU ladder with the tiny model.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -30,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="optimizer steps per candidate (default 8 on GPUs, 5 on CPU)")
     parser.add_argument("--rungs", help="comma-separated rung names to climb, in ladder order (default: all)")
     parser.add_argument("--note", default="benchmarks/capstone.py", help="stored with the reference")
+    parser.add_argument("--resume", type=Path, help="an earlier ladder-<size>-<N>r.json: go on where it stopped "
+                        "(its rungs are not climbed again)")
     args = parser.parse_args(argv)
 
     env = environment.detect(args.world_size)
@@ -44,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     print(env.report(), flush=True)
     print(f"capstone: {size} model ({models.capstone_parameters(size):,} parameters), budget {args.budget:.0f} s, "
           f"rungs: {', '.join(r.name for r in ladder)}", flush=True)
-    result = capstone.walk(size, ladder=ladder, budget_s=args.budget, steps=args.steps, world_size=args.world_size)
+    resume = json.loads(args.resume.read_text()) if args.resume else None
+    result = capstone.walk(size, ladder=ladder, budget_s=args.budget, steps=args.steps, world_size=args.world_size,
+                           resume=resume)
     data = result.to_dict()
     path, reference = capstone.save(result, note=args.note)
     print(capstone.ladder_table(data))

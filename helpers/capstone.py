@@ -154,21 +154,22 @@ def _checkpointing(s: Setting) -> list[tuple[str, Setting]]:
     return found
 
 
-#: The GPU ladder, in the order it is climbed.
+#: The GPU ladder, in the order it is climbed: the knobs that usually pay most come first, so a short
+#: budget spends itself on them (the stage rung shares the baseline's launch).
 GPU_LADDER: list[Rung] = [
     Rung("stage", "ZeRO stage (stage 1 is measured for comparison; the target asks for 2 or 3)",
          lambda s: [("ZeRO-3", dataclasses.replace(s, stage=3)), ("ZeRO-1", dataclasses.replace(s, stage=1))]),
     Rung("batch", "micro batch and gradient accumulation", _batch),
     Rung("overlap", "communication overlap and bucket sizes", _overlap),
-    Rung("checkpointing", "activation checkpointing, spending the memory it frees on a larger micro batch",
-         _checkpointing),
-    Rung("fused", "fused optimizer kernel: DeepSpeed's FusedAdam against torch.optim.AdamW (foreach)",
-         lambda s: [("torch AdamW", dataclasses.replace(s, optimizer="torch" if s.optimizer == "fused" else "fused"))]),
     Rung("compile", "torch.compile through engine.compile()",
          lambda s: [("engine.compile()", dataclasses.replace(s, compile=True))] if not s.compile else []),
     Rung("sequence", "sequence length x2 at the same tokens per micro-batch",
          lambda s: [("sequence x2, micro /2", dataclasses.replace(s, seq_len=s.seq_len * 2,
                                                                   micro_batch=max(1, s.micro_batch // 2)))]),
+    Rung("checkpointing", "activation checkpointing, spending the memory it frees on a larger micro batch",
+         _checkpointing),
+    Rung("fused", "fused optimizer kernel: DeepSpeed's FusedAdam against torch.optim.AdamW (foreach)",
+         lambda s: [("torch AdamW", dataclasses.replace(s, optimizer="torch" if s.optimizer == "fused" else "fused"))]),
 ]
 
 #: On CPU ranks the notebook climbs one rung in one launch: the baseline (twice) and one candidate from
@@ -253,23 +254,38 @@ class Ladder:
     spread: float | None = None
     seconds: float = 0.0
     fsdp2: dict = dataclasses.field(default_factory=dict)
+    previous: dict | None = None  # the ladder this walk resumed (Ladder.to_dict() of an earlier walk)
+    name: str = "capstone"  # runs/<name>/ holds every candidate's record
 
     def best_candidate(self) -> Candidate | None:
         kept = [c for c in self.candidates if c.verdict.startswith(("kept", "baseline"))]
         return kept[-1] if kept else None
 
+    def best_run(self) -> str | None:
+        kept = [c for c in self.candidates if c.verdict.startswith("kept")]
+        if kept:
+            return kept[-1].run_name
+        if self.previous is not None:
+            return self.previous["best_run"]
+        best = self.best_candidate()
+        return best.run_name if best else None
+
     def to_dict(self) -> dict:
         """Plain data (settings, verdicts, each candidate's figures), for ladder.json and the references."""
-        best = self.best_candidate()
+        before = self.previous or {"candidates": [], "rungs": [], "budget_s": 0, "seconds": 0}
+        climbed_now = {r["rung"] for r in self.rungs}
+        before_rungs = [r for r in before["rungs"] if r["ran"] or r["rung"] not in climbed_now]
         return {"size": self.size, "params": self.params, "world_size": self.world_size, "device": self.device,
-                "baseline": dataclasses.asdict(self.baseline), "budget_s": self.budget_s, "seconds": self.seconds,
-                "margin": self.margin, "spread": self.spread, "rungs": self.rungs,
+                "baseline": dataclasses.asdict(self.baseline), "budget_s": before["budget_s"] + self.budget_s,
+                "seconds": before["seconds"] + self.seconds, "margin": self.margin, "spread": self.spread,
+                "rungs": before_rungs + self.rungs, "walks": 1 + before.get("walks", 0),
                 "best": dataclasses.asdict(self.best) if self.best else None, "best_label": self.best_label,
-                "best_run": best.run_name if best else None, "target_mfu": TARGET_MFU, "fsdp2": self.fsdp2,
-                "candidates": [{"rung": c.rung, "label": c.label, "run": c.run_name, "verdict": c.verdict,
-                                "changes": c.setting.changes_from(self.baseline), "failure": c.failure,
-                                "setting": dataclasses.asdict(c.setting),
-                                **(measurements(c.record) if c.record else {})} for c in self.candidates]}
+                "best_run": self.best_run(), "target_mfu": TARGET_MFU, "fsdp2": self.fsdp2,
+                "candidates": before["candidates"] + [
+                    {"rung": c.rung, "label": c.label, "run": c.run_name, "verdict": c.verdict,
+                     "changes": c.setting.changes_from(self.baseline), "failure": c.failure,
+                     "setting": dataclasses.asdict(c.setting), **(measurements(c.record) if c.record else {})}
+                    for c in self.candidates]}
 
 
 def _slug(text: str) -> str:
@@ -311,7 +327,7 @@ def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], 
         if isinstance(result, records.Record):
             c.record = result
         else:
-            c.failure = str(result).splitlines()[0][:300] if result is not None else "did not run"
+            c.failure = str(result).splitlines()[0][:160] if result is not None else "did not run"
     return candidates
 
 
@@ -342,7 +358,7 @@ def decide(measured: list[tuple[Candidate, float | None]], best_value: float, ma
 
 def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Setting | None = None,
          budget_s: float = 300, steps: int | None = None, world_size: int | None = None,
-         name: str = "capstone") -> Ladder:
+         name: str = "capstone", resume: dict | None = None) -> Ladder:
     """Climb ``ladder`` from ``baseline`` with the capstone model of ``size`` within ``budget_s`` seconds.
 
     Defaults: on GPUs the 1.24B model would be ``size="1.2b"`` with :data:`GPU_LADDER` from
@@ -364,10 +380,27 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
     steps = steps or (8 if env.is_gpu else 5)
     started = time.monotonic()
     result = Ladder(size=size, params=models.capstone_parameters(size), world_size=world, device=env.device_name,
-                    baseline=baseline, budget_s=budget_s)
+                    baseline=baseline, budget_s=budget_s, name=name)
     best, best_value, seen = None, None, set()
     history: list[tuple[float, int]] = []
+    done: set[str] = set()
+    if resume is not None:
+        if (resume["size"], resume["world_size"]) != (size, world):
+            raise ValueError(f"resume: that ladder trained size {resume['size']} on {resume['world_size']} ranks, "
+                             f"not {size} on {world}")
+        result.previous, result.baseline = resume, Setting(**resume["baseline"])
+        result.margin, result.spread = resume["margin"], resume["spread"]
+        result.best_label = resume["best_label"]
+        best = Setting(**resume["best"])
+        rows = {c["run"]: c for c in resume["candidates"]}
+        base = [c["metric"] for c in resume["candidates"] if c["verdict"] == "baseline"]
+        best_value = (sum(base) / len(base)) if rows[resume["best_run"]]["verdict"] == "baseline" \
+            else rows[resume["best_run"]]["metric"]
+        seen = {Setting(**c["setting"]) for c in resume["candidates"]}
+        done = {r["rung"] for r in resume["rungs"] if r["ran"]}
     for index, rung in enumerate(ladder):
+        if rung.name in done:
+            continue
         current = best or baseline
         pairs = [(label, s) for label, s in rung.propose(current) if s not in seen and env.supports(s.precision)]
         if best is None:
@@ -389,7 +422,8 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
                                  "why": f"time budget: about {estimate:.0f} s needed, {max(0, left):.0f} s left"})
             continue
         launched = time.monotonic()
-        found = _launch_rung(index, rung, pairs, size, steps, world, name, timeout=max(60.0, min(left, 3 * estimate)))
+        # the budget decides which rungs start; a started launch gets room (a loaded machine is slow)
+        found = _launch_rung(index, rung, pairs, size, steps, world, name, timeout=max(300.0, min(left, 3 * estimate)))
         history.append((time.monotonic() - launched, len(pairs)))
         seen.update(s for _, s in pairs)
         if best is None:
@@ -531,7 +565,13 @@ def save(ladder: Ladder, note: str = "") -> tuple[Path, Path | None]:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"ladder-{ladder.size}-{ladder.world_size}r.json"
     path.write_text(json.dumps(data, indent=1))
-    runs = {c.run_name: c.record for c in ladder.candidates if c.record is not None}
+    runs = {}
+    for row in (ladder.previous or {}).get("candidates", []):  # a resumed walk: the earlier records, if here
+        try:
+            runs[row["run"]] = records.load(launch.RUNS_DIR / ladder.name / row["run"])
+        except (OSError, ValueError):
+            pass
+    runs.update({c.run_name: c.record for c in ladder.candidates if c.record is not None})
     reference = experiments.save_reference(f"capstone-ladder-{ladder.size}", {**runs, "ladder": data}, note) if runs else None
     return path, reference
 

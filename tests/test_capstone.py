@@ -158,3 +158,46 @@ def test_summary_says_when_nothing_beat_the_baseline():
     text = capstone.summary(ladder)
     assert "no candidate beat the baseline by more than the 50.0% margin: model TFLOP/s per rank 3 " in text
     assert "MFU: none" in text
+
+
+class _FakeRecord:
+    """What the ladder reads of a record: throughput, peak memory, comm share, losses."""
+
+    def __init__(self, value: float):
+        self.summary = {"comm_share": {"exposed_share": 0.1, "busy_share": 0.2}}
+        self.losses = [1.0]
+        self._items = {"throughput": {"tflops_per_gpu": value, "tokens_per_s": value * 10, "mfu": None,
+                                      "step_time_s": 1.0}, "memory.peak_bytes_per_rank": [1]}
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+
+def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypatch):
+    def value(s: capstone.Setting) -> float:
+        return {3: 90.0}.get(s.stage, 100.0) * (1.1 if s.grad_accum == 4 else 1.0)
+
+    launches = []
+
+    def fake_launch(index, rung, pairs, size, steps, world, name, timeout):
+        launches.append([label for label, _ in pairs])
+        return [capstone.Candidate(rung.name, label, s, f"{index}-{i}", record=_FakeRecord(value(s)))
+                for i, (label, s) in enumerate(pairs)]
+
+    monkeypatch.setattr(capstone, "_launch_rung", fake_launch)
+    stage = capstone.Rung("stage", "stage", lambda s: [("ZeRO-3", dataclasses.replace(s, stage=3))])
+    batch = capstone.Rung("batch", "batch", lambda s: [("accumulation x2", dataclasses.replace(s, grad_accum=4))])
+    first = capstone.walk("tiny", ladder=[stage], budget_s=1000, world_size=2).to_dict()
+    assert launches == [["baseline", "baseline, again", "ZeRO-3"]]
+    assert first["spread"] == 0 and first["margin"] == capstone.MIN_MARGIN
+    assert [c["verdict"].split(":")[0] for c in first["candidates"]] == ["baseline", "baseline", "dropped"]
+
+    second = capstone.walk("tiny", ladder=[stage, batch], budget_s=1000, world_size=2, resume=first).to_dict()
+    assert launches[1:] == [["accumulation x2"]]  # the stage rung is not climbed again
+    assert second["candidates"][-1]["verdict"] == "kept: +10.0%" and second["best_label"] == "batch: accumulation x2"
+    assert [r["rung"] for r in second["rungs"]] == ["stage", "batch"] and second["walks"] == 2
+
+    monkeypatch.setattr(capstone, "_estimate", lambda *args: 1e9)  # no budget: the baseline alone, then nothing
+    third = capstone.walk("tiny", ladder=[stage, batch], budget_s=10, world_size=2).to_dict()
+    assert launches[-1] == ["baseline", "baseline, again"]
+    assert [r["ran"] for r in third["rungs"]] == [False, False] and "baseline alone" in third["rungs"][0]["why"]
