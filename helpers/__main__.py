@@ -2,7 +2,9 @@
 
     python -m helpers env                          what the course uses on this machine, and why
     python -m helpers check CONFIG [--world-size N] [--client-optimizer]
-    python -m helpers run CONFIG [--world-size N] [--steps S] [--model NAME] [--out DIR]
+    python -m helpers run CONFIG [--world-size N] [--steps S] [--model NAME] [--out DIR] [--gpus 0,1]
+                          [--hostfile FILE [--include SPEC | --exclude SPEC] [--master-addr A]]
+    python -m helpers multinode-check              2 local "hosts" through DeepSpeed's pdsh runner
     python -m helpers build-ops                    compile DeepSpeed's ops once, visibly
     python -m helpers bench-launch [--repeats R]   where a launch's seconds go
 """
@@ -10,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -49,9 +52,23 @@ def _check(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from helpers import configs, launch, records
 
+    hosts = None
+    if args.hostfile:
+        hosts = launch.Hosts(args.hostfile, include=args.include or "", exclude=args.exclude or "",
+                             master_addr=args.master_addr, ssh_port=args.ssh_port)
+    elif args.include and args.include.startswith("localhost:") and not args.exclude:
+        args.gpus = args.include.split(":", 1)[1]  # DeepSpeed's spelling of "these GPUs of this machine"
+    elif args.include or args.exclude:
+        print("error: without --hostfile, --include takes only localhost:<GPUs> (e.g. localhost:0,1); "
+              "--exclude needs a hostfile", file=sys.stderr)
+        return 2
+    if args.gpus:
+        from helpers import environment
+
+        os.environ[environment.GPUS_VARIABLE] = args.gpus
     try:
         record = launch.run(args.config, world_size=args.world_size, steps=args.steps, model=args.model,
-                            out=args.out, timeout=args.timeout, launcher=args.launcher)
+                            out=args.out, timeout=args.timeout, launcher=args.launcher, hosts=hosts)
     except configs.ConfigError as error:
         print(error, file=sys.stderr)
         return 1
@@ -72,11 +89,25 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _multinode(args: argparse.Namespace) -> int:
+    from helpers import multinode
+
+    reason = multinode.missing()
+    if reason:
+        print(f"cannot run here: {reason}", file=sys.stderr)
+        return 2
+    result = multinode.compare_with_single_node(args.config, args.model, args.steps)
+    print(f"DeepSpeed's runner: {(result.multi.out / 'command.txt').read_text().strip()}")
+    print(result.table())
+    print("same record as one host:" , "yes" if result.equal else "NO")
+    return 0 if result.equal else 1
+
+
 def _build_ops(args: argparse.Namespace) -> int:
     from helpers import environment
 
     print("Building DeepSpeed's C++ ops once (a few minutes on a 2-core machine; cached afterwards):", flush=True)
-    environment.build_ops()
+    environment.build_ops(only=args.only.split(",") if args.only else None)
     return 0
 
 
@@ -110,10 +141,26 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--model", default="linear", help="linear, mlp or llama")
     run.add_argument("--out", help="output folder (default runs/<config>-<model>-<N>r)")
     run.add_argument("--timeout", type=float, default=600)
-    run.add_argument("--launcher", default="launch", choices=("launch", "deepspeed"))
+    run.add_argument("--launcher", default=None, choices=("launch", "deepspeed"),
+                     help="default: launch (deepspeed with --hostfile)")
+    run.add_argument("--gpus", help="GPU numbers of this machine, e.g. 0,1 (same as COURSE_GPUS=0,1)")
+    run.add_argument("--hostfile", help="DeepSpeed hostfile ('<host> slots=<ranks>' lines): run on those hosts "
+                     "through DeepSpeed's multi-node runner (pdsh over ssh)")
+    run.add_argument("--include", help="DeepSpeed's --include, e.g. 'node-a:0,1@node-b'")
+    run.add_argument("--exclude", help="DeepSpeed's --exclude, e.g. 'node-b:1'")
+    run.add_argument("--master-addr", help="address of the first host (default: its 'hostname -I')")
+    run.add_argument("--ssh-port", type=int)
     run.set_defaults(func=_run)
 
+    multi = verbs.add_parser("multinode-check", help="2 local 'hosts' (private sshd on 127.0.0.1) through "
+                             "DeepSpeed's pdsh runner, against the same run on 1 host")
+    multi.add_argument("config", nargs="?", default="zero2")
+    multi.add_argument("--model", default="mlp")
+    multi.add_argument("--steps", type=int, default=3)
+    multi.set_defaults(func=_multinode)
+
     build = verbs.add_parser("build-ops", help="compile DeepSpeed's JIT ops now, with progress")
+    build.add_argument("--only", help="comma-separated builders, e.g. FusedAdamBuilder (default: all the course uses)")
     build.set_defaults(func=_build_ops)
 
     bench = verbs.add_parser("bench-launch", help="time 2-step launches: course launcher vs the deepspeed CLI")

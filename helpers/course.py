@@ -4,6 +4,9 @@
     python3 -m helpers.course test                # set up, then pytest --nbval notebooks/ plus the unit tests
     python3 -m helpers.course test --lesser-cpu   # the notebooks again, as on a processor without AVX-512
     python3 -m helpers.course setup               # set up only
+    python3 -m helpers.course setup --wheelhouse DIR   # set up offline, from `pip download -r requirements.txt -d DIR`
+    python3 -m helpers.course check-gpu [--jobs N] [--no-setup] [NOTEBOOK ...]
+                                                  # execute every notebook here; fail on any error cell
 
 Set-up, each step skipped when already done: a virtual environment in ``.venv`` (unless one is
 already active), ``pip install -r requirements.txt``, the course itself (``pip install -e .``: the
@@ -15,14 +18,22 @@ module imports nothing outside the standard library.
 (:data:`LESSER_CPU`), the instruction set of many laptops and AMD EPYCs. oneDNN then reports no fp16
 support, so DeepSpeed's own fp16 check answers "no" even on a processor that has AVX512-FP16: the
 notebooks take the path of a learner's machine without fp16, and their checked outputs must not change.
+
+``check-gpu`` is the instructor's check of a GPU box before a workshop: it executes every notebook top
+to bottom on this machine (stored outputs are the CPU's, so nothing is compared: a notebook passes when no
+cell raises, as under nbval's ``--nbval-lax``), ``--jobs`` of them at a time, each with its own run folder
+(``$COURSE_RUNS_DIR``) and master port, and notebooks that ask to run alone (the capstone) after them. It
+writes the executed copies and ``report.json`` to ``runs/check-gpu/`` and exits 1 if any cell failed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
@@ -55,15 +66,29 @@ def _run(argv: list[str]) -> None:
         sys.exit(f"failed ({result.returncode}): {' '.join(argv)}")
 
 
-def set_up(python: str) -> None:
-    """Install the pinned requirements and the course, and build DeepSpeed's ops, skipping what is done."""
+def pip_source(wheelhouse: str | Path | None) -> list[str]:
+    """pip's options for where packages come from: the package index, or only ``wheelhouse`` (offline)."""
+    if wheelhouse is None:
+        return []
+    folder = Path(wheelhouse).resolve()
+    if not folder.is_dir() or not any(folder.iterdir()):
+        sys.exit(f"--wheelhouse {wheelhouse}: no such folder, or it is empty; fill it on a machine with internet "
+                 "access with: pip download -r requirements.txt -d wheelhouse")
+    return ["--no-index", "--find-links", str(folder)]
+
+
+def set_up(python: str, wheelhouse: str | Path | None = None) -> None:
+    """Install the pinned requirements and the course, and build DeepSpeed's ops, skipping what is done.
+    With ``wheelhouse``, pip installs from that folder alone and never reaches the network."""
+    source = pip_source(wheelhouse)
     inputs = (ROOT / "requirements.txt").read_bytes() + (ROOT / "pyproject.toml").read_bytes()
     fingerprint = hashlib.sha256(inputs + python.encode()).hexdigest()
     if not STAMP.exists() or STAMP.read_text().strip() != fingerprint:
-        _say("installing requirements.txt (torch, deepspeed, jupyterlab, nbval, ...)")
-        _run([python, "-m", "pip", "install", "--quiet", "-r", "requirements.txt"])
+        where = f" from {wheelhouse}" if wheelhouse else ""
+        _say(f"installing requirements.txt{where} (torch, deepspeed, jupyterlab, nbval, ...)")
+        _run([python, "-m", "pip", "install", "--quiet", *source, "-r", "requirements.txt"])
         _say("installing the course's helpers package (pip install -e .)")
-        _run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "-e", "."])
+        _run([python, "-m", "pip", "install", "--quiet", *source, "--no-deps", "--no-build-isolation", "-e", "."])
         STAMP.write_text(fingerprint + "\n")
     else:
         _say("requirements and the course already installed")
@@ -72,13 +97,116 @@ def set_up(python: str) -> None:
     _run([python, "-m", "helpers", "env"])
 
 
+def _option(args: list[str], name: str, default: str | None = None) -> str | None:
+    """Remove ``name VALUE`` (or ``name=VALUE``) from ``args`` and return VALUE."""
+    for i, arg in enumerate(args):
+        if arg == name:
+            if i + 1 >= len(args):
+                sys.exit(f"{name} needs a value")
+            value = args[i + 1]
+            del args[i:i + 2]
+            return value
+        if arg.startswith(name + "="):
+            del args[i]
+            return arg.split("=", 1)[1]
+    return default
+
+
+def _notebook_is_exclusive(path: Path) -> bool:
+    return bool(json.loads(path.read_text()).get("metadata", {}).get("course", {}).get("exclusive"))
+
+
+def check_notebooks(python: str, notebooks: list[Path], jobs: int = 1, timeout: float = 900,
+                    out: Path | None = None) -> list[dict]:
+    """Execute ``notebooks`` (``jobs`` at a time; those that ask to run alone afterwards, one by one),
+    each in its own process with its own run folder; return each one's result (see helpers.notebooks)."""
+    out = out or ROOT / "runs" / "check-gpu"
+    out.mkdir(parents=True, exist_ok=True)
+    shared = [n for n in notebooks if not _notebook_is_exclusive(n)]
+    alone = [n for n in notebooks if _notebook_is_exclusive(n)]
+    results: list[dict] = []
+
+    def start(path: Path, together: int) -> tuple[Path, subprocess.Popen]:
+        folder = out / path.stem
+        # the capstone measures its baseline and what fits in 2 minutes: enough to show it runs here
+        env = {"COURSE_CAPSTONE_BUDGET": "120", **os.environ, "COURSE_RUNS_DIR": str(folder / "runs"),
+               "COURSE_REFERENCE_CONDITIONS": (f"executed by check-gpu beside {together - 1} other notebook(s)"
+                                               if together > 1 else "executed by check-gpu, alone")}
+        log = open(folder.with_suffix(".log"), "w")
+        _say(f"executing {path.name}")
+        return path, subprocess.Popen([python, "-m", "helpers.notebooks", str(path), "--out", str(folder),
+                                       "--timeout", str(timeout)], cwd=ROOT, env=env, stdout=log,
+                                      stderr=subprocess.STDOUT)
+
+    def collect(path: Path, process: subprocess.Popen) -> None:
+        process.wait()
+        result_file = out / path.stem / "result.json"
+        result = (json.loads(result_file.read_text()) if result_file.exists()
+                  else {"notebook": path.name, "ok": False, "error": f"exited {process.returncode}, see "
+                        f"{out / path.stem}.log", "seconds": None})
+        results.append(result)
+        _say(f"{path.name}: {'ok' if result['ok'] else 'FAILED'} ({result.get('seconds')} s)")
+
+    for batch in (shared, alone):
+        width = max(1, jobs) if batch is shared else 1
+        pending, running = list(batch), []
+        while pending or running:
+            while pending and len(running) < width:
+                running.append(start(pending.pop(0), min(width, len(batch))))
+            for item in list(running):
+                if item[1].poll() is not None:
+                    running.remove(item)
+                    collect(*item)
+            time.sleep(0.5)
+    order = {n.name: i for i, n in enumerate(notebooks)}
+    return sorted(results, key=lambda r: order.get(r["notebook"], 0))
+
+
+def check_gpu(python: str, args: list[str]) -> int:
+    """``check-gpu``: execute the notebooks named in ``args`` (default: all), report, exit 1 on a failed cell."""
+    jobs = int(_option(args, "--jobs", "1"))
+    timeout = float(_option(args, "--timeout", "900"))
+    names = [a for a in args if not a.startswith("-")]
+    notebooks = [Path(n).resolve() for n in names] or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    missing = [str(n) for n in notebooks if not n.exists()]
+    if missing:
+        sys.exit(f"no such notebook: {', '.join(missing)}")
+    probe = subprocess.run([python, "-c", "import torch; print(torch.cuda.device_count())"], capture_output=True,
+                           text=True, cwd=ROOT)
+    gpus = int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
+    _say(f"{len(notebooks)} notebook(s), {jobs} at a time, on "
+         + (f"{gpus} GPU(s)" if gpus else "no GPU (CPU ranks): this checks the CPU path"))
+    started = time.monotonic()
+    results = check_notebooks(python, notebooks, jobs, timeout)
+    report = {"gpus": gpus, "jobs": jobs, "seconds": round(time.monotonic() - started, 1),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "notebooks": results,
+              "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "course_gpus": os.environ.get("COURSE_GPUS")}
+    path = ROOT / "runs" / "check-gpu" / "report.json"
+    path.write_text(json.dumps(report, indent=1))
+    failed = [r for r in results if not r["ok"]]
+    for r in results:
+        line = f"  {'ok    ' if r['ok'] else 'FAILED'} {r['notebook']:<40} {r.get('seconds')} s"
+        if not r["ok"]:
+            line += f"  cell {r.get('cell')}: {r.get('error')}"
+        print(line)
+    _say(f"{len(results) - len(failed)} of {len(results)} notebook(s) ran without an error cell; "
+         f"report: {path.relative_to(ROOT)}, executed copies beside it")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] not in ("lab", "test", "setup"):
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in ("lab", "test", "setup", "check-gpu"):
         print(__doc__)
         return 2
+    if args[0] == "check-gpu" and "--no-setup" in args:
+        args.remove("--no-setup")  # a machine set up otherwise (the offline GPU box): use this Python
+        return check_gpu(sys.executable, args[1:])
+    wheelhouse = _option(args, "--wheelhouse")
     python = python_for_course()
-    set_up(python)
+    set_up(python, wheelhouse)
+    if args[0] == "check-gpu":
+        return check_gpu(python, args[1:])
     if args[0] == "lab":
         _say("opening JupyterLab on notebooks/")
         os.execv(python, [python, "-m", "jupyter", "lab", "notebooks/", *args[1:]])

@@ -26,6 +26,12 @@ _ORIGINAL_DS_ACCELERATOR = os.environ.get("DS_ACCELERATOR")
 #: Ranks used on a machine without GPUs: two is the smallest world where ZeRO partitions anything.
 CPU_DEFAULT_RANKS = 2
 
+#: Environment variable a learner sets to choose GPUs on a shared box: GPU numbers as ``nvidia-smi``
+#: lists them, e.g. ``COURSE_GPUS=2,3``. Passed to DeepSpeed's launcher as it expects (``--include
+#: localhost:2,3``, which sets ``CUDA_VISIBLE_DEVICES`` for each rank); ``CUDA_VISIBLE_DEVICES`` set by
+#: hand is honoured the same way, as DeepSpeed's own ``deepspeed`` command does.
+GPUS_VARIABLE = "COURSE_GPUS"
+
 
 @dataclasses.dataclass(frozen=True)
 class Environment:
@@ -41,6 +47,8 @@ class Environment:
     precisions: tuple[str, ...]  # subset of ("fp32", "bf16", "fp16") that DeepSpeed accepts here
     torch_version: str
     deepspeed_version: str
+    gpu_ids: tuple[int, ...] = ()  # GPU numbers (as nvidia-smi lists them) the ranks use
+    gpu_source: str = ""  # why these GPUs
 
     @property
     def is_gpu(self) -> bool:
@@ -60,6 +68,8 @@ class Environment:
             + ("" if "fp16" in self.precisions else "  (fp16: DeepSpeed refuses it on this device)"),
             f"torch / deepspeed: {self.torch_version} / {self.deepspeed_version}",
         ]
+        if self.gpu_ids:
+            lines.insert(1, f"GPUs             : {','.join(map(str, self.gpu_ids))} ({self.gpu_source})")
         return "\n".join(lines)
 
 
@@ -92,6 +102,45 @@ def _cpu_precisions() -> tuple[str, ...]:
     return tuple(found)
 
 
+def _gpu_numbers(value: str, variable: str) -> list[int]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items or not all(v.isdigit() for v in items):
+        raise ValueError(f"${variable}={value!r}: give GPU numbers as nvidia-smi lists them, comma-separated "
+                         f"(e.g. {variable}=0,1); DeepSpeed's launcher takes no GPU names or UUIDs")
+    if len(set(items)) != len(items):
+        raise ValueError(f"${variable}={value!r}: a GPU is listed twice")
+    return [int(v) for v in items]
+
+
+def select_gpus(visible: int, course_gpus: str | None = None,
+                cuda_visible: str | None = None) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """Which GPUs the ranks use: (GPU numbers for DeepSpeed's launcher, their indices in this process's
+    torch, why).
+
+    ``visible`` is ``torch.cuda.device_count()`` here; ``course_gpus`` is :data:`GPUS_VARIABLE`'s value,
+    ``cuda_visible`` ``CUDA_VISIBLE_DEVICES``'s. DeepSpeed's launcher numbers GPUs as the machine does and
+    sets ``CUDA_VISIBLE_DEVICES`` for each rank itself, so a hand-set ``CUDA_VISIBLE_DEVICES=2,3`` becomes
+    GPUs 2 and 3 (as the ``deepspeed`` command turns it into ``--include localhost:2,3``).
+    """
+    chosen = _gpu_numbers(course_gpus, GPUS_VARIABLE) if course_gpus is not None and course_gpus.strip() else None
+    if visible < 1:
+        return (), (), "no GPU"
+    if cuda_visible is not None and cuda_visible.strip():
+        machine = _gpu_numbers(cuda_visible, "CUDA_VISIBLE_DEVICES")[:visible]
+        source = f"CUDA_VISIBLE_DEVICES={cuda_visible}"
+    else:
+        machine, source = list(range(visible)), "every GPU"
+    if chosen is not None:
+        missing = [g for g in chosen if g not in machine]
+        if missing:
+            raise ValueError(f"${GPUS_VARIABLE}={course_gpus}: GPU {', '.join(map(str, missing))} is not among this "
+                             f"machine's visible GPUs {','.join(map(str, machine))} ({source}); choose from those")
+        source = f"set by ${GPUS_VARIABLE}"
+    else:
+        chosen = machine
+    return tuple(chosen), tuple(machine.index(g) for g in chosen), source
+
+
 def detect(world_size: int | None = None) -> Environment:
     """Detect CPU or GPUs and choose the number of ranks.
 
@@ -101,12 +150,15 @@ def detect(world_size: int | None = None) -> Environment:
     import torch
 
     cores = _cpu_cores()
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu_ids, indices, gpu_source = select_gpus(visible, os.environ.get(GPUS_VARIABLE),
+                                               os.environ.get("CUDA_VISIBLE_DEVICES"))
+    gpus = len(gpu_ids)
     quiet_deepspeed_import()
     import deepspeed
     if gpus:
         device, backend = "cuda", "nccl"
-        name = f"{gpus} x {torch.cuda.get_device_name(0)}"
+        name = f"{gpus} x {torch.cuda.get_device_name(indices[0])}"
         precisions = ["fp32", "fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
         precisions = tuple(p for p in ("fp32", "bf16", "fp16") if p in precisions)
         default, source = gpus, "one rank per GPU"
@@ -141,6 +193,8 @@ def detect(world_size: int | None = None) -> Environment:
         precisions=precisions,
         torch_version=torch.__version__,
         deepspeed_version=deepspeed.__version__,
+        gpu_ids=gpu_ids,
+        gpu_source=gpu_source,
     )
 
 
@@ -199,6 +253,12 @@ def child_env(env: Environment, world_size: int, base: dict[str, str] | None = N
                 "an architecture suffix such as 'a'"
             )
 
+    if env.is_gpu and child.get("CUDA_VISIBLE_DEVICES"):
+        # DeepSpeed's launcher sets it for each rank from the GPU numbers it is given (env.gpu_ids)
+        value = child.pop("CUDA_VISIBLE_DEVICES")
+        changes.append(f"CUDA_VISIBLE_DEVICES={value} -> GPUs {','.join(map(str, env.gpu_ids))} for DeepSpeed's "
+                       "launcher, which sets CUDA_VISIBLE_DEVICES for each rank itself")
+
     if not env.is_gpu:
         if _ORIGINAL_DS_ACCELERATOR != "cpu":
             child["DS_ACCELERATOR"] = "cpu"
@@ -235,12 +295,47 @@ def software() -> dict[str, str]:
     return found
 
 
+def _command_output(argv: list[str]) -> str | None:
+    import subprocess
+
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def hardware(env: Environment | None = None) -> dict:
+    """What measured a result, beside :func:`software`: the GPUs (names, count, the numbers the ranks
+    used), how they are joined (``nvidia-smi topo -m``: NV18 = 18 NVLinks, PIX/PHB/SYS = PCIe paths),
+    the processor and its cores, and the date. On a CPU machine, the processor alone."""
+    import datetime
+    import platform
+
+    env = env or detect()
+    found: dict = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                   "device": env.device_name, "cpu_cores": env.cpu_cores, "machine": platform.machine()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            found["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        found["cpu"] = platform.processor() or "unknown"
+    if env.is_gpu:
+        found["gpu_count"] = env.gpu_count
+        found["gpu_ids"] = list(env.gpu_ids)
+        names = _command_output(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version",
+                                 "--format=csv,noheader"])
+        found["gpus"] = names.splitlines() if names else None
+        found["interconnect"] = _command_output(["nvidia-smi", "topo", "-m"])
+    return found
+
+
 def python_executable() -> str:
     """The Python that runs the course (the kernel's own, so ranks see the same packages)."""
     return sys.executable
 
 
-def build_ops(env: Environment | None = None) -> list[tuple[str, float]]:
+def build_ops(env: Environment | None = None, only: list[str] | None = None) -> list[tuple[str, float]]:
     """Compile (or load from cache) the DeepSpeed C++/CUDA ops the course uses, one by one, visibly.
 
     DeepSpeed builds these just in time on first use; building them here, once, keeps the first
@@ -258,6 +353,8 @@ def build_ops(env: Environment | None = None) -> list[tuple[str, float]]:
     names = ["FusedAdamBuilder", "CPUAdamBuilder"]
     if not env.is_gpu:
         names.insert(0, "ShareMemCommBuilder")
+    if only:  # e.g. ["FusedAdamBuilder"]: what a GPU-only benchmark needs, not CPU Adam for offload
+        names = [n for n in names if n in only]
     done = []
     for name in names:
         builder = get_accelerator().create_op_builder(name)

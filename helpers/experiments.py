@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -17,6 +18,9 @@ from helpers import environment, launch, records, theory
 REFERENCE_DIR = environment.REPO_ROOT / "notebooks" / "reference"
 #: Where a GPU run saves its own results for an instructor to commit.
 NEW_REFERENCE_DIR = launch.RUNS_DIR / "reference"
+#: Set by ``benchmarks/reference.py``: under what conditions references were measured (alone on the
+#: machine, or beside other notebooks), stored with each reference.
+CONDITIONS_VARIABLE = "COURSE_REFERENCE_CONDITIONS"
 
 
 def stage_against_baseline(stage: int, model: str = "mlp", steps: int = 4,
@@ -122,16 +126,18 @@ def scaled_out_table(psi: float, world_size: int, largest_layer_params: int = 0,
 def save_reference(name: str, runs: Mapping[str, records.Record | dict], note: str = "") -> Path | None:
     """On a GPU machine, keep ``runs`` (records, or the summary dicts of other tasks) as
     ``runs/reference/<name>-<N>x<device>.json`` for an instructor to commit to ``notebooks/reference/``,
-    with the software that measured them. Does nothing for CPU runs; returns the file written."""
+    with the software and hardware that measured them (versions, GPUs, ``nvidia-smi topo -m``, driver, date)
+    and the conditions (:data:`CONDITIONS_VARIABLE`). Does nothing for CPU runs; returns the file written."""
     summaries = {k: (r.summary if isinstance(r, records.Record) else r) for k, r in runs.items()}
     first = next(iter(summaries.values()))
     if first.get("device") != "cuda":
         return None
     device = f"{first['world_size']}x{first['device_name']}".replace(" ", "-")
     NEW_REFERENCE_DIR.mkdir(parents=True, exist_ok=True)
+    conditions = os.environ.get(CONDITIONS_VARIABLE) or "not stated (measured outside benchmarks/reference.py)"
     payload = {"experiment": name, "device": f"{first['world_size']} x {first['device_name']}",
                "date": datetime.date.today().isoformat(), "note": note, "software": environment.software(),
-               "runs": summaries}
+               "hardware": environment.hardware(), "conditions": conditions, "runs": summaries}
     path = NEW_REFERENCE_DIR / f"{name}-{device}.json"
     path.write_text(json.dumps(payload, indent=1))
     return path

@@ -18,6 +18,12 @@ Two ways to start DeepSpeed's launcher, same ranks and same training script:
   ``deepspeed`` command itself starts for a single machine. Skipping the extra process
   saves one Python start-up and one import of torch and DeepSpeed per launch.
 - ``"deepspeed"``: the ``deepspeed`` command (``deepspeed.launcher.runner``), as in the source article.
+  It is also the way to several machines: given :class:`Hosts` (a DeepSpeed hostfile, ``--include`` /
+  ``--exclude``), DeepSpeed's multi-node runner starts the ranks on every host over pdsh and ssh.
+
+GPUs: the ranks use ``environment.detect().gpu_ids`` (every GPU, or those ``$COURSE_GPUS`` or
+``$CUDA_VISIBLE_DEVICES`` name), handed to DeepSpeed's launcher as it expects them. Output: each run
+writes to ``runs/<name>/``, or under ``$COURSE_RUNS_DIR`` when set (one folder per learner on a shared box).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import queue
 import random
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,7 +50,8 @@ from typing import Mapping, Sequence
 from helpers import configs, environment, probes as probe_registry, records
 from helpers.train import EVENT_PREFIX
 
-RUNS_DIR = environment.REPO_ROOT / "runs"
+#: Where runs write their folders: ``$COURSE_RUNS_DIR`` when set, else ``runs/`` in the repository.
+RUNS_DIR = Path(os.environ.get("COURSE_RUNS_DIR") or environment.REPO_ROOT / "runs").resolve()
 LAUNCHERS = ("launch", "deepspeed")
 ON_ERROR = ("raise", "record")
 
@@ -94,6 +102,42 @@ class RunSpec:
     on_error: str = "raise"
     faults: dict | None = None
     task: str = "train"
+    model_options: dict | None = None  # keyword arguments of models.build for models that take them
+
+
+@dataclasses.dataclass(frozen=True)
+class Hosts:
+    """Machines for DeepSpeed's multi-node runner (``deepspeed --hostfile ... --include/--exclude``).
+
+    ``hostfile`` is DeepSpeed's MPI-style file, one ``<host> slots=<ranks>`` line per machine;
+    ``include``/``exclude`` are DeepSpeed's filters (``"node-a:0,1@node-b"``: slots 0 and 1 of node-a
+    and all of node-b). Every host must be reachable by ``ssh <host>`` without a password and hold this
+    repository and its Python at the same paths (a shared filesystem), as DeepSpeed's pdsh runner
+    assumes: it runs ``cd <this folder>; <this python> -m deepspeed.launcher.launch ...`` on each host.
+    ``master_addr`` defaults to what the first host answers to ``hostname -I`` (DeepSpeed's own choice).
+    """
+
+    hostfile: str | Path
+    include: str = ""
+    exclude: str = ""
+    master_addr: str | None = None
+    ssh_port: int | None = None
+    runner: str = "pdsh"  # DeepSpeed's --launcher; pdsh starts the per-node launchers over ssh
+
+    def resources(self) -> dict[str, list[int]]:
+        """{host: [slots]} after the filters, read by DeepSpeed's own parsers (errors name the bad entry)."""
+        from deepspeed.launcher import runner
+
+        path = Path(self.hostfile)
+        if not path.is_file():
+            raise ValueError(f"hostfile {path}: no such file; write one '<host> slots=<ranks>' line per machine")
+        if self.include and self.exclude:
+            raise ValueError("Hosts: give include or exclude, not both (DeepSpeed refuses the pair)")
+        pool = runner._parse_hostfile(path.read_text().splitlines())
+        return dict(runner.parse_inclusion_exclusion(pool, self.include, self.exclude))
+
+    def world_size(self) -> int:
+        return sum(len(slots) for slots in self.resources().values())
 
 
 #: Master ports are drawn from here: below Linux's ephemeral range (32768-60999), which NCCL, gloo
@@ -128,18 +172,68 @@ def _port_taken(failure: RunFailed) -> bool:
     return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
-def command(plan_path: Path, world_size: int, port: int, launcher: str = "launch") -> list[str]:
-    """The argument list that starts ``world_size`` ranks of ``helpers.train`` on the plan."""
+def command(plan_path: Path, world_size: int, port: int, launcher: str = "launch", gpu_ids: Sequence[int] = (),
+            hosts: Hosts | None = None, python: str | None = None) -> list[str]:
+    """The argument list that starts ``world_size`` ranks of ``helpers.train`` on the plan.
+
+    ``gpu_ids`` are the GPU numbers to use (none on CPU); ``hosts`` sends the launch through
+    DeepSpeed's multi-node runner (``launcher`` must then be ``"deepspeed"``).
+    """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     script = ["--module", "helpers.train", "--plan", str(plan_path)]
-    python = environment.python_executable()
+    python = python or environment.python_executable()
+    if hosts is not None:
+        if launcher != "deepspeed":
+            raise ValueError("several hosts need DeepSpeed's multi-node runner: launcher='deepspeed'")
+        argv = [python, "-u", "-m", "deepspeed.launcher.runner", "--hostfile", str(Path(hosts.hostfile).resolve()),
+                "--launcher", hosts.runner, "--master_port", str(port)]
+        if hosts.include:
+            argv += ["--include", hosts.include]
+        if hosts.exclude:
+            argv += ["--exclude", hosts.exclude]
+        if hosts.master_addr:
+            argv += ["--master_addr", hosts.master_addr]
+        if hosts.ssh_port:
+            argv += ["--ssh_port", str(hosts.ssh_port)]
+        return argv + script
+    gpus = list(gpu_ids)[:world_size]
+    if gpu_ids and len(gpus) < world_size:
+        raise ValueError(f"{world_size} ranks but only GPUs {gpus} chosen")
     if launcher == "deepspeed":
-        return [python, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(world_size),
-                "--master_port", str(port), *script]
-    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(world_size))}).encode()).decode()
+        where = ["--include", "localhost:" + ",".join(map(str, gpus))] if gpus else ["--num_gpus", str(world_size)]
+        return [python, "-u", "-m", "deepspeed.launcher.runner", *where, "--master_port", str(port), *script]
+    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": gpus or list(range(world_size))}).encode()).decode()
     return [python, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}", "--node_rank=0",
             "--master_addr=127.0.0.1", f"--master_port={port}", *script]
+
+
+#: Variables the ranks need that DeepSpeed's multi-node runner does not pass to other hosts by itself
+#: (it passes PYTHON*, NCCL*, UCX*, MV2*, MLFLOW* and a ``DS_ENV_FILE`` it is pointed to).
+FORWARDED_TO_HOSTS = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TORCH_CUDA_ARCH_LIST", "COURSE_RUNS_DIR",
+                      "DEEPSPEED_TIMEOUT", "PYTORCH_CUDA_ALLOC_CONF", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                      "NVSHMEM_DISABLE_NVLS")
+
+
+def write_host_env(child: dict[str, str], path: Path) -> Path:
+    """Write DeepSpeed's env file (``KEY=VALUE`` lines, read by its runner through ``DS_ENV_FILE``) with
+    the variables of :data:`FORWARDED_TO_HOSTS` the ranks get here, so ranks on other hosts get them too."""
+    lines = [f"{key}={child[key]}" for key in FORWARDED_TO_HOSTS if child.get(key)]
+    path.write_text("\n".join(lines) + ("\n" if lines else ""))
+    return path
+
+
+def _stop_remote_ranks(hosts: Hosts, plan_path: Path, child: dict[str, str]) -> None:
+    """After a multi-node launch was killed: end its ranks on every host, matched by this launch's own
+    plan path (DeepSpeed's runner would ``pkill -f`` every ``deepspeed.launcher.launch`` of this Python
+    on those hosts, other people's launches included)."""
+    try:
+        workers = ",".join(hosts.resources())
+        pattern = "helpers[.]train --plan " + re.escape(str(plan_path))
+        subprocess.run(["pdsh", "-S", "-w", workers, f"pkill -KILL -f -- '{pattern}'"], env={**child,
+                       "PDSH_RCMD_TYPE": "ssh"}, capture_output=True, timeout=30)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
 
 
 # --- DeepSpeed's shared-memory segments -------------------------------------------------------
@@ -232,9 +326,10 @@ def _die_with_parent() -> None:
         pass
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    """End the launcher and every rank it started (they share its process group)."""
-    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+def _kill_group(process: subprocess.Popen, signals: Sequence[int] = (signal.SIGTERM, signal.SIGKILL)) -> None:
+    """End the launcher and every rank it started (they share its process group): each of ``signals``
+    in turn, 5 s apart, until none is left."""
+    for sig, wait in ((s, 5) for s in signals):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
@@ -264,6 +359,7 @@ def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepar
     from helpers import models
 
     models.check_model_name(spec.model)
+    models.check_model_options(spec.model, spec.model_options or {})
     if not isinstance(spec.steps, int) or spec.steps < 1:
         raise ValueError(f"steps={spec.steps}: a run needs at least one optimizer step")
     probe_registry.check_names(list(spec.probes))
@@ -283,29 +379,31 @@ def _plan_entry(p: _Prepared, plan_path: Path) -> dict:
     return {"name": p.name, "out": str(p.out), "config": str(p.out / "ds_config.json"), "model": s.model,
             "steps": s.steps, "seed": s.seed, "probes": list(s.probes), "client_optimizer": s.client_optimizer,
             "cast_inputs": s.cast_inputs, "on_error": s.on_error, "faults": dict(s.faults or {}),
-            "task": s.task, "plan": str(plan_path)}
+            "task": s.task, "plan": str(plan_path), "model_options": dict(s.model_options or {})}
 
 
 def run(config: str | Path | dict, *, world_size: int | None = None, model: str = "linear", steps: int = 4,
         seed: int = 0, overrides: dict | None = None, name: str | None = None, out: str | Path | None = None,
-        timeout: float = 600, check: bool = True, client_optimizer: bool = False, launcher: str = "launch",
+        timeout: float = 600, check: bool = True, client_optimizer: bool = False, launcher: str | None = None,
         probes: Sequence[str] = probe_registry.DEFAULT, cast_inputs: bool = True, faults: dict | None = None,
-        progress: bool = True) -> records.Record:
+        progress: bool = True, hosts: Hosts | None = None, model_options: dict | None = None) -> records.Record:
     """Train ``model`` for ``steps`` optimizer steps on ``world_size`` ranks in one launch; return its record.
 
-    Arguments as in :class:`RunSpec`. Raises :class:`helpers.configs.ConfigError` before starting
-    anything for a bad config, and :class:`RunFailed` when a rank fails or the run times out.
+    Arguments as in :class:`RunSpec`. ``launcher`` is ``"launch"`` (default) or ``"deepspeed"`` (default
+    with ``hosts``, which runs on several machines: the world size is then the hostfile's slots). Raises
+    :class:`helpers.configs.ConfigError` before starting anything for a bad config, and
+    :class:`RunFailed` when a rank fails or the run times out.
     """
     spec = RunSpec(config=config, model=model, steps=steps, seed=seed, overrides=overrides, name=name, out=out,
                    probes=tuple(probes), check=check, client_optimizer=client_optimizer, cast_inputs=cast_inputs,
-                   faults=faults)
-    results = _launch_specs([spec], world_size, None, timeout, launcher, progress)
+                   faults=faults, model_options=model_options)
+    results = _launch_specs([spec], world_size, None, timeout, launcher, progress, hosts)
     return next(iter(results.values()))
 
 
 def sweep(specs: Sequence[RunSpec] | Mapping[str, RunSpec], *, name: str = "sweep", world_size: int | None = None,
-          timeout: float = 900, launcher: str = "launch",
-          progress: bool = True) -> dict[str, records.Record | RunFailed]:
+          timeout: float = 900, launcher: str | None = None, progress: bool = True,
+          hosts: Hosts | None = None) -> dict[str, records.Record | RunFailed]:
     """Train several runs one after the other in the same ranks of ONE launch; return {name: record}.
 
     Each run gets a fresh model, ``deepspeed.initialize``, comms-logger reset and probes, and its own
@@ -319,14 +417,28 @@ def sweep(specs: Sequence[RunSpec] | Mapping[str, RunSpec], *, name: str = "swee
         specs = [dataclasses.replace(spec, name=spec.name or key) for key, spec in specs.items()]
     if not specs:
         raise ValueError("sweep() needs at least one RunSpec")
-    return _launch_specs(list(specs), world_size, name, timeout, launcher, progress)
+    return _launch_specs(list(specs), world_size, name, timeout, launcher, progress, hosts)
 
 
 def _launch_specs(specs: list[RunSpec], world_size: int | None, sweep_name: str | None, timeout: float,
-                  launcher: str, progress: bool) -> dict[str, records.Record | RunFailed]:
+                  launcher: str | None, progress: bool,
+                  hosts: Hosts | None = None) -> dict[str, records.Record | RunFailed]:
+    launcher = launcher or ("deepspeed" if hosts is not None else "launch")
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
-    env = environment.detect(world_size)
+    if hosts is not None:
+        if launcher != "deepspeed":
+            raise ValueError("several hosts need DeepSpeed's multi-node runner: launcher='deepspeed'")
+        if not shutil.which("pdsh") and hosts.runner == "pdsh":
+            raise ValueError("DeepSpeed's multi-node runner needs pdsh on this machine (Debian: apt-get install pdsh)")
+        total = hosts.world_size()
+        if world_size is not None and world_size != total:
+            raise ValueError(f"world_size={world_size}, but the hostfile's hosts give {total} ranks: "
+                             "leave world_size out, or change the hostfile/include/exclude")
+        env = dataclasses.replace(environment.detect(), default_world_size=total,
+                                  world_size_source=f"{total} slots of {Path(hosts.hostfile).name}")
+    else:
+        env = environment.detect(world_size)
     world = env.default_world_size
     prepared = [_prepare(spec, world, env) for spec in specs]
     names = [p.name for p in prepared]
@@ -345,14 +457,18 @@ def _launch_specs(specs: list[RunSpec], world_size: int | None, sweep_name: str 
     plan_path.write_text(json.dumps({"world_size": world, "runs": [_plan_entry(p, plan_path) for p in prepared]},
                                     indent=1))
     child, _ = environment.child_env(env, world)
+    if hosts is not None:
+        child["DS_ENV_FILE"] = str(write_host_env(child, folder / "deepspeed_env"))
     remove_stale_shared_memory()
     where = f"{world} {'GPU' if env.is_gpu else 'CPU'} rank{'s' if world > 1 else ''}"
+    if hosts is not None:
+        where += f" on {len(hosts.resources())} hosts"
     for attempt in range(1, PORT_RETRIES + 1):
         port = free_port()
-        argv = command(plan_path, world, port, launcher)
+        argv = command(plan_path, world, port, launcher, env.gpu_ids, hosts)
         (folder / "command.txt").write_text(shlex.join(argv) + "\n")
         try:
-            return _follow(argv, child, folder, prepared, world, where, timeout, progress, port)
+            return _follow(argv, child, folder, prepared, world, where, timeout, progress, port, hosts)
         except RunFailed as failure:
             # Another program took the master port between our check and the ranks' bind.
             if attempt == PORT_RETRIES or not _port_taken(failure):
@@ -396,8 +512,13 @@ class _Progress:
             self.bar = None
 
 
+#: pdsh puts "<host>: " before each line a host prints
+_HOST_PREFIX = re.compile(r"^[\w.-]+: ?")
+
+
 def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list[_Prepared], world: int,
-            where: str, timeout: float, progress: bool, port: int) -> dict[str, records.Record | dict | RunFailed]:
+            where: str, timeout: float, progress: bool, port: int,
+            hosts: Hosts | None = None) -> dict[str, records.Record | dict | RunFailed]:
     """Start one launch, follow its events, and return each run's record (or RunFailed, see on_error)."""
     started = time.perf_counter()
     fatal: dict | None = None
@@ -423,6 +544,8 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
                     continue
                 if line is None:
                     break
+                if hosts is not None:
+                    line = _HOST_PREFIX.sub("", line, count=1)
                 if EVENT_PREFIX in line:
                     text, events = parse_events(line)
                     for event in events:
@@ -456,6 +579,11 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
     finally:
         code = process.poll()
         bars.close()
+        if hosts is not None and code is None:
+            # not SIGTERM: DeepSpeed's runner answers it with `pkill -f` of every DeepSpeed launcher
+            # of this Python on every host. Kill this launch's processes here, then its ranks there.
+            _kill_group(process, signals=(signal.SIGKILL,))
+            _stop_remote_ranks(hosts, folder / "plan.json", child)
         _kill_group(process)  # nothing of a launch outlives it, whatever happened
         remove_shared_memory(port)
         if interrupted:

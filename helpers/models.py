@@ -6,6 +6,9 @@ Models (all seeded, random weights, no downloads):
 - ``mlp``: eight equal 256-wide layers (526,336 parameters), big enough that ZeRO's partitions
   dwarf its alignment padding.
 - ``llama``: a small LLaMA-style causal language model built from a ``transformers`` config.
+- ``llama-capstone``: the capstone's LLaMA-style model, sized by ``model_options`` (:data:`CAPSTONE_SIZES`:
+  a tiny one for CPUs, 1.24B and 2.7B parameters for GPUs), its sequence length, attention kernel and
+  activation checkpointing chosen per run.
 
 Data is a pure function of (sample index, seed), so the single-process baseline and every
 rank of every ZeRO stage see exactly the same samples: see :func:`sample_indices`.
@@ -25,7 +28,22 @@ MODELS = {
     "linear": "nn.Linear(10, 10), the source article's model",
     "mlp": "MLP of 8 blocks Linear(256, 256) + GELU (526,336 parameters)",
     "llama": "LLaMA-style causal LM (hidden 64, 2 layers, byte vocabulary)",
+    "llama-capstone": "LLaMA-style causal LM sized by model_options (size, seq_len, attention, checkpointing)",
 }
+
+#: Shapes of the capstone model: hidden size, MLP size, layers, attention heads, vocabulary. "1.2b" is the
+#: issue's baseline (hidden 2048, 22 layers: 1,244,227,584 parameters); heads of 128 dimensions, as LLaMA's.
+CAPSTONE_SIZES = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 256},
+    "1.2b": {"hidden_size": 2048, "intermediate_size": 5504, "num_hidden_layers": 22, "num_attention_heads": 16,
+             "vocab_size": 32000},
+    "2.7b": {"hidden_size": 2560, "intermediate_size": 6912, "num_hidden_layers": 32, "num_attention_heads": 20,
+             "vocab_size": 32000},
+}
+#: model_options of the capstone model and their defaults (seq_len None: 64 for "tiny", else 2048).
+CAPSTONE_OPTIONS = {"size": "tiny", "seq_len": None, "attention": "sdpa", "checkpointing": False, "compile": False}
+ATTENTION_KERNELS = ("sdpa", "eager")
 
 LINEAR_SAMPLES = 100  # the source article's TensorDataset has 100 rows
 MLP_WIDTH, MLP_BLOCKS = 256, 8
@@ -36,7 +54,88 @@ LM_VOCAB = 256  # bytes
 def trainer_of(name: str) -> str:
     """How model ``name`` takes an optimizer step: a key of ``helpers.train.TRAINERS``."""
     check_model_name(name)
-    return "data_parallel"
+    return "causal_lm" if name == "llama-capstone" else "data_parallel"
+
+
+def check_model_options(name: str, options: dict) -> None:
+    """Raise a ValueError naming the key and the choices when ``options`` do not fit model ``name``."""
+    if name != "llama-capstone":
+        if options:
+            raise ValueError(f"model {name!r} takes no model_options (got {sorted(options)}); only llama-capstone does")
+        return
+    unknown = sorted(set(options) - set(CAPSTONE_OPTIONS))
+    if unknown:
+        raise ValueError(f"model_options {unknown}: llama-capstone takes {', '.join(CAPSTONE_OPTIONS)}")
+    full = capstone_options(options)
+    if full["size"] not in CAPSTONE_SIZES:
+        raise ValueError(f"model_options size={full['size']!r}: choose one of {', '.join(CAPSTONE_SIZES)}")
+    if not isinstance(full["seq_len"], int) or full["seq_len"] < 2:
+        raise ValueError(f"model_options seq_len={full['seq_len']!r}: a whole number of tokens, at least 2")
+    if full["attention"] not in ATTENTION_KERNELS:
+        raise ValueError(f"model_options attention={full['attention']!r}: choose one of {', '.join(ATTENTION_KERNELS)}")
+    for key in ("checkpointing", "compile"):
+        if not isinstance(full[key], bool):
+            raise ValueError(f"model_options {key}={full[key]!r}: true or false")
+
+
+def capstone_options(options: dict | None = None) -> dict:
+    """The capstone model's options with defaults filled in."""
+    full = {**CAPSTONE_OPTIONS, **(options or {})}
+    if full["seq_len"] is None:
+        full["seq_len"] = LM_SEQ_LEN if full["size"] == "tiny" else 2048
+    return full
+
+
+def capstone_config(size: str = "tiny", seq_len: int | None = None, attention: str = "sdpa"):
+    """The ``transformers`` config of the capstone model: :data:`CAPSTONE_SIZES` [size], untied embeddings,
+    ``max_position_embeddings`` = the sequence length it trains on."""
+    from transformers import LlamaConfig
+
+    full = capstone_options({"size": size, "seq_len": seq_len, "attention": attention})
+    return LlamaConfig(**CAPSTONE_SIZES[size], num_key_value_heads=CAPSTONE_SIZES[size]["num_attention_heads"],
+                       max_position_embeddings=full["seq_len"], tie_word_embeddings=False, use_cache=False,
+                       attn_implementation=attention)
+
+
+@functools.lru_cache(maxsize=None)
+def capstone_parameters(size: str) -> int:
+    """Parameters of the capstone model of ``size``, counted on PyTorch's meta device (no memory)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        return count_parameters(LlamaForCausalLM(capstone_config(size)))
+
+
+def _build_capstone(seed: int, options: dict) -> nn.Module:
+    """The capstone model, built on this rank's GPU where there is one (a 1.24B model initialises in a
+    fraction of a second there, in many seconds on a CPU)."""
+    import os
+
+    from transformers import LlamaForCausalLM
+
+    full = capstone_options(options)
+    config = capstone_config(full["size"], full["seq_len"], full["attention"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
+    torch.manual_seed(seed)
+    with torch.device(device) if device is not None else _no_context():
+        model = LlamaForCausalLM(config)
+    if full["checkpointing"]:
+        # transformers' switch: torch.utils.checkpoint around each decoder layer, without re-entrance
+        # (activation_checkpointing_enable since transformers 5; gradient_checkpointing_enable before)
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
+class _no_context:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 def check_model_name(name: str) -> None:
@@ -62,9 +161,13 @@ def llama_config():
     )
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
-    """Build model ``name`` with weights drawn from ``torch.manual_seed(seed)``."""
+def build(name: str, seed: int = 0, **options) -> nn.Module:
+    """Build model ``name`` with weights drawn from ``torch.manual_seed(seed)``; ``options`` are its
+    ``model_options`` (only ``llama-capstone`` takes any)."""
     check_model_name(name)
+    check_model_options(name, options)
+    if name == "llama-capstone":
+        return _build_capstone(seed, options)
     torch.manual_seed(seed)
     if name == "linear":
         return nn.Linear(10, 10)
@@ -155,29 +258,33 @@ def sample_indices(step: int, micro_step: int, rank: int, world_size: int, micro
     return list(range(start, start + micro_batch))
 
 
-def make_batch(name: str, indices: list[int], seed: int = 0) -> Batch:
-    """The samples ``indices`` of model ``name``'s data set (deterministic for a given seed)."""
+def make_batch(name: str, indices: list[int], seed: int = 0, seq_len: int | None = None) -> Batch:
+    """The samples ``indices`` of model ``name``'s data set (deterministic for a given seed).
+
+    The language models read windows of the text corpus (bytes as token ids), ``seq_len`` tokens each
+    (default: the small model's 64)."""
     check_model_name(name)
     if name in ("linear", "mlp"):
         inputs, targets = _regression_data(name, seed)
         rows = torch.tensor([i % inputs.shape[0] for i in indices])
         return Batch(inputs[rows], targets[rows])
+    seq = seq_len or LM_SEQ_LEN
     tokens = _tokens()
-    windows = tokens.numel() - LM_SEQ_LEN - 1
+    windows = tokens.numel() - seq - 1
     gen = torch.Generator()
     starts = []
     for i in indices:  # each sample index picks a window by its own seeded draw
         gen.manual_seed(seed * 1_000_003 + i)
         starts.append(int(torch.randint(windows, (1,), generator=gen)))
-    chunk = torch.stack([tokens[s : s + LM_SEQ_LEN + 1] for s in starts])
+    chunk = torch.stack([tokens[s : s + seq + 1] for s in starts])
     return Batch(chunk[:, :-1], chunk[:, 1:])
 
 
 def loss_of(model: nn.Module, name: str, batch: Batch) -> torch.Tensor:
-    """The training loss of ``model`` on ``batch``: MSE for regression, cross-entropy for the LM."""
-    if name == "llama":
+    """The training loss of ``model`` on ``batch``: MSE for regression, cross-entropy for the LMs."""
+    if name in ("llama", "llama-capstone"):
         logits = model(input_ids=batch.inputs).logits
-        return nn.functional.cross_entropy(logits.float().reshape(-1, LM_VOCAB), batch.targets.reshape(-1))
+        return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch.targets.reshape(-1))
     output = model(batch.inputs)
     return nn.functional.mse_loss(output.float(), batch.targets.float())
 

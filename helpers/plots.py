@@ -94,3 +94,36 @@ def paper_scaling(psi: float = 7.5e9, world_sizes: Sequence[int] = (1, 4, 8, 16,
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+# --- capstone (issue 10) ----------------------------------------------------------------------------
+
+def ladder(ladder: dict, title: str | None = None):
+    """One bar per candidate of a capstone ladder (``Ladder.to_dict()``): its model TFLOP/s per GPU (or
+    tokens/s), coloured by verdict, with the baseline's mean as a line and, where the device has a known
+    peak, the MFU target as a second line."""
+    rows = [c for c in ladder["candidates"] if "metric" in c]
+    colours = {"baseline": "#8C8C8C", "kept": "#55A868", "dropped": "#C44E52", "not eligible": "#DD8452"}
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * max(1, len(rows)), 3.8))
+    values = [c["metric"] for c in rows]
+    ax.bar(range(len(rows)), values, color=[next((v for k, v in colours.items() if c["verdict"].startswith(k)),
+                                                  "#4C72B0") for c in rows])
+    ax.set_xticks(range(len(rows)), [f"{c['rung']}: {c['label']}" for c in rows], rotation=45, ha="right",
+                  fontsize=7)
+    uses_flops = bool(rows) and rows[0].get("tflops_per_gpu") is not None
+    per = "rank" if ladder["device"].startswith("CPU") else "GPU"
+    ax.set_ylabel(f"model TFLOP/s per {per}" if uses_flops else "tokens/s")
+    base = [c["metric"] for c in rows if c["verdict"] == "baseline"]
+    if base:
+        ax.axhline(sum(base) / len(base), color="#8C8C8C", linestyle="--", linewidth=1, label="baseline (mean)")
+    peak_rows = [c for c in rows if c.get("mfu")]
+    if uses_flops and peak_rows:
+        peak = peak_rows[0]["tflops_per_gpu"] / peak_rows[0]["mfu"]
+        ax.axhline(ladder["target_mfu"] * peak, color="#4C72B0", linestyle=":", linewidth=1,
+                   label=f"{ladder['target_mfu']:.0%} MFU target")
+    if base:
+        ax.legend(fontsize=8)
+    ax.set_title(title or f"Capstone ladder: {ladder['device']}, {ladder['world_size']} rank(s)", fontsize=10)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

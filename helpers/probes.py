@@ -284,3 +284,113 @@ class Timeline(Probe):
     def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
         return {"timeline_s": {"phases": list(ranks[0]["marks"]), "per_rank": [r["marks"] for r in ranks],
                                "note": "seconds from each rank's process start to the end of each phase"}}
+
+
+# --- capstone: throughput and communication share (issue 10; formulas in helpers/performance.py) ----
+
+#: Optimizer steps the ``throughput`` probe leaves out at the start (allocator growth, compilation,
+#: ZeRO-3's first trace of the parameter order); it also leaves out the last step, which ``comm_share``
+#: may profile.
+WARMUP_STEPS = 2
+
+
+@register
+class Throughput(Probe):
+    """Tokens per second, model TFLOP/s per GPU and MFU (:func:`helpers.performance.throughput`), from
+    rank 0's step times (device synchronized before and after each step), steps ``WARMUP_STEPS`` + 1 to
+    the last but one (all but the first when a run has fewer than ``WARMUP_STEPS`` + 2 steps). Tokens per
+    step = micro batch x accumulation x ranks x sequence length (samples for models without one).
+    Section: ``throughput``.
+    """
+
+    name = "throughput"
+
+    def start(self, ctx: RunContext) -> None:
+        self.times: list[float] = []
+
+    def before_step(self, ctx: RunContext, step: int) -> None:
+        ctx.synchronize()
+        self.started = time.perf_counter()
+
+    def after_step(self, ctx: RunContext, step: int) -> None:
+        ctx.synchronize()
+        self.times.append(time.perf_counter() - self.started)
+
+    def finish(self, ctx: RunContext) -> dict:
+        return {"times": self.times}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        from helpers import performance
+
+        times = ranks[0]["times"]
+        first, last = (WARMUP_STEPS, len(times) - 1) if len(times) >= WARMUP_STEPS + 2 else (min(1, len(times) - 1), len(times))
+        shape = performance.model_shape(ctx.engine.module)
+        seq = shape["seq_len"] if shape else 1
+        flops = performance.flops_per_token(ctx.params, shape["layers"], shape["hidden"], seq) if shape else None
+        device_name = "cpu"
+        if ctx.device_type == "cuda":
+            import torch
+
+            device_name = torch.cuda.get_device_name(0)
+        section = performance.throughput(times[first:last], ctx.micro_batch * ctx.grad_accum * ctx.world_size * seq,
+                                         flops["total"] if flops else None, ctx.world_size, device_name)
+        section.update({"measured_steps": list(range(first + 1, last + 1)), "all_step_times_s": times,
+                        "seq_len": seq if shape else None, "flops_per_token": flops,
+                        "formula": "6*N + 12*layers*hidden*seq_len model FLOPs per token (PaLM, appendix B)"})
+        return {"throughput": section}
+
+
+@register
+class CommShare(Probe):
+    """Share of one optimizer step spent communicating, from a ``torch.profiler`` trace of the last step
+    on every rank (:func:`helpers.performance.comm_share`): on GPUs, NCCL kernel time not hidden behind
+    other kernels. Profiling slows that step, so ``throughput`` leaves it out. Section: ``comm_share``
+    (rank 0's figures, every rank's exposed share, or why none could be taken).
+    """
+
+    name = "comm_share"
+
+    def start(self, ctx: RunContext) -> None:
+        self.profile_step = ctx.steps - 1
+        self.profiler = None
+        self.result: dict = {"available": False, "reason": "the profiled step did not run"}
+
+    def before_step(self, ctx: RunContext, step: int) -> None:
+        if step != self.profile_step:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device_type == "cuda" else [])
+        try:
+            ctx.synchronize()
+            self.profiler = profile(activities=activities)
+            self.profiler.__enter__()
+        except Exception as error:  # a profiler refused by the driver or the sandbox: say so, train on
+            self.profiler = None
+            self.result = {"available": False, "reason": f"torch.profiler failed: {type(error).__name__}: {error}"}
+        self.started = time.perf_counter()
+
+    def after_step(self, ctx: RunContext, step: int) -> None:
+        if step != self.profile_step or self.profiler is None:
+            return
+        from helpers import performance
+
+        ctx.synchronize()
+        seconds = time.perf_counter() - self.started
+        try:
+            self.profiler.__exit__(None, None, None)
+            events = [(e.name, e.time_range.start, e.time_range.end, e.device_type.name != "CPU")
+                      for e in self.profiler.events()]
+            self.result = {"available": True, **performance.comm_share(events, seconds)}
+        except Exception as error:
+            self.result = {"available": False, "reason": f"reading the trace failed: {type(error).__name__}: {error}"}
+        self.profiler = None
+
+    def finish(self, ctx: RunContext) -> dict:
+        return self.result
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        section = dict(ranks[0])
+        section["profiled_step"] = self.profile_step + 1
+        section["exposed_share_per_rank"] = [r.get("exposed_share") for r in ranks]
+        return {"comm_share": section}

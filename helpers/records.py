@@ -23,6 +23,8 @@ PROBE_KEYS = {
     "peak_memory": ("memory.peak_bytes_per_rank",),
     "comm": ("comm.by_op", "comm.bytes_per_step", "comm.wire_bytes_per_step"),
     "timeline": ("timeline_s.per_rank",),
+    "throughput": ("throughput.tokens_per_s", "throughput.tflops_per_gpu", "throughput.mfu", "throughput.step_time_s"),
+    "comm_share": ("comm_share.available",),
 }
 #: What a run with the default probes has (a summary without "probes" predates them and had these).
 DEFAULT_PROBES = ("timing", "model_states", "peak_memory", "comm")

@@ -120,8 +120,16 @@ def data_parallel_step(ctx, run: dict, step: int, probes: list) -> list[float]:
     return losses
 
 
+def causal_lm_step(ctx, run: dict, step: int, probes: list) -> list[float]:
+    """One optimizer step of the capstone's language model (:func:`helpers.capstone.train_step`:
+    sequence length and ``engine.compile()`` from the run's ``model_options``)."""
+    from helpers import capstone
+
+    return capstone.train_step(ctx, run, step, probes)
+
+
 #: How a model takes one optimizer step (``models.trainer_of`` names one of these).
-TRAINERS = {"data_parallel": data_parallel_step}
+TRAINERS = {"data_parallel": data_parallel_step, "causal_lm": causal_lm_step}
 
 
 def publish(run: dict, position: int, summary: dict) -> None:
@@ -154,7 +162,7 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     with open(run["config"]) as f:
         config = json.load(f)
-    model = models.build(run["model"], run["seed"])
+    model = models.build(run["model"], run["seed"], **(run.get("model_options") or {}))
     psi = models.count_parameters(model)
     client_optimizer = None
     if run.get("client_optimizer"):

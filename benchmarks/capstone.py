@@ -1,0 +1,68 @@
+"""The capstone without Jupyter: climb the tuning ladder of notebook 16 on this machine's GPUs.
+
+    python benchmarks/capstone.py                      # 1.24B model on every GPU, 540 s budget
+    python benchmarks/capstone.py --size 2.7b --budget 900 --world-size 4
+    COURSE_GPUS=0,1 python benchmarks/capstone.py      # two GPUs of a shared box
+    python benchmarks/capstone.py --resume runs/capstone/ladder-1.2b-2r.json   # climb the rungs left
+
+Each rung of ``helpers.capstone.GPU_LADDER`` is one launch of its candidates; a candidate is kept when its
+model TFLOP/s per GPU beats the best so far by more than the noise margin. Writes every candidate's
+record to ``runs/capstone/``, the ladder to ``runs/capstone/ladder-<size>-<N>r.json`` and, on GPUs, the
+reference ``runs/reference/capstone-ladder-<size>-<device>.json`` to commit under ``notebooks/reference/``.
+On CPU ranks it climbs the one-launch CPU ladder with the tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's helpers, from any folder
+
+from helpers import capstone, environment, models  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=list(models.CAPSTONE_SIZES), help="default: 1.2b on GPUs, tiny on CPU")
+    parser.add_argument("--budget", type=float, default=540, help="seconds for the whole ladder (default 540)")
+    parser.add_argument("--world-size", type=int, help="ranks (default: every GPU chosen)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per candidate (default 8 on GPUs, 5 on CPU)")
+    parser.add_argument("--rungs", help="comma-separated rung names to climb, in ladder order (default: all)")
+    parser.add_argument("--note", default="benchmarks/capstone.py", help="stored with the reference")
+    parser.add_argument("--resume", type=Path, help="an earlier ladder-<size>-<N>r.json: go on where it stopped "
+                        "(its rungs are not climbed again)")
+    args = parser.parse_args(argv)
+
+    env = environment.detect(args.world_size)
+    size = args.size or ("1.2b" if env.is_gpu else "tiny")
+    ladder = capstone.GPU_LADDER if env.is_gpu else capstone.CPU_LADDER
+    if args.rungs:
+        wanted = args.rungs.split(",")
+        unknown = sorted(set(wanted) - {r.name for r in ladder})
+        if unknown:
+            parser.error(f"--rungs {unknown}: choose from {', '.join(r.name for r in ladder)}")
+        ladder = [r for r in ladder if r.name in wanted]
+    print(env.report(), flush=True)
+    print(f"capstone: {size} model ({models.capstone_parameters(size):,} parameters), budget {args.budget:.0f} s, "
+          f"rungs: {', '.join(r.name for r in ladder)}", flush=True)
+    resume = json.loads(args.resume.read_text()) if args.resume else None
+    result = capstone.walk(size, ladder=ladder, budget_s=args.budget, steps=args.steps, world_size=args.world_size,
+                           resume=resume)
+    data = result.to_dict()
+    path, reference = capstone.save(result, note=args.note)
+    print(capstone.ladder_table(data))
+    print()
+    print(capstone.rungs_table(data))
+    print()
+    print(capstone.summary(data))
+    print(f"\nladder: {path}")
+    if reference:
+        print(f"reference to commit: {reference}  (cp it to notebooks/reference/)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Run the course on an offline GPU machine that has torch but not DeepSpeed, and bring the results back.
+
+    python3 benchmarks/device_run.py [--budget 560] [--out DIR] TASK [ARGS ...]
+
+TASK is one of
+    check [--jobs N] [NOTEBOOK ...]   execute notebooks (python3 -m helpers.course check-gpu --no-setup)
+    reference [ARGS ...]              benchmarks/reference.py (chapter references, then the capstone)
+    capstone [ARGS ...]               benchmarks/capstone.py (the tuning ladder)
+    env                               only the set-up and what the machine is
+
+Made for a machine with no package index: it installs the wheels of the git-ignored ``.whl/`` folder (made
+here with ``python3 benchmarks/wheels.py``) into ``/tmp/site`` with ``pip --no-index --no-deps --target``, puts
+``/tmp/site`` and this repository on ``PYTHONPATH``, checks every import the course needs, shows the GPUs
+and their links, builds DeepSpeed's ops, then runs TASK with what is left of ``--budget`` seconds and packs
+``runs/`` (references, capstone ladder, check report, executed notebooks, logs) into
+``OUT/results.tar.gz`` with a ``summary.txt`` beside it. ``OUT`` defaults to ``$OUT``. It changes no
+``NCCL_*`` or other variable the machine sets (NVLink multicast stays off where the machine says so).
+Standard library only: it runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEELS = ROOT / ".whl"
+SITE = Path("/tmp/site")
+#: What the course imports on the GPU machine (module -> why).
+IMPORTS = {"torch": "training", "deepspeed": "the engine", "hjson": "DeepSpeed's config reader",
+           "pydantic": "DeepSpeed's config models", "transformers": "the LLaMA-style models", "tqdm": "progress",
+           "psutil": "process times", "matplotlib": "figures", "nbformat": "notebooks", "nbclient": "executing them",
+           "ipykernel": "their kernel", "jupyter_client": "talking to it", "nbval": "pytest --nbval"}
+#: Variables the machine may set that must reach every rank unchanged.
+KEPT = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "CUDA_VISIBLE_DEVICES")
+
+
+def say(message: str) -> None:
+    print(f"[device_run {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def install_wheels() -> None:
+    wheels = sorted(WHEELS.glob("*.whl"))
+    if not wheels:
+        sys.exit(f"no wheels in {WHEELS}: make them with python3 benchmarks/wheels.py and carry .whl")
+    digest = hashlib.sha256("".join(w.name for w in wheels).encode()).hexdigest()
+    stamp = SITE / ".course-wheels"
+    if stamp.exists() and stamp.read_text() == digest:
+        say(f"{len(wheels)} wheels already installed in {SITE}")
+        return
+    say(f"installing {len(wheels)} wheels into {SITE}")
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, wheels)], check=True)
+    stamp.write_text(digest)
+    say(f"installed in {time.monotonic() - started:.0f} s")
+
+
+def environment() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(SITE), str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("JUPYTER_PLATFORM_DIRS", "1")  # jupyter_core's future default; silences its warning
+    return env
+
+
+def check_imports(env: dict[str, str]) -> None:
+    code = ("import importlib, sys\n"
+            f"for name in {list(IMPORTS)!r}:\n"
+            "    try:\n"
+            "        m = importlib.import_module(name)\n"
+            "        print(f'  {name:<15} {getattr(m, \"__version__\", \"?\"):<14} {m.__file__}')\n"
+            "    except Exception as e:\n"
+            "        print(f'  {name:<15} MISSING: {type(e).__name__}: {e}'); sys.exit(1)\n")
+    say("imports:")
+    if subprocess.run([sys.executable, "-c", code], env=env).returncode:
+        sys.exit("a module the course needs is missing: add its wheel to .whl (python3 benchmarks/wheels.py)")
+
+
+def show_machine(env: dict[str, str]) -> None:
+    for argv in (["nvidia-smi", "-L"], ["nvidia-smi", "topo", "-m"]):
+        if shutil.which(argv[0]):
+            subprocess.run(argv, env=env)
+    for key in KEPT:
+        say(f"{key}={env.get(key, '(unset)')}")
+    subprocess.run([sys.executable, "-m", "helpers", "env"], env=env, cwd=ROOT)
+
+
+def run_with_deadline(argv: list[str], env: dict[str, str], log: Path, seconds: float) -> int:
+    """Run ``argv``, copying its output to stdout and ``log``; stop it and all it started after ``seconds``
+    (exit code 124 then)."""
+    import queue
+    import threading
+
+    process = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + seconds
+    with open(log, "w") as f:
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            sys.stdout.write(line)
+            f.write(line)
+            f.flush()
+    try:
+        return process.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        say("time budget spent: stopping the task and everything it started")
+        for sig in (15, 9):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(5)
+        return 124
+
+
+def pack(out: Path, task: str, code: int, seconds: float, log: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    runs = ROOT / "runs"
+    archive = out / "results.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted(runs.rglob("*")) if runs.exists() else []:
+            if path.is_file() and path.stat().st_size < 4_000_000 and "/dev/shm" not in str(path):
+                tar.add(path, arcname=str(path.relative_to(ROOT)))
+        tar.add(log, arcname="runs/device_run.log")
+    lines = [f"task: {task}", f"exit code: {code}", f"seconds: {seconds:.0f}",
+             f"archive: results.tar.gz ({archive.stat().st_size / 1e6:.1f} MB; unpack in the repository root: "
+             "tar xzf results.tar.gz)"]
+    references = sorted((runs / "reference").glob("*.json")) if (runs / "reference").exists() else []
+    lines.append("references: " + (", ".join(p.name for p in references) or "none"))
+    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    shutil.copy(log, out / "log.txt")
+    say(f"packed into {archive}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget", type=float, default=560, help="seconds for everything (default 560)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "runs" / "device-out")))
+    parser.add_argument("--no-install", action="store_true",
+                        help="use the packages this Python already has (a machine set up otherwise)")
+    parser.add_argument("task", choices=("check", "reference", "capstone", "env"))
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    (ROOT / "runs").mkdir(exist_ok=True)
+    log = ROOT / "runs" / "device_run.log"
+
+    if not args.no_install:
+        install_wheels()
+    env = environment()
+    check_imports(env)
+    show_machine(env)
+    ops = "FusedAdamBuilder" if args.task == "capstone" else ""
+    say("building DeepSpeed's ops" + (f" ({ops})" if ops else ""))
+    subprocess.run([sys.executable, "-m", "helpers", "build-ops", *(["--only", ops] if ops else [])], env=env, cwd=ROOT)
+
+    margin = 40  # for packing and the transfer back
+    left = args.budget - (time.monotonic() - started) - margin
+    if args.task == "check":
+        argv_task = [sys.executable, "-m", "helpers.course", "check-gpu", "--no-setup", *args.rest]
+    elif args.task == "reference":
+        argv_task = [sys.executable, str(ROOT / "benchmarks" / "reference.py"), "--budget", str(int(left - 20)), *args.rest]
+    elif args.task == "capstone":
+        argv_task = [sys.executable, str(ROOT / "benchmarks" / "capstone.py"), "--budget", str(int(left - 20)), *args.rest]
+    else:
+        argv_task = [sys.executable, "-c", "print('set-up only')"]
+    say(f"running {' '.join(argv_task[1:])} ({left:.0f} s left)")
+    code = run_with_deadline(argv_task, env, log, left)
+    say(f"task ended with code {code} after {time.monotonic() - started:.0f} s")
+    pack(args.out, args.task, code, time.monotonic() - started, log)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,584 @@
+"""The capstone: train a LLaMA-style model as fast as the box allows, one measured step at a time.
+
+A :class:`Setting` is one complete way to train the model (ZeRO stage, micro batch and accumulation,
+buckets and overlap, activation checkpointing, optimizer kernel, ``engine.compile()``, sequence length).
+A :class:`Rung` is one family of knobs: from the best setting so far it proposes candidates, and all of
+them train one after the other in ONE launch (:func:`helpers.launch.sweep`). :func:`walk` climbs the
+ladder: a candidate is kept when its model TFLOP/s per GPU beats the best so far by more than the noise
+margin (measured: the first rung trains the baseline twice), and dropped otherwise, with the reason. It
+stops starting rungs when the time budget would run out, and says which it skipped.
+
+Every figure comes from the candidates' records (probes ``throughput``, ``comm_share``, ``peak_memory``;
+formulas in :mod:`helpers.performance`). ``benchmarks/capstone.py`` runs the same ladder without Jupyter.
+
+FSDP2: :func:`fsdp2_run` is the hook where PyTorch FSDP2's run of the best setting plugs in (the DDP/FSDP2
+helpers are built with the chapter comparing DeepSpeed with PyTorch); until then it says so and measures
+nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from helpers import environment, launch, models, records
+
+#: The probes every candidate runs with (no comms logger: it synchronizes every collective, which would
+#: hide the overlap being tuned).
+PROBES = ("timing", "throughput", "peak_memory", "comm_share")
+#: A candidate must beat the best so far by at least this much (or twice the baseline's own spread).
+MIN_MARGIN = 0.02
+#: The issue's target: model FLOPs utilization per GPU with ZeRO-2 or ZeRO-3 on 2 or more GPUs.
+TARGET_MFU = 0.50
+#: What :func:`walk` sets for the ranks unless already set: fewer, larger CUDA allocator segments (a
+#: candidate that ran out of memory leaves less fragmentation to the next), and a rank stuck in a
+#: collective after another rank failed gives up after 5 minutes instead of DeepSpeed's 10.
+RANK_ENVIRONMENT = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "DEEPSPEED_TIMEOUT": "5"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One way to train the capstone model. ``None`` leaves a knob at DeepSpeed's default."""
+
+    stage: int = 2
+    micro_batch: int = 8
+    grad_accum: int = 2
+    seq_len: int = 2048
+    precision: str = "bf16"
+    overlap_comm: bool | None = None
+    contiguous_gradients: bool | None = None
+    reduce_bucket_size: int | None = None
+    allgather_bucket_size: int | None = None  # stages 1-2
+    prefetch_bucket_size: int | None = None  # stage 3
+    checkpointing: bool = False
+    optimizer: str = "fused"  # "fused": DeepSpeed's FusedAdam (AdamW mode); "torch": torch.optim.AdamW
+    compile: bool = False
+    attention: str = "sdpa"
+
+    def config(self, world_size: int) -> dict:
+        """The full DeepSpeed config of this setting on ``world_size`` ranks."""
+        zero: dict = {"stage": self.stage}
+        knobs = {"overlap_comm": self.overlap_comm, "contiguous_gradients": self.contiguous_gradients,
+                 "reduce_bucket_size": self.reduce_bucket_size}
+        if self.stage in (1, 2):
+            knobs["allgather_bucket_size"] = self.allgather_bucket_size
+        if self.stage == 3:
+            knobs["stage3_prefetch_bucket_size"] = self.prefetch_bucket_size
+        zero.update({k: v for k, v in knobs.items() if v is not None})
+        params: dict = {"lr": 1e-4, "weight_decay": 0.01}
+        if self.optimizer == "torch":
+            params["torch_adam"] = True
+        config = {
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "gradient_accumulation_steps": self.grad_accum,
+            "train_batch_size": self.micro_batch * self.grad_accum * world_size,
+            "optimizer": {"type": "AdamW", "params": params},
+            "gradient_clipping": 1.0,
+            "zero_optimization": zero,
+            "steps_per_print": 1_000_000,
+        }
+        if self.precision in ("bf16", "fp16"):
+            config[self.precision] = {"enabled": True}
+        return config
+
+    def model_options(self, size: str) -> dict:
+        return {"size": size, "seq_len": self.seq_len, "attention": self.attention,
+                "checkpointing": self.checkpointing, "compile": self.compile}
+
+    def changes_from(self, other: "Setting") -> str:
+        """What differs from ``other``, as ``knob=value`` pairs ("same" when nothing does)."""
+        diffs = [f"{f.name}={_short(getattr(self, f.name))}" for f in dataclasses.fields(self)
+                 if getattr(self, f.name) != getattr(other, f.name)]
+        return ", ".join(diffs) or "same"
+
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+def _short(value) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000_000:
+        return f"{value:.0e}".replace("e+0", "e")
+    return str(value)
+
+
+#: Where the ladder starts on GPUs: the issue's measured baseline (1.24B, sequence 2048, bf16, SDPA,
+#: ZeRO-2, micro batch 8 x accumulation 2, DeepSpeed's defaults otherwise).
+GPU_BASELINE = Setting()
+#: Where it starts on CPU ranks: the tiny model, in fp32 (bf16 is emulated, slowly, on most CPUs), with
+#: torch's AdamW (DeepSpeed's FusedAdam is a compiled op on CPUs too, and loading it costs each launch seconds).
+CPU_BASELINE = Setting(micro_batch=4, grad_accum=2, seq_len=64, precision="fp32", optimizer="torch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rung:
+    """One family of knobs: ``propose(best)`` gives (label, candidate) pairs; ``eligible`` says which
+    settings may be kept (the target asks for ZeRO-2 or ZeRO-3)."""
+
+    name: str
+    what: str
+    propose: Callable[[Setting], list[tuple[str, Setting]]]
+    eligible: Callable[[Setting], bool] = lambda s: s.stage in (2, 3)
+
+
+def _batch(s: Setting) -> list[tuple[str, Setting]]:
+    found = []
+    if s.grad_accum >= 2:
+        found.append(("micro x2, accumulation /2", dataclasses.replace(s, micro_batch=s.micro_batch * 2,
+                                                                         grad_accum=s.grad_accum // 2)))
+    if s.micro_batch >= 2:
+        found.append(("micro /2, accumulation x2", dataclasses.replace(s, micro_batch=s.micro_batch // 2,
+                                                                         grad_accum=s.grad_accum * 2)))
+    found.append(("accumulation x2", dataclasses.replace(s, grad_accum=s.grad_accum * 2)))
+    return found
+
+
+def _overlap(s: Setting) -> list[tuple[str, Setting]]:
+    if s.stage == 3:
+        return [("prefetch bucket 2e8", dataclasses.replace(s, prefetch_bucket_size=200_000_000)),
+                ("reduce bucket 2e8", dataclasses.replace(s, reduce_bucket_size=200_000_000))]
+    return [("overlap_comm", dataclasses.replace(s, overlap_comm=True)),
+            ("overlap_comm, buckets 2e8", dataclasses.replace(s, overlap_comm=True, reduce_bucket_size=200_000_000,
+                                                              allgather_bucket_size=200_000_000))]
+
+
+def _checkpointing(s: Setting) -> list[tuple[str, Setting]]:
+    on = dataclasses.replace(s, checkpointing=True)
+    found = [("checkpointing, micro x2", dataclasses.replace(on, micro_batch=s.micro_batch * 2))]
+    if s.grad_accum >= 2:
+        found.append(("checkpointing, micro x2, accumulation /2",
+                      dataclasses.replace(on, micro_batch=s.micro_batch * 2, grad_accum=s.grad_accum // 2)))
+    return found
+
+
+#: The GPU ladder, in the order it is climbed: the knobs that usually pay most come first, so a short
+#: budget spends itself on them (the stage rung shares the baseline's launch).
+GPU_LADDER: list[Rung] = [
+    Rung("stage", "ZeRO stage (stage 1 is measured for comparison; the target asks for 2 or 3)",
+         lambda s: [("ZeRO-3", dataclasses.replace(s, stage=3)), ("ZeRO-1", dataclasses.replace(s, stage=1))]),
+    Rung("batch", "micro batch and gradient accumulation", _batch),
+    Rung("overlap", "communication overlap and bucket sizes", _overlap),
+    Rung("compile", "torch.compile through engine.compile()",
+         lambda s: [("engine.compile()", dataclasses.replace(s, compile=True))] if not s.compile else []),
+    Rung("sequence", "sequence length x2 at the same tokens per micro-batch",
+         lambda s: [("sequence x2, micro /2", dataclasses.replace(s, seq_len=s.seq_len * 2,
+                                                                  micro_batch=max(1, s.micro_batch // 2)))]),
+    Rung("checkpointing", "activation checkpointing, spending the memory it frees on a larger micro batch",
+         _checkpointing),
+    Rung("fused", "fused optimizer kernel: DeepSpeed's FusedAdam against torch.optim.AdamW (foreach)",
+         lambda s: [("torch AdamW", dataclasses.replace(s, optimizer="torch" if s.optimizer == "fused" else "fused"))]),
+]
+
+#: On CPU ranks the notebook climbs one rung in one launch: the baseline (twice) and one candidate from
+#: each of three knob families, so the learner sees the rule at work within the notebook's time.
+CPU_LADDER: list[Rung] = [
+    Rung("cpu", "one candidate per knob family, in one launch",
+         lambda s: [("ZeRO-3", dataclasses.replace(s, stage=3)),
+                    ("accumulation x2", dataclasses.replace(s, grad_accum=s.grad_accum * 2)),
+                    ("checkpointing", dataclasses.replace(s, checkpointing=True))]),
+]
+
+
+# --- what each candidate measured -------------------------------------------------------------
+
+def metric(record: records.Record) -> float:
+    """The number the ladder ranks by: model TFLOP/s per GPU (tokens/s where no FLOPs are known)."""
+    section = record["throughput"]
+    return section["tflops_per_gpu"] if section["tflops_per_gpu"] is not None else section["tokens_per_s"]
+
+
+def measurements(record: records.Record) -> dict:
+    """The figures a ladder row shows, from one candidate's record."""
+    t, share = record["throughput"], record.summary.get("comm_share", {})
+    return {"tokens_per_s": t["tokens_per_s"], "tflops_per_gpu": t["tflops_per_gpu"], "mfu": t["mfu"],
+            "step_time_s": t["step_time_s"], "peak_bytes": max(record["memory.peak_bytes_per_rank"]),
+            "comm_exposed_share": share.get("exposed_share"), "comm_busy_share": share.get("busy_share"),
+            "losses": record.losses, "metric": metric(record)}
+
+
+# --- the rank side: one optimizer step of the capstone model ----------------------------------
+
+def train_step(ctx, run: dict, step: int, probes: list) -> list[float]:
+    """``grad_accum`` micro-steps of forward, ``engine.backward``, ``engine.step`` on windows of the text
+    corpus ``seq_len`` tokens long; ``engine.compile()`` first when the run's options ask for it (its
+    compilation lands in the first, warm-up, step). Losses are read once per step, not per micro-step,
+    so the host never waits for the device mid-step."""
+    engine, name = ctx.engine, run["model"]
+    options = models.capstone_options(run.get("model_options"))
+    if step == 0 and options["compile"] and not engine.is_compiled:
+        engine.compile()
+    losses = []
+    for micro_step in range(ctx.grad_accum):
+        indices = models.sample_indices(step, micro_step, ctx.rank, ctx.world_size, ctx.micro_batch, ctx.grad_accum)
+        batch = models.make_batch(name, indices, run["seed"], seq_len=options["seq_len"]).to(engine.device)
+        loss = models.loss_of(engine, name, batch)
+        engine.backward(loss)
+        for probe in probes:
+            probe.after_backward(ctx, step, micro_step)
+        engine.step()
+        losses.append(loss.detach())
+    return [loss.item() for loss in losses]
+
+
+# --- the ladder ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Candidate:
+    rung: str
+    label: str
+    setting: Setting
+    run_name: str
+    record: records.Record | None = None
+    failure: str | None = None
+    verdict: str = ""
+
+
+@dataclasses.dataclass
+class Ladder:
+    """What :func:`walk` did: every candidate with its verdict, the best setting and why it stopped."""
+
+    size: str
+    params: int
+    world_size: int
+    device: str
+    baseline: Setting
+    budget_s: float
+    candidates: list[Candidate] = dataclasses.field(default_factory=list)
+    rungs: list[dict] = dataclasses.field(default_factory=list)
+    best: Setting | None = None
+    best_label: str = "baseline"
+    margin: float = MIN_MARGIN
+    spread: float | None = None
+    seconds: float = 0.0
+    fsdp2: dict = dataclasses.field(default_factory=dict)
+    previous: dict | None = None  # the ladder this walk resumed (Ladder.to_dict() of an earlier walk)
+    name: str = "capstone"  # runs/<name>/ holds every candidate's record
+
+    def best_candidate(self) -> Candidate | None:
+        kept = [c for c in self.candidates if c.verdict.startswith(("kept", "baseline"))]
+        return kept[-1] if kept else None
+
+    def best_run(self) -> str | None:
+        kept = [c for c in self.candidates if c.verdict.startswith("kept")]
+        if kept:
+            return kept[-1].run_name
+        if self.previous is not None:
+            return self.previous["best_run"]
+        best = self.best_candidate()
+        return best.run_name if best else None
+
+    def to_dict(self) -> dict:
+        """Plain data (settings, verdicts, each candidate's figures), for ladder.json and the references."""
+        before = self.previous or {"candidates": [], "rungs": [], "budget_s": 0, "seconds": 0}
+        climbed_now = {r["rung"] for r in self.rungs}
+        before_rungs = [r for r in before["rungs"] if r["ran"] or r["rung"] not in climbed_now]
+        return {"size": self.size, "params": self.params, "world_size": self.world_size, "device": self.device,
+                "baseline": dataclasses.asdict(self.baseline), "budget_s": before["budget_s"] + self.budget_s,
+                "seconds": before["seconds"] + self.seconds, "margin": self.margin, "spread": self.spread,
+                "rungs": before_rungs + self.rungs, "walks": 1 + before.get("walks", 0),
+                "best": dataclasses.asdict(self.best) if self.best else None, "best_label": self.best_label,
+                "best_run": self.best_run(), "target_mfu": TARGET_MFU, "fsdp2": self.fsdp2,
+                "candidates": before["candidates"] + [
+                    {"rung": c.rung, "label": c.label, "run": c.run_name, "verdict": c.verdict,
+                     "changes": c.setting.changes_from(self.baseline), "failure": c.failure,
+                     "setting": dataclasses.asdict(c.setting), **(measurements(c.record) if c.record else {})}
+                    for c in self.candidates]}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def _estimate(history: list[tuple[float, int]], count: int, compiles: bool, is_gpu: bool) -> float:
+    """Seconds a launch of ``count`` candidates should take, from earlier launches (wall, candidates)."""
+    if history:
+        per_run = max(wall / runs for wall, runs in history)
+        estimate = per_run * count
+    else:
+        estimate = (60 + 30 * count) if is_gpu else (10 + 5 * count)
+    return estimate * (2.5 if compiles else 1.0)
+
+
+def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], size: str, steps: int,
+                 world: int, name: str, timeout: float) -> list[Candidate]:
+    """Train ``pairs`` in one launch; a candidate that fails (out of memory, say) is recorded, not fatal."""
+    folder = launch.RUNS_DIR / name
+    candidates, specs = [], []
+    for i, (label, setting) in enumerate(pairs):
+        run_name = f"{rung_index}-{rung.name}-{i}-{_slug(label)}"
+        candidates.append(Candidate(rung.name, label, setting, run_name))
+        specs.append(launch.RunSpec(setting.config(world), model="llama-capstone", steps=steps, name=run_name,
+                                    out=folder / run_name, probes=PROBES, on_error="record",
+                                    model_options=setting.model_options(size)))
+    try:
+        results = launch.sweep(specs, name=f"{name}/{rung_index}-{rung.name}", world_size=world, timeout=timeout)
+    except launch.RunFailed as failure:  # a hang or a crash ends the launch: keep what finished before it
+        results = {}
+        for spec in specs:
+            try:
+                results[spec.name] = records.load(spec.out)
+            except (OSError, ValueError):
+                results[spec.name] = failure
+    for c in candidates:
+        result = results.get(c.run_name)
+        if isinstance(result, records.Record):
+            c.record = result
+        else:
+            c.failure = str(result).splitlines()[0][:160] if result is not None else "did not run"
+    return candidates
+
+
+def decide(measured: list[tuple[Candidate, float | None]], best_value: float, margin: float,
+           rung: Rung) -> Candidate | None:
+    """Give each candidate of a rung its verdict from its number (None: it failed) against the best so
+    far, and return the one to keep: the fastest eligible candidate whose gain exceeds ``margin``, or None."""
+    winner, winner_value = None, best_value
+    for c, value in measured:
+        if value is None:
+            c.verdict = f"failed: {c.failure}"
+            continue
+        gain = value / best_value - 1
+        if not rung.eligible(c.setting):
+            c.verdict = f"not eligible ({gain:+.1%}): {rung.what}"
+        elif gain <= margin:
+            c.verdict = f"dropped: {gain:+.1%}, not above the {margin:.1%} margin"
+        else:
+            c.verdict = f"better: {gain:+.1%}"
+            if value > winner_value:
+                winner, winner_value = c, value
+    for c, _ in measured:
+        if c.verdict.startswith("better"):
+            gain = c.verdict[len("better: "):]
+            c.verdict = f"kept: {gain}" if c is winner else f"dropped: {gain}, another candidate of this rung did better"
+    return winner
+
+
+def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Setting | None = None,
+         budget_s: float = 300, steps: int | None = None, world_size: int | None = None,
+         name: str = "capstone", resume: dict | None = None) -> Ladder:
+    """Climb ``ladder`` from ``baseline`` with the capstone model of ``size`` within ``budget_s`` seconds.
+
+    Defaults: on GPUs the 1.24B model would be ``size="1.2b"`` with :data:`GPU_LADDER` from
+    :data:`GPU_BASELINE`; on CPU ranks :data:`CPU_LADDER` from :data:`CPU_BASELINE`. Each rung is one
+    launch; the first also trains the baseline twice, which sets the noise margin. Sets
+    :data:`RANK_ENVIRONMENT` in this process (unless set) for the ranks. Returns the :class:`Ladder`; every
+    candidate's record is in ``runs/<name>/``.
+    """
+    import os
+
+    for key, value in RANK_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    env = environment.detect(world_size)
+    world = env.default_world_size
+    ladder = list(ladder if ladder is not None else (GPU_LADDER if env.is_gpu else CPU_LADDER))
+    baseline = baseline or (GPU_BASELINE if env.is_gpu else CPU_BASELINE)
+    if not env.supports(baseline.precision):
+        raise ValueError(f"baseline precision {baseline.precision}: not supported on {env.device_name}")
+    steps = steps or (8 if env.is_gpu else 5)
+    started = time.monotonic()
+    result = Ladder(size=size, params=models.capstone_parameters(size), world_size=world, device=env.device_name,
+                    baseline=baseline, budget_s=budget_s, name=name)
+    best, best_value, seen = None, None, set()
+    history: list[tuple[float, int]] = []
+    done: set[str] = set()
+    if resume is not None:
+        if (resume["size"], resume["world_size"]) != (size, world):
+            raise ValueError(f"resume: that ladder trained size {resume['size']} on {resume['world_size']} ranks, "
+                             f"not {size} on {world}")
+        result.previous, result.baseline = resume, Setting(**resume["baseline"])
+        result.margin, result.spread = resume["margin"], resume["spread"]
+        result.best_label = resume["best_label"]
+        best = Setting(**resume["best"])
+        rows = {c["run"]: c for c in resume["candidates"]}
+        base = [c["metric"] for c in resume["candidates"] if c["verdict"] == "baseline"]
+        best_value = (sum(base) / len(base)) if rows[resume["best_run"]]["verdict"] == "baseline" \
+            else rows[resume["best_run"]]["metric"]
+        seen = {Setting(**c["setting"]) for c in resume["candidates"]}
+        done = {r["rung"] for r in resume["rungs"] if r["ran"]}
+    for index, rung in enumerate(ladder):
+        if rung.name in done:
+            continue
+        current = best or baseline
+        pairs = [(label, s) for label, s in rung.propose(current) if s not in seen and env.supports(s.precision)]
+        if best is None:
+            pairs = [("baseline", baseline), ("baseline, again", baseline)] + pairs
+        if not pairs:
+            result.rungs.append({"rung": rung.name, "what": rung.what, "ran": False, "why": "nothing new to try"})
+            continue
+        left = budget_s - (time.monotonic() - started)
+        estimate = _estimate(history, len(pairs), any(s.compile for _, s in pairs), env.is_gpu)
+        reduced = best is None and estimate > left
+        if reduced:  # the baseline is measured whatever the budget
+            result.rungs.append({"rung": rung.name, "what": rung.what, "ran": False,
+                                 "why": f"time budget: about {estimate:.0f} s needed, {max(0, left):.0f} s left; "
+                                        "the baseline alone was measured"})
+            pairs = pairs[:2]
+            estimate = _estimate(history, 2, False, env.is_gpu)
+        elif estimate > left:
+            result.rungs.append({"rung": rung.name, "what": rung.what, "ran": False,
+                                 "why": f"time budget: about {estimate:.0f} s needed, {max(0, left):.0f} s left"})
+            continue
+        launched = time.monotonic()
+        # the budget decides which rungs start; a started launch gets room (a loaded machine is slow)
+        found = _launch_rung(index, rung, pairs, size, steps, world, name, timeout=max(300.0, min(left, 3 * estimate)))
+        history.append((time.monotonic() - launched, len(pairs)))
+        seen.update(s for _, s in pairs)
+        if best is None:
+            base = [c for c in found[:2] if c.record is not None]
+            if not base:
+                reason = found[0].failure or "no record"
+                raise launch.RunFailed(f"the baseline did not train: {reason}")
+            values = [metric(c.record) for c in base]
+            best, best_value = baseline, sum(values) / len(values)
+            if len(values) == 2:
+                result.spread = abs(values[0] - values[1]) / best_value
+                result.margin = max(MIN_MARGIN, 2 * result.spread)
+            for c in found[:2]:
+                c.verdict = "baseline" if c.record else f"failed: {c.failure}"
+            found_rest = found[2:]
+        else:
+            found_rest = found
+        winner = decide([(c, metric(c.record) if c.record else None) for c in found_rest], best_value,
+                        result.margin, rung)
+        if winner is not None:
+            best, best_value, result.best_label = winner.setting, metric(winner.record), f"{rung.name}: {winner.label}"
+        result.candidates.extend(found)
+        if not reduced:
+            result.rungs.append({"rung": rung.name, "what": rung.what, "ran": True, "candidates": len(found),
+                                 "kept": winner.label if winner else None})
+    result.best = best
+    result.seconds = time.monotonic() - started
+    result.fsdp2 = fsdp2_run(best or baseline, size, steps, world)
+    return result
+
+
+def fsdp2_run(setting: Setting, size: str, steps: int, world_size: int) -> dict:
+    """HOOK: PyTorch FSDP2 on the ladder's best setting, the alternative a user would weigh.
+
+    Where the FSDP2 run plugs in. The DDP/FSDP2 helpers are built with the chapter that compares DeepSpeed
+    with PyTorch (``helpers.pytorch_train``: runs under ``torchrun`` with the same run record). Once they
+    are in ``helpers/``, this function trains the capstone model with FSDP2 (full sharding; the same micro
+    batch, accumulation, sequence length, precision and checkpointing as ``setting``) for ``steps`` steps
+    on ``world_size`` ranks, with :data:`PROBES`, in one launch, e.g.
+    ``launch.sweep({"fsdp2": launch.RunSpec(setting.config(world_size), model="llama-capstone", steps=steps,
+    probes=PROBES, model_options=setting.model_options(size), task="helpers.pytorch_train:train_run",
+    options={"strategy": "fsdp2"})}, launcher="torchrun")``, and returns ``{"measured": True,
+    **measurements(record)}``. Until then it measures nothing and says why.
+    """
+    return {"measured": False,
+            "reason": "the FSDP2 comparison is not connected yet: helpers.capstone.fsdp2_run is the hook for "
+                      "the PyTorch DDP/FSDP2 helpers (torchrun), built separately"}
+
+
+# --- tables ---------------------------------------------------------------------------------------
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def ladder_table(ladder: dict) -> str:
+    """Every candidate of a ladder (``Ladder.to_dict()``, live or from a committed reference): what it
+    changed from the baseline, its figures and its verdict."""
+    rows = []
+    for c in ladder["candidates"]:
+        if c.get("failure") and "tokens_per_s" not in c:
+            rows.append([c["rung"], c["label"], "-", "-", "-", "-", "-", c["verdict"]])
+            continue
+        tflops = "-" if c["tflops_per_gpu"] is None else f"{c['tflops_per_gpu']:.4g}"
+        rows.append([c["rung"], c["label"], f"{c['tokens_per_s']:,.0f}", tflops, _pct(c["mfu"]),
+                     records.format_bytes(c["peak_bytes"]), _pct(c["comm_exposed_share"]), c["verdict"]])
+    per = "rank" if ladder["device"].startswith("CPU") else "GPU"
+    return records.format_table(rows, ["rung", "candidate", "tokens/s", f"TFLOP/s/{per}", "MFU", "peak mem",
+                                       "comm exposed", "verdict"])
+
+
+def rungs_table(ladder: dict) -> str:
+    """Each rung: what it tunes, whether it ran (or why not) and what it kept."""
+    rows = [[r["rung"], r["what"], "ran" if r["ran"] else f"skipped: {r['why']}", r.get("kept") or "-"]
+            for r in ladder["rungs"]]
+    return records.format_table(rows, ["rung", "tunes", "outcome", "kept"])
+
+
+def summary(ladder: dict) -> str:
+    """The best setting against the baseline and the target, in words and numbers from the ladder."""
+    rows = {c["run"]: c for c in ladder["candidates"]}
+    base = [c for c in ladder["candidates"] if c["verdict"] == "baseline"]
+    best = rows.get(ladder["best_run"])
+    if not base or best is None:
+        return "The ladder has no measured baseline."
+    unit = "model TFLOP/s per " + ("rank" if ladder["device"].startswith("CPU") else "GPU")
+    base_value = sum(c["metric"] for c in base) / len(base)
+    lines = [f"{ladder['device']}, {ladder['world_size']} rank(s), {ladder['params']:,} parameters"]
+    if best["verdict"] == "baseline":
+        value, mfu = base_value, _mean([c.get("mfu") for c in base])
+        lines.append(f"no candidate beat the baseline by more than the {ladder['margin']:.1%} margin: "
+                     f"{unit} {value:.3g} (mean of its two runs)")
+    else:
+        value, mfu = best["metric"], best.get("mfu")
+        lines.append(f"best: {ladder['best_label']} ({best['changes']})")
+        lines.append(f"{unit} {value:.3g}, {value / base_value:.2f}x the baseline's {base_value:.3g}")
+    if mfu is not None:
+        verdict = "reached" if mfu >= ladder["target_mfu"] else "not reached"
+        lines.append(f"MFU {mfu:.1%} (target {ladder['target_mfu']:.0%}: {verdict}); "
+                     f"exposed communication {_pct(best['comm_exposed_share'])} of a step")
+    else:
+        lines.append("MFU: none (no dense bf16 peak for this device)")
+    fsdp2 = ladder.get("fsdp2") or {}
+    lines.append("FSDP2: " + (f"{fsdp2['mfu']:.1%} MFU" if fsdp2.get("measured") else fsdp2.get("reason", "not run")))
+    return "\n".join(lines)
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def same_math(ladder: dict) -> str:
+    """Candidates that train the same samples in the same precision as the baseline (same micro batch x
+    accumulation and sequence length): their losses must agree with the baseline's, within the precision's
+    tolerance (:data:`helpers.records.LOSS_TOLERANCE`), since stage, buckets, overlap, checkpointing and
+    compilation change where and when the work happens, not the arithmetic."""
+    rows = [c for c in ladder["candidates"] if "losses" in c]
+    base = next((c for c in rows if c["verdict"] == "baseline"), None)
+    if base is None:
+        return "No baseline was measured."
+
+    def batch(c: dict) -> tuple:
+        s = c["setting"]
+        return s["micro_batch"] * s["grad_accum"], s["seq_len"], s["precision"]
+
+    table = [[c["label"], c["changes"], records.loss_agreement(c["losses"], base["losses"], c["setting"]["precision"])]
+             for c in rows if c is not base and batch(c) == batch(base)]
+    return records.format_table(table, ["candidate", "changed from the baseline", "losses vs the baseline"])
+
+
+def save(ladder: Ladder, note: str = "") -> tuple[Path, Path | None]:
+    """Write ``runs/<name>/ladder.json``; on GPUs also keep the ladder and its records as the reference
+    ``capstone-ladder`` (:func:`helpers.experiments.save_reference`). Returns both paths."""
+    from helpers import experiments
+
+    data = ladder.to_dict()
+    folder = launch.RUNS_DIR / "capstone"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"ladder-{ladder.size}-{ladder.world_size}r.json"
+    path.write_text(json.dumps(data, indent=1))
+    runs = {}
+    for row in (ladder.previous or {}).get("candidates", []):  # a resumed walk: the earlier records, if here
+        try:
+            runs[row["run"]] = records.load(launch.RUNS_DIR / ladder.name / row["run"])
+        except (OSError, ValueError):
+            pass
+    runs.update({c.run_name: c.record for c in ladder.candidates if c.record is not None})
+    reference = experiments.save_reference(f"capstone-ladder-{ladder.size}", {**runs, "ladder": data}, note) if runs else None
+    return path, reference
+
+
+def reference_ladders(size: str = "1.2b") -> list[tuple[str, str, str, dict]]:
+    """Committed GPU ladders of ``size``: (device, date, note, ladder dict), oldest file name first."""
+    from helpers import experiments
+
+    return [(device, date, note, runs["ladder"]) for device, date, note, runs
+            in experiments.reference_runs(f"capstone-ladder-{size}") if "ladder" in runs]

@@ -1,0 +1,203 @@
+"""The capstone's arithmetic and rules, without launching: FLOPs and MFU, the communication share of a
+profiled step, the settings' DeepSpeed configs (checked by DeepSpeed's own parser), the keep-or-drop rule
+and the tables. Its runs are notebook 16's (nbval)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from helpers import capstone, configs, models, performance
+
+
+# --- model FLOPs, peaks, MFU ---------------------------------------------------------------------
+
+def test_flops_per_token_is_palms_count():
+    f = performance.flops_per_token(1_000, layers=2, hidden=64, seq_len=128)
+    assert f == {"matmul_6N": 6_000.0, "attention_12LdT": 12.0 * 2 * 64 * 128, "total": 6_000.0 + 196_608.0}
+
+
+def test_the_baseline_model_has_the_issues_shape():
+    assert models.capstone_parameters("1.2b") == 1_244_227_584
+    assert models.capstone_config("1.2b").num_hidden_layers == 22
+    assert models.capstone_config("1.2b", seq_len=4096).max_position_embeddings == 4096
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989.5), ("NVIDIA H100 PCIe", 756.0),
+                                        ("NVIDIA H100 NVL", 835.5), ("NVIDIA H200", 989.5), ("NVIDIA H200 NVL", 835.5),
+                                        ("NVIDIA A100-SXM4-80GB", 312.0), ("cpu", None)])
+def test_peak_looked_up_by_device_name(name, peak):
+    found, source = performance.peak_tflops(name)
+    assert found == peak and source
+
+
+def test_throughput_and_mfu_from_step_times():
+    t = performance.throughput([2.0, 1.0, 3.0], tokens_per_step=1000, flops_token=1e12, world_size=2,
+                               device_name="NVIDIA H100 80GB HBM3")
+    assert t["step_time_s"] == 2.0 and t["tokens_per_s"] == 500.0
+    assert t["tflops_per_gpu"] == pytest.approx(250.0) and t["mfu"] == pytest.approx(250.0 / 989.5)
+
+
+# --- communication share of a profiled step ------------------------------------------------------
+
+def test_union_and_overlap_of_intervals():
+    assert performance.union([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
+    assert performance.length([(0, 2), (1, 3)]) == 3
+    assert performance.overlap([(0, 10)], [(2, 4), (3, 5), (8, 12)]) == 5
+
+
+def test_gpu_share_counts_only_communication_no_kernel_hides():
+    events = [("ampere_bf16_gemm", 0, 600, True), ("ncclDevKernel_AllReduce", 400, 900, True),
+              ("Memcpy HtoD", 800, 1000, True), ("aten::mm", 0, 1000, False)]
+    share = performance.comm_share(events, step_s=0.001)
+    assert share["comm_busy_s"] == pytest.approx(500e-6) and share["comm_exposed_s"] == pytest.approx(300e-6)
+    assert share["exposed_share"] == pytest.approx(0.3)
+
+
+def test_cpu_share_is_time_inside_collectives():
+    events = [("aten::mm", 0, 500, False), ("record_param_comms", 500, 700, False), ("gloo:all_reduce", 520, 690, False)]
+    share = performance.comm_share(events, step_s=0.001)
+    assert share["exposed_share"] == pytest.approx(0.2) and share["busy_share"] == share["exposed_share"]
+
+
+# --- settings and the ladder ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("setting", [
+    capstone.GPU_BASELINE,
+    dataclasses.replace(capstone.GPU_BASELINE, stage=1, overlap_comm=True, reduce_bucket_size=200_000_000,
+                        allgather_bucket_size=200_000_000),
+    dataclasses.replace(capstone.GPU_BASELINE, stage=3, prefetch_bucket_size=200_000_000, optimizer="torch"),
+    capstone.CPU_BASELINE,
+])
+def test_every_setting_is_a_config_deepspeed_accepts(setting):
+    config = setting.config(world_size=4)
+    assert config["train_batch_size"] == setting.micro_batch * setting.grad_accum * 4
+    errors = [f for f in configs.check(config, 4) if f.severity == "error"]
+    assert not errors, errors
+
+
+def test_setting_names_what_it_changed():
+    other = dataclasses.replace(capstone.GPU_BASELINE, micro_batch=16, grad_accum=1, reduce_bucket_size=200_000_000)
+    assert other.changes_from(capstone.GPU_BASELINE) == "micro_batch=16, grad_accum=1, reduce_bucket_size=2e8"
+    assert capstone.GPU_BASELINE.changes_from(capstone.GPU_BASELINE) == "same"
+
+
+def test_every_rung_proposes_new_settings_and_the_model_takes_their_options():
+    for rung in capstone.GPU_LADDER + capstone.CPU_LADDER:
+        for label, setting in rung.propose(capstone.GPU_BASELINE):
+            assert setting != capstone.GPU_BASELINE, (rung.name, label)
+            models.check_model_options("llama-capstone", setting.model_options("1.2b"))
+
+
+@pytest.mark.parametrize("options, key", [({"size": "7b"}, "size"), ({"seq_len": 0}, "seq_len"),
+                                          ({"attention": "flash"}, "attention"), ({"tp": 2}, "tp"),
+                                          ({"compile": "yes"}, "compile")])
+def test_bad_model_options_name_the_key(options, key):
+    with pytest.raises(ValueError, match=key):
+        models.check_model_options("llama-capstone", options)
+    with pytest.raises(ValueError, match="takes no model_options"):
+        models.check_model_options("mlp", {"seq_len": 64})
+
+
+def _candidates(*stages):
+    return [capstone.Candidate("stage", f"c{i}", dataclasses.replace(capstone.GPU_BASELINE, stage=s), f"r{i}")
+            for i, s in enumerate(stages)]
+
+
+def test_decide_keeps_the_fastest_eligible_candidate_above_the_margin():
+    rung = capstone.GPU_LADDER[0]
+    a, b, c, d = _candidates(3, 2, 1, 2)
+    d.failure = "CUDA out of memory"
+    winner = capstone.decide([(a, 110.0), (b, 101.0), (c, 150.0), (d, None)], best_value=100.0, margin=0.02, rung=rung)
+    assert winner is a
+    assert a.verdict == "kept: +10.0%"
+    assert b.verdict.startswith("dropped: +1.0%, not above the 2.0% margin")
+    assert c.verdict.startswith("not eligible (+50.0%)")
+    assert d.verdict == "failed: CUDA out of memory"
+
+
+def test_decide_keeps_nothing_when_no_candidate_beats_the_best():
+    a, b = _candidates(3, 2)
+    assert capstone.decide([(a, 90.0), (b, 101.5)], 100.0, 0.02, capstone.GPU_LADDER[0]) is None
+    assert a.verdict.startswith("dropped: -10.0%")
+
+
+def test_tables_from_a_ladder_dict():
+    row = {"rung": "stage", "label": "baseline", "run": "r0", "verdict": "baseline", "changes": "same",
+           "failure": None, "setting": dataclasses.asdict(capstone.GPU_BASELINE), "tokens_per_s": 100_000.0,
+           "tflops_per_gpu": 400.0, "mfu": 400 / 989.5, "step_time_s": 1.0, "peak_bytes": 40 * 2**30,
+           "comm_exposed_share": 0.05, "comm_busy_share": 0.2, "losses": [10.0, 9.0], "metric": 400.0}
+    kept = {**row, "label": "ZeRO-3", "run": "r1", "verdict": "kept: +25.0%", "changes": "stage=3", "metric": 500.0,
+            "tflops_per_gpu": 500.0, "mfu": 500 / 989.5, "setting": dataclasses.asdict(
+                dataclasses.replace(capstone.GPU_BASELINE, stage=3))}
+    failed = {"rung": "batch", "label": "micro x2", "run": "r2", "verdict": "failed: OOM", "changes": "micro_batch=16",
+              "failure": "OOM", "setting": dataclasses.asdict(capstone.GPU_BASELINE)}
+    ladder = {"candidates": [row, kept, failed], "rungs": [{"rung": "stage", "what": "ZeRO stage", "ran": True,
+                                                            "kept": "ZeRO-3"}],
+              "best_run": "r1", "best_label": "stage: ZeRO-3", "device": "2 x NVIDIA H100 80GB HBM3", "world_size": 2,
+              "params": 1_244_227_584, "target_mfu": 0.5, "fsdp2": {"measured": False, "reason": "not connected"}}
+    table = capstone.ladder_table(ladder)
+    assert "40.4%" in table and "50.5%" in table and "40 GiB" in table and "failed: OOM" in table
+    text = capstone.summary(ladder)
+    assert "1.25x the baseline's 400" in text and "MFU 50.5% (target 50%: reached)" in text
+    assert "losses vs the baseline" in capstone.same_math(ladder)
+    assert "within 1e-03" in capstone.same_math(ladder)  # bf16 tolerance, same batch as the baseline
+
+
+def test_fsdp2_hook_says_it_measured_nothing():
+    found = capstone.fsdp2_run(capstone.GPU_BASELINE, "1.2b", 8, 2)
+    assert found["measured"] is False and "fsdp2_run" in found["reason"]
+
+
+def test_summary_says_when_nothing_beat_the_baseline():
+    base = {"rung": "cpu", "label": "baseline", "run": "r0", "verdict": "baseline", "changes": "same", "metric": 2.0,
+            "mfu": None, "comm_exposed_share": 0.1}
+    ladder = {"candidates": [base, {**base, "run": "r1", "metric": 4.0}], "best_run": "r1", "best_label": "baseline",
+              "device": "CPU (2 cores)", "world_size": 2, "params": 10, "target_mfu": 0.5, "margin": 0.5, "fsdp2": {}}
+    text = capstone.summary(ladder)
+    assert "no candidate beat the baseline by more than the 50.0% margin: model TFLOP/s per rank 3 " in text
+    assert "MFU: none" in text
+
+
+class _FakeRecord:
+    """What the ladder reads of a record: throughput, peak memory, comm share, losses."""
+
+    def __init__(self, value: float):
+        self.summary = {"comm_share": {"exposed_share": 0.1, "busy_share": 0.2}}
+        self.losses = [1.0]
+        self._items = {"throughput": {"tflops_per_gpu": value, "tokens_per_s": value * 10, "mfu": None,
+                                      "step_time_s": 1.0}, "memory.peak_bytes_per_rank": [1]}
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+
+def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypatch):
+    def value(s: capstone.Setting) -> float:
+        return {3: 90.0}.get(s.stage, 100.0) * (1.1 if s.grad_accum == 4 else 1.0)
+
+    launches = []
+
+    def fake_launch(index, rung, pairs, size, steps, world, name, timeout):
+        launches.append([label for label, _ in pairs])
+        return [capstone.Candidate(rung.name, label, s, f"{index}-{i}", record=_FakeRecord(value(s)))
+                for i, (label, s) in enumerate(pairs)]
+
+    monkeypatch.setattr(capstone, "_launch_rung", fake_launch)
+    stage = capstone.Rung("stage", "stage", lambda s: [("ZeRO-3", dataclasses.replace(s, stage=3))])
+    batch = capstone.Rung("batch", "batch", lambda s: [("accumulation x2", dataclasses.replace(s, grad_accum=4))])
+    first = capstone.walk("tiny", ladder=[stage], budget_s=1000, world_size=2).to_dict()
+    assert launches == [["baseline", "baseline, again", "ZeRO-3"]]
+    assert first["spread"] == 0 and first["margin"] == capstone.MIN_MARGIN
+    assert [c["verdict"].split(":")[0] for c in first["candidates"]] == ["baseline", "baseline", "dropped"]
+
+    second = capstone.walk("tiny", ladder=[stage, batch], budget_s=1000, world_size=2, resume=first).to_dict()
+    assert launches[1:] == [["accumulation x2"]]  # the stage rung is not climbed again
+    assert second["candidates"][-1]["verdict"] == "kept: +10.0%" and second["best_label"] == "batch: accumulation x2"
+    assert [r["rung"] for r in second["rungs"]] == ["stage", "batch"] and second["walks"] == 2
+
+    monkeypatch.setattr(capstone, "_estimate", lambda *args: 1e9)  # no budget: the baseline alone, then nothing
+    third = capstone.walk("tiny", ladder=[stage, batch], budget_s=10, world_size=2).to_dict()
+    assert launches[-1] == ["baseline", "baseline, again"]
+    assert [r["ran"] for r in third["rungs"]] == [False, False] and "baseline alone" in third["rungs"][0]["why"]

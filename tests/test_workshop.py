@@ -1,0 +1,190 @@
+"""The workshop: GPUs chosen per learner, DeepSpeed's multi-node runner, the instructor's notebook check,
+the offline set-up, the reference script and the device runner's wheels. No launch here but the notebook
+check's two tiny kernels (the multi-node launch is tests/test_multinode.py)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from helpers import course, environment, experiments, launch, notebooks
+from helpers.environment import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import reference  # noqa: E402
+import wheels  # noqa: E402
+
+
+def _env(gpus: int = 0, ids: tuple[int, ...] = ()) -> environment.Environment:
+    return environment.Environment(
+        device="cuda" if gpus else "cpu", device_name="test", gpu_count=gpus, cpu_cores=2,
+        backend="nccl" if gpus else "gloo", default_world_size=max(gpus, 2), world_size_source="test",
+        precisions=("fp32", "bf16"), torch_version="0", deepspeed_version="0", gpu_ids=ids)
+
+
+# --- choosing GPUs on a shared box ---------------------------------------------------------------
+
+@pytest.mark.parametrize("visible, course_gpus, cuda_visible, ids, indices", [
+    (4, None, None, (0, 1, 2, 3), (0, 1, 2, 3)),
+    (4, "2,3", None, (2, 3), (2, 3)),
+    (2, None, "2,3", (2, 3), (0, 1)),  # torch sees 2 GPUs; DeepSpeed's launcher is told 2 and 3
+    (2, "3", "2,3", (3,), (1,)),
+    (0, None, None, (), ()),
+])
+def test_select_gpus(visible, course_gpus, cuda_visible, ids, indices):
+    chosen, torch_indices, _ = environment.select_gpus(visible, course_gpus, cuda_visible)
+    assert (chosen, torch_indices) == (ids, indices)
+
+
+@pytest.mark.parametrize("course_gpus, cuda_visible, words", [
+    ("0,x", None, "COURSE_GPUS"), ("1,1", None, "twice"), ("5", None, "not among"),
+    ("0", "2,3", "not among"), (None, "GPU-5d2c", "CUDA_VISIBLE_DEVICES"),
+])
+def test_select_gpus_names_the_bad_variable(course_gpus, cuda_visible, words):
+    with pytest.raises(ValueError, match=words):
+        environment.select_gpus(4, course_gpus, cuda_visible)
+
+
+def test_child_env_hands_cuda_visible_devices_to_deepspeeds_launcher():
+    child, changes = environment.child_env(_env(2, (2, 3)), 2, base={"CUDA_VISIBLE_DEVICES": "2,3", "NCCL_X": "1"})
+    assert "CUDA_VISIBLE_DEVICES" not in child and child["NCCL_X"] == "1"
+    assert any("CUDA_VISIBLE_DEVICES=2,3" in c for c in changes)
+
+
+def test_launch_passes_the_chosen_gpus_to_deepspeed_as_it_expects(tmp_path):
+    argv = launch.command(tmp_path / "plan.json", 2, 29500, "launch", gpu_ids=(2, 3))
+    info = next(a for a in argv if a.startswith("--world_info="))
+    assert json.loads(base64.urlsafe_b64decode(info.split("=", 1)[1])) == {"localhost": [2, 3]}
+    argv = launch.command(tmp_path / "plan.json", 2, 29500, "deepspeed", gpu_ids=(2, 3))
+    assert argv[argv.index("--include") + 1] == "localhost:2,3" and "--num_gpus" not in argv
+    argv = launch.command(tmp_path / "plan.json", 2, 29500, "deepspeed")  # CPU ranks
+    assert argv[argv.index("--num_gpus") + 1] == "2"
+
+
+# --- several machines: DeepSpeed's hostfile, --include/--exclude ---------------------------------
+
+@pytest.fixture
+def hostfile(tmp_path):
+    path = tmp_path / "hostfile"
+    path.write_text("# two machines\nnode-a slots=2\nnode-b slots=2\n")
+    return path
+
+
+def test_hosts_read_by_deepspeeds_own_parser(hostfile):
+    assert launch.Hosts(hostfile).resources() == {"node-a": [0, 1], "node-b": [0, 1]}
+    assert launch.Hosts(hostfile, include="node-a:1@node-b").resources() == {"node-a": [1], "node-b": [0, 1]}
+    assert launch.Hosts(hostfile, exclude="node-b:0").world_size() == 3
+
+
+def test_hosts_errors_name_the_problem(hostfile, tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        launch.Hosts(tmp_path / "missing").resources()
+    with pytest.raises(ValueError, match="not both"):
+        launch.Hosts(hostfile, include="node-a", exclude="node-b").resources()
+    with pytest.raises(ValueError, match="node-c"):
+        launch.Hosts(hostfile, include="node-c").resources()
+    bad = tmp_path / "bad"
+    bad.write_text("node-a slots=two\n")
+    with pytest.raises(ValueError, match="bad entry"):
+        launch.Hosts(bad).resources()
+
+
+def test_multi_node_command_is_deepspeeds_runner(hostfile, tmp_path):
+    hosts = launch.Hosts(hostfile, include="node-a@node-b:0", master_addr="10.0.0.1", ssh_port=2222)
+    argv = launch.command(tmp_path / "plan.json", 3, 29500, "deepspeed", hosts=hosts)
+    assert argv[1:4] == ["-u", "-m", "deepspeed.launcher.runner"]
+    for flag, value in (("--hostfile", str(hostfile.resolve())), ("--launcher", "pdsh"), ("--include", "node-a@node-b:0"),
+                        ("--master_addr", "10.0.0.1"), ("--ssh_port", "2222"), ("--master_port", "29500")):
+        assert argv[argv.index(flag) + 1] == value
+    with pytest.raises(ValueError, match="launcher='deepspeed'"):
+        launch.command(tmp_path / "plan.json", 3, 29500, "launch", hosts=hosts)
+
+
+def test_variables_the_runner_would_not_forward_go_through_its_env_file(tmp_path):
+    path = launch.write_host_env({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HOME": "/root"}, tmp_path / "env")
+    assert path.read_text().splitlines() == ["DS_ACCELERATOR=cpu", "OMP_NUM_THREADS=1"]
+
+
+def test_pdsh_host_prefix_is_stripped_before_events_are_read():
+    line = launch._HOST_PREFIX.sub("", 'node-a: @@course {"event": "step", "run": 0}\n', count=1)
+    text, events = launch.parse_events(line)
+    assert events == [{"event": "step", "run": 0}] and not text.strip()
+
+
+def test_multi_node_needs_pdsh(hostfile, monkeypatch):
+    monkeypatch.setattr(launch.shutil, "which", lambda name: None)
+    with pytest.raises(ValueError, match="pdsh"):
+        launch.run("zero0", hosts=launch.Hosts(hostfile), progress=False)
+
+
+# --- the instructor's check of a box, and the offline set-up --------------------------------------
+
+def test_check_notebooks_names_the_failing_cell(tmp_path):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    good, bad = tmp_path / "01_good.ipynb", tmp_path / "02_bad.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("print('fine')")]), good)
+    nbformat.write(new_notebook(cells=[new_code_cell("x = 1"), new_code_cell("1 / 0"), new_code_cell("x")]), bad)
+    results = course.check_notebooks(sys.executable, [good, bad], jobs=2, timeout=60, out=tmp_path / "out")
+    assert [r["ok"] for r in results] == [True, False]
+    assert results[1]["cell"] == 1 and "ZeroDivisionError" in results[1]["error"]
+    executed = nbformat.read(tmp_path / "out" / "01_good" / "01_good.ipynb", as_version=4)
+    assert executed.cells[0].outputs[0]["text"] == "fine\n"
+
+
+def test_the_capstone_runs_alone_in_the_check():
+    assert notebooks.is_exclusive(REPO_ROOT / "notebooks" / "16_capstone.ipynb")
+    assert not any(notebooks.is_exclusive(p) for p in notebooks.course_notebooks() if not p.name.startswith("16"))
+
+
+def test_setup_from_a_wheelhouse_never_reaches_the_index(tmp_path, monkeypatch):
+    (tmp_path / "wheelhouse").mkdir()
+    (tmp_path / "wheelhouse" / "x-1-py3-none-any.whl").write_bytes(b"")
+    calls = []
+    monkeypatch.setattr(course, "_run", calls.append)
+    monkeypatch.setattr(course, "STAMP", tmp_path / "stamp")
+    course.set_up("python", tmp_path / "wheelhouse")
+    pip_calls = [c for c in calls if "pip" in c]
+    assert len(pip_calls) == 2
+    for argv in pip_calls:
+        assert argv[argv.index("--find-links") + 1] == str(tmp_path / "wheelhouse") and "--no-index" in argv
+
+
+def test_empty_wheelhouse_says_how_to_fill_it(tmp_path):
+    with pytest.raises(SystemExit, match="pip download -r requirements.txt"):
+        course.pip_source(tmp_path)
+
+
+# --- reference results and the device runner's wheels ---------------------------------------------
+
+def test_reference_script_runs_the_chapters_that_keep_gpu_results():
+    names = [p.name[:2] for p in reference.reference_notebooks()]
+    assert {"03", "04", "05"} <= set(names) and "16" not in names
+
+
+def test_references_carry_hardware_and_conditions(tmp_path, monkeypatch):
+    monkeypatch.setattr(experiments, "NEW_REFERENCE_DIR", tmp_path)
+    monkeypatch.setattr(environment, "hardware", lambda env=None: {"interconnect": "GPU0 X NV18"})
+    monkeypatch.setenv(experiments.CONDITIONS_VARIABLE, "alone")
+    path = experiments.save_reference("demo", {"a": {"device": "cuda", "world_size": 2, "device_name": "NVIDIA H100"}})
+    payload = json.loads(path.read_text())
+    assert path.name == "demo-2xNVIDIA-H100.json"
+    assert payload["hardware"]["interconnect"] == "GPU0 X NV18" and payload["conditions"] == "alone"
+    assert {"torch", "deepspeed"} <= set(payload["software"])
+
+
+def _fake_wheel(folder: Path, name: str, requires: list[str]) -> None:
+    with zipfile.ZipFile(folder / f"{name}-1.0-py3-none-any.whl", "w") as z:
+        z.writestr(f"{name}-1.0.dist-info/METADATA", "Name: x\n" + "".join(f"Requires-Dist: {r}\n" for r in requires))
+
+
+def test_wheels_check_finds_requirements_neither_carried_nor_in_the_image(tmp_path):
+    _fake_wheel(tmp_path, "nbval", ["pytest>=7", "ipykernel", "colorama; sys_platform == 'win32'", "sphinx; extra == 'doc'"])
+    _fake_wheel(tmp_path, "ipykernel", ["tornado>=6", "packaging"])
+    assert wheels.unmet(tmp_path) == {"ipykernel-1.0-py3-none-any.whl": ["tornado"]}
