@@ -15,6 +15,10 @@ stage 3       (2 + 2 + K) Ψ / N_d
 For fp32 training the same bookkeeping is 4Ψ parameters, 4Ψ gradients and 8Ψ Adam moments,
 with no master copy. Communication per step and rank (paper, section 7): 2Ψ elements for
 stages 0-2 (reduce-scatter + all-gather), 3Ψ for stage 3 (one more all-gather of parameters).
+
+For the calculator (:mod:`helpers.widgets`), the end of this module adds where offload puts each
+state (:func:`placement`), the collectives of one step (:func:`step_collectives`) and their predicted
+time on a :class:`Cluster` (:func:`collective_seconds`, the one place bytes become seconds).
 """
 
 from __future__ import annotations
