@@ -209,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         return check_gpu(python, args[1:])
     if args[0] == "lab":
         _say("opening JupyterLab on notebooks/")
-        os.execv(python, [python, "-m", "jupyter", "lab", "notebooks/", *args[1:]])
+        # Jupyter refuses to start as root (containers, CI machines) unless told it is on purpose
+        as_root = ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+        os.execv(python, [python, "-m", "jupyter", "lab", "notebooks/", *as_root, *args[1:]])
     if args[0] == "test":
         rest = args[1:]
         if "--lesser-cpu" in rest:

@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from helpers import configs, environment, probes as probe_registry, records
 from helpers.train import EVENT_PREFIX
@@ -54,6 +54,14 @@ from helpers.train import EVENT_PREFIX
 RUNS_DIR = Path(os.environ.get("COURSE_RUNS_DIR") or environment.REPO_ROOT / "runs").resolve()
 LAUNCHERS = ("launch", "deepspeed")
 ON_ERROR = ("raise", "record")
+
+#: A listener for a launch's progress (``on_event=`` of :func:`run` and :func:`sweep`), called in the
+#: launching process with one dict per event, the same figures the progress bar shows:
+#: ``{"event": "run_start", "run": i, "name": ..., "steps": N}``, then per optimizer step, once every
+#: rank has reported it, ``{"event": "step", "run": i, "name": ..., "step": k, "steps": N, "loss": mean
+#: over ranks (None for tasks other than training)}``, and ``{"event": "done", "run": i, "name": ...}``
+#: when the run's record is written. An exception it raises ends the launch, like any other.
+EventListener = Callable[[dict], None]
 
 
 class RunFailed(RuntimeError):
@@ -386,24 +394,26 @@ def run(config: str | Path | dict, *, world_size: int | None = None, model: str 
         seed: int = 0, overrides: dict | None = None, name: str | None = None, out: str | Path | None = None,
         timeout: float = 600, check: bool = True, client_optimizer: bool = False, launcher: str | None = None,
         probes: Sequence[str] = probe_registry.DEFAULT, cast_inputs: bool = True, faults: dict | None = None,
-        progress: bool = True, hosts: Hosts | None = None, model_options: dict | None = None) -> records.Record:
+        progress: bool = True, hosts: Hosts | None = None, model_options: dict | None = None,
+        on_event: EventListener | None = None) -> records.Record:
     """Train ``model`` for ``steps`` optimizer steps on ``world_size`` ranks in one launch; return its record.
 
     Arguments as in :class:`RunSpec`. ``launcher`` is ``"launch"`` (default) or ``"deepspeed"`` (default
-    with ``hosts``, which runs on several machines: the world size is then the hostfile's slots). Raises
-    :class:`helpers.configs.ConfigError` before starting anything for a bad config, and
-    :class:`RunFailed` when a rank fails or the run times out.
+    with ``hosts``, which runs on several machines: the world size is then the hostfile's slots).
+    ``on_event`` hears each progress event (:data:`EventListener`), for a live view such as
+    :func:`helpers.widgets.watch_run`. Raises :class:`helpers.configs.ConfigError` before starting
+    anything for a bad config, and :class:`RunFailed` when a rank fails or the run times out.
     """
     spec = RunSpec(config=config, model=model, steps=steps, seed=seed, overrides=overrides, name=name, out=out,
                    probes=tuple(probes), check=check, client_optimizer=client_optimizer, cast_inputs=cast_inputs,
                    faults=faults, model_options=model_options)
-    results = _launch_specs([spec], world_size, None, timeout, launcher, progress, hosts)
+    results = _launch_specs([spec], world_size, None, timeout, launcher, progress, hosts=hosts, on_event=on_event)
     return next(iter(results.values()))
 
 
 def sweep(specs: Sequence[RunSpec] | Mapping[str, RunSpec], *, name: str = "sweep", world_size: int | None = None,
           timeout: float = 900, launcher: str | None = None, progress: bool = True,
-          hosts: Hosts | None = None) -> dict[str, records.Record | RunFailed]:
+          hosts: Hosts | None = None, on_event: EventListener | None = None) -> dict[str, records.Record | RunFailed]:
     """Train several runs one after the other in the same ranks of ONE launch; return {name: record}.
 
     Each run gets a fresh model, ``deepspeed.initialize``, comms-logger reset and probes, and its own
@@ -411,18 +421,18 @@ def sweep(specs: Sequence[RunSpec] | Mapping[str, RunSpec], *, name: str = "swee
     destroyed before the next run starts. ``specs`` given as a mapping are named by their keys. Every
     config is checked before anything starts. A failing run ends the launch (:class:`RunFailed`)
     unless its spec says ``on_error="record"``. The launch's own files (plan, command, log) go to
-    ``runs/<name>/``.
+    ``runs/<name>/``. ``on_event`` hears every run's progress (:data:`EventListener`).
     """
     if isinstance(specs, Mapping):
         specs = [dataclasses.replace(spec, name=spec.name or key) for key, spec in specs.items()]
     if not specs:
         raise ValueError("sweep() needs at least one RunSpec")
-    return _launch_specs(list(specs), world_size, name, timeout, launcher, progress, hosts)
+    return _launch_specs(list(specs), world_size, name, timeout, launcher, progress, hosts=hosts, on_event=on_event)
 
 
 def _launch_specs(specs: list[RunSpec], world_size: int | None, sweep_name: str | None, timeout: float,
-                  launcher: str | None, progress: bool,
-                  hosts: Hosts | None = None) -> dict[str, records.Record | RunFailed]:
+                  launcher: str | None, progress: bool, hosts: Hosts | None = None,
+                  on_event: EventListener | None = None) -> dict[str, records.Record | RunFailed]:
     launcher = launcher or ("deepspeed" if hosts is not None else "launch")
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
@@ -468,7 +478,8 @@ def _launch_specs(specs: list[RunSpec], world_size: int | None, sweep_name: str 
         argv = command(plan_path, world, port, launcher, env.gpu_ids, hosts)
         (folder / "command.txt").write_text(shlex.join(argv) + "\n")
         try:
-            return _follow(argv, child, folder, prepared, world, where, timeout, progress, port, hosts)
+            return _follow(argv, child, folder, prepared, world, where, timeout, progress, port, hosts=hosts,
+                           on_event=on_event)
         except RunFailed as failure:
             # Another program took the master port between our check and the ranks' bind.
             if attempt == PORT_RETRIES or not _port_taken(failure):
@@ -480,14 +491,21 @@ def _launch_specs(specs: list[RunSpec], world_size: int | None, sweep_name: str 
 
 class _Progress:
     """One tqdm bar per run, on stderr (terminals and notebooks alike): each optimizer step's loss is
-    the mean over ranks, shown once every rank has reported it."""
+    the mean over ranks, shown once every rank has reported it. The same events go to ``on_event``."""
 
-    def __init__(self, prepared: list[_Prepared], world: int, where: str, enabled: bool):
+    def __init__(self, prepared: list[_Prepared], world: int, where: str, enabled: bool,
+                 on_event: EventListener | None = None):
         self.prepared, self.world, self.where, self.enabled = prepared, world, where, enabled
+        self.on_event = on_event
         self.pending: dict[tuple[int, int], list[float]] = {}
         self.bar = None
 
+    def _tell(self, kind: str, run: int, **fields) -> None:
+        if self.on_event is not None:
+            self.on_event({"event": kind, "run": run, "name": self.prepared[run].name, **fields})
+
     def start(self, run: int) -> None:
+        self._tell("run_start", run, steps=self.prepared[run].spec.steps)
         if not self.enabled:
             return
         from tqdm import tqdm
@@ -501,10 +519,19 @@ class _Progress:
     def step(self, event: dict) -> None:
         losses = self.pending.setdefault((event["run"], event["step"]), [])
         losses.append(event["loss"])
-        if len(losses) == self.world and self.bar is not None:
+        if len(losses) != self.world:
+            return
+        # tasks other than training report steps without a loss
+        mean = None if None in losses else sum(losses) / len(losses)
+        self._tell("step", event["run"], step=event["step"], steps=event["steps"], loss=mean)
+        if self.bar is not None:
             self.bar.update(1)
-            if None not in losses:  # tasks other than training report steps without a loss
-                self.bar.set_postfix_str(f"loss {sum(losses) / len(losses):.4f}")
+            if mean is not None:
+                self.bar.set_postfix_str(f"loss {mean:.4f}")
+
+    def done(self, run: int) -> None:
+        self.close()
+        self._tell("done", run)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -518,14 +545,15 @@ _HOST_PREFIX = re.compile(r"^[\w.-]+: ?")
 
 def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list[_Prepared], world: int,
             where: str, timeout: float, progress: bool, port: int,
-            hosts: Hosts | None = None) -> dict[str, records.Record | dict | RunFailed]:
+            hosts: Hosts | None = None,
+            on_event: EventListener | None = None) -> dict[str, records.Record | dict | RunFailed]:
     """Start one launch, follow its events, and return each run's record (or RunFailed, see on_error)."""
     started = time.perf_counter()
     fatal: dict | None = None
     run_errors: dict[int, dict] = {}
     run_times: dict[int, list[float]] = {}
     log_lines: list[str] = []
-    bars = _Progress(prepared, world, where, progress)
+    bars = _Progress(prepared, world, where, progress, on_event)
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child,
                                cwd=environment.REPO_ROOT, start_new_session=True, preexec_fn=_die_with_parent)
     lines: queue.Queue = queue.Queue()
@@ -557,7 +585,7 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
                             bars.step(event)
                         elif kind == "done":
                             run_times[event["run"]].append(time.perf_counter())
-                            bars.close()
+                            bars.done(event["run"])
                         elif kind == "run_error":
                             run_errors.setdefault(event["run"], event)
                         elif kind == "error" and fatal is None:

@@ -320,3 +320,63 @@ def plain_training(name: str, steps: int, batch_size: int, lr: float = 1e-3, see
         optimizer.step()
         losses.append(total)
     return losses
+
+
+# --- LLaMA-style shapes for planning (the calculator; no weights are ever built) --------------
+
+@dataclasses.dataclass(frozen=True)
+class LlamaShape:
+    """The shape of a LLaMA-style decoder: what its parameter count depends on."""
+
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int = 32000
+    tied_embeddings: bool = False
+
+    def parameters(self) -> int:
+        """Ψ by formula: embeddings V·h (and an LM head of the same size unless tied), and per layer
+        the attention projections h·h (query, output) and h·(kv_heads·h/heads) (key, value), the
+        gated MLP 3·h·i, two RMSNorm weights of h; one final norm of h. No biases."""
+        h, head_dim = self.hidden, self.hidden // self.heads
+        attention = 2 * h * h + 2 * h * self.kv_heads * head_dim
+        per_layer = attention + 3 * h * self.intermediate + 2 * h
+        embeddings = self.vocab * h * (1 if self.tied_embeddings else 2)
+        return embeddings + self.layers * per_layer + h
+
+    def largest_layer(self) -> int:
+        """Parameters of the largest single tensor (the embedding, V·h, or the MLP's h·i)."""
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+
+    def config(self):
+        """The ``transformers`` LlamaConfig of this shape."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(hidden_size=self.hidden, intermediate_size=self.intermediate,
+                           num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                           num_key_value_heads=self.kv_heads, vocab_size=self.vocab,
+                           tie_word_embeddings=self.tied_embeddings)
+
+
+#: Planning presets, nominal size -> shape: the LLaMA-1 7B and 13B shapes, Llama-2-70B (grouped-query
+#: attention, 8 key/value heads), and smaller ones of the same family's proportions. The exact Ψ of
+#: each is :meth:`LlamaShape.parameters` (checked against ``transformers`` on the meta device).
+LLAMA_SHAPES: dict[str, LlamaShape] = {
+    "125M": LlamaShape(hidden=768, layers=12, intermediate=2048, heads=12, kv_heads=12),
+    "350M": LlamaShape(hidden=1024, layers=24, intermediate=2816, heads=16, kv_heads=16),
+    "1.3B": LlamaShape(hidden=2048, layers=24, intermediate=5504, heads=16, kv_heads=16),
+    "7B": LlamaShape(hidden=4096, layers=32, intermediate=11008, heads=32, kv_heads=32),
+    "13B": LlamaShape(hidden=5120, layers=40, intermediate=13824, heads=40, kv_heads=40),
+    "70B": LlamaShape(hidden=8192, layers=80, intermediate=28672, heads=64, kv_heads=8),
+}
+
+
+def meta_parameters(shape: LlamaShape) -> int:
+    """Ψ of ``shape`` counted from ``transformers``' LlamaForCausalLM built on PyTorch's meta device
+    (no memory, no download): the check on :meth:`LlamaShape.parameters`."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        return count_parameters(LlamaForCausalLM(shape.config()))

@@ -6,6 +6,7 @@ of the cell's last line (pyplot's own display of open figures would show it a se
 
 from __future__ import annotations
 
+import io
 from typing import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -15,14 +16,18 @@ from helpers import records, theory
 STATE_COLOURS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "master": "#C44E52"}
 
 
-def loss_curves(runs: Mapping[str, Sequence[float]], title: str = "Training loss", ylabel: str = "loss"):
-    """One line per run: loss against optimizer step."""
+def loss_curves(runs: Mapping[str, Sequence[float]], title: str = "Training loss", ylabel: str = "loss",
+                steps: int | None = None):
+    """One line per run: loss against optimizer step (``steps`` fixes the axis for a run still training)."""
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     styles = ["-", "--", ":", "-."]
     for i, (name, losses) in enumerate(runs.items()):
         ax.plot(range(1, len(losses) + 1), losses, styles[i % len(styles)], marker="o", markersize=3, label=name)
     ax.set(xlabel="optimizer step", ylabel=ylabel, title=title)
-    ax.legend()
+    if steps:
+        ax.set_xlim(0.5, steps + 0.5)
+    if runs:
+        ax.legend()
     fig.tight_layout()
     plt.close(fig)
     return fig
@@ -127,3 +132,37 @@ def ladder(ladder: dict, title: str | None = None):
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+# --- interactive lab (issue 9) ---------------------------------------------------------------------
+
+def placement_bars(rows: Sequence[tuple[str, Mapping[str, float]]], gpu_memory_bytes: float,
+                   title: str = "Model states per GPU"):
+    """Stacked horizontal bars of the model states one GPU keeps, one bar per (label, states) row (states as
+    :func:`helpers.theory.placement` gives them), with the GPU's memory as a dashed line."""
+    fig, ax = plt.subplots(figsize=(6.4, 0.8 + 0.32 * len(rows)))
+    labelled: set[str] = set()
+    for i, (label, states) in enumerate(rows):
+        left = 0.0
+        for key in records.MODEL_STATE_KEYS:
+            value = states.get(key, 0) / 2**30
+            if value:
+                ax.barh(i, value, left=left, color=STATE_COLOURS[key], label=None if key in labelled else key)
+                labelled.add(key)
+                left += value
+    ax.axvline(gpu_memory_bytes / 2**30, color="black", linestyle="--", label="GPU memory")
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("GiB on one GPU")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def png(fig, dpi: int = 80) -> bytes:
+    """A figure as PNG bytes (for an ipywidgets Image that a live view updates)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 #: Keys every summary.json has, whatever its probes (nested keys after a dot).
 CORE_KEYS = (
@@ -207,3 +207,55 @@ def comm_table(runs: Sequence[Record]) -> str:
         rows.append([r.label, "= wire bytes per rank (ring)", "", "", f"{comm['wire_bytes_per_step']:,.0f}"])
         rows.append([r.label, "= paper (2Ψ or 3Ψ) x (n-1)/n", "", "", f"{r['theory.comm_wire_bytes_per_step']:,.0f}"])
     return format_table(rows, ["run", "collective", "issued by (DeepSpeed function)", "count/step", "bytes/step"])
+
+
+# --- many runs at once: the learner's own records (helpers.widgets' "my runs") -----------------
+
+def load_all(folder: str | Path, names: Iterable[str] | None = None) -> tuple[dict[str, Record], dict[str, str]]:
+    """Every training record in ``folder/*/summary.json`` (only the folders ``names``, if given), by folder
+    name and in name order, and the folders skipped with why (a task's result, an incomplete summary)."""
+    found: dict[str, Record] = {}
+    skipped: dict[str, str] = {}
+    wanted = None if names is None else set(names)
+    for path in sorted(Path(folder).glob("*/summary.json")):
+        name = path.parent.name
+        if wanted is not None and name not in wanted:
+            continue
+        try:
+            found[name] = load(path)
+        except (ValueError, KeyError, TypeError) as error:  # json errors are ValueErrors too
+            skipped[name] = str(error).splitlines()[0]
+    if wanted is not None and wanted - set(found) - set(skipped):
+        raise FileNotFoundError(f"no summary.json in {folder} for {sorted(wanted - set(found) - set(skipped))}")
+    return found, skipped
+
+
+def runs_table(runs: Mapping[str, Record], checked: bool = False, rank: int = 0) -> str:
+    """One line per run: what it was (stage, precision, model, ranks, steps), its model states per rank
+    and wire bytes per step, measured beside the paper's, and (unless ``checked``) its last loss and
+    median step time, whose digits depend on the processor: ``checked=True`` is what nbval can compare.
+    A figure its probes did not measure reads "-"."""
+    def get(r: Record, key: str) -> Any:
+        try:
+            return r[key]
+        except (KeyError, TypeError):
+            return None
+
+    rows = []
+    for name, r in runs.items():
+        s = r.summary
+        measured = r.model_state_bytes(rank) if get(r, "memory.model_states_bytes_per_rank") else None
+        paper = sum(r.theory_states.get(key, 0) for key in MODEL_STATE_KEYS)
+        wire = get(r, "comm.wire_bytes_per_step")
+        row = [name, s["zero_stage"], s["precision"], f"{s['model']['name']} ({s['model']['params']:,})",
+               s["world_size"], s["steps"], "-" if measured is None else format_bytes(measured), format_bytes(paper),
+               "-" if wire is None else format_bytes(wire), format_bytes(r["theory.comm_wire_bytes_per_step"])]
+        if not checked:
+            median = get(r, "step_time_s.median")
+            row += [f"{r.losses[-1]:.4f}", "-" if median is None else f"{median * 1000:.1f}"]
+        rows.append(row)
+    headers = ["run", "ZeRO", "precision", "model (params)", "ranks", "steps", "states/rank", "paper",
+               "sent/step", "paper"]
+    if not checked:
+        headers += ["last loss", "step ms"]
+    return format_table(rows, headers)

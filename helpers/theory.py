@@ -15,9 +15,15 @@ stage 3       (2 + 2 + K) Ψ / N_d
 For fp32 training the same bookkeeping is 4Ψ parameters, 4Ψ gradients and 8Ψ Adam moments,
 with no master copy. Communication per step and rank (paper, section 7): 2Ψ elements for
 stages 0-2 (reduce-scatter + all-gather), 3Ψ for stage 3 (one more all-gather of parameters).
+
+For the calculator (:mod:`helpers.widgets`), the end of this module adds where offload puts each
+state (:func:`placement`), the collectives of one step (:func:`step_collectives`) and their predicted
+time on a :class:`Cluster` (:func:`collective_seconds`, the one place bytes become seconds).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 PAPER_K = 12  # bytes of optimizer state per parameter for mixed-precision Adam
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -126,11 +132,15 @@ def bus_bandwidth(op: str, message_bytes: float, seconds: float, world_size: int
     return algbw
 
 
-def deepspeed_estimate_bytes(psi: int, stage: int, world_size: int, largest_layer_params: int = 0) -> float | None:
-    """What DeepSpeed's own estimator says a GPU holds for stage 2 or 3 (no offload), else None.
+def deepspeed_estimate_bytes(psi: int, stage: int, world_size: int, largest_layer_params: int = 0,
+                             offload_optimizer: bool = False, offload_param: bool = False) -> float | None:
+    """What DeepSpeed's own estimator says a GPU holds for stage 2 or 3, else None.
 
     DeepSpeed counts 18 bytes a parameter (2 fp16 grads + 4 fp32 grads + 4 fp32 params + 8 Adam)
-    plus 2 for the fp16 parameters, not the paper's K = 12, and adds buffers at stage 3.
+    plus 2 for the fp16 parameters, not the paper's K = 12, and adds buffers at stage 3. With
+    ``offload_optimizer`` its stage-2 GPU keeps only the 2-byte parameters, its stage-3 GPU the
+    parameter shards (none with ``offload_param`` too) plus the largest layer. Its estimator has no case
+    for parameter offload without optimizer offload: None then.
     """
     from helpers.environment import quiet_deepspeed_import
 
@@ -138,10 +148,126 @@ def deepspeed_estimate_bytes(psi: int, stage: int, world_size: int, largest_laye
     if stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-        return float(estimate_zero2_model_states_mem_needs(psi, world_size, 1, cpu_offload=False)[1])
+        return float(estimate_zero2_model_states_mem_needs(psi, world_size, 1, cpu_offload=offload_optimizer)[1])
     if stage == 3:
+        if offload_param and not offload_optimizer:
+            return None
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
         return float(estimate_zero3_model_states_mem_needs(psi, largest_layer_params, world_size, 1,
-                                                           cpu_offload=False, cpu_offload_params=False)[1])
+                                                           cpu_offload=offload_optimizer,
+                                                           cpu_offload_params=offload_param)[1])
     return None
+
+
+# --- offload, clusters and predicted communication time (the calculator; helpers.widgets) -----
+#
+# Everything the calculator shows is computed here, from the formulas above, so a chapter and the
+# calculator can never disagree.
+
+#: Link bandwidth the calculator assumes when the learner gives none: bytes per second each GPU
+#: sends on a ring (nccl-tests' "bus bandwidth"). A stated round number, NOT a measurement: enter
+#: your cluster's figure. A measured, fitted model replaces it through :func:`collective_seconds`.
+DEFAULT_LINK_BYTES_PER_S = 100e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """GPUs the calculator plans for: ``nodes`` machines of ``gpus_per_node`` GPUs with
+    ``gpu_memory_bytes`` each, one data-parallel rank per GPU, joined at ``link_bytes_per_s`` (bus
+    bandwidth per GPU: for several nodes, the slowest link a ring crosses, usually the network)."""
+
+    gpus_per_node: int = 8
+    nodes: int = 1
+    gpu_memory_bytes: float = 80 * 2**30
+    link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S
+
+    def __post_init__(self) -> None:
+        for key in ("gpus_per_node", "nodes"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key}={value!r}: needs a whole number of at least 1")
+        for key in ("gpu_memory_bytes", "link_bytes_per_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key}={getattr(self, key)!r}: needs a positive number")
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks: one per GPU."""
+        return self.gpus_per_node * self.nodes
+
+
+def placement(psi: float, stage: int, world_size: int, precision: str = "bf16", offload_optimizer: bool = False,
+              offload_param: bool = False) -> dict[str, dict[str, float]]:
+    """Model-state bytes per rank split by where they live: ``{"gpu": {...}, "offloaded": {...}}``, each
+    with the keys of :func:`model_state_bytes` (``offloaded`` is CPU memory, or the NVMe drive).
+
+    Offload moves states, it does not shrink them. As DeepSpeed 0.19 applies it (and as its own
+    estimators count it, see :func:`deepspeed_estimate_bytes`):
+
+    - ``offload_optimizer`` (stages 1-3) moves Adam's moments and the fp32 master copy, and from stage 2
+      on the gradient partition the optimizer reads; stage 1 keeps its whole gradient on the GPU. At
+      stage 0 DeepSpeed partitions and offloads nothing (the course's checker warns), so nothing moves.
+    - ``offload_param`` (stage 3 only; DeepSpeed ignores it below, the checker warns) moves the
+      parameter shards. Gathered layers still pass through the GPU while they compute: working memory,
+      not a model state, like activations and communication buffers, which no figure here counts.
+    """
+    states = model_state_bytes(psi, stage, world_size, precision)
+    moved = set()
+    if offload_optimizer and stage >= 1:
+        moved |= {"optimizer", "master"} | ({"grads"} if stage >= 2 else set())
+    if offload_param and stage == 3:
+        moved.add("params")
+    keys = ("params", "grads", "optimizer", "master")
+    gpu = {k: (0.0 if k in moved else states[k]) for k in keys}
+    offloaded = {k: (states[k] if k in moved else 0.0) for k in keys}
+    gpu["total"], offloaded["total"] = sum(gpu.values()), sum(offloaded.values())
+    return {"gpu": gpu, "offloaded": offloaded}
+
+
+def largest_model_that_fits(memory_bytes: float, stage: int, world_size: int, precision: str = "bf16",
+                            offload_optimizer: bool = False, offload_param: bool = False) -> float | None:
+    """The most parameters whose model states fit ``memory_bytes`` of one GPU (states grow linearly
+    with Ψ, so this is the memory over the GPU bytes per parameter); None when nothing stays on the GPU."""
+    per_parameter = placement(1, stage, world_size, precision, offload_optimizer, offload_param)["gpu"]["total"]
+    return memory_bytes / per_parameter if per_parameter else None
+
+
+def step_collectives(psi: float, stage: int, precision: str = "fp32") -> list[tuple[str, float]]:
+    """The paper's collectives of one optimizer step, as ``(op, message bytes)`` with the whole message
+    (for all_gather, the gathered result): stage 0 all-reduces the gradients; stages 1-2 reduce-scatter
+    them and all-gather the updated parameters; stage 3 all-gathers the parameters in forward and again
+    in backward, and reduce-scatters the gradients. Their ring bytes add up to
+    :func:`comm_bytes_per_step` x :func:`ring_factor`."""
+    size = psi * BYTES_PER_ELEMENT[precision]
+    _check(stage, 1, precision)
+    if stage == 0:
+        return [("all_reduce", size)]
+    if stage < 3:
+        return [("reduce_scatter", size), ("all_gather", size)]
+    return [("all_gather", size), ("all_gather", size), ("reduce_scatter", size)]
+
+
+def ring_bytes(op: str, message_bytes: float, world_size: int) -> float:
+    """Bytes one rank sends for one ring collective on a message of ``message_bytes`` (the whole tensor;
+    for all_gather the gathered result): 2(n-1)/n of it for all_reduce, (n-1)/n for all_gather and
+    reduce_scatter (:func:`wire_bytes` takes the comms logger's sizes instead)."""
+    n = world_size
+    factor = 2 * (n - 1) / n if op.startswith("all_reduce") else (n - 1) / n
+    return factor * message_bytes
+
+
+def collective_seconds(op: str, message_bytes: float, cluster: Cluster) -> float:
+    """Predicted seconds of one collective on ``cluster``: the bytes each GPU sends on a ring over the
+    link's bus bandwidth (a bandwidth-only model: no per-message latency).
+
+    This is the ONE place the course turns bytes into time: the calculator and the chapters call only
+    this, so a measured latency-bandwidth model (``helpers.bandwidth``) replaces it here.
+    """
+    return ring_bytes(op, message_bytes, cluster.world_size) / cluster.link_bytes_per_s
+
+
+def comm_seconds_per_step(psi: float, stage: int, cluster: Cluster, precision: str = "fp32") -> float:
+    """Predicted communication seconds of one optimizer step: :func:`collective_seconds` summed over
+    :func:`step_collectives` (no overlap with computation assumed)."""
+    return sum(collective_seconds(op, size, cluster) for op, size in step_collectives(psi, stage, precision))
