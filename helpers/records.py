@@ -23,6 +23,10 @@ PROBE_KEYS = {
     "peak_memory": ("memory.peak_bytes_per_rank",),
     "comm": ("comm.by_op", "comm.bytes_per_step", "comm.wire_bytes_per_step"),
     "timeline": ("timeline_s.per_rank",),
+    "placement": ("memory.placement_bytes_per_rank", "memory.host_peak_bytes_per_rank"),
+    "loss_scale": ("loss_scale.scale_per_step", "loss_scale.applied_per_step", "loss_scale.skipped_steps",
+                   "loss_scale.lr_per_step"),
+    "loss_spike": ("faults.loss_spike.steps",),
 }
 #: What a run with the default probes has (a summary without "probes" predates them and had these).
 DEFAULT_PROBES = ("timing", "model_states", "peak_memory", "comm")
