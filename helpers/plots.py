@@ -6,6 +6,7 @@ of the cell's last line (pyplot's own display of open figures would show it a se
 
 from __future__ import annotations
 
+import textwrap
 from typing import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -114,7 +115,7 @@ def placement_bars(runs: Mapping[str, records.Record], rank: int = 0, title: str
                            edgecolor="white", label=None if key in labelled else key)
                     labelled.add(key)
                     bottom += value
-    ax.set_xticks(range(len(runs)), [f"{name.replace(' + ', chr(10) + '+ ')}\nA | H" for name in runs], fontsize=7)
+    ax.set_xticks(range(len(runs)), [textwrap.fill(name, 16) + "\nA | H" for name in runs], fontsize=7)
     ax.set_ylabel(f"MiB on rank {rank}")
     ax.set_title(title or "Model states: accelerator side (A) | host side (H, dotted)")
     ax.legend(fontsize=8)
@@ -130,10 +131,11 @@ def largest_model(accelerator_gb: Sequence[float], world_size: int, reserve_gb: 
     memory, one line per stage and offload mode (:func:`helpers.theory.largest_model`)."""
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     accelerator_gb = [gb for gb in accelerator_gb if gb > reserve_gb]  # a device smaller than the reserve fits nothing
-    for stage, mode in modes:
+    for i, (stage, mode) in enumerate(modes):
         sizes = [theory.largest_model(gb * 1e9, stage, world_size, mode, None, reserve_gb * 1e9, precision)["params"] / 1e9
                  for gb in accelerator_gb]
-        ax.plot(accelerator_gb, sizes, marker="o", label=f"stage {stage}" + ("" if mode == "none" else f" + {mode} offload"))
+        ax.plot(accelerator_gb, sizes, marker="os^vD"[i % 5], linestyle=["-", "--", ":", "-."][i % 4],
+                label=f"stage {stage}" + ("" if mode == "none" else f" + {mode} offload"))
     ax.set(xlabel="accelerator memory per device (GB)", ylabel="largest model (B parameters)", yscale="log",
            title=f"Model states that fit {world_size} device(s) ({precision} mixed precision, K=12)")
     ax.legend(fontsize=8)
@@ -169,7 +171,9 @@ def loss_scale_trajectories(trajectories: Mapping[str, dict], title: str = "fp16
         ax.set_ylabel("log2(loss scale)", fontsize=8)
     for ax in list(axes.flat)[count:]:
         ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
+    marked = next((ax for ax in axes.flat if ax.get_legend_handles_labels()[0]), None)
+    if marked is not None:
+        marked.legend(fontsize=7, loc="lower right")
     fig.suptitle(title + " (dashed: injected spike)", fontsize=10)
     fig.tight_layout()
     plt.close(fig)
