@@ -76,7 +76,6 @@ RULES = {
     "offload-torch-adam": "accepted; with optimizer offload DeepSpeed builds torch's AdamW and steps it on the CPU "
                           "instead of its own CPU Adam (in every precision)",
     "offload-optimizer-type": "accepted; an optimizer without a DeepSpeed CPU version is torch's, stepped on the CPU",
-    "pin-memory-cpu": "accepted; on CPU ranks nothing is page-locked (pinned host bytes stay 0)",
     "fp16-static-knobs": "accepted; with loss_scale > 0 the scale is static and the dynamic knobs do nothing",
     "fp16-hysteresis-stage-0": "accepted; at stage 0 every overflow halves the scale (FP16_Optimizer ignores hysteresis)",
     "fp16-min-above-initial": "accepted; the first overflow raises the scale to min_loss_scale instead of halving it",
@@ -402,13 +401,6 @@ def _offload_findings(zero: dict, stage: int, config: dict, client_optimizer: bo
     optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else None
     if optim_device != "none" and stage > 0 and optimizer is not None and not client_optimizer:
         findings += _offload_optimizer_findings(optimizer)
-    if env is not None and not env.is_gpu:
-        for name, section, device in (("offload_param", param, param_device), ("offload_optimizer", optim, optim_device)):
-            if device == "cpu" and section.get("pin_memory") is True:
-                findings.append(Finding(
-                    "warning", f"zero_optimization.{name}.pin_memory",
-                    "has no effect on CPU ranks: page-locked memory is for fast copies to a GPU, and here the "
-                    "offloaded states already are in the ranks' own memory", "keep it for GPUs; on CPU it changes nothing"))
     for name, section, device in (("offload_param", param, param_device), ("offload_optimizer", optim, optim_device)):
         if device != "nvme":
             continue
