@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import math
-import os
 import statistics
 from typing import Any, Mapping
 

@@ -134,7 +134,7 @@ def swept(tmp_path_factory):
     os.environ.pop(WORLD_SIZE_VARIABLE, None)
     folder = tmp_path_factory.mktemp("offload-precision")
     bf16 = {"bf16": {"enabled": True}}
-    probes = ("model_states", "placement", "loss_scale")
+    probes = ("timing", "model_states", "placement", "peak_memory", "loss_scale")
     specs = {
         "stage 2": launch.RunSpec("zero2", model="mlp", steps=3, overrides=bf16, probes=probes, out=folder / "s2"),
         "stage 2 offload": launch.RunSpec("zero2", model="mlp", steps=3, probes=probes, out=folder / "s2o",
@@ -216,3 +216,30 @@ def test_the_scaler_ends_the_run_at_min_loss_scale(swept):
 def test_the_trajectory_table_reads_both_kinds_of_result(swept):
     table = precision.trajectory_table({"demo": swept["demo"], "engine (bf16)": swept["spiked"]})
     assert "1: steps 2" in table and "2^16 -> 2^16" in table and "2^0 -> 2^0" in table
+
+
+def test_committed_gpu_results_are_shown_beside_the_learners(swept, tmp_path, monkeypatch):
+    """The notebooks' GPU sections read notebooks/reference/: render a committed file made of this launch's
+    records (relabelled as GPU results) through every report the chapters print."""
+    import json
+
+    from helpers import experiments
+
+    monkeypatch.setattr(experiments, "REFERENCE_DIR", tmp_path)
+    bench = {"name": "adam-benchmark", "task": "benchmark", "device": "cuda", "transfers": None,
+             "adam": offload.adam_benchmark(numel=4096, repeats=1)}
+
+    def commit(name: str, runs: dict) -> None:
+        payload = {"experiment": name, "device": "2 x Test GPU", "date": "2026-01-01", "note": "test", "software": {},
+                   "runs": {k: (r.summary if isinstance(r, records.Record) else r) for k, r in runs.items()}}
+        (tmp_path / f"{name}-2xTest-GPU.json").write_text(json.dumps(payload))
+
+    assert "No GPU results for 'offload'" in offload.reference_report()
+    commit("offload", {"stage 2": swept["stage 2"], "stage 2 offload": swept["stage 2 offload"], "adam benchmark": bench})
+    report = offload.reference_report()
+    assert "Measured on 2 x Test GPU" in report and "DeepSpeedCPUAdam" in report and "stage 2 offload" in report
+    commit("loss-scale", {"demo": swept["spiked"], "demo at the floor": {"failed": "Exception: minimum", "device": "cuda"}})
+    report = precision.loss_scale_reference_report({"demo": swept["demo"], "demo at the floor": swept["demo at the floor"]})
+    assert "differ" in report and "both ended by the scaler" in report  # bf16 engine vs fp16 demo: they differ
+    commit("precision-speed", {"ZeRO-2 bf16": swept["stage 2"]})
+    assert "ZeRO-2 bf16" in precision.speed_reference_report()
