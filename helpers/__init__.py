@@ -11,10 +11,12 @@ Notebooks import the modules they need, each named for what it deals with:
 - ``models``: the models and data every run and baseline trains on.
 - ``experiments``: the experiments chapters repeat (a stage against its baseline, a knob's effect).
 - ``memory`` and ``communication``: what each rank measures (model-state bytes, the comms logger).
+- ``offload`` and ``precision``: chapters 06 and 07 (where model states live; fp16 loss scaling).
 - ``train``: the script each rank runs (started by ``launch``, never imported by a notebook).
 - ``benchmarks``: timing the course's own machinery; ``course``: the README's set-up commands.
 
 This file imports nothing heavy, so ``python3 -m helpers.course`` works before torch is installed.
 """
 
-__all__ = ["environment", "configs", "launch", "records", "theory", "plots", "models", "experiments"]
+__all__ = ["environment", "configs", "launch", "records", "theory", "plots", "models", "experiments", "offload",
+           "precision"]

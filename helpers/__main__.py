@@ -22,6 +22,9 @@ def _env(args: argparse.Namespace) -> int:
     env = environment.detect(args.world_size)
     print(env.report())
     _, changes = environment.child_env(env, env.default_world_size)
+    usable, reason = environment.nvme_offload_support()
+    print(f"NVMe offload     : {'available' if usable else 'unavailable'} ({reason})"
+          + ("" if usable else "; chapter 06 skips its NVMe run and says why"))
     print("changes for the ranks:" if changes else "changes for the ranks: none")
     for change in changes:
         print(f"  - {change}")

@@ -73,6 +73,12 @@ RULES = {
     "nvme-aio": "fails when DeepSpeed builds its async_io op (libaio missing)",
     "client-and-config-optimizer": "accepted; DeepSpeed uses the client's optimizer and ignores the config's",
     "precision-device": "ValueError in deepspeed.initialize: 'Type fp16 is not supported on your device.'",
+    "offload-torch-adam": "accepted; with optimizer offload DeepSpeed builds torch's AdamW and steps it on the CPU "
+                          "instead of its own CPU Adam (in every precision)",
+    "offload-optimizer-type": "accepted; an optimizer without a DeepSpeed CPU version is torch's, stepped on the CPU",
+    "fp16-static-knobs": "accepted; with loss_scale > 0 the scale is static and the dynamic knobs do nothing",
+    "fp16-hysteresis-stage-0": "accepted; at stage 0 every overflow halves the scale (FP16_Optimizer ignores hysteresis)",
+    "fp16-min-above-initial": "accepted; the first overflow raises the scale to min_loss_scale instead of halving it",
 }
 
 
@@ -392,6 +398,9 @@ def _offload_findings(zero: dict, stage: int, config: dict, client_optimizer: bo
             "DeepSpeed refuses ZeRO-Offload with a client optimizer such as torch.optim.AdamW (ZeRORuntimeException)",
             "pass no optimizer to deepspeed.initialize and keep the config's \"optimizer\" section "
             "(DeepSpeed then builds its CPU Adam)"))
+    optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else None
+    if optim_device != "none" and stage > 0 and optimizer is not None and not client_optimizer:
+        findings += _offload_optimizer_findings(optimizer)
     for name, section, device in (("offload_param", param, param_device), ("offload_optimizer", optim, optim_device)):
         if device != "nvme":
             continue
@@ -410,6 +419,51 @@ def _offload_findings(zero: dict, stage: int, config: dict, client_optimizer: bo
             findings.append(Finding("error", f"{key}.device", "NVMe offload needs DeepSpeed's async_io op, which "
                                     f"cannot be built here ({reason})",
                                     'install libaio (Debian: apt-get install libaio-dev), or use device "cpu"'))
+    return findings
+
+
+#: Optimizer types DeepSpeed runs on the CPU with its own kernels when the optimizer is offloaded.
+CPU_OPTIMIZERS = ("adam", "adamw", "adagrad", "lion")
+
+
+def _offload_optimizer_findings(optimizer: dict) -> list[Finding]:
+    """Optimizer offload wants DeepSpeed's CPU optimizers; torch's are accepted and step on the CPU, slowly."""
+    kind = str(optimizer.get("type", "")).lower()
+    params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
+    outcome = ("DeepSpeed accepts it and steps torch's optimizer on the CPU, several times slower per step than its "
+               "own CPU Adam (chapter 06 measures both)")
+    if kind in ("adam", "adamw") and params.get("torch_adam"):
+        return [Finding("warning", "optimizer.params.torch_adam", f"with offload_optimizer this builds torch's "
+                        f"{optimizer.get('type')} instead of DeepSpeed's CPU Adam: {outcome}", "remove torch_adam")]
+    if kind and kind not in CPU_OPTIMIZERS:
+        return [Finding("warning", "optimizer.type", f"{optimizer.get('type')!r} has no DeepSpeed CPU version: with "
+                        f"offload_optimizer {outcome}",
+                        f'use "AdamW" (DeepSpeed\'s CPU Adam), or one of {", ".join(CPU_OPTIMIZERS)}')]
+    return []
+
+
+def _loss_scale_findings(config: dict, stage: int) -> list[Finding]:
+    """fp16 loss-scaling knobs that do nothing, or not what their name says."""
+    fp16 = config.get("fp16") if isinstance(config.get("fp16"), dict) else {}
+    if not fp16.get("enabled"):
+        return []
+    findings = []
+    dynamic_knobs = [k for k in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+                                 "consecutive_hysteresis") if k in fp16]
+    loss_scale = fp16.get("loss_scale", 0)
+    if isinstance(loss_scale, (int, float)) and loss_scale > 0 and dynamic_knobs:
+        findings.append(Finding("warning", f"fp16.{dynamic_knobs[0]}", f"loss_scale is {loss_scale:g}, a static "
+                                f"scale: {', '.join(dynamic_knobs)} steer only a dynamic scale, so here nothing",
+                                'set "loss_scale": 0 for dynamic scaling, or remove the dynamic knobs'))
+        return findings
+    if stage == 0 and "hysteresis" in fp16 and fp16["hysteresis"] != 1:
+        findings.append(Finding("warning", "fp16.hysteresis", "is ignored at ZeRO stage 0: DeepSpeed's FP16_Optimizer "
+                                "halves the scale on every overflow", "use stage 1-3 for hysteresis, or set it to 1"))
+    power, floor = fp16.get("initial_scale_power", 16), fp16.get("min_loss_scale", 1)
+    if isinstance(power, int) and isinstance(floor, (int, float)) and floor > 2**power:
+        findings.append(Finding("warning", "fp16.min_loss_scale", f"{floor:g} is above the initial scale "
+                                f"2**{power} = {2**power:g}: the first overflow raises the scale to it",
+                                f"set min_loss_scale to at most {2**power:g}, or raise initial_scale_power"))
     return findings
 
 
@@ -463,6 +517,7 @@ def check(config: dict, world_size: int, env: Environment | None = None, client_
     stage = stage if isinstance(stage, int) and stage in (0, 1, 2, 3) else 0
     findings += _optimizer_findings(config, stage, client_optimizer)
     findings += _offload_findings(zero, stage, config, client_optimizer, env)
+    findings += _loss_scale_findings(config, stage)
     findings += _precision_findings(config, world_size, env)
     refusal = deepspeed_parse(config, world_size)
     if refusal is not None and not _explained(refusal, findings):
@@ -478,3 +533,66 @@ def check_or_raise(config: dict, world_size: int, env: Environment | None = None
     if any(f.severity == "error" for f in findings):
         raise ConfigError(findings, source)
     return findings
+
+
+# --- DeepSpeed's defaults, line by line -----------------------------------------------------------
+
+NO_DEFAULT = object()  # a key DeepSpeed has no default for (the batch sizes, the optimizer's type)
+
+
+def _leaves(config: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    found = []
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            found += _leaves(value, path + ".")
+        else:
+            found.append((path, value))
+    return found
+
+
+def deepspeed_defaults(config: dict) -> dict[str, Any]:
+    """For each leaf of ``config`` ("zero_optimization.overlap_comm", ...), the value DeepSpeed uses when
+    the line is absent: from DeepSpeed's own config models (at the config's ZeRO stage, whose defaults
+    differ) and its ``*_DEFAULT`` constants; :data:`NO_DEFAULT` where there is none."""
+    import inspect
+
+    from deepspeed.runtime import constants, lr_schedules
+    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+    from deepspeed.runtime.zero.config import get_zero_config
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig, DeepSpeedZeroOffloadParamConfig
+
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+    sections = {
+        "zero_optimization": get_zero_config({"zero_optimization": {"stage": zero.get("stage", 0)}}).model_dump(),
+        "zero_optimization.offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig().model_dump(),
+        "zero_optimization.offload_param": DeepSpeedZeroOffloadParamConfig().model_dump(),
+        "fp16": get_float16_config({"fp16": {}}).model_dump(),
+        "bf16": get_bfloat16_config({"bf16": {}}).model_dump(),
+    }
+    scheduler = config.get("scheduler") if isinstance(config.get("scheduler"), dict) else {}
+    scheduler_class = getattr(lr_schedules, str(scheduler.get("type")), None)
+    if scheduler_class is not None:  # a DeepSpeed scheduler's keyword defaults
+        sections["scheduler.params"] = {name: p.default for name, p in
+                                        inspect.signature(scheduler_class).parameters.items()
+                                        if p.default is not inspect.Parameter.empty}
+    defaults = {}
+    for path, _ in _leaves(config):
+        section, _, key = path.rpartition(".")
+        if section in sections and key in sections[section]:
+            value = sections[section][key]
+            defaults[path] = getattr(value, "value", value)  # enums (offload device) as their JSON value
+        elif not section and hasattr(constants, f"{key.upper()}_DEFAULT"):
+            defaults[path] = getattr(constants, f"{key.upper()}_DEFAULT")
+        else:
+            defaults[path] = NO_DEFAULT
+    if "zero_optimization.stage" in defaults:
+        defaults["zero_optimization.stage"] = 0
+    return {path: NO_DEFAULT if value is None else value for path, value in defaults.items()}
+
+
+def restates_default(config: dict) -> list[str]:
+    """The lines of ``config`` whose value is what DeepSpeed uses anyway: removing them changes nothing."""
+    defaults = deepspeed_defaults(config)
+    return [path for path, value in _leaves(config)
+            if defaults[path] is not NO_DEFAULT and value == defaults[path] and not isinstance(value, dict)]

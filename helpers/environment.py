@@ -7,6 +7,7 @@ changed and why (known traps, fixed before any process starts).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -198,6 +199,24 @@ def detect(world_size: int | None = None) -> Environment:
     )
 
 
+@contextlib.contextmanager
+def _quiet_fds():
+    """Send this process's stdout and stderr file descriptors (and its children's) to /dev/null for a while."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
 @functools.lru_cache(maxsize=1)
 def nvme_offload_support() -> tuple[bool, str]:
     """Whether DeepSpeed's async_io op (NVMe offload) can be built here, and if not, why.
@@ -210,7 +229,9 @@ def nvme_offload_support() -> tuple[bool, str]:
     builder = get_accelerator().create_op_builder("AsyncIOBuilder")
     if builder is None:
         return False, f"DeepSpeed's {get_accelerator().device_name()} accelerator has no async_io op"
-    if builder.is_compatible(verbose=False):
+    with _quiet_fds():  # the probe compiles a test program; its linker errors are not the learner's business
+        usable = builder.is_compatible(verbose=False)
+    if usable:
         return True, "libaio found"
     return False, "libaio and its headers were not found (Debian/Ubuntu: apt-get install libaio-dev)"
 
@@ -353,6 +374,11 @@ def build_ops(env: Environment | None = None, only: list[str] | None = None) -> 
     names = ["FusedAdamBuilder", "CPUAdamBuilder"]
     if not env.is_gpu:
         names.insert(0, "ShareMemCommBuilder")
+    usable, reason = nvme_offload_support()
+    if usable:  # NVMe offload (chapter 06): several minutes to build on 2 cores, so here rather than in a cell
+        names.append("AsyncIOBuilder")
+    else:
+        print(f"  AsyncIOBuilder (NVMe offload): skipped, {reason}")
     if only:  # e.g. ["FusedAdamBuilder"]: what a GPU-only benchmark needs, not CPU Adam for offload
         names = [n for n in names if n in only]
     done = []

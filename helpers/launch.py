@@ -91,7 +91,10 @@ class RunSpec:
     article does; ``cast_inputs=False`` feeds fp32 inputs to a half-precision model (to show that
     error); ``on_error="record"`` lets a sweep go on past this run's failure and return the
     :class:`RunFailed` in place of its record; ``faults`` ({"fail_on_rank": r} or {"hang_on_rank": r})
-    makes a rank fail or hang on purpose, for the course's own tests. ``task`` is what the ranks do:
+    makes a rank fail or hang on purpose, for the course's own tests, and {"loss_spike_at_step": s}
+    (an optimizer step from 1, or a list of them) multiplies the model's output on the first micro-step
+    of step ``s`` by :data:`helpers.precision.SPIKE_FACTOR`, an overflow in fp16 (the ``loss_spike``
+    probe does it; it is added to the run's probes). ``task`` is what the ranks do:
     ``"train"``, or ``"package.module:function"`` for other work (see ``helpers.train.resolve_task``),
     whose result comes back as the plain dict of its ``summary.json``.
     """
@@ -354,12 +357,34 @@ def _kill_group(process: subprocess.Popen, signals: Sequence[int] = (signal.SIGT
 
 # --- preparing a launch -----------------------------------------------------------------------
 
+#: Faults a run can ask for in ``RunSpec.faults`` besides those a probe injects (probes.FAULT_PROBES).
+RANK_FAULTS = ("fail_on_rank", "hang_on_rank")
+
+
+def _probes_of(spec: RunSpec) -> tuple[str, ...]:
+    """The run's probes plus the probes that inject its faults; raises a ValueError for a bad fault."""
+    faults = dict(spec.faults or {})
+    known = (*RANK_FAULTS, *probe_registry.FAULT_PROBES)
+    unknown = [key for key in faults if key not in known]
+    if unknown:
+        raise ValueError(f"faults {unknown}: not course faults; choose from {', '.join(known)}")
+    probes = list(spec.probes)
+    for key, value in faults.items():
+        if key in probe_registry.FAULT_PROBES:
+            name = probe_registry.FAULT_PROBES[key]
+            probe_registry.PROBES[name].check_fault(key, value, spec.steps)
+            if name not in probes:
+                probes.append(name)
+    return tuple(probes)
+
+
 @dataclasses.dataclass
 class _Prepared:
     name: str
     spec: RunSpec
     out: Path
     config: dict
+    probes: tuple[str, ...] = ()
 
 
 def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepared:
@@ -371,21 +396,22 @@ def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepar
     if not isinstance(spec.steps, int) or spec.steps < 1:
         raise ValueError(f"steps={spec.steps}: a run needs at least one optimizer step")
     probe_registry.check_names(list(spec.probes))
+    probes = _probes_of(spec)
     if spec.on_error not in ON_ERROR:
         raise ValueError(f"on_error={spec.on_error!r}: choose one of {', '.join(ON_ERROR)}")
     base = spec.config if isinstance(spec.config, dict) else configs.load(spec.config)
     label = spec.name or (Path(str(spec.config)).stem if not isinstance(spec.config, dict) else "config")
-    full = configs.for_run(configs.merged(base, spec.overrides), spec.probes)
+    full = configs.for_run(configs.merged(base, spec.overrides), probes)
     if spec.check:
         configs.check_or_raise(full, world, env, spec.client_optimizer, source=label)
     out = Path(spec.out) if spec.out else RUNS_DIR / f"{label}-{spec.model}-{world}r"
-    return _Prepared(label, spec, out, full)
+    return _Prepared(label, spec, out, full, probes)
 
 
 def _plan_entry(p: _Prepared, plan_path: Path) -> dict:
     s = p.spec
     return {"name": p.name, "out": str(p.out), "config": str(p.out / "ds_config.json"), "model": s.model,
-            "steps": s.steps, "seed": s.seed, "probes": list(s.probes), "client_optimizer": s.client_optimizer,
+            "steps": s.steps, "seed": s.seed, "probes": list(p.probes), "client_optimizer": s.client_optimizer,
             "cast_inputs": s.cast_inputs, "on_error": s.on_error, "faults": dict(s.faults or {}),
             "task": s.task, "plan": str(plan_path), "model_options": dict(s.model_options or {})}
 

@@ -9,6 +9,9 @@ Models (all seeded, random weights, no downloads):
 - ``llama-capstone``: the capstone's LLaMA-style model, sized by ``model_options`` (:data:`CAPSTONE_SIZES`:
   a tiny one for CPUs, 1.24B and 2.7B parameters for GPUs), its sequence length, attention kernel and
   activation checkpointing chosen per run.
+- ``mlp_wide``: the ``mlp`` with 4096-wide layers (134,250,496 parameters), for the GPU measurements of
+  the offload and precision chapters, where a step must be long enough to time and states large enough
+  to weigh.
 
 Data is a pure function of (sample index, seed), so the single-process baseline and every
 rank of every ZeRO stage see exactly the same samples: see :func:`sample_indices`.
@@ -29,6 +32,7 @@ MODELS = {
     "mlp": "MLP of 8 blocks Linear(256, 256) + GELU (526,336 parameters)",
     "llama": "LLaMA-style causal LM (hidden 64, 2 layers, byte vocabulary)",
     "llama-capstone": "LLaMA-style causal LM sized by model_options (size, seq_len, attention, checkpointing)",
+    "mlp_wide": "MLP of 8 blocks Linear(4096, 4096) + GELU (134,250,496 parameters), for GPUs",
 }
 
 #: Shapes of the capstone model: hidden size, MLP size, layers, attention heads, vocabulary. "1.2b" is the
@@ -47,6 +51,9 @@ ATTENTION_KERNELS = ("sdpa", "eager")
 
 LINEAR_SAMPLES = 100  # the source article's TensorDataset has 100 rows
 MLP_WIDTH, MLP_BLOCKS = 256, 8
+WIDE_MLP_WIDTH = 4096
+#: Regression models: name -> width of their layers (and of their data).
+REGRESSION_WIDTH = {"linear": 10, "mlp": MLP_WIDTH, "mlp_wide": WIDE_MLP_WIDTH}
 LM_SEQ_LEN = 64
 LM_VOCAB = 256  # bytes
 
@@ -171,11 +178,12 @@ def build(name: str, seed: int = 0, **options) -> nn.Module:
     torch.manual_seed(seed)
     if name == "linear":
         return nn.Linear(10, 10)
-    if name == "mlp":
+    if name in ("mlp", "mlp_wide"):
         # Equal blocks, so a partition boundary between ranks falls between whole layers.
+        width = REGRESSION_WIDTH[name]
         layers: list[nn.Module] = []
         for i in range(MLP_BLOCKS):
-            layers.append(nn.Linear(MLP_WIDTH, MLP_WIDTH))
+            layers.append(nn.Linear(width, width))
             if i < MLP_BLOCKS - 1:
                 layers.append(nn.GELU())
         return nn.Sequential(*layers)
@@ -217,7 +225,7 @@ class Batch:
 
 @functools.lru_cache(maxsize=4)
 def _regression_data(name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = 10 if name == "linear" else MLP_WIDTH
+    width = REGRESSION_WIDTH[name]
     rows = LINEAR_SAMPLES if name == "linear" else 4096
     gen = torch.Generator().manual_seed(10_000 + seed)
     inputs = torch.randn(rows, width, generator=gen)
@@ -264,7 +272,7 @@ def make_batch(name: str, indices: list[int], seed: int = 0, seq_len: int | None
     The language models read windows of the text corpus (bytes as token ids), ``seq_len`` tokens each
     (default: the small model's 64)."""
     check_model_name(name)
-    if name in ("linear", "mlp"):
+    if name in REGRESSION_WIDTH:
         inputs, targets = _regression_data(name, seed)
         rows = torch.tensor([i % inputs.shape[0] for i in indices])
         return Batch(inputs[rows], targets[rows])

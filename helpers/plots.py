@@ -7,6 +7,7 @@ of the cell's last line (pyplot's own display of open figures would show it a se
 from __future__ import annotations
 
 import io
+import textwrap
 from typing import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -134,9 +135,36 @@ def ladder(ladder: dict, title: str | None = None):
     return fig
 
 
+# --- offload and mixed precision (chapters 06-07) ---------------------------------------------------
+
+def placement_bars(runs: Mapping[str, records.Record], rank: int = 0, title: str | None = None):
+    """Per run, two stacked bars of model-state MiB on ``rank``: the accelerator side and the host side,
+    by kind of state (buffers left out: the tables show them)."""
+    fig, ax = plt.subplots(figsize=(1.8 + 1.4 * len(runs), 4.0))
+    width, labelled = 0.38, set()
+    for i, (name, run) in enumerate(runs.items()):
+        placement = run["memory.placement_bytes_per_rank"][rank]
+        for offset, side, hatch in ((-width / 2, "accelerator", ""), (width / 2, "host", "..")):
+            bottom = 0.0
+            for key in records.MODEL_STATE_KEYS:
+                value = placement[side][key] / 2**20
+                if value:
+                    ax.bar(i + offset, value, width, bottom=bottom, color=STATE_COLOURS[key], hatch=hatch,
+                           edgecolor="white", label=None if key in labelled else key)
+                    labelled.add(key)
+                    bottom += value
+    ax.set_xticks(range(len(runs)), [textwrap.fill(name, 16) + "\nA | H" for name in runs], fontsize=7)
+    ax.set_ylabel(f"MiB on rank {rank}")
+    ax.set_title(title or "Model states: accelerator side (A) | host side (H, dotted)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
 # --- interactive lab (issue 9) ---------------------------------------------------------------------
 
-def placement_bars(rows: Sequence[tuple[str, Mapping[str, float]]], gpu_memory_bytes: float,
+def calculator_bars(rows: Sequence[tuple[str, Mapping[str, float]]], gpu_memory_bytes: float,
                    title: str = "Model states per GPU"):
     """Stacked horizontal bars of the model states one GPU keeps, one bar per (label, states) row (states as
     :func:`helpers.theory.placement` gives them), with the GPU's memory as a dashed line."""
@@ -161,8 +189,64 @@ def placement_bars(rows: Sequence[tuple[str, Mapping[str, float]]], gpu_memory_b
     return fig
 
 
+def largest_model(accelerator_gb: Sequence[float], world_size: int, reserve_gb: float = 0.0,
+                  modes: Sequence[tuple[int, str]] = ((0, "none"), (2, "none"), (2, "optimizer"), (3, "none"),
+                                                      (3, "optimizer")), precision: str = "fp16"):
+    """Largest model (billions of parameters) whose model states fit per device, against the device's
+    memory, one line per stage and offload mode (:func:`helpers.theory.largest_model`)."""
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    accelerator_gb = [gb for gb in accelerator_gb if gb > reserve_gb]  # a device smaller than the reserve fits nothing
+    for i, (stage, mode) in enumerate(modes):
+        sizes = [theory.largest_model(gb * 1e9, stage, world_size, mode, None, reserve_gb * 1e9, precision)["params"] / 1e9
+                 for gb in accelerator_gb]
+        ax.plot(accelerator_gb, sizes, marker="os^vD"[i % 5], linestyle=["-", "--", ":", "-."][i % 4],
+                label=f"stage {stage}" + ("" if mode == "none" else f" + {mode} offload"))
+    ax.set(xlabel="accelerator memory per device (GB)", ylabel="largest model (B parameters)", yscale="log",
+           title=f"Model states that fit {world_size} device(s) ({precision} mixed precision, K=12)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
 def png(fig, dpi: int = 80) -> bytes:
     """A figure as PNG bytes (for an ipywidgets Image that a live view updates)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
     return buffer.getvalue()
+
+
+def loss_scale_trajectories(trajectories: Mapping[str, dict], title: str = "fp16 loss scale, step by step"):
+    """One panel per scenario: log2 of the loss scale each optimizer step used (a step line), skipped steps
+    marked with a red x, injected spikes with a dashed line, and where DeepSpeed's scaler ended the run."""
+    import math
+
+    count = len(trajectories)
+    columns = min(3, count)
+    rows = (count + columns - 1) // columns
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 2.7 * rows), squeeze=False, sharey=True)
+    for ax, (name, t) in zip(axes.flat, trajectories.items()):
+        steps = range(1, len(t["scales"]) + 1)
+        powers = [math.log2(s) for s in t["scales"]]
+        ax.step(steps, powers, where="mid", color="#4C72B0")
+        skipped = [(s, p) for s, p, o in zip(steps, powers, t["overflow"]) if o]
+        if skipped:
+            ax.scatter(*zip(*skipped), marker="x", color="#C44E52", zorder=3, label="skipped step")
+        for spike in t["spikes"]:
+            ax.axvline(spike, color="grey", linestyle="--", linewidth=0.8)
+        if t["stopped"]:
+            ax.annotate("run ended", (len(powers), powers[-1]), textcoords="offset points", xytext=(-40, 12), fontsize=8)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("optimizer step", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("log2(loss scale)", fontsize=8)
+    for ax in list(axes.flat)[count:]:
+        ax.axis("off")
+    marked = next((ax for ax in axes.flat if ax.get_legend_handles_labels()[0]), None)
+    if marked is not None:
+        marked.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title + " (dashed: injected spike)", fontsize=10)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

@@ -49,6 +49,7 @@ class RunContext:
     born: float  # this rank's process start (time.time() scale)
     run_started: float  # when this run's set-up began (time.time() scale)
     config: dict = dataclasses.field(default_factory=dict)
+    faults: dict = dataclasses.field(default_factory=dict)  # the run's faults (RunSpec.faults)
 
     def synchronize(self) -> None:
         """Wait for the device to finish queued work (a no-op on CPU), so host clocks mean something."""
@@ -84,9 +85,17 @@ class Probe:
         """Sections of summary.json made from every rank's :meth:`finish` (rank 0 only)."""
         return {}
 
+    @classmethod
+    def check_fault(cls, key: str, value: Any, steps: int) -> None:
+        """For a probe that injects a fault (:data:`FAULT_PROBES`): raise a ValueError naming ``key`` and
+        the fix when ``value`` is not a valid request for a run of ``steps`` optimizer steps."""
+
 
 #: name -> probe class; see :func:`register`.
 PROBES: dict[str, type[Probe]] = {}
+#: fault (a key of ``RunSpec.faults``) -> the probe that injects it; a run asking for the fault gets the
+#: probe added (:func:`helpers.launch.run`), and the probe's ``check_fault`` validates the value.
+FAULT_PROBES: dict[str, str] = {}
 
 
 def register(cls: type[Probe]) -> type[Probe]:
@@ -394,3 +403,7 @@ class CommShare(Probe):
         section["profiled_step"] = self.profile_step + 1
         section["exposed_share_per_rank"] = [r.get("exposed_share") for r in ranks]
         return {"comm_share": section}
+
+
+# --- offload and mixed precision (chapters 06-07): their probes live in their own modules ----------
+from helpers import offload as _offload, precision as _precision  # noqa: E402,F401  (register on import)

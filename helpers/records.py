@@ -25,6 +25,10 @@ PROBE_KEYS = {
     "timeline": ("timeline_s.per_rank",),
     "throughput": ("throughput.tokens_per_s", "throughput.tflops_per_gpu", "throughput.mfu", "throughput.step_time_s"),
     "comm_share": ("comm_share.available",),
+    "placement": ("memory.placement_bytes_per_rank", "memory.host_peak_bytes_per_rank"),
+    "loss_scale": ("loss_scale.scale_per_step", "loss_scale.applied_per_step", "loss_scale.skipped_steps",
+                   "loss_scale.lr_per_step"),
+    "loss_spike": ("faults.loss_spike.steps",),
 }
 #: What a run with the default probes has (a summary without "probes" predates them and had these).
 DEFAULT_PROBES = ("timing", "model_states", "peak_memory", "comm")

@@ -199,29 +199,21 @@ class Cluster:
 
 def placement(psi: float, stage: int, world_size: int, precision: str = "bf16", offload_optimizer: bool = False,
               offload_param: bool = False) -> dict[str, dict[str, float]]:
-    """Model-state bytes per rank split by where they live: ``{"gpu": {...}, "offloaded": {...}}``, each
-    with the keys of :func:`model_state_bytes` (``offloaded`` is CPU memory, or the NVMe drive).
-
-    Offload moves states, it does not shrink them. As DeepSpeed 0.19 applies it (and as its own
-    estimators count it, see :func:`deepspeed_estimate_bytes`):
-
-    - ``offload_optimizer`` (stages 1-3) moves Adam's moments and the fp32 master copy, and from stage 2
-      on the gradient partition the optimizer reads; stage 1 keeps its whole gradient on the GPU. At
-      stage 0 DeepSpeed partitions and offloads nothing (the course's checker warns), so nothing moves.
-    - ``offload_param`` (stage 3 only; DeepSpeed ignores it below, the checker warns) moves the
-      parameter shards. Gathered layers still pass through the GPU while they compute: working memory,
-      not a model state, like activations and communication buffers, which no figure here counts.
-    """
-    states = model_state_bytes(psi, stage, world_size, precision)
-    moved = set()
-    if offload_optimizer and stage >= 1:
-        moved |= {"optimizer", "master"} | ({"grads"} if stage >= 2 else set())
-    if offload_param and stage == 3:
-        moved.add("params")
-    keys = ("params", "grads", "optimizer", "master")
-    gpu = {k: (0.0 if k in moved else states[k]) for k in keys}
-    offloaded = {k: (states[k] if k in moved else 0.0) for k in keys}
-    gpu["total"], offloaded["total"] = sum(gpu.values()), sum(offloaded.values())
+    """The calculator's view of :func:`offload_bytes_per_device`: model-state bytes per rank split by where
+    they live, ``{"gpu": {...}, "offloaded": {...}}`` (``offloaded`` is CPU memory, or the NVMe drive),
+    taking DeepSpeed's switches as they are: ``offload_optimizer`` does nothing at stage 0 and
+    ``offload_param`` nothing below stage 3 (DeepSpeed ignores them there; the checker warns).
+    Gathered layers still pass through the GPU while they compute: working memory, not a model state,
+    like activations and communication buffers, which no figure here counts."""
+    mode = "optimizer" if offload_optimizer and stage >= 1 else "none"
+    if mode == "optimizer" and offload_param and stage == 3:
+        mode = "optimizer+params"
+    found = offload_bytes_per_device(psi, stage, world_size, mode, precision)
+    gpu, offloaded = dict(found["accelerator"]), dict(found["host"])
+    if offload_param and stage == 3 and mode == "none":  # parameter shards alone
+        offloaded["params"], gpu["params"] = gpu["params"], 0.0
+        for side in (gpu, offloaded):
+            side["total"] = sum(v for k, v in side.items() if k != "total")
     return {"gpu": gpu, "offloaded": offloaded}
 
 
@@ -271,3 +263,105 @@ def comm_seconds_per_step(psi: float, stage: int, cluster: Cluster, precision: s
     """Predicted communication seconds of one optimizer step: :func:`collective_seconds` summed over
     :func:`step_collectives` (no overlap with computation assumed)."""
     return sum(collective_seconds(op, size, cluster) for op, size in step_collectives(psi, stage, precision))
+
+
+# --- offload (ZeRO-Offload, Ren et al., USENIX ATC 2021, arXiv 2101.06840; ZeRO-Infinity, SC21, 2104.07857) ---
+
+#: What a run offloads: nothing, the optimizer (states, fp32 master, gradients), or the parameters as well.
+OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
+
+
+def offload_bytes_per_device(psi: float, stage: int, world_size: int, offload: str = "none",
+                             precision: str = "fp16", k: int = PAPER_K) -> dict[str, dict[str, float]]:
+    """Model-state bytes per rank on the accelerator and on the host, split like :func:`model_state_bytes`.
+
+    The ZeRO-Offload paper's placement: the optimizer step (its K bytes a parameter: fp32 master,
+    momentum, variance) and the gradients it reads go to the host, each rank's partition of them; the
+    working-precision parameters stay on the accelerator. Offloading the parameters too (ZeRO-Infinity,
+    stage 3 only) moves each rank's parameter shard to the host as well. ``offload`` is one of
+    :data:`OFFLOAD_MODES`; optimizer offload needs stage 1-3, parameter offload stage 3. Returns
+    ``{"accelerator": {params, grads, optimizer, master, total}, "host": {...}}``; with ``"none"`` the
+    host holds nothing and the accelerator the stage's :func:`model_state_bytes`.
+    """
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload {offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
+    if offload != "none" and stage == 0:
+        raise ValueError("offload needs ZeRO stage 1, 2 or 3: at stage 0 DeepSpeed partitions and offloads nothing")
+    if offload == "optimizer+params" and stage != 3:
+        raise ValueError(f"parameter offload needs ZeRO stage 3 (stage {stage} keeps every parameter on the device)")
+    states = model_state_bytes(psi, stage, world_size, precision)
+    if k != PAPER_K:  # the optimizer's share besides the master copy
+        states["optimizer"] = states["optimizer"] * (k - 4) / (PAPER_K - 4)
+    zero = {key: 0.0 for key in ("params", "grads", "optimizer", "master")}
+    accelerator, host = dict(states), dict(zero)
+    accelerator.pop("total")
+    if offload != "none":
+        n = world_size
+        width = BYTES_PER_ELEMENT[precision]
+        host.update(optimizer=accelerator["optimizer"], master=accelerator["master"], grads=width * psi / n)
+        accelerator.update(optimizer=0.0, master=0.0)
+        if stage >= 2:  # stage 1 still holds its whole gradient on the device while it accumulates
+            accelerator["grads"] = 0.0
+    if offload == "optimizer+params":
+        host["params"], accelerator["params"] = accelerator["params"], 0.0
+    accelerator["total"], host["total"] = sum(accelerator.values()), sum(host.values())
+    return {"accelerator": accelerator, "host": host}
+
+
+def bytes_per_parameter(stage: int, world_size: int, offload: str = "none", precision: str = "fp16",
+                        k: int = PAPER_K) -> dict[str, float]:
+    """Accelerator and host model-state bytes per rank for each parameter of the model: the slopes
+    :func:`largest_model` divides by."""
+    found = offload_bytes_per_device(1.0, stage, world_size, offload, precision, k)
+    return {side: found[side]["total"] for side in ("accelerator", "host")}
+
+
+def largest_model(accelerator_bytes: float, stage: int, world_size: int, offload: str = "none",
+                  host_bytes: float | None = None, reserve_bytes: float = 0.0, precision: str = "fp16",
+                  k: int = PAPER_K) -> dict[str, float]:
+    """The most parameters whose model states fit, per the formulas, on ``world_size`` devices of
+    ``accelerator_bytes`` each, keeping ``reserve_bytes`` per device for everything else (activations,
+    buffers, the framework), with ``host_bytes`` of host memory for all ranks together (None: unlimited).
+
+    Returns ``{"accelerator_limit", "host_limit", "params"}`` (parameter counts; ``inf`` where that side
+    holds nothing per parameter). Model states only: activations and the working set of gathered layers
+    are what ``reserve_bytes`` is for.
+    """
+    if reserve_bytes >= accelerator_bytes:
+        raise ValueError(f"reserve_bytes {reserve_bytes:.3g} leaves nothing of accelerator_bytes {accelerator_bytes:.3g}")
+    slopes = bytes_per_parameter(stage, world_size, offload, precision, k)
+    device_limit = (accelerator_bytes - reserve_bytes) / slopes["accelerator"] if slopes["accelerator"] else float("inf")
+    host_slope = slopes["host"] * world_size  # every rank's host share
+    host_limit = host_bytes / host_slope if host_bytes is not None and host_slope else float("inf")
+    return {"accelerator_limit": device_limit, "host_limit": host_limit, "params": min(device_limit, host_limit)}
+
+
+def offload_traffic_bytes(psi: float, world_size: int, offload: str, precision: str = "fp16",
+                          grad_bytes: int = 4) -> dict[str, float]:
+    """Bytes each rank moves between accelerator and host per optimizer step (the ZeRO-Offload design):
+    its gradient partition down (``grad_bytes`` per element: DeepSpeed 0.19 keeps the host copy in fp32;
+    the paper counts 2) and its updated parameter partition up in the working precision. With parameter
+    offload the updated shard stays on the host and goes up twice instead, for the forward and for the
+    backward (stage 3 gathers it each time)."""
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload {offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
+    if offload == "none":
+        return {"to_host": 0.0, "to_accelerator": 0.0}
+    width = BYTES_PER_ELEMENT[precision]
+    shard = psi / world_size
+    up = width * shard * (2 if offload == "optimizer+params" else 1)
+    return {"to_host": grad_bytes * shard, "to_accelerator": up}
+
+
+def offload_step_cost_s(psi: float, world_size: int, offload: str, to_host_bytes_per_s: float,
+                        to_accelerator_bytes_per_s: float, cpu_adam_s_per_param: float,
+                        accelerator_adam_s_per_param: float = 0.0, precision: str = "fp16") -> dict[str, float]:
+    """Seconds an optimizer step gains per rank by offloading, if nothing overlaps: the copies of
+    :func:`offload_traffic_bytes` at the measured bandwidths, plus the CPU Adam step of the rank's
+    partition, minus the accelerator's Adam step it replaces. An upper bound: DeepSpeed overlaps some
+    copies with the backward."""
+    traffic = offload_traffic_bytes(psi, world_size, offload, precision)
+    shard = psi / world_size
+    copies = traffic["to_host"] / to_host_bytes_per_s + traffic["to_accelerator"] / to_accelerator_bytes_per_s
+    adam = shard * (cpu_adam_s_per_param - accelerator_adam_s_per_param)
+    return {"copies_s": copies, "adam_s": adam, "total_s": copies + adam}

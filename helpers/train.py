@@ -177,7 +177,8 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
             engine=engine, rank=rank, world_size=world, device_type="cuda" if engine.device.type == "cuda" else "cpu",
             precision=precision_of(config), stage=engine.zero_optimization_stage(),
             micro_batch=engine.train_micro_batch_size_per_gpu(), grad_accum=engine.gradient_accumulation_steps(),
-            steps=run["steps"], params=psi, born=born, run_started=run_started, config=config)
+            steps=run["steps"], params=psi, born=born, run_started=run_started, config=config,
+            faults=run.get("faults", {}))
         probes = [probe_registry.PROBES[name]() for name in run["probes"]]
         trainer = TRAINERS[models.trainer_of(run["model"])]
         for probe in probes:

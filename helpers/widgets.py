@@ -567,7 +567,7 @@ class Calculator:
         self.table_view.value = _pre(self.table())
         bars = [(f"ZeRO-{r.stage} {r.offload}" + (" ◀" if self.marked == (r.stage, r.offload_optimizer, r.offload_param)
                                                    else ""), r.gpu) for r in self.rows()]
-        self.plot.value = plots.png(plots.placement_bars(bars, self.cluster.gpu_memory_bytes,
+        self.plot.value = plots.png(plots.calculator_bars(bars, self.cluster.gpu_memory_bytes,
                                                          f"Model states per GPU, {self.psi / 1e9:.3g}B parameters"))
 
     def __repr__(self) -> str:

@@ -16,6 +16,8 @@ from helpers.environment import WORLD_SIZE_VARIABLE
 
 BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
+BF16 = {"enabled": True}
+SGD = {"type": "SGD", "params": {"lr": 1e-3}}
 m = configs.merged
 
 
@@ -125,6 +127,20 @@ def _launch_cases(env: environment.Environment, nvme_dir: str) -> dict:
                                          False, "zero_optimization.offload_optimizer", "warning", "ok"),
         "nvme at stage 2": (m(BASE, {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}), False,
                             "zero_optimization.offload_optimizer.device", "warning", "ok"),
+        "offload with torch_adam": (m(BASE, {"optimizer": {"params": {"torch_adam": True}},
+                                              "zero_optimization": {"offload_optimizer": offload}}), False,
+                                    "optimizer.params.torch_adam", "warning", "ok"),
+        "offload with torch_adam in bf16": (m(BASE, {"optimizer": {"params": {"torch_adam": True}}, "bf16": BF16,
+                                                      "zero_optimization": {"offload_optimizer": offload}}), False,
+                                            "optimizer.params.torch_adam", "warning", "ok"),
+        "offload with SGD": (m(BASE, {"optimizer": SGD, "zero_allow_untested_optimizer": True,
+                                      "zero_optimization": {"offload_optimizer": offload}}), False, "optimizer.type",
+                             "warning", "ok"),
+        "offload with SGD in bf16": (m(BASE, {"optimizer": SGD, "zero_allow_untested_optimizer": True, "bf16": BF16,
+                                              "zero_optimization": {"offload_optimizer": offload}}), False,
+                                     "optimizer.type", "warning", "ok"),
+        "pin_memory here": (m(BASE, {"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": True}}}),
+                            False, None, None, "ok"),
         "fp16 on this device": (m(BASE, {"fp16": {"enabled": True}}), False, "fp16.enabled",
                                 None if env.supports("fp16") else "error",
                                 "ok" if env.supports("fp16") else "not supported on your device"),
@@ -148,7 +164,8 @@ def outcomes(tmp_path_factory):
     cases = _launch_cases(env, str(tmp_path_factory.mktemp("nvme")))
     folder = tmp_path_factory.mktemp("rules")
     specs = {name: launch.RunSpec(config, model="linear", steps=1, check=False, client_optimizer=client,
-                                  on_error="record", out=folder / name.replace(" ", "-"), probes=("timing",))
+                                  on_error="record", out=folder / name.replace(" ", "-"),
+                                  probes=("timing", "placement"))
              for name, (config, client, *_rest) in cases.items()}
     results = launch.sweep(specs, name=f"config-rules-{folder.name}", world_size=2, progress=False, timeout=600)
     log = (launch.RUNS_DIR / f"config-rules-{folder.name}" / "launch.log").read_text()
@@ -196,3 +213,84 @@ def test_client_optimizer_wins_over_the_configs(outcomes):
     assert results["client and config optimizer"]["basic_optimizer"] == "AdamW"  # torch's, the script's
     assert results["control stage 2"]["basic_optimizer"] != "AdamW"
     assert "Using client Optimizer as basic optimizer" in log
+
+
+def test_offload_runs_the_optimizer_the_checker_names(outcomes):
+    _, _, results, _ = outcomes
+    # torch_adam or a torch optimizer with offload: torch's class steps on the CPU, not DeepSpeed's CPU Adam
+    assert results["control CPU offload"]["basic_optimizer"] == "DeepSpeedCPUAdam"
+    for precision in ("", " in bf16"):
+        assert results[f"offload with torch_adam{precision}"]["basic_optimizer"] == "AdamW"
+        assert results[f"offload with SGD{precision}"]["basic_optimizer"] == "SGD"
+
+
+def test_pinning_pins_nothing_on_cpu_ranks(outcomes):
+    env, _, results, _ = outcomes
+    placement = results["pin_memory here"]["memory.placement_bytes_per_rank"]
+    host = [sum(rank["host"].values()) for rank in placement]
+    assert all(bytes_ > 0 for bytes_ in host)  # the optimizer really is on the host side
+    if not env.is_gpu:
+        assert [rank["pinned_bytes"] for rank in placement] == [0, 0]
+    else:
+        assert all(rank["pinned_bytes"] > 0 for rank in placement)
+
+
+# --- fp16 loss-scaling rules, against DeepSpeed's own loss scalers (a CPU cannot launch fp16) ------
+
+@pytest.fixture(autouse=False)
+def rank_zero():
+    """DeepSpeed's DynamicLossScaler asks deepspeed.comm for the rank to log an overflow: answer 0."""
+    from unittest import mock
+
+    from deepspeed.runtime.fp16 import loss_scaler
+
+    with mock.patch.object(loss_scaler, "dist", mock.Mock(get_rank=lambda *a, **k: 0)):
+        yield
+
+def test_static_loss_scale_ignores_the_dynamic_knobs():
+    from helpers import precision
+
+    section = {"loss_scale": 1024, "initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 1}
+    scaler = precision.make_loss_scaler(section)
+    for overflow in (True, False, False, False, True):
+        scaler.update_scale(overflow)
+    assert type(scaler).__name__ == "LossScaler" and scaler.cur_scale == 1024
+    config = m(BASE, {"fp16": {"enabled": True, **section}})
+    assert _findings(config, "fp16.initial_scale_power", "warning")
+    assert not _findings(m(BASE, {"fp16": {"enabled": True, "initial_scale_power": 20}}),
+                         "fp16.initial_scale_power", "warning")
+
+
+def test_stage_0_halves_on_every_overflow_whatever_the_hysteresis(rank_zero):
+    import types
+
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaleConfig
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    from helpers import precision
+
+    section = {"initial_scale_power": 16, "hysteresis": 2}
+    args = precision.fp16_settings(section).dynamic_loss_scale_args()
+    # stage 0's optimizers keep the scale in a LossScaleConfig and update it with this method
+    stage0 = types.SimpleNamespace(verbose=False, loss_scale_config=LossScaleConfig(torch.float16, True, 0, args))
+    FP16_UnfusedOptimizer._update_scale(stage0, True)
+    assert stage0.loss_scale_config.cur_scale == 2**15  # halved at the first overflow
+    zero = precision.make_loss_scaler(section)  # stages 1-3
+    zero.update_scale(True)
+    assert zero.cur_scale == 2**16  # hysteresis 2: the first overflow only uses up hysteresis
+    config = m(BASE, {"fp16": {"enabled": True, **section}})
+    assert _findings(m(config, {"zero_optimization": {"stage": 0}}), "fp16.hysteresis", "warning")
+    assert not _findings(config, "fp16.hysteresis", "warning")
+
+
+def test_min_loss_scale_above_the_initial_scale_raises_it_at_the_first_overflow(rank_zero):
+    from helpers import precision
+
+    section = {"initial_scale_power": 10, "min_loss_scale": 4096, "hysteresis": 1}
+    scaler = precision.make_loss_scaler(section)
+    scaler.update_scale(True)
+    assert scaler.cur_scale == 4096 > 2**10
+    assert _findings(m(BASE, {"fp16": {"enabled": True, **section}}), "fp16.min_loss_scale", "warning")
+    assert not _findings(m(BASE, {"fp16": {"enabled": True, "min_loss_scale": 1024, "initial_scale_power": 10}}),
+                         "fp16.min_loss_scale", "warning")

@@ -23,8 +23,6 @@ def test_without_offload_everything_stays_on_the_gpu(stage, precision):
 
 @pytest.mark.parametrize("stage, optimizer, param, moved", [
     (0, True, True, set()),  # DeepSpeed offloads nothing at stage 0
-    (1, True, False, {"optimizer", "master"}),  # stage 1 keeps its whole gradient on the GPU
-    (1, True, True, {"optimizer", "master"}),  # parameters move at stage 3 only
     (2, True, False, {"optimizer", "master", "grads"}),
     (2, False, True, set()),
     (3, True, False, {"optimizer", "master", "grads"}),
@@ -38,6 +36,17 @@ def test_offload_moves_exactly_these_states_and_loses_none(stage, optimizer, par
         assert where["offloaded"][key] == (states[key] if key in moved else 0), key
         assert where["gpu"][key] + where["offloaded"][key] == states[key], key
     assert where["gpu"]["total"] + where["offloaded"]["total"] == pytest.approx(states["total"])
+
+
+@pytest.mark.parametrize("param", [False, True])  # parameters move at stage 3 only
+def test_stage_1_offload_keeps_the_whole_gradient_on_the_gpu_and_its_partition_on_the_host(param):
+    states = theory.model_state_bytes(PSI, 1, 4, "bf16")
+    where = theory.placement(PSI, 1, 4, "bf16", True, param)
+    assert where["gpu"]["grads"] == states["grads"]  # accumulating micro-steps need the whole gradient
+    assert where["offloaded"]["grads"] == states["grads"] / 4  # the partition the CPU optimizer reads
+    for key in ("optimizer", "master"):
+        assert where["offloaded"][key] == states[key] and where["gpu"][key] == 0
+    assert where["gpu"]["params"] == states["params"] and where["offloaded"]["params"] == 0
 
 
 def test_offload_agrees_with_deepspeeds_own_estimator_where_both_count_the_same():

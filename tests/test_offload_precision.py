@@ -1,0 +1,245 @@
+"""Chapters 06-07: the offload formulas, the placement and loss-scale probes, the loss-spike fault, DeepSpeed's
+loss scaler in the fp16 demo, and the article's line-by-line analysis. One 2-rank launch serves every test
+that needs ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from helpers import configs, launch, models, offload, precision, records, theory
+from helpers.environment import WORLD_SIZE_VARIABLE
+
+PSI = 1_000_000
+
+
+# --- the offload formulas, by hand -------------------------------------------------------------------
+
+def test_optimizer_offload_leaves_the_working_parameters_on_the_accelerator():
+    n = 4
+    got = theory.offload_bytes_per_device(PSI, 2, n, "optimizer", "fp16")
+    assert got["accelerator"] == pytest.approx({"params": 2 * PSI, "grads": 0, "optimizer": 0, "master": 0,
+                                                "total": 2 * PSI})
+    assert got["host"] == pytest.approx({"params": 0, "grads": 2 * PSI / n, "optimizer": 8 * PSI / n,
+                                         "master": 4 * PSI / n, "total": 14 * PSI / n})  # (2 + K) Ψ / N_d
+
+
+def test_stage_3_offload_splits_every_state_by_the_ranks():
+    n = 8
+    optimizer = theory.offload_bytes_per_device(PSI, 3, n, "optimizer", "bf16")
+    assert optimizer["accelerator"]["total"] == pytest.approx(2 * PSI / n)
+    everything = theory.offload_bytes_per_device(PSI, 3, n, "optimizer+params", "bf16")
+    assert everything["accelerator"]["total"] == 0
+    assert everything["host"]["total"] == pytest.approx(16 * PSI / n)  # (2 + 2 + K) Ψ / N_d
+
+
+def test_no_offload_is_the_stage_formula():
+    for stage in (0, 1, 2, 3):
+        got = theory.offload_bytes_per_device(PSI, stage, 4, "none", "fp16")
+        assert got["accelerator"]["total"] == pytest.approx(theory.paper_bytes_per_device(PSI, stage, 4))
+        assert got["host"]["total"] == 0
+
+
+@pytest.mark.parametrize("stage, mode", [(0, "optimizer"), (2, "optimizer+params"), (2, "everything")])
+def test_offload_modes_deepspeed_cannot_run_are_refused(stage, mode):
+    with pytest.raises(ValueError, match="offload"):
+        theory.offload_bytes_per_device(PSI, stage, 2, mode)
+
+
+def test_largest_model_divides_the_memory_by_the_bytes_per_parameter():
+    fit = theory.largest_model(80e9, 2, 8, "none", reserve_bytes=16e9)
+    assert fit["params"] == pytest.approx(64e9 / (2 + 14 / 8))
+    offloaded = theory.largest_model(80e9, 2, 8, "optimizer", host_bytes=2000e9, reserve_bytes=16e9)
+    assert offloaded["accelerator_limit"] == pytest.approx(32e9)
+    assert offloaded["host_limit"] == pytest.approx(2000e9 / 14)  # every rank's share of (2 + K)
+    full = theory.largest_model(80e9, 3, 8, "optimizer+params", host_bytes=2000e9)
+    assert math.isinf(full["accelerator_limit"]) and full["params"] == pytest.approx(2000e9 / 16)
+    with pytest.raises(ValueError, match="reserve"):
+        theory.largest_model(16e9, 2, 8, reserve_bytes=16e9)
+
+
+def test_the_zero_offload_headline_from_the_formulas():
+    v100 = 32 * 2**30
+    assert theory.largest_model(v100, 0, 1)["params"] / 1e9 == pytest.approx(2.147, abs=1e-3)
+    assert theory.largest_model(v100, 2, 1, "optimizer")["params"] / 1e9 == pytest.approx(17.18, abs=1e-2)
+    text = offload.zero_offload_headline()
+    assert "17.2" in text and "2.1" in text and "13.0" in text
+
+
+def test_traffic_and_step_cost():
+    traffic = theory.offload_traffic_bytes(PSI, 4, "optimizer", "fp16")
+    assert traffic == {"to_host": 4 * PSI / 4, "to_accelerator": 2 * PSI / 4}
+    assert theory.offload_traffic_bytes(PSI, 4, "optimizer+params")["to_accelerator"] == 2 * 2 * PSI / 4
+    cost = theory.offload_step_cost_s(PSI, 4, "optimizer", 1e9, 2e9, 2e-9, 1e-10)
+    assert cost["copies_s"] == pytest.approx(1e6 / 1e9 + 0.5e6 / 2e9)
+    assert cost["adam_s"] == pytest.approx(PSI / 4 * (2e-9 - 1e-10))
+
+
+def test_mlp_wide_has_the_parameters_its_description_says():
+    import torch
+
+    with torch.device("meta"):
+        assert models.count_parameters(models.build("mlp_wide")) == 134_250_496
+    assert "134,250,496" in models.MODELS["mlp_wide"]
+
+
+# --- the article's config, line by line ----------------------------------------------------------------
+
+def test_the_article_restates_deepspeeds_defaults():
+    article = configs.load(precision.ARTICLE)
+    restated = configs.restates_default(article)
+    assert {f"fp16.{k}" for k in ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis",
+                                  "min_loss_scale")} <= set(restated)
+    assert "gradient_clipping" in restated and "zero_optimization.reduce_scatter" in restated
+    # what it changes is not "restated"
+    assert not {"zero_optimization.stage", "zero_optimization.overlap_comm", "fp16.enabled"} & set(restated)
+    # DeepSpeed's own stage-dependent default: overlap_comm is on by default at stage 3 only
+    assert configs.deepspeed_defaults({"zero_optimization": {"stage": 3, "overlap_comm": True}})[
+        "zero_optimization.overlap_comm"] is True
+
+
+def test_the_corrected_article_passes_the_checker_on_any_world_that_divides_its_batch():
+    corrected = precision.corrected_article()
+    for world in (1, 2, 4, 8):
+        assert configs.check(corrected, world) == [], world
+    assert "offload_param" not in corrected["zero_optimization"] and "fp16" not in corrected
+
+
+def test_a_bad_fp16_setting_fails_before_launch_naming_it():
+    with pytest.raises(ValueError, match="loss_scale_window"):
+        precision.demo_config({"loss_scale_window": 0})
+
+
+@pytest.mark.parametrize("faults, match", [({"loss_spike_at_step": 0}, "from 1 to 3"),
+                                           ({"loss_spike_at_step": [2, 9]}, "from 1 to 3"),
+                                           ({"loss_spike": 2}, "not course faults")])
+def test_bad_faults_fail_before_any_process_starts(monkeypatch, faults, match):
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match=match):
+        launch.run("zero2", steps=3, world_size=2, faults=faults)
+
+
+def test_step_ranges_read_as_a_learner_writes_them():
+    assert precision._ranges([1, 2, 3, 6, 10, 11]) == "1-3, 6, 10-11"
+    assert precision._ranges([]) == ""
+
+
+# --- one launch for the rest -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    import os
+
+    os.environ.pop(WORLD_SIZE_VARIABLE, None)
+    folder = tmp_path_factory.mktemp("offload-precision")
+    bf16 = {"bf16": {"enabled": True}}
+    probes = ("timing", "model_states", "placement", "peak_memory", "loss_scale")
+    specs = {
+        "stage 2": launch.RunSpec("zero2", model="mlp", steps=3, overrides=bf16, probes=probes, out=folder / "s2"),
+        "stage 2 offload": launch.RunSpec("zero2", model="mlp", steps=3, probes=probes, out=folder / "s2o",
+                                          overrides=configs.merged(bf16, offload.offloaded(offload_optimizer=offload.CPU))),
+        "stage 3 offload": launch.RunSpec("zero3", model="mlp", steps=3, probes=probes, out=folder / "s3o",
+                                          overrides=configs.merged(bf16, offload.offloaded(
+                                              offload_optimizer=offload.CPU, offload_param=offload.CPU))),
+        "spiked": launch.RunSpec("zero2", model="mlp", steps=3, overrides=bf16, probes=probes, out=folder / "spiked",
+                                 faults={"loss_spike_at_step": 2}),
+        "demo": launch.RunSpec(precision.demo_config({"initial_scale_power": 16}), model="mlp", steps=4, check=False,
+                               task="helpers.precision:scaler_demo", faults={"loss_spike_at_step": 2},
+                               out=folder / "demo"),
+        "demo at the floor": launch.RunSpec(precision.demo_config({"hysteresis": 1, "min_loss_scale": 65536}),
+                                            model="mlp", steps=4, check=False, task="helpers.precision:scaler_demo",
+                                            faults={"loss_spike_at_step": 2}, out=folder / "floor"),
+    }
+    return launch.sweep(specs, name=f"offload-precision-{folder.name}", world_size=2, progress=False)
+
+
+def test_placement_splits_the_model_states_between_the_sides(swept):
+    for name, record in swept.items():
+        if not isinstance(record, records.Record):
+            continue
+        for rank, (placement, states) in enumerate(zip(record["memory.placement_bytes_per_rank"],
+                                                       record["memory.model_states_at_boundary_bytes_per_rank"])):
+            for key in records.STATE_KEYS:  # each byte on exactly one side
+                assert placement["accelerator"][key] + placement["host"][key] == states[key], (name, rank, key)
+
+
+def test_no_offload_keeps_everything_on_the_accelerator(swept):
+    placement = swept["stage 2"]["memory.placement_bytes_per_rank"][0]
+    assert sum(placement["host"].values()) == 0
+    assert placement["dtypes"] == {"params": ["bfloat16"], "grads": ["bfloat16"], "optimizer": ["float32"],
+                                   "master": ["float32"]}
+
+
+def test_optimizer_offload_moves_the_optimizer_master_and_gradients(swept):
+    psi, n = swept["stage 2"].params, 2
+    off = swept["stage 2 offload"]["memory.placement_bytes_per_rank"][0]
+    assert off["accelerator"]["params"] == 2 * psi  # every bf16 parameter stays
+    assert off["accelerator"]["optimizer"] == off["accelerator"]["master"] == off["accelerator"]["grads"] == 0
+    assert off["host"]["master"] == 4 * psi // n and off["host"]["optimizer"] >= 8 * psi // n
+    assert off["host"]["grads"] == 6 * psi // n  # fp32 partition + bf16 accumulator
+    assert swept["stage 2 offload"]["basic_optimizer"] == "DeepSpeedCPUAdam"
+    assert swept["stage 2 offload"].losses == pytest.approx(swept["stage 2"].losses, abs=1e-3)
+
+
+def test_parameter_offload_empties_the_accelerator_of_model_states(swept):
+    placement = swept["stage 3 offload"]["memory.placement_bytes_per_rank"][1]
+    assert all(placement["accelerator"][k] == 0 for k in records.MODEL_STATE_KEYS)
+    assert placement["host"]["params"] == 2 * swept["stage 3 offload"].params // 2
+
+
+def test_a_spike_in_bf16_is_a_huge_loss_not_an_overflow(swept):
+    spiked, clean = swept["spiked"], swept["stage 2"]
+    assert spiked["faults.loss_spike.steps"] == [2]
+    assert spiked.losses[0] == clean.losses[0]
+    assert spiked.losses[1] > 1e6 * clean.losses[1]  # the output times 1e6: the squared error times ~1e12
+    section = spiked["loss_scale"]
+    assert section["applied_per_step"] == [True, True, True] and section["skipped_steps"] == 0
+    assert set(section["scale_per_step"]) == {1.0}  # bf16: no loss scaling
+
+
+def test_deepspeeds_scaler_skips_the_spiked_step_in_fp16(swept):
+    demo = swept["demo"]
+    assert demo["overflow_per_step"] == [False, True, False, False]
+    assert demo["scale_per_step"] == [65536.0] * 4  # hysteresis 2 absorbs one overflow
+    assert demo["skipped_steps"] == 1 and demo["stopped"] is None
+    assert all(h > 1 for h in demo["headroom_log2"] if h is not None)
+    assert math.isinf(demo["losses"][1])
+
+
+def test_the_scaler_ends_the_run_at_min_loss_scale(swept):
+    floor = swept["demo at the floor"]
+    assert floor["stopped"].startswith("Exception: Current loss scale already at minimum")
+    assert len(floor["scale_per_step"]) == 2  # stopped at the spike, step 2
+
+
+def test_the_trajectory_table_reads_both_kinds_of_result(swept):
+    table = precision.trajectory_table({"demo": swept["demo"], "engine (bf16)": swept["spiked"]})
+    assert "1: steps 2" in table and "2^16 -> 2^16" in table and "2^0 -> 2^0" in table
+
+
+def test_committed_gpu_results_are_shown_beside_the_learners(swept, tmp_path, monkeypatch):
+    """The notebooks' GPU sections read notebooks/reference/: render a committed file made of this launch's
+    records (relabelled as GPU results) through every report the chapters print."""
+    import json
+
+    from helpers import experiments
+
+    monkeypatch.setattr(experiments, "REFERENCE_DIR", tmp_path)
+    bench = {"name": "adam-benchmark", "task": "benchmark", "device": "cuda", "transfers": None,
+             "adam": offload.adam_benchmark(numel=4096, repeats=1)}
+
+    def commit(name: str, runs: dict) -> None:
+        payload = {"experiment": name, "device": "2 x Test GPU", "date": "2026-01-01", "note": "test", "software": {},
+                   "runs": {k: (r.summary if isinstance(r, records.Record) else r) for k, r in runs.items()}}
+        (tmp_path / f"{name}-2xTest-GPU.json").write_text(json.dumps(payload))
+
+    assert "No GPU results for 'offload'" in offload.reference_report()
+    commit("offload", {"stage 2": swept["stage 2"], "stage 2 offload": swept["stage 2 offload"], "adam benchmark": bench})
+    report = offload.reference_report()
+    assert "Measured on 2 x Test GPU" in report and "DeepSpeedCPUAdam" in report and "stage 2 offload" in report
+    commit("loss-scale", {"demo": swept["spiked"], "demo at the floor": {"failed": "Exception: minimum", "device": "cuda"}})
+    report = precision.loss_scale_reference_report({"demo": swept["demo"], "demo at the floor": swept["demo at the floor"]})
+    assert "differ" in report and "both ended by the scaler" in report  # bf16 engine vs fp16 demo: they differ
+    commit("precision-speed", {"ZeRO-2 bf16": swept["stage 2"]})
+    assert "ZeRO-2 bf16" in precision.speed_reference_report()
