@@ -122,8 +122,10 @@ def scaled_out_table(psi: float, world_size: int, largest_layer_params: int = 0,
 def save_reference(name: str, runs: Mapping[str, records.Record | dict], note: str = "") -> Path | None:
     """On a GPU machine, keep ``runs`` (records, or the summary dicts of other tasks) as
     ``runs/reference/<name>-<N>x<device>.json`` for an instructor to commit to ``notebooks/reference/``,
-    with the software that measured them. Does nothing for CPU runs; returns the file written."""
-    summaries = {k: (r.summary if isinstance(r, records.Record) else r) for k, r in runs.items()}
+    with the software that measured them. Runs a sweep recorded as failures (``RunSpec(on_error="record")``)
+    are left out. Does nothing for CPU runs; returns the file written."""
+    summaries = {k: (r.summary if isinstance(r, records.Record) else r) for k, r in runs.items()
+                 if not isinstance(r, Exception)}
     first = next(iter(summaries.values()))
     if first.get("device") != "cuda":
         return None

@@ -49,6 +49,10 @@ class RunContext:
     born: float  # this rank's process start (time.time() scale)
     run_started: float  # when this run's set-up began (time.time() scale)
     config: dict = dataclasses.field(default_factory=dict)
+    # Among the ranks that read different samples (all of them, unless tensor or pipeline parallelism
+    # makes several ranks share a micro-batch): this rank's index, and their number.
+    dp_rank: int = 0
+    dp_size: int = 1
 
     def synchronize(self) -> None:
         """Wait for the device to finish queued work (a no-op on CPU), so host clocks mean something."""
@@ -153,7 +157,7 @@ class Timing(Probe):
         times = ranks[0]["times"]
         median = statistics.median(times)
         return {"step_time_s": {"median": median, "all": times},
-                "samples_per_s": ctx.micro_batch * ctx.grad_accum * ctx.world_size / median}
+                "samples_per_s": ctx.micro_batch * ctx.grad_accum * ctx.dp_size / median}
 
 
 @register
@@ -284,3 +288,7 @@ class Timeline(Probe):
     def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
         return {"timeline_s": {"phases": list(ranks[0]["marks"]), "per_rank": [r["marks"] for r in ranks],
                                "note": "seconds from each rank's process start to the end of each phase"}}
+
+
+# --- parallelism (chapters 10-12): probes defined beside the code they measure, registered on import
+from helpers import activations, pipeline, tensor_parallel  # noqa: E402,F401
