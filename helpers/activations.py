@@ -159,8 +159,9 @@ class SavedTensorCounter:
 @register
 class Activations(Probe):
     """Bytes saved for backward during the forward of the first micro-step (see the module docstring),
-    per decoder layer and outside the layers, on each rank. On a GPU also the allocator's view of the
-    same step: bytes allocated when it starts and its peak. Section: ``activations``.
+    per decoder layer and outside the layers, on each rank. On a GPU also the bytes the allocator holds
+    when the last step starts (model states and buffers: the floor the activations come on top of; the
+    ``peak_memory`` probe gives the peak). Section: ``activations``.
     """
 
     name = "activations"
@@ -173,7 +174,6 @@ class Activations(Probe):
         if ctx.device_type == "cuda":
             torch.cuda.synchronize()
             self.result["allocated_at_step_start"] = int(torch.cuda.memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
         if step == 0:
             self.counter = SavedTensorCounter(ctx.engine.module)
             self.counter.start()
@@ -183,10 +183,6 @@ class Activations(Probe):
             self.counter.stop()
             self.result.update(self.counter.summary())
             self.counter = None
-
-    def after_step(self, ctx: RunContext, step: int) -> None:
-        if ctx.device_type == "cuda" and step == ctx.steps - 1:
-            self.result["peak_allocated_in_step"] = int(torch.cuda.max_memory_allocated())
 
     def finish(self, ctx: RunContext) -> dict:
         return self.result
@@ -313,14 +309,16 @@ def totals_table(runs: dict, names) -> str:
 
 def time_table(runs: dict, names) -> str:
     """Median step time per run and against the first: the price of recomputation (print it in a cell
-    nbval does not compare)."""
+    nbval does not compare). On a GPU also the allocator's peak; a CPU's peak resident set only grows
+    from run to run of a sweep, so it is left out there."""
     from helpers import records
 
     base = runs[names[0]]["step_time_s.median"]
+    gpu = runs[names[0]]["device"] == "cuda"
     rows = [[LABELS.get(n, n), f"{runs[n]['step_time_s.median'] * 1000:.1f}", f"{runs[n]['step_time_s.median'] / base:.2f}x",
-             records.format_bytes(runs[n]["memory.peak_bytes_per_rank"][0])] for n in names]
+             *([records.format_bytes(runs[n]["memory.peak_bytes_per_rank"][0])] if gpu else [])] for n in names]
     return records.format_table(rows, ["run", "step ms", f"vs {LABELS.get(names[0], names[0])}",
-                                       f"peak ({runs[names[0]]['memory']['peak_source']})"])
+                                       *(["peak (torch.cuda.max_memory_allocated)"] if gpu else [])])
 
 
 def model_state_bytes_fp32(psi: int) -> int:
@@ -332,7 +330,7 @@ def model_state_bytes_fp32(psi: int) -> int:
 def states_against_activations(runs: dict, names) -> str:
     """Per run: model states (measured, rank 0) and activations saved (measured), their ratio, and the
     formulas' ratio (16Ψ against :func:`helpers.theory.activation_bytes`)."""
-    from helpers import records, theory
+    from helpers import models, records, theory
 
     rows = []
     for name in names:
@@ -341,7 +339,7 @@ def states_against_activations(runs: dict, names) -> str:
         states = r.model_state_bytes(0)
         measured = _measured(r)["total"]
         formula = theory.activation_bytes(shape.layers, r["micro_batch"], shape.seq, shape.hidden, shape.heads,
-                                          shape.intermediate, 256, r["precision"])
+                                          shape.intermediate, models.LM_VOCAB, r["precision"])
         rows.append([LABELS.get(name, name), shape.seq, f"{states:,}", f"{measured:,}", f"{measured / states:.2f}",
                      f"{formula / model_state_bytes_fp32(r.params):.2f}"])
     return records.format_table(rows, ["run", "tokens", "model states", "activations", "activations/states",
@@ -425,8 +423,8 @@ def activation_curves(course_batch: int = 4, seqs=(16, 32, 64, 128, 256, 512, 10
 
 
 def gpu_table(runs: dict) -> str:
-    """GPU results: per run, bytes saved for backward (on the GPU and in host memory), the allocator's view of
-    the last step (allocated at its start, peak), step time and its ratio to the first run."""
+    """GPU results: per run, bytes saved for backward (on the GPU and in host memory), the allocator's view
+    (allocated when the last step starts, the run's peak), step time and its ratio to the first run."""
     from helpers import records
 
     names = [n for n, r in runs.items() if not isinstance(r, Exception)]
@@ -438,10 +436,10 @@ def gpu_table(runs: dict) -> str:
         rows.append([LABELS.get(name, name), records.format_bytes(m["by_device"].get("cuda", 0)),
                      records.format_bytes(m["by_device"].get("cpu", 0)),
                      records.format_bytes(m.get("allocated_at_step_start", 0)),
-                     records.format_bytes(m.get("peak_allocated_in_step", 0)),
+                     records.format_bytes(r["memory.peak_bytes_per_rank"][0]),
                      f"{r['step_time_s.median'] * 1000:.1f}", f"{r['step_time_s.median'] / base:.2f}x"])
     return records.format_table(rows, ["run", "saved on GPU", "saved in host memory", "allocated at step start",
-                                       "peak in step", "step ms", "time vs first"])
+                                       f"peak ({runs[names[0]]['memory']['peak_source']})", "step ms", "time vs first"])
 
 
 def reference_report(name: str = "activation-checkpointing") -> str:

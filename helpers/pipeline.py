@@ -177,6 +177,7 @@ class PipelineTimeline(Probe):
     """
 
     name = "pipeline"
+    trainer = "pipeline"
 
     def start(self, ctx: RunContext) -> None:
         self.steps: list[list[tuple[str, float, float]]] = []

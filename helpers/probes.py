@@ -68,6 +68,8 @@ class Probe:
     name: ClassVar[str] = ""
     #: DeepSpeed config this probe needs (merged under the run's own config before launch).
     config: ClassVar[dict] = {}
+    #: The trainer (``helpers.train.TRAINERS``) this probe measures, if it only works with one.
+    trainer: ClassVar[str | None] = None
 
     def start(self, ctx: RunContext) -> None:
         pass
@@ -106,6 +108,19 @@ def check_names(names: tuple[str, ...] | list[str]) -> None:
     unknown = [n for n in names if n not in PROBES]
     if unknown:
         raise ValueError(f"probes {unknown}: not course probes; choose from {', '.join(sorted(PROBES))}")
+
+
+def check_trainer(names: tuple[str, ...] | list[str], model: str) -> None:
+    """Raise a ValueError when a probe only works with another way of training than ``model``'s."""
+    from helpers import models
+
+    trainer = models.trainer_of(model)
+    for name in names:
+        wanted = PROBES[name].trainer
+        if wanted not in (None, trainer):
+            fitting = [m for m in models.MODELS if models.trainer_of(m) == wanted]
+            raise ValueError(f"probe {name!r} measures {wanted} training, but model {model!r} trains with {trainer}: "
+                             f"use a model such as {fitting[0]!r}, or leave the probe out")
 
 
 def config_for(names: tuple[str, ...] | list[str]) -> dict:

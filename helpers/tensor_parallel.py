@@ -154,8 +154,8 @@ def collectives_table(record) -> str:
     from helpers import models, records, theory
 
     shape, t = models.shape_of(record["model.name"]), record.summary["param_shards"]["per_rank"][0]["autotp_size"]
-    formula = theory.tensor_parallel_collectives(shape.layers, record["micro_batch"], shape.seq, shape.hidden, 256, t,
-                                                 record["precision"])
+    formula = theory.tensor_parallel_collectives(shape.layers, record["micro_batch"], shape.seq, shape.hidden,
+                                                 models.LM_VOCAB, t, record["precision"])
     accum = record["grad_accum"]
     by_caller = record.summary["comm"]["by_caller"]
     rows = []
@@ -180,16 +180,17 @@ def against_zero3_table(runs: Mapping, timings: bool = False) -> str:
         if name == "zero3":
             formula = theory.zero3_wire_bytes(r.params, n, r["precision"])
         else:
-            formula = theory.tensor_parallel_wire_bytes(shape.layers, r["micro_batch"], shape.seq, shape.hidden, 256, n,
-                                                        r["precision"])
+            formula = theory.tensor_parallel_wire_bytes(shape.layers, r["micro_batch"], shape.seq, shape.hidden,
+                                                        models.LM_VOCAB, n, r["precision"])
         row = [name, f"{r.model_state_bytes(0):,}", f"{sum(o['count'] for o in r.comm_ops().values()):g}",
                f"{r['comm.bytes_per_step']:,.0f}", f"{moved_bytes_per_step(r):,.0f}", f"{formula * r['grad_accum']:,.0f}"]
-        if timings:
-            row += [f"{r['step_time_s.median'] * 1000:.1f}", records.format_bytes(r["memory.peak_bytes_per_rank"][0])]
+        if timings:  # a CPU's peak resident set only grows from run to run of a sweep: GPU peaks only
+            row += [f"{r['step_time_s.median'] * 1000:.1f}"]
+            row += [records.format_bytes(r["memory.peak_bytes_per_rank"][0])] if r["device"] == "cuda" else []
         rows.append(row)
     headers = ["run", "model states", "calls/step", "logged bytes/step", "sent bytes/step", "formula sent"]
     if timings:
-        headers += ["step ms", f"peak ({runs['zero3']['memory']['peak_source']})"]
+        headers += ["step ms"] + (["peak (torch.cuda.max_memory_allocated)"] if runs["zero3"]["device"] == "cuda" else [])
     return records.format_table(rows, headers)
 
 
@@ -227,8 +228,8 @@ def traffic_curves(record_tp, record_zero3, tokens=(64, 256, 1024, 4096, 16384, 
     shape = models.shape_of(record_tp["model.name"])
     t, n = record_tp["world_size"], record_zero3["world_size"]
     precision = record_tp["precision"]
-    lines = {f"AutoTP, {t} ranks": [theory.tensor_parallel_wire_bytes(shape.layers, 1, k, shape.hidden, 256, t, precision)
-                                    for k in tokens],
+    lines = {f"AutoTP, {t} ranks": [theory.tensor_parallel_wire_bytes(shape.layers, 1, k, shape.hidden, models.LM_VOCAB,
+                                                                       t, precision) for k in tokens],
              f"ZeRO-3, {n} ranks": [theory.zero3_wire_bytes(record_zero3.params, n, precision) for _ in tokens]}
     measured = {"AutoTP (measured)": (record_tp["micro_batch"] * shape.seq,
                                       moved_bytes_per_step(record_tp) / record_tp["grad_accum"]),

@@ -70,6 +70,12 @@ def test_saved_tensor_counter_matches_the_formula_in_process(name, checkpointed)
     assert floats == theory.activation_bytes_outside_layers(4, 64, 64, 256)
 
 
+def test_the_pipeline_probe_on_a_model_that_is_no_pipeline_stops_before_any_process_starts(monkeypatch):
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match="probe 'pipeline' measures pipeline training.*'llama-pipe'"):
+        launch.run("zero1", model="llama", probes=("pipeline",))
+
+
 # --- one launch -------------------------------------------------------------------------------
 
 STEPS = 2
