@@ -248,3 +248,20 @@ def reference_report(name: str = "tensor-parallel") -> str:
         return f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json)."
     return "\n\n".join(f"Measured on {device}, {date} ({note}):\n{against_zero3_table(runs, timings=True)}\n"
                          f"{memory_table(runs)}" for device, date, note, runs in found)
+
+
+def plan_table(name: str = "llama") -> str:
+    """transformers' tensor-parallel plan for model ``name`` (``config.base_model_tp_plan`` and the model
+    class's ``_tp_plan``, merged as DeepSpeed merges them) and what DeepSpeed's converter makes of each entry."""
+    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
+    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
+
+    from helpers import models, records
+
+    plan = _get_hf_tp_plan(models.build(name))
+    rows = []
+    for pattern, style in plan.items():
+        (spec,) = TPPlanConverter.convert({pattern: style})
+        how = spec.partition_type.value + (", output gathered" if spec.gather_output else "")
+        rows.append([pattern, style, how])
+    return records.format_table(rows, ["module (transformers' pattern)", "transformers' style", "DeepSpeed partition"])
