@@ -12,6 +12,8 @@ Notebooks import the modules they need, each named for what it deals with:
 - ``experiments``: the experiments chapters repeat (a stage against its baseline, a knob's effect).
 - ``memory`` and ``communication``: what each rank measures (model-state bytes, the comms logger).
 - ``offload`` and ``precision``: chapters 06 and 07 (where model states live; fp16 loss scaling).
+- ``activations``, ``pipeline``, ``tensor_parallel``: chapters 10-12 (bytes saved for backward; the model as
+  pipeline stages and DeepSpeed's schedule; AutoTP's shards), each with its probe and tables.
 - ``train``: the script each rank runs (started by ``launch``, never imported by a notebook).
 - ``benchmarks``: timing the course's own machinery; ``course``: the README's set-up commands.
 

@@ -294,10 +294,14 @@ def _batch_findings(config: dict, world_size: int) -> list[Finding]:
             if train % (micro * world_size) == 0:
                 options.append(f"or gradient_accumulation_steps to {train // (micro * world_size)}")
             options.append("or remove train_batch_size and let DeepSpeed compute it")
+            tp = (config.get("tensor_parallel") or {}).get("autotp_size", 0) if isinstance(config.get("tensor_parallel"), dict) else 0
+            counted = (f" (DeepSpeed counts all {world_size} ranks, although the {tp} ranks of each tensor-parallel "
+                       f"group read the same samples: {micro * accum * world_size // tp} samples per step really)"
+                       if isinstance(tp, int) and tp > 1 else "")
             findings.append(Finding(
                 "error", "train_batch_size",
                 f"must equal train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size, "
-                f"but {train} != {micro} * {accum} * {world_size} = {micro * accum * world_size}",
+                f"but {train} != {micro} * {accum} * {world_size} = {micro * accum * world_size}{counted}",
                 ", ".join(options)))
     elif train is not None:
         other, other_key = (micro, "train_micro_batch_size_per_gpu") if micro is not None else (accum, "gradient_accumulation_steps")

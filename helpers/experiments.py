@@ -127,8 +127,10 @@ def save_reference(name: str, runs: Mapping[str, records.Record | dict], note: s
     """On a GPU machine, keep ``runs`` (records, or the summary dicts of other tasks) as
     ``runs/reference/<name>-<N>x<device>.json`` for an instructor to commit to ``notebooks/reference/``,
     with the software and hardware that measured them (versions, GPUs, ``nvidia-smi topo -m``, driver, date)
-    and the conditions (:data:`CONDITIONS_VARIABLE`). Does nothing for CPU runs; returns the file written."""
-    summaries = {k: (r.summary if isinstance(r, records.Record) else r) for k, r in runs.items()}
+    and the conditions (:data:`CONDITIONS_VARIABLE`). Runs a sweep recorded as failures
+    (``RunSpec(on_error="record")``) are left out. Does nothing for CPU runs; returns the file written."""
+    summaries = {k: (r.summary if isinstance(r, records.Record) else r) for k, r in runs.items()
+                 if not isinstance(r, Exception)}
     first = next(iter(summaries.values()))
     if first.get("device") != "cuda":
         return None

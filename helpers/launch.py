@@ -397,6 +397,7 @@ def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepar
         raise ValueError(f"steps={spec.steps}: a run needs at least one optimizer step")
     probe_registry.check_names(list(spec.probes))
     probes = _probes_of(spec)
+    probe_registry.check_trainer(list(spec.probes), spec.model)
     if spec.on_error not in ON_ERROR:
         raise ValueError(f"on_error={spec.on_error!r}: choose one of {', '.join(ON_ERROR)}")
     base = spec.config if isinstance(spec.config, dict) else configs.load(spec.config)

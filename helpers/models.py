@@ -12,6 +12,11 @@ Models (all seeded, random weights, no downloads):
 - ``mlp_wide``: the ``mlp`` with 4096-wide layers (134,250,496 parameters), for the GPU measurements of
   the offload and precision chapters, where a step must be long enough to time and states large enough
   to weigh.
+- ``llama-long`` (the same, 512-token sequences) and ``llama-gpu`` (hidden 1024, 8 layers, 1024 tokens,
+  for GPUs), each also trained four ways by a name suffix: ``-ckpt`` (transformers' activation
+  checkpointing), ``-dsckpt`` (``deepspeed.checkpointing.checkpoint`` around each decoder layer) and
+  ``-pipe`` (split into pipeline stages with DeepSpeed's ``PipelineModule``, trained with
+  ``engine.train_batch``). Every variant of one size starts from the same weights.
 
 Data is a pure function of (sample index, seed), so the single-process baseline and every
 rank of every ZeRO stage see exactly the same samples: see :func:`sample_indices`.
@@ -26,11 +31,48 @@ from pathlib import Path
 import torch
 from torch import nn
 
+LINEAR_SAMPLES = 100  # the source article's TensorDataset has 100 rows
+MLP_WIDTH, MLP_BLOCKS = 256, 8
+LM_SEQ_LEN = 64  # the sequence length of ``llama``
+LM_VOCAB = 256  # bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaShape:
+    """The sizes of one LLaMA-style model: hidden width, decoder layers, attention heads, MLP width, tokens."""
+
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    seq: int
+
+    def describe(self) -> str:
+        return (f"hidden {self.hidden}, {self.layers} layers, {self.heads} heads, MLP {self.intermediate}, "
+                f"{self.seq} tokens, byte vocabulary")
+
+
+#: The LLaMA-style sizes: the course's small model, the same with long sequences, and one for GPUs.
+LLAMA_SHAPES = {
+    "llama": LlamaShape(hidden=64, layers=2, heads=4, intermediate=172, seq=LM_SEQ_LEN),
+    "llama-long": LlamaShape(hidden=64, layers=2, heads=4, intermediate=172, seq=512),
+    "llama-gpu": LlamaShape(hidden=1024, layers=8, heads=16, intermediate=2816, seq=1024),
+}
+#: Name suffix -> how that LLaMA-style model is trained (see the module docstring).
+LLAMA_VARIANTS = {
+    "": "",
+    "-ckpt": ", activation checkpointing by transformers (torch.utils.checkpoint)",
+    "-dsckpt": ", activation checkpointing by deepspeed.checkpointing.checkpoint",
+    "-pipe": ", split into pipeline stages (PipelineModule, engine.train_batch)",
+}
+
 #: Name -> (short description) of the models a run can use.
 MODELS = {
     "linear": "nn.Linear(10, 10), the source article's model",
     "mlp": "MLP of 8 blocks Linear(256, 256) + GELU (526,336 parameters)",
-    "llama": "LLaMA-style causal LM (hidden 64, 2 layers, byte vocabulary)",
+    **{base + suffix: f"LLaMA-style causal LM ({shape.describe()}){how}"
+       for base, shape in LLAMA_SHAPES.items() for suffix, how in LLAMA_VARIANTS.items()},
+    "gpt2": "GPT-2-style causal LM (hidden 64, 2 layers, 4 heads, 64 tokens, byte vocabulary)",
     "llama-capstone": "LLaMA-style causal LM sized by model_options (size, seq_len, attention, checkpointing)",
     "mlp_wide": "MLP of 8 blocks Linear(4096, 4096) + GELU (134,250,496 parameters), for GPUs",
 }
@@ -49,19 +91,49 @@ CAPSTONE_SIZES = {
 CAPSTONE_OPTIONS = {"size": "tiny", "seq_len": None, "attention": "sdpa", "checkpointing": False, "compile": False}
 ATTENTION_KERNELS = ("sdpa", "eager")
 
-LINEAR_SAMPLES = 100  # the source article's TensorDataset has 100 rows
-MLP_WIDTH, MLP_BLOCKS = 256, 8
 WIDE_MLP_WIDTH = 4096
 #: Regression models: name -> width of their layers (and of their data).
 REGRESSION_WIDTH = {"linear": 10, "mlp": MLP_WIDTH, "mlp_wide": WIDE_MLP_WIDTH}
-LM_SEQ_LEN = 64
-LM_VOCAB = 256  # bytes
+
+def llama_parts(name: str) -> tuple[str, str]:
+    """``"llama-long-ckpt"`` -> ``("llama-long", "-ckpt")``: the size and the variant of a LLaMA-style name."""
+    check_model_name(name)
+    for base in sorted(LLAMA_SHAPES, key=len, reverse=True):
+        suffix = name[len(base):]
+        if name.startswith(base) and suffix in LLAMA_VARIANTS:
+            return base, suffix
+    raise ValueError(f"model {name!r} is not a LLaMA-style model")
+
+
+def is_llama(name: str) -> bool:
+    """True for the LLaMA-style models of :data:`LLAMA_SHAPES` (all sizes and variants)."""
+    check_model_name(name)
+    return any(name == base + suffix for base in LLAMA_SHAPES for suffix in LLAMA_VARIANTS)
+
+
+def is_language_model(name: str) -> bool:
+    """True for the models that predict the next token of text (LLaMA-style, the capstone's, GPT-2-style)."""
+    return is_llama(name) or name in ("gpt2", "llama-capstone")
+
+
+def shape_of(name: str) -> LlamaShape:
+    """The sizes of a LLaMA-style model ``name``."""
+    return LLAMA_SHAPES[llama_parts(name)[0]]
+
+
+def seq_len_of(name: str) -> int:
+    """Tokens per sample of a language model ``name``."""
+    return shape_of(name).seq if is_llama(name) else LM_SEQ_LEN
 
 
 def trainer_of(name: str) -> str:
     """How model ``name`` takes an optimizer step: a key of ``helpers.train.TRAINERS``."""
     check_model_name(name)
-    return "causal_lm" if name == "llama-capstone" else "data_parallel"
+    if name == "llama-capstone":
+        return "causal_lm"
+    if is_llama(name) and llama_parts(name)[1] == "-pipe":
+        return "pipeline"
+    return "data_parallel"
 
 
 def check_model_options(name: str, options: dict) -> None:
@@ -151,26 +223,34 @@ def check_model_name(name: str) -> None:
         raise ValueError(f"model {name!r} is not one of the course's models: choose one of {', '.join(MODELS)}")
 
 
-def llama_config():
-    """The ``transformers`` config of the course's small LLaMA-style model."""
+def llama_config(name: str = "llama"):
+    """The ``transformers`` config of the LLaMA-style model ``name`` (default: the course's small one)."""
     from transformers import LlamaConfig
 
+    shape = shape_of(name)
     return LlamaConfig(
         vocab_size=LM_VOCAB,
-        hidden_size=64,
-        intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=LM_SEQ_LEN,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads,
+        max_position_embeddings=shape.seq,
         tie_word_embeddings=False,
         attn_implementation="eager",
+        use_cache=False,  # training: no key/value cache
     )
 
 
-def build(name: str, seed: int = 0, **options) -> nn.Module:
-    """Build model ``name`` with weights drawn from ``torch.manual_seed(seed)``; ``options`` are its
-    ``model_options`` (only ``llama-capstone`` takes any)."""
+def build(name: str, seed: int = 0, config: dict | None = None, **options) -> nn.Module:
+    """Build model ``name`` with weights drawn from ``torch.manual_seed(seed)``.
+
+    ``config`` is the run's DeepSpeed config (the ranks pass it): a ``-dsckpt`` model hands it to
+    ``deepspeed.checkpointing.configure``, the call that applies its ``activation_checkpointing`` block
+    (``deepspeed.initialize`` does not). A ``-pipe`` model is a ``deepspeed.pipe.PipelineModule`` over
+    every rank of the run: build it inside the ranks (it needs the process group), where each rank keeps
+    only its own stage's layers. ``options`` are its ``model_options`` (only ``llama-capstone`` takes any).
+    """
     check_model_name(name)
     check_model_options(name, options)
     if name == "llama-capstone":
@@ -187,9 +267,32 @@ def build(name: str, seed: int = 0, **options) -> nn.Module:
             if i < MLP_BLOCKS - 1:
                 layers.append(nn.GELU())
         return nn.Sequential(*layers)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(vocab_size=LM_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=LM_SEQ_LEN,
+                                          attn_implementation="eager", use_cache=False))
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(llama_config())
+    base, variant = llama_parts(name)
+    model = LlamaForCausalLM(llama_config(base))  # the same weights for every variant of one size
+    if variant == "-ckpt":
+        model.activation_checkpointing_enable()  # new name of gradient_checkpointing_enable
+    elif variant == "-dsckpt":
+        import deepspeed
+
+        # transformers' own switch, with DeepSpeed's checkpoint function in place of torch's
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
+        # What a training script must do for the config's "activation_checkpointing" block to apply. The
+        # settings are module globals of DeepSpeed: set them on every build (defaults without a block).
+        block = (config or {}).get("activation_checkpointing")
+        deepspeed.checkpointing.configure(None, deepspeed_config={"train_micro_batch_size_per_gpu": 1,
+                                                                  "activation_checkpointing": block} if block else None)
+    elif variant == "-pipe":
+        from helpers import pipeline
+
+        return pipeline.llama_pipeline(model)
+    return model
 
 
 def llama_7b_parameters() -> int:
@@ -278,6 +381,7 @@ def make_batch(name: str, indices: list[int], seed: int = 0, seq_len: int | None
         return Batch(inputs[rows], targets[rows])
     seq = seq_len or LM_SEQ_LEN
     tokens = _tokens()
+    seq = seq_len_of(name)
     windows = tokens.numel() - seq - 1
     gen = torch.Generator()
     starts = []
@@ -289,12 +393,16 @@ def make_batch(name: str, indices: list[int], seed: int = 0, seq_len: int | None
 
 
 def loss_of(model: nn.Module, name: str, batch: Batch) -> torch.Tensor:
-    """The training loss of ``model`` on ``batch``: MSE for regression, cross-entropy for the LMs."""
-    if name in ("llama", "llama-capstone"):
-        logits = model(input_ids=batch.inputs).logits
-        return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch.targets.reshape(-1))
+    """The training loss of ``model`` on ``batch``: MSE for regression, cross-entropy for the LM."""
+    if is_language_model(name):
+        return lm_loss(model(input_ids=batch.inputs).logits, batch.targets)
     output = model(batch.inputs)
     return nn.functional.mse_loss(output.float(), batch.targets.float())
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a language model's logits (computed in fp32)."""
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def plain_training(name: str, steps: int, batch_size: int, lr: float = 1e-3, seed: int = 0,
@@ -333,7 +441,7 @@ def plain_training(name: str, steps: int, batch_size: int, lr: float = 1e-3, see
 # --- LLaMA-style shapes for planning (the calculator; no weights are ever built) --------------
 
 @dataclasses.dataclass(frozen=True)
-class LlamaShape:
+class LlamaPreset:
     """The shape of a LLaMA-style decoder: what its parameter count depends on."""
 
     hidden: int
@@ -370,20 +478,20 @@ class LlamaShape:
 
 #: Planning presets, nominal size -> shape: the LLaMA-1 7B and 13B shapes, Llama-2-70B (grouped-query
 #: attention, 8 key/value heads), and smaller ones of the same family's proportions. The exact Ψ of
-#: each is :meth:`LlamaShape.parameters` (checked against ``transformers`` on the meta device).
-LLAMA_SHAPES: dict[str, LlamaShape] = {
-    "125M": LlamaShape(hidden=768, layers=12, intermediate=2048, heads=12, kv_heads=12),
-    "350M": LlamaShape(hidden=1024, layers=24, intermediate=2816, heads=16, kv_heads=16),
-    "1.3B": LlamaShape(hidden=2048, layers=24, intermediate=5504, heads=16, kv_heads=16),
-    "7B": LlamaShape(hidden=4096, layers=32, intermediate=11008, heads=32, kv_heads=32),
-    "13B": LlamaShape(hidden=5120, layers=40, intermediate=13824, heads=40, kv_heads=40),
-    "70B": LlamaShape(hidden=8192, layers=80, intermediate=28672, heads=64, kv_heads=8),
+#: each is :meth:`LlamaPreset.parameters` (checked against ``transformers`` on the meta device).
+LLAMA_PRESETS: dict[str, LlamaPreset] = {
+    "125M": LlamaPreset(hidden=768, layers=12, intermediate=2048, heads=12, kv_heads=12),
+    "350M": LlamaPreset(hidden=1024, layers=24, intermediate=2816, heads=16, kv_heads=16),
+    "1.3B": LlamaPreset(hidden=2048, layers=24, intermediate=5504, heads=16, kv_heads=16),
+    "7B": LlamaPreset(hidden=4096, layers=32, intermediate=11008, heads=32, kv_heads=32),
+    "13B": LlamaPreset(hidden=5120, layers=40, intermediate=13824, heads=40, kv_heads=40),
+    "70B": LlamaPreset(hidden=8192, layers=80, intermediate=28672, heads=64, kv_heads=8),
 }
 
 
-def meta_parameters(shape: LlamaShape) -> int:
+def meta_parameters(shape: LlamaPreset) -> int:
     """Ψ of ``shape`` counted from ``transformers``' LlamaForCausalLM built on PyTorch's meta device
-    (no memory, no download): the check on :meth:`LlamaShape.parameters`."""
+    (no memory, no download): the check on :meth:`LlamaPreset.parameters`."""
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):

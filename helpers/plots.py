@@ -250,3 +250,96 @@ def loss_scale_trajectories(trajectories: Mapping[str, dict], title: str = "fp16
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+# --- beyond ZeRO (chapters 10-12) ----------------------------------------------------------------------
+
+def activations_vs_sequence(curves: Mapping[str, tuple[Sequence[int], Sequence[float], float]],
+                            measured: Mapping[str, tuple[int, float]] | None = None,
+                            title: str = "Activations of one micro-batch against model states"):
+    """Per model: activation bytes (formula) against sequence length, and its model states as a flat line.
+
+    ``curves``: label -> (sequence lengths, activation bytes, model-state bytes); ``measured``: label ->
+    (sequence length, measured activation bytes), drawn as points.
+    """
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, (seqs, values, states)) in enumerate(curves.items()):
+        colour = colours[i % len(colours)]
+        ax.plot(seqs, [v / 2**30 for v in values], color=colour, label=f"{label}: activations (formula)")
+        ax.axhline(states / 2**30, color=colour, linestyle="--", linewidth=1, label=f"{label}: model states")
+    for label, (seq, value) in (measured or {}).items():
+        ax.plot([seq], [value / 2**30], "ko", markersize=5)
+        ax.annotate(label, (seq, value / 2**30), textcoords="offset points", xytext=(5, -10), fontsize=7)
+    ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)", ylabel="GiB", title=title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def pipeline_timeline(record, title: str | None = None):
+    """One optimizer step of a pipeline run as a Gantt chart: per stage, what each instruction took (from the
+    ``pipeline`` probe). Forward and backward passes are labelled with their micro-batch."""
+    section = record.summary["pipeline"]
+    steps = section["last_step"]
+    start = min(i[1] for rank in steps for i in rank)
+    colours = {"ForwardPass": "#4C72B0", "BackwardPass": "#DD8452", "SendActivation": "#bbbbbb",
+               "RecvActivation": "#dddddd", "SendGrad": "#bbbbbb", "RecvGrad": "#dddddd", "OptimizerStep": "#55A868",
+               "ReduceGrads": "#C44E52"}
+    fig, ax = plt.subplots(figsize=(7.5, 0.6 + 0.7 * len(steps)))
+    for rank, instructions in enumerate(steps):
+        counters = {"ForwardPass": 0, "BackwardPass": 0}
+        for kind, begin, end in instructions:
+            ax.barh(rank, (end - begin) * 1000, left=(begin - start) * 1000, color=colours.get(kind, "#eeeeee"),
+                    edgecolor="white", linewidth=0.3)
+            if kind in counters:
+                ax.text((begin + end) / 2 * 1000 - start * 1000, rank, f"{kind[0]}{counters[kind]}", ha="center",
+                        va="center", fontsize=6, color="white")
+                counters[kind] += 1
+    ax.set_yticks(range(len(steps)), [f"stage {s}" for s in range(len(steps))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step's first instruction")
+    ax.set_title(title or f"One step, {section['stages']} stages x {section['micro_batches']} micro-batches: forward "
+                          "(blue), backward (orange), send/recv (grey), gradient reduction (red), optimizer (green)",
+                 fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def bubble_vs_micro_batches(measured: Mapping[int, Sequence[float]], stages: int, title: str | None = None):
+    """Measured idle share of each stage against the number of micro-batches M, beside (S-1)/(M+S-1)."""
+    fig, ax = plt.subplots(figsize=(6.0, 3.6))
+    counts = sorted(measured)
+    dense = list(range(1, max(counts) + 1))
+    ax.plot(dense, [theory.bubble_fraction(stages, m) for m in dense], "k--", label="(S-1)/(M+S-1)")
+    for stage in range(len(measured[counts[0]])):
+        ax.plot(counts, [measured[m][stage] for m in counts], marker="o", label=f"stage {stage}, measured")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="micro-batches per step M", ylabel="share of the step idle", ylim=(0, 1),
+           title=title or f"Pipeline bubble, {stages} stages")
+    ax.minorticks_off()
+    ax.set_xticks(counts, [str(m) for m in counts])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def traffic_vs_tokens(tokens: Sequence[int], lines: Mapping[str, Sequence[float]],
+                      measured: Mapping[str, tuple[int, float]] | None = None,
+                      title: str = "Bytes each rank sends per micro-step"):
+    """Per way of splitting the model: wire bytes per micro-step (formula) against tokens per micro-step, with
+    measured points."""
+    fig, ax = plt.subplots(figsize=(6.2, 3.6))
+    for label, values in lines.items():
+        ax.plot(tokens, [v / 2**20 for v in values], label=label)
+    for label, (x, y) in (measured or {}).items():
+        ax.plot([x], [y / 2**20], "ko", markersize=5)
+        ax.annotate(label, (x, y / 2**20), textcoords="offset points", xytext=(5, 5), fontsize=7)
+    ax.set(xscale="log", yscale="log", xlabel="tokens per micro-step (b·s)", ylabel="MiB per rank", title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

@@ -50,6 +50,10 @@ class RunContext:
     run_started: float  # when this run's set-up began (time.time() scale)
     config: dict = dataclasses.field(default_factory=dict)
     faults: dict = dataclasses.field(default_factory=dict)  # the run's faults (RunSpec.faults)
+    # Among the ranks that read different samples (all of them, unless tensor or pipeline parallelism
+    # makes several ranks share a micro-batch): this rank's index, and their number.
+    dp_rank: int = 0
+    dp_size: int = 1
 
     def synchronize(self) -> None:
         """Wait for the device to finish queued work (a no-op on CPU), so host clocks mean something."""
@@ -65,6 +69,8 @@ class Probe:
     name: ClassVar[str] = ""
     #: DeepSpeed config this probe needs (merged under the run's own config before launch).
     config: ClassVar[dict] = {}
+    #: The trainer (``helpers.train.TRAINERS``) this probe measures, if it only works with one.
+    trainer: ClassVar[str | None] = None
 
     def start(self, ctx: RunContext) -> None:
         pass
@@ -111,6 +117,19 @@ def check_names(names: tuple[str, ...] | list[str]) -> None:
     unknown = [n for n in names if n not in PROBES]
     if unknown:
         raise ValueError(f"probes {unknown}: not course probes; choose from {', '.join(sorted(PROBES))}")
+
+
+def check_trainer(names: tuple[str, ...] | list[str], model: str) -> None:
+    """Raise a ValueError when a probe only works with another way of training than ``model``'s."""
+    from helpers import models
+
+    trainer = models.trainer_of(model)
+    for name in names:
+        wanted = PROBES[name].trainer
+        if wanted not in (None, trainer):
+            fitting = [m for m in models.MODELS if models.trainer_of(m) == wanted]
+            raise ValueError(f"probe {name!r} measures {wanted} training, but model {model!r} trains with {trainer}: "
+                             f"use a model such as {fitting[0]!r}, or leave the probe out")
 
 
 def config_for(names: tuple[str, ...] | list[str]) -> dict:
@@ -162,7 +181,7 @@ class Timing(Probe):
         times = ranks[0]["times"]
         median = statistics.median(times)
         return {"step_time_s": {"median": median, "all": times},
-                "samples_per_s": ctx.micro_batch * ctx.grad_accum * ctx.world_size / median}
+                "samples_per_s": ctx.micro_batch * ctx.grad_accum * ctx.dp_size / median}
 
 
 @register
@@ -407,3 +426,7 @@ class CommShare(Probe):
 
 # --- offload and mixed precision (chapters 06-07): their probes live in their own modules ----------
 from helpers import offload as _offload, precision as _precision  # noqa: E402,F401  (register on import)
+
+
+# --- parallelism (chapters 10-12): probes defined beside the code they measure, registered on import
+from helpers import activations, pipeline, tensor_parallel  # noqa: E402,F401

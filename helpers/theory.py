@@ -365,3 +365,115 @@ def offload_step_cost_s(psi: float, world_size: int, offload: str, to_host_bytes
     copies = traffic["to_host"] / to_host_bytes_per_s + traffic["to_accelerator"] / to_accelerator_bytes_per_s
     adam = shard * (cpu_adam_s_per_param - accelerator_adam_s_per_param)
     return {"copies_s": copies, "adam_s": adam, "total_s": copies + adam}
+
+
+# --- beyond ZeRO (chapters 10-12): activations, pipeline bubbles, tensor-parallel collectives -----------
+#
+# Notation: b micro-batch, s sequence length, h hidden size, a attention heads, i MLP width, V vocabulary,
+# L decoder layers, S pipeline stages, M micro-batches per optimizer step, t tensor-parallel ranks.
+
+def activation_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, intermediate: int,
+                               precision: str = "fp32", checkpointed: bool = False) -> dict[str, float]:
+    """Bytes one LLaMA decoder layer (transformers' eager attention) keeps for backward, term by term.
+
+    Without checkpointing, per layer, in elements (fp32 training):
+
+    - ``10·b·s·h``: each of the two RMSNorms keeps its input, the normalized input and the weighted
+      output (6); attention keeps the rotated queries, the transposed keys, the values and its output
+      before ``o_proj`` (4);
+    - ``4·b·s·i``: the MLP keeps ``gate_proj``'s output, its SiLU, ``up_proj``'s output and their product;
+    - ``a·s²·b``: the softmax probabilities (no dropout, so no mask);
+    - ``2·b·s``: each RMSNorm's 1/rms per token.
+
+    In bf16 the norms compute in fp32 (they keep an fp32 copy of their input and fp32 1/rms) and the
+    softmax runs in fp32 and is cast back to bf16 (both copies are kept): 24·b·s·h + 8·b·s·i + 6·a·s²·b
+    + 8·b·s bytes. With checkpointing a layer keeps only its input, b·s·h elements. The rotary cos and
+    sin (:func:`rotary_bytes`) are shared by all layers. Keys: the four terms and ``total``.
+    """
+    _check(0, 1, precision)
+    bsh, bsi, ass, bs = batch * seq * hidden, batch * seq * intermediate, heads * seq * seq * batch, batch * seq
+    width = BYTES_PER_ELEMENT[precision]
+    if checkpointed:
+        terms = {"b·s·h": width * bsh, "b·s·i": 0, "a·s²·b": 0, "b·s": 0}
+    elif precision == "fp32":
+        terms = {"b·s·h": 4 * 10 * bsh, "b·s·i": 4 * 4 * bsi, "a·s²·b": 4 * ass, "b·s": 4 * 2 * bs}
+    else:  # half precision: what the half tensors keep, plus the fp32 copies of norms and softmax
+        terms = {"b·s·h": 2 * 8 * bsh + 4 * 2 * bsh, "b·s·i": 2 * 4 * bsi, "a·s²·b": (2 + 4) * ass, "b·s": 4 * 2 * bs}
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def rotary_bytes(seq: int, head_dim: int, precision: str = "fp32") -> float:
+    """The rotary embedding's cos and sin (s x head_dim each), computed once and used by every layer."""
+    _check(0, 1, precision)
+    return 2 * seq * head_dim * BYTES_PER_ELEMENT[precision]
+
+
+def activation_bytes_outside_layers(batch: int, seq: int, hidden: int, vocab: int, precision: str = "fp32") -> float:
+    """Floating-point bytes kept for backward outside the decoder layers: the final RMSNorm (as in a layer:
+    3·b·s·h, with an fp32 copy in bf16, and b·s fp32), the log-softmax of the fp32 logits (b·s·V, fp32)
+    and the loss. The token ids and targets (int64) come on top."""
+    _check(0, 1, precision)
+    bsh, bs = batch * seq * hidden, batch * seq
+    norm = 4 * 3 * bsh if precision == "fp32" else 2 * 2 * bsh + 4 * bsh
+    return norm + 4 * bs + 4 * bs * vocab + 4
+
+
+def activation_bytes(layers: int, batch: int, seq: int, hidden: int, heads: int, intermediate: int, vocab: int,
+                     precision: str = "fp32", checkpointed: bool = False) -> float:
+    """Floating-point bytes a whole LLaMA-style model saves for backward in one micro-batch's forward: L
+    layers, the rotary cos/sin and the part outside the layers. Checkpointed layers save neither their
+    insides nor the cos/sin (their replay closures hold those, 2·s·head_dim elements, uncounted here)."""
+    per_layer = activation_bytes_per_layer(batch, seq, hidden, heads, intermediate, precision, checkpointed)["total"]
+    rotary = 0 if checkpointed else rotary_bytes(seq, hidden // heads, precision)
+    return layers * per_layer + rotary + activation_bytes_outside_layers(batch, seq, hidden, vocab, precision)
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """The pipeline bubble of a synchronous schedule (GPipe, 1F1B): each stage idles (S-1)/(M+S-1) of a step."""
+    if stages < 1 or micro_batches < 1:
+        raise ValueError(f"stages={stages}, micro_batches={micro_batches}: both must be at least 1")
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def pipeline_p2p_bytes(batch: int, seq: int, hidden: int, precision: str = "fp32") -> float:
+    """Bytes one stage sends to the next per micro-batch (its output activations, b·s·h); the gradient of the
+    same size comes back in backward."""
+    _check(0, 1, precision)
+    return batch * seq * hidden * BYTES_PER_ELEMENT[precision]
+
+
+def tensor_parallel_collectives(layers: int, batch: int, seq: int, hidden: int, vocab: int, tp: int,
+                                precision: str = "fp32") -> dict[tuple[str, str], tuple[int, float]]:
+    """Collectives per micro-step of DeepSpeed AutoTP on a LLaMA model, as {(op, pass): (count, logged bytes
+    each)}.
+
+    Forward: one all-reduce of b·s·h after each row-parallel linear (``o_proj``, ``down_proj``): 2L; one
+    all-gather of the vocabulary-split logits (each rank logs its b·s·V/t share). Backward: one all-reduce
+    of the input gradient, b·s·h, after each column-parallel linear (``q_proj``, ``k_proj``, ``v_proj``,
+    ``gate_proj``, ``up_proj`` and ``lm_head``): 5L + 1. Megatron-LM fuses the column-parallel inputs of
+    one block and needs 2L in backward; AutoTP replaces each linear on its own.
+    """
+    _check(0, 1, precision)
+    width = BYTES_PER_ELEMENT[precision]
+    activation = batch * seq * hidden * width
+    return {("all_reduce", "forward"): (2 * layers, activation),
+            ("all_gather_into_tensor", "forward"): (1, batch * seq * vocab // tp * width),
+            ("all_reduce", "backward"): (5 * layers + 1, activation)}
+
+
+def tensor_parallel_wire_bytes(layers: int, batch: int, seq: int, hidden: int, vocab: int, tp: int,
+                               precision: str = "fp32") -> float:
+    """Bytes one rank sends per micro-step for AutoTP's collectives (:func:`tensor_parallel_collectives`),
+    by the ring algorithm: they grow with the tokens b·s, whatever the number of parameters."""
+    return sum(count * wire_bytes(op, size, tp)
+               for (op, _), (count, size) in tensor_parallel_collectives(layers, batch, seq, hidden, vocab, tp,
+                                                                        precision).items())
+
+
+def zero3_wire_bytes(psi: int, world_size: int, precision: str = "fp32") -> float:
+    """Bytes one rank sends per micro-step at ZeRO-3 as DeepSpeed runs a model that fits its live-parameter
+    budget (chapter 05): one all-gather of the parameters and one reduce-scatter of the gradients,
+    2Ψ(n-1)/n elements: they grow with the parameters, whatever the number of tokens."""
+    _check(3, world_size, precision)
+    return 2 * psi * BYTES_PER_ELEMENT[precision] * ring_factor(world_size)

@@ -108,7 +108,7 @@ def data_parallel_step(ctx, run: dict, step: int, probes: list) -> list[float]:
             raise RuntimeError(f"deliberate failure on rank {ctx.rank} (fail_on_rank)")
         if faults.get("hang_on_rank") == ctx.rank and step == 0:
             time.sleep(3600)
-        indices = models.sample_indices(step, micro_step, ctx.rank, ctx.world_size, ctx.micro_batch, ctx.grad_accum)
+        indices = models.sample_indices(step, micro_step, ctx.dp_rank, ctx.dp_size, ctx.micro_batch, ctx.grad_accum)
         batch = models.make_batch(name, indices, seed)
         batch = batch.to(engine.device, dtype if run.get("cast_inputs", True) else None)
         loss = models.loss_of(engine, name, batch)
@@ -128,8 +128,46 @@ def causal_lm_step(ctx, run: dict, step: int, probes: list) -> list[float]:
     return capstone.train_step(ctx, run, step, probes)
 
 
+def pipeline_step(ctx, run: dict, step: int, probes: list) -> list[float]:
+    """One optimizer step of a pipeline model (``models.trainer_of`` -> "pipeline"): ``engine.train_batch``
+    runs DeepSpeed's schedule over ``grad_accum`` micro-batches (forward, backward and the send/recv
+    between stages, then the gradient reduction and the optimizer step). Every stage reads the same
+    micro-batches: the first uses the inputs, the last the targets.
+
+    The probes' ``after_backward`` still fire, from inside ``train_batch``: after each micro-batch's
+    backward on this stage (:func:`helpers.pipeline.dispatch_after_backward`). Returns the step's loss,
+    which DeepSpeed averages over the micro-batches on the last stage and broadcasts to every stage.
+    """
+    from helpers import models, pipeline
+
+    engine = ctx.engine
+    pipeline.dispatch_after_backward(ctx, step, probes)
+    batches = []
+    for micro_step in range(ctx.grad_accum):
+        indices = models.sample_indices(step, micro_step, ctx.dp_rank, ctx.dp_size, ctx.micro_batch, ctx.grad_accum)
+        batch = models.make_batch(run["model"], indices, run["seed"]).to(engine.device)
+        batches.append((batch.inputs, batch.targets))
+    return [engine.train_batch(data_iter=iter(batches)).item()]
+
+
 #: How a model takes one optimizer step (``models.trainer_of`` names one of these).
-TRAINERS = {"data_parallel": data_parallel_step, "causal_lm": causal_lm_step}
+TRAINERS = {"data_parallel": data_parallel_step, "causal_lm": causal_lm_step, "pipeline": pipeline_step}
+
+
+def data_parallel_coords(engine) -> tuple[int, int]:
+    """This rank's place among the ranks that read different samples, and their number.
+
+    Every rank with plain data parallelism (ZeRO included); fewer with tensor parallelism (the ranks of
+    one tensor-parallel group read the same samples) or pipeline parallelism (the stages of one pipeline
+    read the same micro-batches).
+    """
+    import deepspeed.comm as dist
+
+    size = int(engine.dp_world_size)
+    group = getattr(engine, "data_parallel_group", None)
+    if size == 1:
+        return 0, 1
+    return (dist.get_rank(group=group) if group is not None else dist.get_rank()), size
 
 
 def publish(run: dict, position: int, summary: dict) -> None:
@@ -162,7 +200,7 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     with open(run["config"]) as f:
         config = json.load(f)
-    model = models.build(run["model"], run["seed"], **(run.get("model_options") or {}))
+    model = models.build(run["model"], run["seed"], config, **(run.get("model_options") or {}))
     psi = models.count_parameters(model)
     client_optimizer = None
     if run.get("client_optimizer"):
@@ -179,6 +217,7 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
             micro_batch=engine.train_micro_batch_size_per_gpu(), grad_accum=engine.gradient_accumulation_steps(),
             steps=run["steps"], params=psi, born=born, run_started=run_started, config=config,
             faults=run.get("faults", {}))
+        ctx.dp_rank, ctx.dp_size = data_parallel_coords(engine)
         probes = [probe_registry.PROBES[name]() for name in run["probes"]]
         trainer = TRAINERS[models.trainer_of(run["model"])]
         for probe in probes:
@@ -209,7 +248,11 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
                 "precision": ctx.precision,
                 "micro_batch": ctx.micro_batch,
                 "grad_accum": ctx.grad_accum,
-                "train_batch": engine.train_batch_size(),
+                # samples one optimizer step consumes; DeepSpeed's own figure can count more ranks (see
+                # deepspeed_train_batch: with tensor parallelism it counts every rank, not the data-parallel ones)
+                "train_batch": ctx.micro_batch * ctx.grad_accum * ctx.dp_size,
+                "deepspeed_train_batch": engine.train_batch_size(),
+                "data_parallel_size": ctx.dp_size,
                 "steps": ctx.steps,
                 "seed": run["seed"],
                 "model": {"name": run["model"], "params": psi},
@@ -234,6 +277,12 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
         # Teardown before the next run: without it ZeRO-3 keeps hooks and gathered parameters alive.
         engine.destroy()
         del engine, model, client_optimizer
+        # A pipeline or tensor-parallel engine leaves its groups in DeepSpeed's module globals (groups.mpu
+        # and friends), which the next engine of a sweep would inherit: forget them (the process groups
+        # themselves stay; every rank makes the same call, so later group creation stays in step).
+        from deepspeed.utils import groups
+
+        groups._release_process_group_references(None)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

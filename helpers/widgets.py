@@ -486,15 +486,15 @@ class Calculator:
     def __init__(self, preset: str = "7B", params: float | None = None, precision: str = "bf16", gpus_per_node: int = 8,
                  nodes: int = 1, gpu_memory_gib: float = 80, link_gb_per_s: float | None = None,
                  stages: Sequence[int] = theory.STAGES):
-        if preset not in models.LLAMA_SHAPES and preset != CUSTOM:
-            raise ValueError(f"preset {preset!r}: choose one of {', '.join(models.LLAMA_SHAPES)} or {CUSTOM!r}")
+        if preset not in models.LLAMA_PRESETS and preset != CUSTOM:
+            raise ValueError(f"preset {preset!r}: choose one of {', '.join(models.LLAMA_PRESETS)} or {CUSTOM!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
         self.stages = tuple(stages)
         self.marked: tuple[int, bool, bool] | None = None
         style = {"description_width": "150px"}
         options = [(f"{name} ({format_count(shape.parameters())} parameters, LLaMA-style)", name)
-                   for name, shape in models.LLAMA_SHAPES.items()]
+                   for name, shape in models.LLAMA_PRESETS.items()]
         self.controls: dict[str, w.ValueWidget] = {
             "preset": w.Dropdown(options=options + [(CUSTOM, CUSTOM)], value=preset, description="model", style=style),
             "params_b": w.BoundedFloatText(value=params / 1e9 if params else 1.0, min=1e-6, max=1e5, step=0.1,
@@ -522,12 +522,12 @@ class Calculator:
     @property
     def psi(self) -> float:
         preset = self.controls["preset"].value
-        return self.controls["params_b"].value * 1e9 if preset == CUSTOM else models.LLAMA_SHAPES[preset].parameters()
+        return self.controls["params_b"].value * 1e9 if preset == CUSTOM else models.LLAMA_PRESETS[preset].parameters()
 
     @property
     def largest_layer(self) -> int:
         preset = self.controls["preset"].value
-        return 0 if preset == CUSTOM else models.LLAMA_SHAPES[preset].largest_layer()
+        return 0 if preset == CUSTOM else models.LLAMA_PRESETS[preset].largest_layer()
 
     @property
     def cluster(self) -> theory.Cluster:

@@ -57,6 +57,17 @@ def test_checker_names_what_deepspeeds_parser_refuses(name):
     assert _findings(config, key, "error", world), configs.check(config, world)
 
 
+def test_batch_check_with_tensor_parallelism_counts_every_rank_and_says_so():
+    # AutoTP over 2 ranks: one data-parallel rank reads 8 x 2 = 16 samples per step, yet DeepSpeed wants 32
+    config = m(BASE, {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "train_batch_size": 16,
+                      "tensor_parallel": {"autotp_size": 2}})
+    assert "16 != 8 * 2 * 2" in str(configs.deepspeed_parse(config, 2))
+    (finding,) = _findings(config, "train_batch_size", "error")
+    assert "tensor-parallel group read the same samples: 16 samples per step really" in finding.rule
+    assert "set train_batch_size to 32" in finding.fix
+    assert configs.deepspeed_parse(m(config, {"train_batch_size": 32}), 2) is None
+
+
 def test_the_parser_accepts_what_the_checker_passes():
     for stage in (0, 1, 2, 3):
         config = configs.load(f"zero{stage}")

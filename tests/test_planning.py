@@ -125,21 +125,21 @@ def test_a_bad_cluster_names_its_key(kwargs, key):
 
 # --- LLaMA-style shapes -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", list(models.LLAMA_SHAPES))
+@pytest.mark.parametrize("name", list(models.LLAMA_PRESETS))
 def test_parameter_formula_equals_transformers_on_the_meta_device(name):
-    shape = models.LLAMA_SHAPES[name]
+    shape = models.LLAMA_PRESETS[name]
     assert shape.parameters() == models.meta_parameters(shape)
 
 
 def test_formula_with_tied_embeddings_and_grouped_query_attention():
-    shape = models.LlamaShape(hidden=256, layers=3, intermediate=688, heads=8, kv_heads=2, vocab=1000,
+    shape = models.LlamaPreset(hidden=256, layers=3, intermediate=688, heads=8, kv_heads=2, vocab=1000,
                               tied_embeddings=True)
     assert shape.parameters() == models.meta_parameters(shape)
 
 
 def test_presets_span_125m_to_70b_and_include_the_chapters_7b():
-    counts = {name: shape.parameters() for name, shape in models.LLAMA_SHAPES.items()}
+    counts = {name: shape.parameters() for name, shape in models.LLAMA_PRESETS.items()}
     assert counts["7B"] == models.llama_7b_parameters()
     assert 1e8 < counts["125M"] < 1.5e8 and 6.5e10 < counts["70B"] < 7.5e10
     assert list(counts.values()) == sorted(counts.values())
-    assert models.LLAMA_SHAPES["7B"].largest_layer() == 32000 * 4096
+    assert models.LLAMA_PRESETS["7B"].largest_layer() == 32000 * 4096

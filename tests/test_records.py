@@ -65,7 +65,9 @@ def test_validate_rejects_each_missing_required_key(key):
 @pytest.mark.parametrize("change, problem", [
     (lambda s: s.update(losses=[1.0]), "losses has 1 entries for 2 steps"),
     (lambda s: s["memory"]["model_states_bytes_per_rank"].pop(), "one entry per rank"),
-    (lambda s: s.update(train_batch=16), "train_batch != micro_batch * grad_accum * world_size"),
+    (lambda s: s.update(train_batch=16), "train_batch != micro_batch * grad_accum * data_parallel_size"),
+    # a pipeline of 2 stages on 2 ranks: one data-parallel reader, so 4 * 1 * 1 samples per step
+    (lambda s: s.update(data_parallel_size=1), "train_batch != micro_batch * grad_accum * data_parallel_size"),
     (lambda s: s["comm"]["by_op"]["all_reduce"].pop("bytes"), "comm.by_op.all_reduce needs count and bytes"),
     (lambda s: s["comm"]["by_op"]["all_reduce"].update(wire_bytes=1), "comm.by_op.all_reduce needs count and bytes"),
 ])

@@ -210,3 +210,78 @@ def test_error_messages_name_the_bad_value():
         theory.model_state_bytes(PSI, 4, 2)
     with pytest.raises(ValueError, match="'fp8'"):
         theory.model_state_bytes(PSI, 2, 2, "fp8")
+
+
+# --- beyond ZeRO (chapters 10-12) -------------------------------------------------------------
+
+# the course's llama: b=4, s=64, h=64, a=4, i=172 (counted by hand from the formula's terms)
+LLAMA = dict(batch=4, seq=64, hidden=64, heads=4, intermediate=172)
+
+
+def test_activation_bytes_per_layer_fp32_terms():
+    bsh, bsi, ass, bs = 4 * 64 * 64, 4 * 64 * 172, 4 * 64 * 64 * 4, 4 * 64
+    got = theory.activation_bytes_per_layer(**LLAMA)
+    assert got == {"b·s·h": 40 * bsh, "b·s·i": 16 * bsi, "a·s²·b": 4 * ass, "b·s": 8 * bs,
+                   "total": 40 * bsh + 16 * bsi + 4 * ass + 8 * bs}
+    assert got["total"] == 1_624_064  # what the activations probe measures for layer 1 (notebook 10)
+
+
+def test_activation_bytes_per_layer_half_precision_keeps_fp32_copies():
+    got = theory.activation_bytes_per_layer(**LLAMA, precision="bf16")
+    # 8 bf16 + 2 fp32 b·s·h; 4 bf16 b·s·i; softmax in fp32 and cast back; two fp32 1/rms
+    assert got["b·s·h"] == (8 * 2 + 2 * 4) * 4 * 64 * 64
+    assert got["a·s²·b"] == (2 + 4) * 4 * 64 * 64 * 4
+    assert got["total"] == 1_140_736
+    assert theory.activation_bytes_per_layer(**LLAMA, precision="fp16") == got
+
+
+@pytest.mark.parametrize("precision, width", [("fp32", 4), ("bf16", 2)])
+def test_a_checkpointed_layer_keeps_only_its_input(precision, width):
+    got = theory.activation_bytes_per_layer(**LLAMA, precision=precision, checkpointed=True)
+    assert got["total"] == got["b·s·h"] == 4 * 64 * 64 * width
+
+
+def test_activation_bytes_scale_linearly_in_batch_and_quadratically_in_attention():
+    one = theory.activation_bytes_per_layer(1, 128, 64, 4, 172)
+    four = theory.activation_bytes_per_layer(4, 128, 64, 4, 172)
+    assert four["total"] == 4 * one["total"]
+    longer = theory.activation_bytes_per_layer(1, 256, 64, 4, 172)
+    assert longer["a·s²·b"] == 4 * one["a·s²·b"] and longer["b·s·h"] == 2 * one["b·s·h"]
+
+
+def test_whole_model_activations_add_layers_rotary_and_the_head():
+    per_layer = theory.activation_bytes_per_layer(**LLAMA)["total"]
+    outside = 4 * (3 * 4 * 64 * 64 + 4 * 64 + 4 * 64 * 256 + 1)  # final norm, 1/rms, log-softmax, loss
+    assert theory.activation_bytes_outside_layers(4, 64, 64, 256) == outside
+    assert theory.rotary_bytes(64, 16) == 2 * 64 * 16 * 4
+    assert theory.activation_bytes(2, **LLAMA, vocab=256) == 2 * per_layer + 2 * 64 * 16 * 4 + outside
+    assert theory.activation_bytes(2, **LLAMA, vocab=256, checkpointed=True) == 2 * 4 * 64 * 64 * 4 + outside
+
+
+@pytest.mark.parametrize("stages, micro_batches, expected", [(1, 4, 0.0), (2, 1, 0.5), (2, 4, 0.2), (4, 4, 3 / 7),
+                                                             (8, 16, 7 / 23)])
+def test_bubble_fraction(stages, micro_batches, expected):
+    assert theory.bubble_fraction(stages, micro_batches) == pytest.approx(expected)
+
+
+def test_bubble_fraction_refuses_nonsense():
+    with pytest.raises(ValueError, match="micro_batches=0"):
+        theory.bubble_fraction(2, 0)
+
+
+def test_pipeline_sends_one_activation_per_micro_batch():
+    assert theory.pipeline_p2p_bytes(4, 64, 64) == 65_536
+    assert theory.pipeline_p2p_bytes(4, 64, 64, "bf16") == 32_768
+
+
+def test_tensor_parallel_collectives_per_micro_step():
+    got = theory.tensor_parallel_collectives(layers=2, batch=8, seq=64, hidden=64, vocab=256, tp=2)
+    assert got == {("all_reduce", "forward"): (4, 131_072), ("all_gather_into_tensor", "forward"): (1, 262_144),
+                   ("all_reduce", "backward"): (11, 131_072)}
+    # on 2 ranks an all-reduce sends its size once, an all-gather its shard once
+    assert theory.tensor_parallel_wire_bytes(2, 8, 64, 64, 256, 2) == 15 * 131_072 + 262_144
+
+
+def test_zero3_wire_bytes_grow_with_parameters_not_tokens():
+    assert theory.zero3_wire_bytes(131_904, 2) == 131_904 * 4
+    assert theory.zero3_wire_bytes(131_904, 4) == pytest.approx(2 * 131_904 * 4 * 3 / 4)

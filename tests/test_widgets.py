@@ -174,7 +174,7 @@ def test_unknown_settings_are_refused_by_name(cpu_env):
 
 def test_calculator_preset_figures_come_from_theory():
     calc = widgets.Calculator(preset="7B", gpus_per_node=8, nodes=1, gpu_memory_gib=80)
-    psi = models.LLAMA_SHAPES["7B"].parameters()
+    psi = models.LLAMA_PRESETS["7B"].parameters()
     assert calc.psi == psi and calc.cluster.world_size == 8
     rows = {(r.stage, r.offload): r for r in calc.rows()}
     assert len(rows) == 9
@@ -202,7 +202,7 @@ def test_calculator_controls_change_the_figures():
     assert calc.rows()[0].comm_seconds == pytest.approx(2 * seconds)
     assert "(stated default" not in calc.table_view.value and calc.table_view.value != before
     calc.set(preset="70B")
-    assert calc.psi == models.LLAMA_SHAPES["70B"].parameters()
+    assert calc.psi == models.LLAMA_PRESETS["70B"].parameters()
     calc.set(nodes=4)
     assert calc.cluster.world_size == 32
     stage3 = [r for r in calc.rows() if r.stage == 3 and r.offload == "none"][0]
@@ -231,7 +231,7 @@ def test_offload_calculator_for_the_offload_chapter():
     calc = widgets.offload_calculator(preset="13B", gpu_memory_gib=24)
     assert {r.stage for r in calc.rows()} == {1, 2, 3} and calc.cluster.world_size == 1
     assert calc.table() == widgets.calculator_table(calc.psi, calc.cluster, "bf16", (1, 2, 3),
-                                                    models.LLAMA_SHAPES["13B"].largest_layer())
+                                                    models.LLAMA_PRESETS["13B"].largest_layer())
 
 
 def test_formats():
