@@ -258,6 +258,8 @@ def build_ops(env: Environment | None = None) -> list[tuple[str, float]]:
     names = ["FusedAdamBuilder", "CPUAdamBuilder"]
     if not env.is_gpu:
         names.insert(0, "ShareMemCommBuilder")
+    else:
+        names.append("QuantizerBuilder")  # ZeRO++'s quantized weights and gradients (chapter 13)
     done = []
     for name in names:
         builder = get_accelerator().create_op_builder(name)

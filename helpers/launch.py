@@ -12,12 +12,16 @@ the launch within seconds with that rank's error (:class:`RunFailed`); a launch 
 timeout, or is interrupted (Jupyter's stop button, Ctrl-C), is ended, every process of it. If the
 Python process that started a launch is killed outright, the launcher and its ranks die with it.
 
-Two ways to start DeepSpeed's launcher, same ranks and same training script:
+Three ways to start the ranks, same training script (``helpers.train``) and the same records:
 
 - ``"launch"`` (default): ``python -m deepspeed.launcher.launch``, the per-node launcher that the
   ``deepspeed`` command itself starts for a single machine. Skipping the extra process
   saves one Python start-up and one import of torch and DeepSpeed per launch.
 - ``"deepspeed"``: the ``deepspeed`` command (``deepspeed.launcher.runner``), as in the source article.
+- ``"torchrun"``: PyTorch's own launcher (``python -m torch.distributed.run``), the way PyTorch DDP and
+  FSDP2 scripts are started; the ranks join the process group with ``torch.distributed`` alone
+  (:func:`helpers.train.init_process_group`). Runs of PyTorch's own strategies use it
+  (``task="helpers.pytorch_train:train_run"``, see :mod:`helpers.pytorch_train`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from helpers import configs, environment, probes as probe_registry, records
 from helpers.train import EVENT_PREFIX
 
 RUNS_DIR = environment.REPO_ROOT / "runs"
-LAUNCHERS = ("launch", "deepspeed")
+LAUNCHERS = ("launch", "deepspeed", "torchrun")
 ON_ERROR = ("raise", "record")
 
 
@@ -75,9 +79,17 @@ class RunSpec:
     article does; ``cast_inputs=False`` feeds fp32 inputs to a half-precision model (to show that
     error); ``on_error="record"`` lets a sweep go on past this run's failure and return the
     :class:`RunFailed` in place of its record; ``faults`` ({"fail_on_rank": r} or {"hang_on_rank": r})
-    makes a rank fail or hang on purpose, for the course's own tests. ``task`` is what the ranks do:
-    ``"train"``, or ``"package.module:function"`` for other work (see ``helpers.train.resolve_task``),
-    whose result comes back as the plain dict of its ``summary.json``.
+    makes a rank fail or hang on purpose, for the course's own tests, and {"kill_after_step": k} ends
+    every rank with SIGKILL after k optimizer steps (a crash: no teardown, no record). ``task`` is what
+    the ranks do: ``"train"``, or ``"package.module:function"`` for other work (see
+    ``helpers.train.resolve_task``), whose result comes back as a :class:`helpers.records.Record` when
+    its ``summary.json`` is a run record, else as the plain dict.
+
+    ``options`` (JSON) are settings for the run's probes and hooks, which read them as
+    ``ctx.options`` (e.g. the ``checkpoint`` probe's ``save_dir``). ``before_training`` names a
+    ``"package.module:function"`` the ranks call after ``deepspeed.initialize`` and before the first
+    step, such as ``"helpers.checkpoints:resume"``; it returns the step training starts from
+    (``helpers.train.before_training``).
     """
 
     config: str | Path | dict = "zero0"
@@ -94,6 +106,8 @@ class RunSpec:
     on_error: str = "raise"
     faults: dict | None = None
     task: str = "train"
+    options: dict | None = None
+    before_training: str | None = None
 
 
 #: Master ports are drawn from here: below Linux's ephemeral range (32768-60999), which NCCL, gloo
@@ -134,6 +148,9 @@ def command(plan_path: Path, world_size: int, port: int, launcher: str = "launch
         raise ValueError(f"launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     script = ["--module", "helpers.train", "--plan", str(plan_path)]
     python = environment.python_executable()
+    if launcher == "torchrun":
+        return [python, "-u", "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={world_size}",
+                "--master_addr=127.0.0.1", f"--master_port={port}", *script]
     if launcher == "deepspeed":
         return [python, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(world_size),
                 "--master_port", str(port), *script]
@@ -269,6 +286,12 @@ def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepar
     probe_registry.check_names(list(spec.probes))
     if spec.on_error not in ON_ERROR:
         raise ValueError(f"on_error={spec.on_error!r}: choose one of {', '.join(ON_ERROR)}")
+    for key in ("task", "before_training"):
+        _check_function(key, getattr(spec, key))
+    try:
+        json.dumps(spec.options or {})
+    except TypeError as error:
+        raise ValueError(f"options: must be plain JSON (numbers, strings, lists, dicts) for the ranks: {error}") from None
     base = spec.config if isinstance(spec.config, dict) else configs.load(spec.config)
     label = spec.name or (Path(str(spec.config)).stem if not isinstance(spec.config, dict) else "config")
     full = configs.for_run(configs.merged(base, spec.overrides), spec.probes)
@@ -278,19 +301,34 @@ def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepar
     return _Prepared(label, spec, out, full)
 
 
+def _check_function(key: str, name: str | None) -> None:
+    """A RunSpec's ``task`` or ``before_training`` must name a function the ranks can import."""
+    if name is None or (key == "task" and name == "train"):
+        return
+    from helpers.train import resolve_function
+
+    if ":" not in name:
+        raise ValueError(f"{key}={name!r}: write it as 'package.module:function'")
+    try:
+        resolve_function(name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{key}={name!r}: the ranks could not import it ({error})") from None
+
+
 def _plan_entry(p: _Prepared, plan_path: Path) -> dict:
     s = p.spec
     return {"name": p.name, "out": str(p.out), "config": str(p.out / "ds_config.json"), "model": s.model,
             "steps": s.steps, "seed": s.seed, "probes": list(s.probes), "client_optimizer": s.client_optimizer,
             "cast_inputs": s.cast_inputs, "on_error": s.on_error, "faults": dict(s.faults or {}),
-            "task": s.task, "plan": str(plan_path)}
+            "task": s.task, "options": dict(s.options or {}), "before_training": s.before_training,
+            "plan": str(plan_path)}
 
 
 def run(config: str | Path | dict, *, world_size: int | None = None, model: str = "linear", steps: int = 4,
         seed: int = 0, overrides: dict | None = None, name: str | None = None, out: str | Path | None = None,
         timeout: float = 600, check: bool = True, client_optimizer: bool = False, launcher: str = "launch",
         probes: Sequence[str] = probe_registry.DEFAULT, cast_inputs: bool = True, faults: dict | None = None,
-        progress: bool = True) -> records.Record:
+        options: dict | None = None, before_training: str | None = None, progress: bool = True) -> records.Record:
     """Train ``model`` for ``steps`` optimizer steps on ``world_size`` ranks in one launch; return its record.
 
     Arguments as in :class:`RunSpec`. Raises :class:`helpers.configs.ConfigError` before starting
@@ -298,7 +336,7 @@ def run(config: str | Path | dict, *, world_size: int | None = None, model: str 
     """
     spec = RunSpec(config=config, model=model, steps=steps, seed=seed, overrides=overrides, name=name, out=out,
                    probes=tuple(probes), check=check, client_optimizer=client_optimizer, cast_inputs=cast_inputs,
-                   faults=faults)
+                   faults=faults, options=options, before_training=before_training)
     results = _launch_specs([spec], world_size, None, timeout, launcher, progress)
     return next(iter(results.values()))
 
@@ -342,8 +380,8 @@ def _launch_specs(specs: list[RunSpec], world_size: int | None, sweep_name: str 
         for stale in ["summary.json", *p.out.glob("rank*.json")]:
             (p.out / stale).unlink(missing_ok=True)
         (p.out / "ds_config.json").write_text(json.dumps(p.config, indent=1))
-    plan_path.write_text(json.dumps({"world_size": world, "runs": [_plan_entry(p, plan_path) for p in prepared]},
-                                    indent=1))
+    plan_path.write_text(json.dumps({"world_size": world, "launcher": launcher,
+                                     "runs": [_plan_entry(p, plan_path) for p in prepared]}, indent=1))
     child, _ = environment.child_env(env, world)
     remove_stale_shared_memory()
     where = f"{world} {'GPU' if env.is_gpu else 'CPU'} rank{'s' if world > 1 else ''}"
@@ -484,14 +522,25 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
             raise RunFailed(f"[{where}] exited with code {code} and no summary for {p.name}. "
                             f"Last log lines:\n{tail}", log_tail=tail, out=p.out)
         if p.spec.task != "train":
-            results[p.name] = json.loads((p.out / "summary.json").read_text())
-            continue
+            summary = json.loads((p.out / "summary.json").read_text())
+            if not _is_record(summary):  # a task's own result (a benchmark's table, say)
+                results[p.name] = summary
+                continue
         record = records.load(p.out)
         times = run_times.get(i, [])
         # a launch of one run: launch to exit; a run of a sweep: its own start to its record
         record.wall_s = seconds if len(prepared) == 1 else (times[1] - times[0] if len(times) == 2 else None)
         results[p.name] = record
     return results
+
+
+def _is_record(summary: dict) -> bool:
+    """Whether a task's summary.json is a run record (a PyTorch DDP run's, say) rather than other results."""
+    try:
+        records.validate(summary)
+    except ValueError:
+        return False
+    return True
 
 
 def run_expecting_failure(config: str | Path | dict, **kwargs) -> RunFailed:

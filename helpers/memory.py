@@ -13,7 +13,10 @@ Keys of the result:
 - ``optimizer``: the inner optimizer's state (Adam's ``exp_avg`` and ``exp_avg_sq``, ``step``).
 - ``master``: the fp32 copy of this rank's weight partition that ZeRO (and DeepSpeed's bf16
   optimizer) keeps beside the parameters, even when training in fp32.
-- ``buffers``: gradient buckets DeepSpeed allocates for communication (``reduce_bucket_size``).
+- ``buffers``: gradient buckets DeepSpeed allocates for communication (``reduce_bucket_size``), or
+  PyTorch DDP's buckets for a PyTorch run.
+
+PyTorch FSDP2's sharded tensors (DTensors) count with their local shard.
 """
 
 from __future__ import annotations
@@ -25,10 +28,17 @@ import torch
 KEYS = ("params", "grads", "optimizer", "master", "buffers")
 
 
+def _local(t):
+    """This rank's part of a tensor: a DTensor (PyTorch FSDP2's sharded parameters, gradients and Adam
+    states) -> its local shard; any other tensor as it is."""
+    return t.to_local() if type(t).__name__ == "DTensor" else t
+
+
 def _unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes covered by ``tensors``, each byte of memory counted once (views may overlap)."""
+    tensors = [_local(t) for t in tensors if isinstance(t, torch.Tensor)]
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-                   for t in tensors if isinstance(t, torch.Tensor) and t.numel() > 0)
+                   for t in tensors if t.numel() > 0)
     total, reach = 0, -1
     for begin, end in spans:
         if end <= reach:
@@ -108,7 +118,13 @@ def model_states(engine) -> dict[str, int]:
         found["optimizer"] = _state_tensors(inner)
         found["grads"] = [p.grad for p in params]
 
-    return {key: _unique_bytes(found[key]) for key in KEYS}
+    result = {key: _unique_bytes(found[key]) for key in KEYS}
+    # Engines that are not DeepSpeed's (helpers.pytorch_train.TorchEngine) report buckets no Python
+    # tensor shows (DDP keeps them in C++).
+    buffer_bytes = getattr(engine, "buffer_bytes", None)
+    if callable(buffer_bytes):
+        result["buffers"] += buffer_bytes()
+    return result
 
 
 def peak_bytes(device: str) -> tuple[int, str]:

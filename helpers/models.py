@@ -6,6 +6,7 @@ Models (all seeded, random weights, no downloads):
 - ``mlp``: eight equal 256-wide layers (526,336 parameters), big enough that ZeRO's partitions
   dwarf its alignment padding.
 - ``llama``: a small LLaMA-style causal language model built from a ``transformers`` config.
+- ``llama-medium``: the same architecture at hidden 768 and 12 layers, for runs on GPUs.
 
 Data is a pure function of (sample index, seed), so the single-process baseline and every
 rank of every ZeRO stage see exactly the same samples: see :func:`sample_indices`.
@@ -25,7 +26,10 @@ MODELS = {
     "linear": "nn.Linear(10, 10), the source article's model",
     "mlp": "MLP of 8 blocks Linear(256, 256) + GELU (526,336 parameters)",
     "llama": "LLaMA-style causal LM (hidden 64, 2 layers, byte vocabulary)",
+    "llama-medium": "LLaMA-style causal LM (hidden 768, 12 layers, byte vocabulary; 85,347,072 parameters, for GPUs)",
 }
+#: hidden size, layers, MLP width, attention heads of the LLaMA-style models
+LM_SHAPES = {"llama": (64, 2, 172, 4), "llama-medium": (768, 12, 2048, 12)}
 
 LINEAR_SAMPLES = 100  # the source article's TensorDataset has 100 rows
 MLP_WIDTH, MLP_BLOCKS = 256, 8
@@ -45,17 +49,18 @@ def check_model_name(name: str) -> None:
         raise ValueError(f"model {name!r} is not one of the course's models: choose one of {', '.join(MODELS)}")
 
 
-def llama_config():
-    """The ``transformers`` config of the course's small LLaMA-style model."""
+def llama_config(name: str = "llama"):
+    """The ``transformers`` config of the course's LLaMA-style model ``name`` (:data:`LM_SHAPES`)."""
     from transformers import LlamaConfig
 
+    hidden, layers, mlp, heads = LM_SHAPES[name]
     return LlamaConfig(
         vocab_size=LM_VOCAB,
-        hidden_size=64,
-        intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=LM_SEQ_LEN,
         tie_word_embeddings=False,
         attn_implementation="eager",
@@ -78,7 +83,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
         return nn.Sequential(*layers)
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(llama_config())
+    return LlamaForCausalLM(llama_config(name))
 
 
 def llama_7b_parameters() -> int:
@@ -175,7 +180,7 @@ def make_batch(name: str, indices: list[int], seed: int = 0) -> Batch:
 
 def loss_of(model: nn.Module, name: str, batch: Batch) -> torch.Tensor:
     """The training loss of ``model`` on ``batch``: MSE for regression, cross-entropy for the LM."""
-    if name == "llama":
+    if name in LM_SHAPES:
         logits = model(input_ids=batch.inputs).logits
         return nn.functional.cross_entropy(logits.float().reshape(-1, LM_VOCAB), batch.targets.reshape(-1))
     output = model(batch.inputs)

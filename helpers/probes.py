@@ -49,6 +49,8 @@ class RunContext:
     born: float  # this rank's process start (time.time() scale)
     run_started: float  # when this run's set-up began (time.time() scale)
     config: dict = dataclasses.field(default_factory=dict)
+    first_step: int = 0  # 0-based step training starts from (a resumed run starts later; see train.before_training)
+    options: dict = dataclasses.field(default_factory=dict)  # the run's RunSpec.options, for probes and hooks
 
     def synchronize(self) -> None:
         """Wait for the device to finish queued work (a no-op on CPU), so host clocks mean something."""
@@ -169,8 +171,8 @@ class ModelStates(Probe):
     name = "model_states"
 
     def start(self, ctx: RunContext) -> None:
-        # optimizer states exist once the optimizer has stepped: measure on the second step
-        self.step = 1 if ctx.steps > 1 else 0
+        # optimizer states exist once the optimizer has stepped: measure on the second step trained
+        self.step = ctx.first_step + 1 if ctx.steps - ctx.first_step > 1 else ctx.first_step
         self.mid: dict | None = None
         self.boundary: dict | None = None
 
@@ -240,7 +242,7 @@ class Comm(Probe):
         dist.reset_log()  # leave out set-up collectives (the initial broadcast of the weights)
 
     def before_step(self, ctx: RunContext, step: int) -> None:
-        if step == 1:
+        if step == ctx.first_step + 1:
             import deepspeed.comm as dist
 
             dist.reset_log()  # the first step warms up: measure the steady state
@@ -254,7 +256,8 @@ class Comm(Probe):
     def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
         from helpers import communication
 
-        steps = ctx.steps - 1 if ctx.steps > 1 else 1
+        trained = ctx.steps - ctx.first_step
+        steps = trained - 1 if trained > 1 else 1
         return {"comm": communication.record_section(ranks[0]["summary"], ctx.world_size, steps)}
 
 
@@ -284,3 +287,9 @@ class Timeline(Probe):
     def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
         return {"timeline_s": {"phases": list(ranks[0]["marks"]), "per_rank": [r["marks"] for r in ranks],
                                "note": "seconds from each rank's process start to the end of each phase"}}
+
+
+# --- chapters 13-15: checkpoints, PyTorch beside DeepSpeed ------------------------------------
+# Their probes live in their own modules; importing them here registers them wherever probes are
+# looked up (in the notebook before a launch, and on every rank).
+from helpers import checkpoints, pytorch_train  # noqa: E402,F401
