@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import dataclasses
 import io
-import json
 import re
 import shutil
 import time

@@ -17,10 +17,9 @@ from typing import Mapping, Sequence
 
 from helpers import configs, environment, experiments, launch, records, theory
 
-#: ZeRO++'s three switches (``zero_optimization`` keys), each alone and all together, on top of
-#: ``ds_configs/zero3.json``. hpZ's secondary group is given the size of one node: every rank here.
 def zeropp_settings(ranks_per_node: int) -> dict[str, dict]:
-    """Setting name -> ``zero_optimization`` overrides: plain ZeRO-3, each ZeRO++ part alone, all three."""
+    """Setting name -> ``zero_optimization`` overrides on top of ``ds_configs/zero3.json``: plain ZeRO-3,
+    each ZeRO++ switch alone, all three. hpZ's secondary group gets the size of one node (every rank here)."""
     return {
         "ZeRO-3": {},
         "qwZ (quantized weights)": {"zero_quantized_weights": True},
@@ -151,14 +150,15 @@ def gpu_runs(steps: int = 12, world_size: int | None = None,
              progress: bool = True) -> tuple[dict[str, records.Record], dict[str, records.Record]]:
     """On GPUs: every ZeRO++ setting in two launches: with the comms logger (bytes per collective) and
     without it (step time; the logger synchronizes the device after each collective). Returns
-    ({setting: record with comm}, {setting: record with timing})."""
+    ({setting: record with comm}, {setting: record with timing}); a setting that fails comes back as its
+    :class:`helpers.launch.RunFailed` (``on_error="record"``), and the tables say so."""
     env = environment.detect(world_size)
     settings = zeropp_settings(env.default_world_size)
     measured = {}
     for purpose, probes in (("bytes", ("model_states", "peak_memory", "comm")),
                             ("time", ("timing", "peak_memory"))):
         specs = {name: launch.RunSpec("zero3", model=GPU_MODEL, steps=steps, probes=probes,
-                                      name=f"zeropp-{purpose}-{i}",
+                                      name=f"zeropp-{purpose}-{i}", on_error="record",
                                       overrides=configs.merged(GPU_OVERRIDES, {"zero_optimization": knobs}))
                  for i, (name, knobs) in enumerate(settings.items())}
         runs = launch.sweep(specs, name=f"zeropp-gpu-{purpose}", world_size=world_size, progress=progress)
@@ -173,6 +173,10 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
     base = by_bytes[baseline]["comm.bytes_per_step"]
     rows = []
     for name, record in by_bytes.items():
+        failed = _failure(record) or _failure((by_time or {}).get(name))
+        if failed:
+            rows.append([name, f"failed: {failed}", "-", "-"] + (["-", "-"] if by_time is not None else []))
+            continue
         ops = " ".join(f"{op}:{row['count']:g}x{records.format_bytes(row['bytes'] / max(row['count'], 1))}"
                        for op, row in record.comm_ops().items())
         row = [name, ops, records.format_bytes(record["comm.bytes_per_step"]),
@@ -185,6 +189,15 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
     if by_time is not None:
         headers += ["step ms", "vs ZeRO-3"]
     return records.format_table(rows, headers)
+
+
+def _failure(result) -> str:
+    """A failed run's error in a line (a RunFailed, or its saved form in a reference file), else ""."""
+    if isinstance(result, launch.RunFailed):
+        return f"{result.error_type}: {result.message}".splitlines()[0]
+    if isinstance(result, dict) and "error_type" in result:
+        return f"{result['error_type']}: {result['message']}".splitlines()[0]
+    return ""
 
 
 def reference_report(name: str = "zeropp") -> str:
@@ -204,8 +217,14 @@ def reference_report(name: str = "zeropp") -> str:
 def save_gpu_reference(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record],
                        note: str) -> Path | None:
     """Keep both GPU launches as one reference file (``runs/reference/zeropp-<N>x<GPU>.json``)."""
-    runs = {f"bytes: {k}": r for k, r in by_bytes.items()} | {f"time: {k}": r for k, r in by_time.items()}
-    return experiments.save_reference("zeropp", runs, note)
+    def kept(result):  # a failure is kept as its error, so the committed file says what failed
+        if isinstance(result, launch.RunFailed):
+            return {"error_type": result.error_type, "message": result.message, "device": "cuda"}
+        return result
+
+    runs = {f"bytes: {k}": kept(r) for k, r in by_bytes.items()} | {f"time: {k}": kept(r) for k, r in by_time.items()}
+    ordered = dict(sorted(runs.items(), key=lambda item: isinstance(item[1], dict)))  # a record first (its device)
+    return experiments.save_reference("zeropp", ordered, note)
 
 
 # --- across nodes: the latency-bandwidth model ------------------------------------------------
