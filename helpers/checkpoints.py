@@ -54,9 +54,17 @@ class Checkpoint(probe_registry.Probe):
 
     name = "checkpoint"
 
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        if not options.get("save_dir"):
+            raise ValueError("options['save_dir']: the checkpoint probe needs a folder to save into, "
+                             "e.g. options={'save_dir': 'runs/checkpoints/mine'}")
+        every = options.get("save_every", 1)
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"options['save_every']={every!r}: save after every N-th step, N a whole number >= 1")
+
     def start(self, ctx: probe_registry.RunContext) -> None:
-        if not ctx.options.get("save_dir"):
-            raise ValueError("the checkpoint probe needs options={'save_dir': ...}")
+        self.check_options(ctx.options)
         self.every = int(ctx.options.get("save_every", 1))
         self.tags: list[str] = []
         self.seconds: list[float] = []
@@ -86,12 +94,23 @@ def resume(engine, run: dict) -> int:
     checkpoint (:func:`to_universal`) and re-partitions it for this run's number of ranks.
     """
     options = run.get("options") or {}
-    if not options.get("load_dir"):
-        raise ValueError("the resume hook needs options={'load_dir': ...}")
+    _check_resume_options(options)
     path, _ = engine.load_checkpoint(options["load_dir"], tag=options.get("load_tag"))
     if path is None:
         raise FileNotFoundError(f"no checkpoint loaded from {options['load_dir']} (tag {options.get('load_tag')})")
     return int(engine.global_steps)
+
+
+def _check_resume_options(options: dict) -> None:
+    if not options.get("load_dir"):
+        raise ValueError("options['load_dir']: the resume hook needs the checkpoint folder to load, "
+                         "e.g. options={'load_dir': 'runs/checkpoints/zero3', 'load_tag': 'step3'}")
+    if not Path(options["load_dir"]).is_dir():
+        raise ValueError(f"options['load_dir']={options['load_dir']!r}: no such folder; give the save_dir of the "
+                         "run whose checkpoint to resume")
+
+
+resume.check_options = _check_resume_options  # helpers.launch checks the options before any process starts
 
 
 # --- in the notebook: what is on disk ---------------------------------------------------------

@@ -286,12 +286,14 @@ def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepar
     probe_registry.check_names(list(spec.probes))
     if spec.on_error not in ON_ERROR:
         raise ValueError(f"on_error={spec.on_error!r}: choose one of {', '.join(ON_ERROR)}")
-    for key in ("task", "before_training"):
-        _check_function(key, getattr(spec, key))
     try:
         json.dumps(spec.options or {})
     except TypeError as error:
         raise ValueError(f"options: must be plain JSON (numbers, strings, lists, dicts) for the ranks: {error}") from None
+    for key in ("task", "before_training"):
+        _check_function(key, getattr(spec, key), spec.options or {})
+    for name in spec.probes:
+        probe_registry.PROBES[name].check_options(spec.options or {})
     base = spec.config if isinstance(spec.config, dict) else configs.load(spec.config)
     label = spec.name or (Path(str(spec.config)).stem if not isinstance(spec.config, dict) else "config")
     full = configs.for_run(configs.merged(base, spec.overrides), spec.probes)
@@ -301,8 +303,9 @@ def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepar
     return _Prepared(label, spec, out, full)
 
 
-def _check_function(key: str, name: str | None) -> None:
-    """A RunSpec's ``task`` or ``before_training`` must name a function the ranks can import."""
+def _check_function(key: str, name: str | None, options: dict) -> None:
+    """A RunSpec's ``task`` or ``before_training`` must name a function the ranks can import; a function
+    with a ``check_options`` attribute also checks the run's ``options`` with it."""
     if name is None or (key == "task" and name == "train"):
         return
     from helpers.train import resolve_function
@@ -310,9 +313,12 @@ def _check_function(key: str, name: str | None) -> None:
     if ":" not in name:
         raise ValueError(f"{key}={name!r}: write it as 'package.module:function'")
     try:
-        resolve_function(name)
+        function = resolve_function(name)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"{key}={name!r}: the ranks could not import it ({error})") from None
+    check = getattr(function, "check_options", None)
+    if callable(check):
+        check(options)
 
 
 def _plan_entry(p: _Prepared, plan_path: Path) -> dict:

@@ -67,6 +67,11 @@ class Probe:
     #: DeepSpeed config this probe needs (merged under the run's own config before launch).
     config: ClassVar[dict] = {}
 
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """Raise a ValueError naming the key and the fix when the run's ``options`` cannot work for this
+        probe. :func:`helpers.launch.run` calls it before any process starts."""
+
     def start(self, ctx: RunContext) -> None:
         pass
 

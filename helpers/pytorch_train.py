@@ -145,9 +145,8 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
     from helpers import models, theory, train
 
     run_started = time.time()
-    strategy = (run.get("options") or {}).get("strategy")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"options['strategy']={strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    _check_strategy(run.get("options") or {})
+    strategy = run["options"]["strategy"]
     with open(run["config"]) as f:
         config = json.load(f)
     if config.get("fp16", {}).get("enabled"):
@@ -174,7 +173,7 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
         train.train_and_record(ctx, run, position, count, torch_step, {
             "framework": f"torch {torch.__version__}",
             "strategy": chosen.label,
-            "launcher": "torchrun",
+            "launcher": _launcher_of(run),
             "optimizer": "torch.optim.AdamW",
             "basic_optimizer": "AdamW",
             "theory": {
@@ -190,6 +189,22 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _launcher_of(run: dict) -> str:
+    """The launcher that started this run's ranks, as its plan says (``torchrun`` for PyTorch's strategies)."""
+    with open(run["plan"]) as f:
+        return json.load(f).get("launcher", "launch")
+
+
+def _check_strategy(options: dict) -> None:
+    strategy = options.get("strategy")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"options['strategy']={strategy!r}: choose one of {', '.join(STRATEGIES)}, "
+                         "e.g. options={'strategy': 'ddp'}")
+
+
+train_run.check_options = _check_strategy  # helpers.launch checks the options before any process starts
 
 
 # --- measuring PyTorch's collectives -----------------------------------------------------------

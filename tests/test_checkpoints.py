@@ -72,3 +72,8 @@ def test_bad_hooks_and_options_are_refused_before_any_process_starts(monkeypatch
         launch.run("zero3", before_training="resume", world_size=2)
     with pytest.raises(ValueError, match="options"):
         launch.run("zero3", options={"save_dir": object()}, world_size=2)
+    with pytest.raises(ValueError, match=r"options\['save_dir'\]"):
+        launch.run("zero3", probes=("checkpoint",), world_size=2)
+    with pytest.raises(ValueError, match=r"options\['load_dir'\]='nowhere'"):
+        launch.run("zero3", before_training="helpers.checkpoints:resume", options={"load_dir": "nowhere"},
+                   world_size=2)

@@ -91,7 +91,10 @@ def test_collectives_from_profile_counts_nested_ops_once_and_sizes_them_like_the
 
 
 @pytest.mark.parametrize("bad", [None, "zero9"])
-def test_an_unknown_strategy_is_refused_on_the_ranks(bad, monkeypatch):
+def test_an_unknown_strategy_is_refused_before_any_process_starts(bad, monkeypatch):
     monkeypatch.delenv(WORLD_SIZE_VARIABLE, raising=False)
-    with pytest.raises(ValueError, match="strategy"):
-        pytorch_train.train_run({"options": {"strategy": bad}}, 0, 1, 0.0)
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match=r"options\['strategy'\]"):
+        launch.sweep({"x": launch.RunSpec("zero0", task="helpers.pytorch_train:train_run",
+                                          options={"strategy": bad} if bad else None)},
+                     world_size=2, launcher="torchrun")
