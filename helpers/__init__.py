@@ -15,6 +15,9 @@ Notebooks import the modules they need, each named for what it deals with:
 - ``activations``, ``pipeline``, ``tensor_parallel``: chapters 10-12 (bytes saved for backward; the model as
   pipeline stages and DeepSpeed's schedule; AutoTP's shards), each with its probe and tables.
 - ``train``: the script each rank runs (started by ``launch``, never imported by a notebook).
+- ``checkpoints``: saving, crashing, resuming; what a sharded checkpoint holds; ``zero_to_fp32``, universal.
+- ``compression``: ZeRO++ and the removed 1-bit optimizers (chapter 13).
+- ``pytorch_train`` and ``frameworks``: PyTorch's DDP and FSDP2 under torchrun, beside ZeRO (chapter 15).
 - ``benchmarks``: timing the course's own machinery; ``course``: the README's set-up commands.
 
 This file imports nothing heavy, so ``python3 -m helpers.course`` works before torch is installed.

@@ -374,6 +374,8 @@ def build_ops(env: Environment | None = None, only: list[str] | None = None) -> 
     names = ["FusedAdamBuilder", "CPUAdamBuilder"]
     if not env.is_gpu:
         names.insert(0, "ShareMemCommBuilder")
+    else:
+        names.append("QuantizerBuilder")  # ZeRO++'s quantized weights and gradients (chapter 13)
     usable, reason = nvme_offload_support()
     if usable:  # NVMe offload (chapter 06): several minutes to build on 2 cores, so here rather than in a cell
         names.append("AsyncIOBuilder")

@@ -12,7 +12,7 @@ the launch within seconds with that rank's error (:class:`RunFailed`); a launch 
 timeout, or is interrupted (Jupyter's stop button, Ctrl-C), is ended, every process of it. If the
 Python process that started a launch is killed outright, the launcher and its ranks die with it.
 
-Two ways to start DeepSpeed's launcher, same ranks and same training script:
+Three ways to start the ranks, same training script (``helpers.train``) and the same records:
 
 - ``"launch"`` (default): ``python -m deepspeed.launcher.launch``, the per-node launcher that the
   ``deepspeed`` command itself starts for a single machine. Skipping the extra process
@@ -24,6 +24,10 @@ Two ways to start DeepSpeed's launcher, same ranks and same training script:
 GPUs: the ranks use ``environment.detect().gpu_ids`` (every GPU, or those ``$COURSE_GPUS`` or
 ``$CUDA_VISIBLE_DEVICES`` name), handed to DeepSpeed's launcher as it expects them. Output: each run
 writes to ``runs/<name>/``, or under ``$COURSE_RUNS_DIR`` when set (one folder per learner on a shared box).
+- ``"torchrun"``: PyTorch's own launcher (``python -m torch.distributed.run``), the way PyTorch DDP and
+  FSDP2 scripts are started; the ranks join the process group with ``torch.distributed`` alone
+  (:func:`helpers.train.init_process_group`). Runs of PyTorch's own strategies use it
+  (``task="helpers.pytorch_train:train_run"``, see :mod:`helpers.pytorch_train`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from helpers.train import EVENT_PREFIX
 
 #: Where runs write their folders: ``$COURSE_RUNS_DIR`` when set, else ``runs/`` in the repository.
 RUNS_DIR = Path(os.environ.get("COURSE_RUNS_DIR") or environment.REPO_ROOT / "runs").resolve()
-LAUNCHERS = ("launch", "deepspeed")
+LAUNCHERS = ("launch", "deepspeed", "torchrun")
 ON_ERROR = ("raise", "record")
 
 #: A listener for a launch's progress (``on_event=`` of :func:`run` and :func:`sweep`), called in the
@@ -91,12 +95,20 @@ class RunSpec:
     article does; ``cast_inputs=False`` feeds fp32 inputs to a half-precision model (to show that
     error); ``on_error="record"`` lets a sweep go on past this run's failure and return the
     :class:`RunFailed` in place of its record; ``faults`` ({"fail_on_rank": r} or {"hang_on_rank": r})
-    makes a rank fail or hang on purpose, for the course's own tests, and {"loss_spike_at_step": s}
-    (an optimizer step from 1, or a list of them) multiplies the model's output on the first micro-step
-    of step ``s`` by :data:`helpers.precision.SPIKE_FACTOR`, an overflow in fp16 (the ``loss_spike``
-    probe does it; it is added to the run's probes). ``task`` is what the ranks do:
+    makes a rank fail or hang on purpose, for the course's own tests, {"kill_after_step": k} ends every
+    rank with SIGKILL after k optimizer steps (a crash: no teardown, no record), and
+    {"loss_spike_at_step": s} (an optimizer step from 1, or a list of them) multiplies the model's output
+    on the first micro-step of step ``s`` by :data:`helpers.precision.SPIKE_FACTOR`, an overflow in fp16
+    (the ``loss_spike`` probe does it; it is added to the run's probes). ``task`` is what the ranks do:
     ``"train"``, or ``"package.module:function"`` for other work (see ``helpers.train.resolve_task``),
-    whose result comes back as the plain dict of its ``summary.json``.
+    whose result comes back as a :class:`helpers.records.Record` when its ``summary.json`` is a run
+    record, else as the plain dict. ``model_options`` are keyword arguments of ``models.build``.
+
+    ``options`` (JSON) are settings for the run's probes and hooks, which read them as
+    ``ctx.options`` (e.g. the ``checkpoint`` probe's ``save_dir``). ``before_training`` names a
+    ``"package.module:function"`` the ranks call after ``deepspeed.initialize`` and before the first
+    step, such as ``"helpers.checkpoints:resume"``; it returns the step training starts from
+    (``helpers.train.before_training``).
     """
 
     config: str | Path | dict = "zero0"
@@ -114,6 +126,8 @@ class RunSpec:
     faults: dict | None = None
     task: str = "train"
     model_options: dict | None = None  # keyword arguments of models.build for models that take them
+    options: dict | None = None
+    before_training: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +222,9 @@ def command(plan_path: Path, world_size: int, port: int, launcher: str = "launch
         if hosts.ssh_port:
             argv += ["--ssh_port", str(hosts.ssh_port)]
         return argv + script
+    if launcher == "torchrun":  # PyTorch's own launcher (all GPUs: COURSE_GPUS is not applied to it)
+        return [python, "-u", "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={world_size}",
+                "--master_addr=127.0.0.1", f"--master_port={port}", *script]
     gpus = list(gpu_ids)[:world_size]
     if gpu_ids and len(gpus) < world_size:
         raise ValueError(f"{world_size} ranks but only GPUs {gpus} chosen")
@@ -358,7 +375,7 @@ def _kill_group(process: subprocess.Popen, signals: Sequence[int] = (signal.SIGT
 # --- preparing a launch -----------------------------------------------------------------------
 
 #: Faults a run can ask for in ``RunSpec.faults`` besides those a probe injects (probes.FAULT_PROBES).
-RANK_FAULTS = ("fail_on_rank", "hang_on_rank")
+RANK_FAULTS = ("fail_on_rank", "hang_on_rank", "kill_after_step")
 
 
 def _probes_of(spec: RunSpec) -> tuple[str, ...]:
@@ -400,6 +417,14 @@ def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepar
     probe_registry.check_trainer(list(spec.probes), spec.model)
     if spec.on_error not in ON_ERROR:
         raise ValueError(f"on_error={spec.on_error!r}: choose one of {', '.join(ON_ERROR)}")
+    try:
+        json.dumps(spec.options or {})
+    except TypeError as error:
+        raise ValueError(f"options: must be plain JSON (numbers, strings, lists, dicts) for the ranks: {error}") from None
+    for key in ("task", "before_training"):
+        _check_function(key, getattr(spec, key), spec.options or {})
+    for name in spec.probes:
+        probe_registry.PROBES[name].check_options(spec.options or {})
     base = spec.config if isinstance(spec.config, dict) else configs.load(spec.config)
     label = spec.name or (Path(str(spec.config)).stem if not isinstance(spec.config, dict) else "config")
     full = configs.for_run(configs.merged(base, spec.overrides), probes)
@@ -409,19 +434,39 @@ def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepar
     return _Prepared(label, spec, out, full, probes)
 
 
+def _check_function(key: str, name: str | None, options: dict) -> None:
+    """A RunSpec's ``task`` or ``before_training`` must name a function the ranks can import; a function
+    with a ``check_options`` attribute also checks the run's ``options`` with it."""
+    if name is None or (key == "task" and name == "train"):
+        return
+    from helpers.train import resolve_function
+
+    if ":" not in name:
+        raise ValueError(f"{key}={name!r}: write it as 'package.module:function'")
+    try:
+        function = resolve_function(name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{key}={name!r}: the ranks could not import it ({error})") from None
+    check = getattr(function, "check_options", None)
+    if callable(check):
+        check(options)
+
+
 def _plan_entry(p: _Prepared, plan_path: Path) -> dict:
     s = p.spec
     return {"name": p.name, "out": str(p.out), "config": str(p.out / "ds_config.json"), "model": s.model,
             "steps": s.steps, "seed": s.seed, "probes": list(p.probes), "client_optimizer": s.client_optimizer,
             "cast_inputs": s.cast_inputs, "on_error": s.on_error, "faults": dict(s.faults or {}),
-            "task": s.task, "plan": str(plan_path), "model_options": dict(s.model_options or {})}
+            "task": s.task, "plan": str(plan_path), "model_options": dict(s.model_options or {}),
+            "options": dict(s.options or {}), "before_training": s.before_training}
 
 
 def run(config: str | Path | dict, *, world_size: int | None = None, model: str = "linear", steps: int = 4,
         seed: int = 0, overrides: dict | None = None, name: str | None = None, out: str | Path | None = None,
         timeout: float = 600, check: bool = True, client_optimizer: bool = False, launcher: str | None = None,
         probes: Sequence[str] = probe_registry.DEFAULT, cast_inputs: bool = True, faults: dict | None = None,
-        progress: bool = True, hosts: Hosts | None = None, model_options: dict | None = None,
+        options: dict | None = None, before_training: str | None = None, progress: bool = True,
+        hosts: Hosts | None = None, model_options: dict | None = None,
         on_event: EventListener | None = None) -> records.Record:
     """Train ``model`` for ``steps`` optimizer steps on ``world_size`` ranks in one launch; return its record.
 
@@ -433,7 +478,7 @@ def run(config: str | Path | dict, *, world_size: int | None = None, model: str 
     """
     spec = RunSpec(config=config, model=model, steps=steps, seed=seed, overrides=overrides, name=name, out=out,
                    probes=tuple(probes), check=check, client_optimizer=client_optimizer, cast_inputs=cast_inputs,
-                   faults=faults, model_options=model_options)
+                   faults=faults, model_options=model_options, options=options, before_training=before_training)
     results = _launch_specs([spec], world_size, None, timeout, launcher, progress, hosts=hosts, on_event=on_event)
     return next(iter(results.values()))
 
@@ -491,8 +536,8 @@ def _launch_specs(specs: list[RunSpec], world_size: int | None, sweep_name: str 
         for stale in ["summary.json", *p.out.glob("rank*.json")]:
             (p.out / stale).unlink(missing_ok=True)
         (p.out / "ds_config.json").write_text(json.dumps(p.config, indent=1))
-    plan_path.write_text(json.dumps({"world_size": world, "runs": [_plan_entry(p, plan_path) for p in prepared]},
-                                    indent=1))
+    plan_path.write_text(json.dumps({"world_size": world, "launcher": launcher,
+                                     "runs": [_plan_entry(p, plan_path) for p in prepared]}, indent=1))
     child, _ = environment.child_env(env, world)
     if hosts is not None:
         child["DS_ENV_FILE"] = str(write_host_env(child, folder / "deepspeed_env"))
@@ -667,14 +712,25 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
             raise RunFailed(f"[{where}] exited with code {code} and no summary for {p.name}. "
                             f"Last log lines:\n{tail}", log_tail=tail, out=p.out)
         if p.spec.task != "train":
-            results[p.name] = json.loads((p.out / "summary.json").read_text())
-            continue
+            summary = json.loads((p.out / "summary.json").read_text())
+            if not _is_record(summary):  # a task's own result (a benchmark's table, say)
+                results[p.name] = summary
+                continue
         record = records.load(p.out)
         times = run_times.get(i, [])
         # a launch of one run: launch to exit; a run of a sweep: its own start to its record
         record.wall_s = seconds if len(prepared) == 1 else (times[1] - times[0] if len(times) == 2 else None)
         results[p.name] = record
     return results
+
+
+def _is_record(summary: dict) -> bool:
+    """Whether a task's summary.json is a run record (a PyTorch DDP run's, say) rather than other results."""
+    try:
+        records.validate(summary)
+    except ValueError:
+        return False
+    return True
 
 
 def run_expecting_failure(config: str | Path | dict, **kwargs) -> RunFailed:

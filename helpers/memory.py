@@ -14,9 +14,11 @@ Keys of the result:
 - ``master``: the fp32 copy of this rank's weight partition that ZeRO (and DeepSpeed's bf16
   optimizer) keeps beside the parameters, even when training in fp32.
 - ``buffers``: gradient buckets DeepSpeed allocates for communication (``reduce_bucket_size``), and
-  with ZeRO-Offload the staging buffers between host and accelerator.
+  with ZeRO-Offload the staging buffers between host and accelerator, or PyTorch DDP's buckets for a
+  PyTorch run.
 
-:func:`placement` splits the same tensors into accelerator side and host side (offload).
+PyTorch FSDP2's sharded tensors (DTensors) count with their local shard. :func:`placement` splits the
+same tensors into accelerator side and host side (offload).
 """
 
 from __future__ import annotations
@@ -28,10 +30,17 @@ import torch
 KEYS = ("params", "grads", "optimizer", "master", "buffers")
 
 
+def _local(t):
+    """This rank's part of a tensor: a DTensor (PyTorch FSDP2's sharded parameters, gradients and Adam
+    states) -> its local shard; any other tensor as it is."""
+    return t.to_local() if type(t).__name__ == "DTensor" else t
+
+
 def _unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes covered by ``tensors``, each byte of memory counted once (views may overlap)."""
+    tensors = [_local(t) for t in tensors if isinstance(t, torch.Tensor)]
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-                   for t in tensors if isinstance(t, torch.Tensor) and t.numel() > 0)
+                   for t in tensors if t.numel() > 0)
     total, reach = 0, -1
     for begin, end in spans:
         if end <= reach:
@@ -140,7 +149,13 @@ def model_states(engine) -> dict[str, int]:
     the optimizer has stepped at least once: that is when parameters, gradients and optimizer
     states all exist.
     """
-    return {key: _unique_bytes(t for t, _ in tensors) for key, tensors in _holders(engine).items()}
+    result = {key: _unique_bytes(t for t, _ in tensors) for key, tensors in _holders(engine).items()}
+    # Engines that are not DeepSpeed's (helpers.pytorch_train.TorchEngine) report buckets no Python
+    # tensor shows (DDP keeps them in C++).
+    buffer_bytes = getattr(engine, "buffer_bytes", None)
+    if callable(buffer_bytes):
+        result["buffers"] += buffer_bytes()
+    return result
 
 
 SIDES = ("accelerator", "host")

@@ -17,6 +17,7 @@ Models (all seeded, random weights, no downloads):
   checkpointing), ``-dsckpt`` (``deepspeed.checkpointing.checkpoint`` around each decoder layer) and
   ``-pipe`` (split into pipeline stages with DeepSpeed's ``PipelineModule``, trained with
   ``engine.train_batch``). Every variant of one size starts from the same weights.
+- ``llama-medium``: the same architecture at hidden 768 and 12 layers, for runs on GPUs.
 
 Data is a pure function of (sample index, seed), so the single-process baseline and every
 rank of every ZeRO stage see exactly the same samples: see :func:`sample_indices`.
@@ -57,6 +58,7 @@ LLAMA_SHAPES = {
     "llama": LlamaShape(hidden=64, layers=2, heads=4, intermediate=172, seq=LM_SEQ_LEN),
     "llama-long": LlamaShape(hidden=64, layers=2, heads=4, intermediate=172, seq=512),
     "llama-gpu": LlamaShape(hidden=1024, layers=8, heads=16, intermediate=2816, seq=1024),
+    "llama-medium": LlamaShape(hidden=768, layers=12, heads=12, intermediate=2048, seq=LM_SEQ_LEN),
 }
 #: Name suffix -> how that LLaMA-style model is trained (see the module docstring).
 LLAMA_VARIANTS = {
@@ -76,6 +78,8 @@ MODELS = {
     "llama-capstone": "LLaMA-style causal LM sized by model_options (size, seq_len, attention, checkpointing)",
     "mlp_wide": "MLP of 8 blocks Linear(4096, 4096) + GELU (134,250,496 parameters), for GPUs",
 }
+#: hidden size, layers, MLP width, attention heads of the LLaMA-style models
+LM_SHAPES = {"llama": (64, 2, 172, 4), "llama-medium": (768, 12, 2048, 12)}
 
 #: Shapes of the capstone model: hidden size, MLP size, layers, attention heads, vocabulary. "1.2b" is the
 #: issue's baseline (hidden 2048, 22 layers: 1,244,227,584 parameters); heads of 128 dimensions, as LLaMA's.

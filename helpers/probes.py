@@ -54,6 +54,8 @@ class RunContext:
     # makes several ranks share a micro-batch): this rank's index, and their number.
     dp_rank: int = 0
     dp_size: int = 1
+    first_step: int = 0  # 0-based step training starts from (a resumed run starts later; see train.before_training)
+    options: dict = dataclasses.field(default_factory=dict)  # the run's RunSpec.options, for probes and hooks
 
     def synchronize(self) -> None:
         """Wait for the device to finish queued work (a no-op on CPU), so host clocks mean something."""
@@ -71,6 +73,11 @@ class Probe:
     config: ClassVar[dict] = {}
     #: The trainer (``helpers.train.TRAINERS``) this probe measures, if it only works with one.
     trainer: ClassVar[str | None] = None
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """Raise a ValueError naming the key and the fix when the run's ``options`` cannot work for this
+        probe. :func:`helpers.launch.run` calls it before any process starts."""
 
     def start(self, ctx: RunContext) -> None:
         pass
@@ -197,8 +204,8 @@ class ModelStates(Probe):
     name = "model_states"
 
     def start(self, ctx: RunContext) -> None:
-        # optimizer states exist once the optimizer has stepped: measure on the second step
-        self.step = 1 if ctx.steps > 1 else 0
+        # optimizer states exist once the optimizer has stepped: measure on the second step trained
+        self.step = ctx.first_step + 1 if ctx.steps - ctx.first_step > 1 else ctx.first_step
         self.mid: dict | None = None
         self.boundary: dict | None = None
 
@@ -268,7 +275,7 @@ class Comm(Probe):
         dist.reset_log()  # leave out set-up collectives (the initial broadcast of the weights)
 
     def before_step(self, ctx: RunContext, step: int) -> None:
-        if step == 1:
+        if step == ctx.first_step + 1:
             import deepspeed.comm as dist
 
             dist.reset_log()  # the first step warms up: measure the steady state
@@ -282,7 +289,8 @@ class Comm(Probe):
     def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
         from helpers import communication
 
-        steps = ctx.steps - 1 if ctx.steps > 1 else 1
+        trained = ctx.steps - ctx.first_step
+        steps = trained - 1 if trained > 1 else 1
         return {"comm": communication.record_section(ranks[0]["summary"], ctx.world_size, steps)}
 
 
@@ -430,3 +438,9 @@ from helpers import offload as _offload, precision as _precision  # noqa: E402,F
 
 # --- parallelism (chapters 10-12): probes defined beside the code they measure, registered on import
 from helpers import activations, pipeline, tensor_parallel  # noqa: E402,F401
+
+
+# --- chapters 13-15: checkpoints, PyTorch beside DeepSpeed ------------------------------------
+# Their probes live in their own modules; importing them here registers them wherever probes are
+# looked up (in the notebook before a launch, and on every rank).
+from helpers import checkpoints, pytorch_train  # noqa: E402,F401

@@ -33,6 +33,8 @@ PROBE_KEYS = {
     "activations": ("activations.per_rank",),
     "pipeline": ("pipeline.per_rank", "pipeline.bubble_per_rank", "pipeline.last_step"),
     "param_shards": ("param_shards.per_rank",),
+    "checkpoint": ("checkpoint.tags", "checkpoint.save_s"),
+    "torch_comm": ("comm.by_op", "comm.bytes_per_step", "comm.wire_bytes_per_step"),
 }
 #: What a run with the default probes has (a summary without "probes" predates them and had these).
 DEFAULT_PROBES = ("timing", "model_states", "peak_memory", "comm")
@@ -58,8 +60,9 @@ def validate(summary: dict) -> None:
         except (KeyError, TypeError):
             problems.append(f"missing {key}")
     if not problems:
-        if len(summary["losses"]) != summary["steps"]:
-            problems.append(f"losses has {len(summary['losses'])} entries for {summary['steps']} steps")
+        trained = summary["steps"] - summary.get("first_step", 0)  # a resumed run trains from first_step on
+        if len(summary["losses"]) != trained:
+            problems.append(f"losses has {len(summary['losses'])} entries for {trained} steps trained")
         if ("model_states" in probes
                 and len(summary["memory"]["model_states_bytes_per_rank"]) != summary["world_size"]):
             problems.append("memory.model_states_bytes_per_rank needs one entry per rank")
@@ -99,8 +102,9 @@ class Record:
 
     @property
     def label(self) -> str:
+        """``"ZeRO-2 fp32"``, or the strategy of a run that did not use DeepSpeed (``"DDP fp32"``)."""
         s = self.summary
-        return f"ZeRO-{s['zero_stage']} {s['precision']}"
+        return f"{s.get('strategy') or 'ZeRO-' + str(s['zero_stage'])} {s['precision']}"
 
     def states(self, rank: int = 0) -> dict[str, int]:
         """Measured model-state bytes of ``rank``."""

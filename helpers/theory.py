@@ -477,3 +477,99 @@ def zero3_wire_bytes(psi: int, world_size: int, precision: str = "fp32") -> floa
     2Ψ(n-1)/n elements: they grow with the parameters, whatever the number of tokens."""
     _check(3, world_size, precision)
     return 2 * psi * BYTES_PER_ELEMENT[precision] * ring_factor(world_size)
+
+
+# --- ZeRO++ (Wang et al., 2023, arXiv 2306.10209) ----------------------------------------------
+#
+# ZeRO-3 moves three model-sized messages per step and GPU (M = the model in 16-bit, 2Ψ bytes):
+# parameters all-gathered for forward, all-gathered again for backward, gradients reduce-scattered:
+# 3M. ZeRO++ shrinks what crosses the network between nodes:
+#
+# - qwZ (``zero_quantized_weights``): weights travel as int8 with per-block scales: each gather 0.5M.
+# - hpZ (``zero_hpz_partition_size`` = GPUs per node): every node keeps a second, node-local partition
+#   of the weights, so backward gathers inside the node: 0 across nodes.
+# - qgZ (``zero_quantized_gradients``): gradients reduced by a two-hop all-to-all in int4: 0.25M
+#   across nodes (the first hop, inside the node, moves 0.25M too).
+#
+# All three: 0.5M + 0 + 0.25M = 0.75M across nodes, 4x less than ZeRO-3's 3M (the paper's figure).
+# On ONE node nothing crosses a network; what DeepSpeed 0.19.8 does there (read in its code):
+# qwZ still quantizes every gather (the bytes halve); hpZ's secondary group is the node itself
+# (no change); qgZ falls back to the plain reduce-scatter (``__avg_scatter_grads``: the quantized
+# all-to-all only when world size / GPUs per node > 1).
+
+ZEROPP_PHASES = ("forward all-gather", "backward all-gather", "gradient reduce-scatter")
+
+
+def zeropp_volume(psi: float, qwz: bool = False, hpz: bool = False, qgz: bool = False,
+                  nodes: int = 2) -> dict[str, dict[str, float]]:
+    """Bytes per GPU and optimizer step (one micro-step) of each ZeRO-3 phase, split into what crosses
+    nodes (``"inter"``) and what stays inside a node (``"intra"``), for a model of ``psi`` parameters in
+    16-bit. The paper's accounting: each phase moves the whole model M = 2Ψ bytes per GPU (its ring
+    factor (n-1)/n taken as 1). ``nodes=1``: everything is intra-node, and only qwZ changes anything.
+    """
+    if nodes < 1:
+        raise ValueError(f"nodes={nodes}: at least one node")
+    m = 2.0 * psi  # the model in 16-bit
+    gather = 0.5 * m if qwz else m
+    where = "inter" if nodes > 1 else "intra"
+    volume = {phase: {"inter": 0.0, "intra": 0.0} for phase in ZEROPP_PHASES}
+    volume["forward all-gather"][where] += gather
+    # hpZ: backward gathers from the node-local secondary partition (quantized too when qwZ is on)
+    volume["backward all-gather"]["intra" if hpz else where] += gather
+    if qgz and nodes > 1:
+        volume["gradient reduce-scatter"]["intra"] += 0.25 * m  # int4, first hop inside the node
+        volume["gradient reduce-scatter"]["inter"] += 0.25 * m  # int4, second hop across nodes
+    else:
+        volume["gradient reduce-scatter"][where] += m  # DeepSpeed's fallback on one node: plain reduce-scatter
+    return volume
+
+
+def zeropp_cross_node_bytes(psi: float, qwz: bool = False, hpz: bool = False, qgz: bool = False) -> float:
+    """Bytes per GPU and step that cross nodes (two or more nodes): 3M for ZeRO-3, 0.75M with all three."""
+    return sum(v["inter"] for v in zeropp_volume(psi, qwz, hpz, qgz, nodes=2).values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A latency-bandwidth model of one kind of connection: a collective moving ``b`` bytes per GPU takes
+    ``latency + b / bandwidth`` seconds. ``bandwidth`` is bytes/s per GPU (bus bandwidth, nccl-tests)."""
+
+    bandwidth: float
+    latency: float
+
+    def seconds(self, nbytes: float, calls: int = 1) -> float:
+        return calls * self.latency + nbytes / self.bandwidth
+
+
+#: The model's assumptions, stated as parameters, not measurements. The bandwidth chapter's measured
+#: figures (helpers/bandwidth.py) plug in here: pass a Link built from them instead of these defaults.
+#: Inside a node: NVLink-class, 300 GB/s bus bandwidth for large messages, 10 µs a call. Across nodes:
+#: one 100 Gb/s NIC per GPU (12.5 GB/s), 20 µs a call: a commodity cluster, where ZeRO++ is meant to help.
+DEFAULT_INTRA_NODE = Link(bandwidth=300e9, latency=10e-6)
+DEFAULT_INTER_NODE = Link(bandwidth=12.5e9, latency=20e-6)
+
+
+def zeropp_comm_seconds(psi: float, layers: int, nodes: int, qwz: bool = False, hpz: bool = False,
+                        qgz: bool = False, intra: Link = DEFAULT_INTRA_NODE,
+                        inter: Link = DEFAULT_INTER_NODE) -> float:
+    """Predicted communication seconds per GPU and micro-step of ZeRO-3 (with the ZeRO++ parts chosen) for
+    ``psi`` 16-bit parameters in ``layers`` gathered units, on ``nodes`` nodes: bytes from
+    :func:`zeropp_volume` at each link's bandwidth, plus one latency per collective call and link
+    (3 phases x ``layers`` calls; qgZ's two hops). Assumes no overlap with compute (an upper bound)."""
+    total = 0.0
+    for phase, v in zeropp_volume(psi, qwz, hpz, qgz, nodes).items():
+        for link, nbytes in ((intra, v["intra"]), (inter, v["inter"])):
+            if nbytes:
+                total += link.seconds(nbytes, calls=layers)
+    return total
+
+
+def zeropp_step_prediction(psi: float, layers: int, tokens_per_gpu: int, nodes: int, flops_per_s: float,
+                           intra: Link = DEFAULT_INTRA_NODE, inter: Link = DEFAULT_INTER_NODE) -> dict[str, float]:
+    """Predicted seconds per micro-step of plain ZeRO-3 and full ZeRO++ (qwZ + hpZ + qgZ): compute
+    (6Ψ FLOPs a token at ``flops_per_s`` achieved per GPU) plus communication (:func:`zeropp_comm_seconds`),
+    without overlap; and the speed-up. Quantization kernels' own time is left out (small on GPUs)."""
+    compute = 6 * psi * tokens_per_gpu / flops_per_s
+    zero3 = compute + zeropp_comm_seconds(psi, layers, nodes, intra=intra, inter=inter)
+    zeropp = compute + zeropp_comm_seconds(psi, layers, nodes, True, True, True, intra=intra, inter=inter)
+    return {"compute_s": compute, "zero3_s": zero3, "zeropp_s": zeropp, "speedup": zero3 / zeropp}

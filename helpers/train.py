@@ -1,4 +1,4 @@
-"""The script every rank runs, started by DeepSpeed's launcher (see :mod:`helpers.launch`).
+"""The script every rank runs, started by DeepSpeed's launcher or torchrun (see :mod:`helpers.launch`).
 
     python -m deepspeed.launcher.launch ... --module helpers.train --plan DIR/plan.json
 
@@ -7,6 +7,12 @@ The plan lists one run or several (a sweep): each is trained in turn by the same
 (``deepspeed.initialize``, ``engine.backward``, ``engine.step``) with the run's probes
 (:mod:`helpers.probes`) called around it; rank 0 writes the run's ``summary.json`` into its folder
 (schema: :mod:`helpers.records`).
+
+One hook between ``deepspeed.initialize`` and the first step: a run's ``before_training`` function
+(:func:`before_training`), e.g. ``helpers.checkpoints:resume``, which loads a checkpoint and says which
+step to continue from; the loop and the probes start there. Work that is not DeepSpeed training is a
+task (:func:`resolve_task`); PyTorch's DDP and FSDP2 runs are one (:mod:`helpers.pytorch_train`) and
+share this loop and record (:func:`train_and_record`).
 
 One loss definition everywhere: the loss of an optimizer step is the mean of its micro-batch
 losses on a rank, averaged over the ranks. The ranks report their own; the launcher averages.
@@ -103,6 +109,9 @@ def data_parallel_step(ctx, run: dict, step: int, probes: list) -> list[float]:
     faults = run.get("faults", {})
     dtype = next(engine.module.parameters()).dtype
     losses = []
+    if faults.get("kill_after_step") == step:
+        # every rank ends its own process at once, as a power cut or an OOM kill would: no teardown runs
+        os.kill(os.getpid(), signal.SIGKILL)
     for micro_step in range(ctx.grad_accum):
         if faults.get("fail_on_rank") == ctx.rank and step == 0:
             raise RuntimeError(f"deliberate failure on rank {ctx.rank} (fail_on_rank)")
@@ -176,16 +185,33 @@ def publish(run: dict, position: int, summary: dict) -> None:
     emit("done", run=position, out=run["out"])
 
 
+def resolve_function(name: str):
+    """``"package.module:function"`` -> that function (imported on the rank)."""
+    import importlib
+
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def resolve_task(name: str):
     """What the ranks do for one entry of the plan: ``"train"`` (:func:`train_run`), or
     ``"package.module:function"`` for work that is not training (a collective benchmark, say), called
     as ``function(run, position, count, born)`` and expected to :func:`publish` on rank 0."""
     if name == "train":
         return train_run
-    import importlib
+    return resolve_function(name)
 
-    module, _, function = name.partition(":")
-    return getattr(importlib.import_module(module), function)
+
+def before_training(engine, run: dict) -> int:
+    """The run's ``before_training`` hook, if it names one: ``function(engine, run)`` called after
+    ``deepspeed.initialize`` and before the probes start (to load a checkpoint, say). It returns the
+    0-based optimizer step training starts from (0 for a fresh run); the loop and the probes start there."""
+    hook = run.get("before_training")
+    first = resolve_function(hook)(engine, run) if hook else 0
+    if not isinstance(first, int) or not 0 <= first < run["steps"]:
+        raise ValueError(f"before_training hook {hook!r} returned step {first!r}: a run of {run['steps']} steps "
+                         f"can start at steps 0..{run['steps'] - 1}")
+    return first
 
 
 def train_run(run: dict, position: int, count: int, born: float) -> None:
@@ -194,7 +220,7 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
     import deepspeed.comm as dist
     import torch
 
-    from helpers import memory, models, probes as probe_registry, theory
+    from helpers import memory, models, probes as probe_registry
 
     run_started = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -211,68 +237,21 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
                                            model_parameters=None if client_optimizer else model.parameters(),
                                            config=config)
     try:
+        first_step = before_training(engine, run)
         ctx = probe_registry.RunContext(
             engine=engine, rank=rank, world_size=world, device_type="cuda" if engine.device.type == "cuda" else "cpu",
             precision=precision_of(config), stage=engine.zero_optimization_stage(),
             micro_batch=engine.train_micro_batch_size_per_gpu(), grad_accum=engine.gradient_accumulation_steps(),
             steps=run["steps"], params=psi, born=born, run_started=run_started, config=config,
-            faults=run.get("faults", {}))
+            faults=run.get("faults", {}), first_step=first_step, options=run.get("options") or {})
         ctx.dp_rank, ctx.dp_size = data_parallel_coords(engine)
-        probes = [probe_registry.PROBES[name]() for name in run["probes"]]
-        trainer = TRAINERS[models.trainer_of(run["model"])]
-        for probe in probes:
-            probe.start(ctx)
-        losses = []
-        for step in range(ctx.steps):
-            for probe in probes:
-                probe.before_step(ctx, step)
-            micro_losses = trainer(ctx, run, step, probes)
-            for probe in probes:
-                probe.after_step(ctx, step)
-            losses.append(statistics.fmean(micro_losses))
-            emit("step", run=position, rank=rank, step=step + 1, steps=ctx.steps, loss=losses[-1])
-
-        # Per-rank findings reach rank 0 through files in the run's folder: no collective that the
-        # comms logger would count, and nothing left in flight at teardown.
-        mine = {"losses": losses, "probes": {p.name: p.finish(ctx) for p in probes}}
-        _write_json(os.path.join(run["out"], f"rank{rank}.json"), mine)
-        if rank == 0:
-            ranks = [mine] + [_wait_for_json(os.path.join(run["out"], f"rank{r}.json")) for r in range(1, world)]
-            summary = {
-                "name": run["name"],
-                "world_size": world,
-                "backend": torch.distributed.get_backend(),
-                "device": ctx.device_type,
-                "device_name": torch.cuda.get_device_name(0) if ctx.device_type == "cuda" else "cpu",
-                "zero_stage": ctx.stage,
-                "precision": ctx.precision,
-                "micro_batch": ctx.micro_batch,
-                "grad_accum": ctx.grad_accum,
-                # samples one optimizer step consumes; DeepSpeed's own figure can count more ranks (see
-                # deepspeed_train_batch: with tensor parallelism it counts every rank, not the data-parallel ones)
-                "train_batch": ctx.micro_batch * ctx.grad_accum * ctx.dp_size,
-                "deepspeed_train_batch": engine.train_batch_size(),
-                "data_parallel_size": ctx.dp_size,
-                "steps": ctx.steps,
-                "seed": run["seed"],
-                "model": {"name": run["model"], "params": psi},
-                "optimizer": memory.describe_optimizer(engine),
-                "basic_optimizer": type(getattr(engine, "basic_optimizer", None)).__name__,
-                "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(ctx.steps)],
-                "losses_per_rank": [r["losses"] for r in ranks],
-                "probes": list(run["probes"]),
-                "launch": {"position": position + 1, "of": count, "plan": run["plan"]},
-                "theory": {
-                    "model_states_bytes_per_rank": theory.model_state_bytes(psi, ctx.stage, world, ctx.precision),
-                    "comm_bytes_per_step": theory.comm_bytes_per_step(psi, ctx.stage, ctx.precision),
-                    "comm_wire_bytes_per_step": theory.comm_bytes_per_step(psi, ctx.stage, ctx.precision)
-                    * theory.ring_factor(world),
-                },
-                "config": config,
-            }
-            for probe in probes:
-                probe_registry.deep_update(summary, probe.combine([r["probes"][probe.name] for r in ranks], ctx))
-            publish(run, position, summary)
+        train_and_record(ctx, run, position, count, TRAINERS[models.trainer_of(run["model"])], {
+            # DeepSpeed's own figure can count more ranks than read samples: with tensor parallelism it
+            # counts every rank, not the data-parallel ones (train_batch is what a step consumes)
+            "deepspeed_train_batch": engine.train_batch_size(),
+            "optimizer": memory.describe_optimizer(engine),
+            "basic_optimizer": type(getattr(engine, "basic_optimizer", None)).__name__,
+        })
     finally:
         # Teardown before the next run: without it ZeRO-3 keeps hooks and gathered parameters alive.
         engine.destroy()
@@ -288,6 +267,97 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
             torch.cuda.empty_cache()
 
 
+def train_and_record(ctx, run: dict, position: int, count: int, trainer, fields: dict) -> None:
+    """The training loop with the run's probes around it, then the run's record: every rank's findings
+    reach rank 0, which writes ``summary.json`` (core keys, ``fields``, then each probe's sections).
+
+    Shared by every way of training (DeepSpeed's engine here, PyTorch's DDP and FSDP2 in
+    :mod:`helpers.pytorch_train`): ``trainer(ctx, run, step, probes)`` takes one optimizer step and
+    returns this rank's micro-batch losses. ``fields`` may replace any core key (``theory`` included).
+    """
+    import torch
+
+    from helpers import probes as probe_registry, theory
+
+    probes = [probe_registry.PROBES[name]() for name in run["probes"]]
+    for probe in probes:
+        probe.start(ctx)
+    losses = []
+    for step in range(ctx.first_step, ctx.steps):
+        for probe in probes:
+            probe.before_step(ctx, step)
+        micro_losses = trainer(ctx, run, step, probes)
+        for probe in probes:
+            probe.after_step(ctx, step)
+        losses.append(statistics.fmean(micro_losses))
+        emit("step", run=position, rank=ctx.rank, step=step + 1, steps=ctx.steps, loss=losses[-1])
+
+    # Per-rank findings reach rank 0 through files in the run's folder: no collective that the
+    # comms logger would count, and nothing left in flight at teardown.
+    mine = {"losses": losses, "probes": {p.name: p.finish(ctx) for p in probes}}
+    _write_json(os.path.join(run["out"], f"rank{ctx.rank}.json"), mine)
+    if ctx.rank != 0:
+        return
+    ranks = [mine] + [_wait_for_json(os.path.join(run["out"], f"rank{r}.json")) for r in range(1, ctx.world_size)]
+    psi, stage, world, precision = ctx.params, ctx.stage, ctx.world_size, ctx.precision
+    summary = {
+        "name": run["name"],
+        "world_size": world,
+        "backend": torch.distributed.get_backend(),
+        "device": ctx.device_type,
+        "device_name": torch.cuda.get_device_name(0) if ctx.device_type == "cuda" else "cpu",
+        "zero_stage": stage,
+        "precision": precision,
+        "micro_batch": ctx.micro_batch,
+        "grad_accum": ctx.grad_accum,
+        # samples one optimizer step consumes: every rank reads its own, unless tensor or pipeline
+        # parallelism makes several ranks share a micro-batch
+        "train_batch": ctx.micro_batch * ctx.grad_accum * ctx.dp_size,
+        "data_parallel_size": ctx.dp_size,
+        "steps": ctx.steps,
+        "seed": run["seed"],
+        "model": {"name": run["model"], "params": psi},
+        "first_step": ctx.first_step,
+        "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(len(losses))],
+        "losses_per_rank": [r["losses"] for r in ranks],
+        "probes": list(run["probes"]),
+        "launch": {"position": position + 1, "of": count, "plan": run["plan"]},
+        "theory": {
+            "model_states_bytes_per_rank": theory.model_state_bytes(psi, stage, world, precision),
+            "comm_bytes_per_step": theory.comm_bytes_per_step(psi, stage, precision),
+            "comm_wire_bytes_per_step": theory.comm_bytes_per_step(psi, stage, precision) * theory.ring_factor(world),
+        },
+        **fields,
+        "config": ctx.config,
+    }
+    for probe in probes:
+        probe_registry.deep_update(summary, probe.combine([r["probes"][probe.name] for r in ranks], ctx))
+    publish(run, position, summary)
+
+
+def init_process_group(launcher: str):
+    """Join the launch's process group as its launcher expects; return the module whose ``get_rank``
+    and ``destroy_process_group`` the ranks use.
+
+    DeepSpeed's launchers: ``deepspeed.init_distributed()`` (DeepSpeed's communication layer, which its
+    comms logger watches). ``torchrun``: ``torch.distributed.init_process_group`` alone, as a PyTorch
+    script does (gloo on CPU, NCCL on GPUs); DeepSpeed is not imported unless a run uses it.
+    """
+    if launcher == "torchrun":
+        import torch
+        import torch.distributed
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        return torch.distributed
+    import deepspeed
+    import deepspeed.comm as dist
+
+    deepspeed.init_distributed()
+    return dist
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     die_with_parent()
@@ -295,16 +365,17 @@ def main(argv: list[str] | None = None) -> None:
         import psutil
 
         born = psutil.Process().create_time()  # where a launch's seconds go, from this process's start
-        import deepspeed
-        import deepspeed.comm as dist
+        with open(args.plan) as f:
+            plan = json.load(f)
+        launcher = plan.get("launcher", "launch")
+        if launcher != "torchrun":
+            import deepspeed  # noqa: F401  (imported before the clock reads "imports", as it always was)
         import torch.distributed
 
         from helpers.probes import Timeline
 
         Timeline.process_marks["imports"] = round(time.time() - born, 3)
-        with open(args.plan) as f:
-            plan = json.load(f)
-        deepspeed.init_distributed()
+        dist = init_process_group(launcher)
         Timeline.process_marks["init_distributed"] = round(time.time() - born, 3)
         runs = plan["runs"]
         for position, run in enumerate(runs):

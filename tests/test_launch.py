@@ -140,7 +140,7 @@ def test_bad_config_raises_before_any_process_starts(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kwargs, match", [
     ({"model": "resnet"}, "resnet"),
     ({"steps": 0}, "steps=0"),
-    ({"launcher": "torchrun"}, "torchrun"),
+    ({"launcher": "mpirun"}, "mpirun"),
 ])
 def test_bad_arguments_raise_before_any_process_starts(tmp_path, monkeypatch, kwargs, match):
     monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))

@@ -1,0 +1,278 @@
+"""Compressed communication in DeepSpeed 0.19.8: ZeRO++ and what was removed, as chapter 13 runs it.
+
+- :func:`cpu_attempts`: one launch that asks CPU ranks for each ZeRO++ part, the 16-bit gradient
+  reduction every backend has (``communication_data_type``), and the removed 1-bit optimizers, each
+  with ``on_error="record"``: the real error, or a run whose collectives can be compared with plain ZeRO-3.
+- :func:`gpu_runs`: on GPUs, ZeRO-3 against each ZeRO++ part: bytes per collective (comms logger) in one
+  launch, step time in another without the logger (it synchronizes the device after every collective).
+- :func:`deepspeed_source`: the lines of DeepSpeed's installed code that decide what applies on one node.
+- :func:`prediction_table`: the cross-node gain from :func:`helpers.theory.zeropp_step_prediction`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from helpers import configs, environment, experiments, launch, records, theory
+
+def zeropp_settings(ranks_per_node: int) -> dict[str, dict]:
+    """Setting name -> ``zero_optimization`` overrides on top of ``ds_configs/zero3.json``: plain ZeRO-3,
+    each ZeRO++ switch alone, all three. hpZ's secondary group gets the size of one node (every rank here)."""
+    return {
+        "ZeRO-3": {},
+        "qwZ (quantized weights)": {"zero_quantized_weights": True},
+        "hpZ (node-local partition)": {"zero_hpz_partition_size": ranks_per_node},
+        "qgZ (quantized gradients)": {"zero_quantized_gradients": True},
+        "ZeRO++ (all three)": {"zero_quantized_weights": True, "zero_hpz_partition_size": ranks_per_node,
+                               "zero_quantized_gradients": True},
+    }
+
+
+#: The optimizers DeepSpeed 0.19.8 removed (PR #8490, issue #8489), as their configs named them.
+REMOVED_OPTIMIZERS = {"1-bit Adam": "OneBitAdam", "0/1 Adam": "ZeroOneAdam", "1-bit LAMB": "OneBitLamb"}
+#: 16-bit gradient reduction: a top-level key every stage and backend honours.
+HALF_GRADIENTS = {"communication_data_type": "bf16"}
+
+
+def cpu_attempts(model: str = "mlp", steps: int = 3, world_size: int | None = None,
+                 progress: bool = True) -> dict[str, records.Record | launch.RunFailed]:
+    """One launch: each ZeRO++ setting, 16-bit gradient reduction, and each removed optimizer, every one
+    with ``on_error="record"`` (its real error comes back as a :class:`helpers.launch.RunFailed`). The
+    removed optimizers skip the course's checker (``check=False``) so that DeepSpeed itself answers."""
+    env = environment.detect(world_size)
+    specs: dict[str, launch.RunSpec] = {}
+    for name, knobs in zeropp_settings(env.default_world_size).items():
+        specs[name] = launch.RunSpec("zero3", model=model, steps=steps, on_error="record",
+                                     overrides={"zero_optimization": knobs} if knobs else None)
+    specs["16-bit gradients (communication_data_type)"] = launch.RunSpec(
+        "zero3", model=model, steps=steps, on_error="record", overrides=HALF_GRADIENTS)
+    for name, kind in REMOVED_OPTIMIZERS.items():
+        specs[name] = launch.RunSpec("zero0", model=model, steps=steps, on_error="record", check=False,
+                                     overrides={"optimizer": {"type": kind, "params": {"lr": 1e-3}}})
+    return launch.sweep(specs, name="zeropp-cpu", world_size=world_size, progress=progress)
+
+
+def _ops(record: records.Record) -> dict[str, tuple[float, float]]:
+    return {op: (row["count"], row["bytes"]) for op, row in record.comm_ops().items()}
+
+
+def outcome_table(results: Mapping[str, records.Record | launch.RunFailed], baseline: str = "ZeRO-3") -> str:
+    """Per setting: did it run, and if so did its collectives (count and bytes per step, by op) differ from
+    plain ZeRO-3's, and its losses? A failure shows DeepSpeed's exception and message."""
+    base = results[baseline]
+    rows = []
+    for name, result in results.items():
+        if isinstance(result, launch.RunFailed):
+            rows.append([name, f"refused: {result.error_type}", result.message.splitlines()[0]])
+            continue
+        if name == baseline:
+            rows.append([name, "ran", "the baseline"])
+            continue
+        changed = [f"{op} {records.format_bytes(base_row[1])} -> {records.format_bytes(row[1])}"
+                   for op, row in _ops(result).items() for base_row in [_ops(base).get(op, (0, 0))]
+                   if row != base_row]
+        # gradients reduced in 16 bits round like bf16 training: judge them by bf16's tolerance
+        precision = result.summary["config"].get("communication_data_type") or result.summary["precision"]
+        losses = records.loss_agreement(base.losses, result.losses, precision)
+        same = records.loss_agreement(base.losses, result.losses, "fp32", 0.0) == "within 0e+00"
+        detail = ("collectives and losses identical to ZeRO-3: a no-op here" if not changed and same
+                  else f"{'; '.join(changed) or 'same collectives'} per step; losses {losses} of ZeRO-3's")
+        rows.append([name, "ran", detail])
+    return records.format_table(rows, ["setting", "on these ranks", "what happened"])
+
+
+def checker_findings(kinds: Sequence[str] = tuple(REMOVED_OPTIMIZERS.values()), world_size: int = 2) -> str:
+    """What the course's config checker says about each removed optimizer, before any process starts."""
+    lines = []
+    for kind in kinds:
+        config = configs.merged(configs.load("zero0"), {"optimizer": {"type": kind, "params": {"lr": 1e-3}}})
+        for finding in configs.check(config, world_size):
+            if finding.key.startswith("optimizer"):
+                lines.append(str(finding))
+    return "\n".join(lines)
+
+
+def supported_optimizers() -> list[str]:
+    """The optimizer types DeepSpeed 0.19.8 builds from a config (``DEEPSPEED_OPTIMIZERS``)."""
+    environment.quiet_deepspeed_import()
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    return list(DEEPSPEED_OPTIMIZERS)
+
+
+def removed_config_keys() -> dict[str, str]:
+    """Config keys DeepSpeed 0.19.8 refuses because their feature was removed, with its own message."""
+    environment.quiet_deepspeed_import()
+    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS, _REMOVED_ZERO_CONFIG_KEYS
+
+    found = dict(_REMOVED_TOP_LEVEL_CONFIG_KEYS)
+    found.update({f"zero_optimization.{k}": v for k, v in _REMOVED_ZERO_CONFIG_KEYS.items()})
+    return found
+
+
+def removed_features_issue() -> str:
+    """The issue DeepSpeed 0.19.8's messages about removed features point to."""
+    environment.quiet_deepspeed_import()
+    from deepspeed.runtime.config import _REMOVED_FEATURES_ISSUE
+
+    return _REMOVED_FEATURES_ISSUE
+
+
+def deepspeed_source(relative: str, patterns: Sequence[str], context: int = 0) -> str:
+    """Lines of DeepSpeed's installed source ``relative`` (e.g. ``runtime/zero/stage3.py``) that match any
+    of ``patterns`` (regular expressions), with ``context`` lines after each, numbered as in the file."""
+    environment.quiet_deepspeed_import()
+    import deepspeed
+
+    path = Path(deepspeed.__file__).parent / relative
+    lines = path.read_text().splitlines()
+    shown: dict[int, str] = {}
+    for i, line in enumerate(lines):
+        if any(re.search(p, line) for p in patterns):
+            for j in range(i, min(len(lines), i + 1 + context)):
+                shown[j] = lines[j]
+    body = "\n".join(f"{j + 1:5d}  {text}" for j, text in sorted(shown.items()))
+    return f"deepspeed/{relative} (deepspeed {deepspeed.__version__}):\n{body}"
+
+
+# --- on GPUs ----------------------------------------------------------------------------------
+
+#: The GPU runs' model and shape: LLaMA-style, 85M parameters, bf16; layers released after use, as a model
+#: too large to keep gathered would be (else DeepSpeed keeps them and backward gathers nothing).
+GPU_MODEL = "llama-medium"
+GPU_OVERRIDES = {"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1,
+                 "zero_optimization": {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}}
+
+
+def gpu_runs(steps: int = 12, world_size: int | None = None,
+             progress: bool = True) -> tuple[dict[str, records.Record], dict[str, records.Record]]:
+    """On GPUs: every ZeRO++ setting in two launches: with the comms logger (bytes per collective) and
+    without it (step time; the logger synchronizes the device after each collective). Returns
+    ({setting: record with comm}, {setting: record with timing}); a setting that fails comes back as its
+    :class:`helpers.launch.RunFailed` (``on_error="record"``), and the tables say so."""
+    env = environment.detect(world_size)
+    settings = zeropp_settings(env.default_world_size)
+    measured = {}
+    for purpose, probes in (("bytes", ("model_states", "peak_memory", "comm")),
+                            ("time", ("timing", "peak_memory"))):
+        specs = {name: launch.RunSpec("zero3", model=GPU_MODEL, steps=steps, probes=probes,
+                                      name=f"zeropp-{purpose}-{i}", on_error="record",
+                                      overrides=configs.merged(GPU_OVERRIDES, {"zero_optimization": knobs}))
+                 for i, (name, knobs) in enumerate(settings.items())}
+        runs = launch.sweep(specs, name=f"zeropp-gpu-{purpose}", world_size=world_size, progress=progress)
+        measured[purpose] = {name: runs[spec.name] for name, spec in specs.items()}
+    return measured["bytes"], measured["time"]
+
+
+def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record] | None = None,
+              baseline: str = "ZeRO-3") -> str:
+    """Per setting: each collective's calls and bytes per step, the total against plain ZeRO-3's, and (with
+    the timing runs) the median step time against ZeRO-3's."""
+    base = by_bytes[baseline]["comm.bytes_per_step"]
+    rows = []
+    for name, record in by_bytes.items():
+        failed = _failure(record) or _failure((by_time or {}).get(name))
+        if failed:
+            rows.append([name, f"failed: {failed}", "-", "-"] + (["-", "-"] if by_time is not None else []))
+            continue
+        ops = " ".join(f"{op}:{row['count']:g}x{records.format_bytes(row['bytes'] / max(row['count'], 1))}"
+                       for op, row in record.comm_ops().items())
+        row = [name, ops, records.format_bytes(record["comm.bytes_per_step"]),
+               f"{record['comm.bytes_per_step'] / base:.2f}"]
+        if by_time is not None:
+            t, t0 = by_time[name]["step_time_s.median"], by_time[baseline]["step_time_s.median"]
+            row += [f"{t * 1000:.1f}", f"{t / t0:.2f}"]
+        rows.append(row)
+    headers = ["setting", "collectives per step: calls x bytes per call", "bytes/step", "vs ZeRO-3"]
+    if by_time is not None:
+        headers += ["step ms", "vs ZeRO-3"]
+    return records.format_table(rows, headers)
+
+
+def _failure(result) -> str:
+    """A failed run's error in a line (a RunFailed, or its saved form in a reference file), else ""."""
+    if isinstance(result, launch.RunFailed):
+        return f"{result.error_type}: {result.message}".splitlines()[0]
+    if isinstance(result, dict) and "error_type" in result:
+        return f"{result['error_type']}: {result['message']}".splitlines()[0]
+    return ""
+
+
+def reference_report(name: str = "zeropp") -> str:
+    """The committed GPU results of this chapter, each labelled with its device, date and note."""
+    found = experiments.reference_runs(name)
+    if not found:
+        return (f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json): run this "
+                "notebook on a machine with 2 or more NVIDIA GPUs to measure them.")
+    parts = []
+    for device, date, note, runs in found:
+        by_bytes = {k.removeprefix("bytes: "): r for k, r in runs.items() if k.startswith("bytes: ")}
+        by_time = {k.removeprefix("time: "): r for k, r in runs.items() if k.startswith("time: ")}
+        parts.append(f"Measured on {device}, {date} ({note}):\n{gpu_table(by_bytes, by_time or None)}")
+    return "\n\n".join(parts)
+
+
+def save_gpu_reference(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record],
+                       note: str) -> Path | None:
+    """Keep both GPU launches as one reference file (``runs/reference/zeropp-<N>x<GPU>.json``)."""
+    def kept(result):  # a failure is kept as its error, so the committed file says what failed
+        if isinstance(result, launch.RunFailed):
+            return {"error_type": result.error_type, "message": result.message, "device": "cuda"}
+        return result
+
+    runs = {f"bytes: {k}": kept(r) for k, r in by_bytes.items()} | {f"time: {k}": kept(r) for k, r in by_time.items()}
+    ordered = dict(sorted(runs.items(), key=lambda item: isinstance(item[1], dict)))  # a record first (its device)
+    return experiments.save_reference("zeropp", ordered, note)
+
+
+# --- across nodes: the latency-bandwidth model ------------------------------------------------
+
+def volume_table(psi: float) -> str:
+    """The paper's accounting for ``psi`` 16-bit parameters, in units of the model M = 2Ψ bytes: what
+    crosses nodes per GPU and step for each setting, and what one node moves (nothing crosses)."""
+    m = 2.0 * psi
+    rows = []
+    for name, (qwz, hpz, qgz) in {"ZeRO-3": (False, False, False), "qwZ": (True, False, False),
+                                  "hpZ": (False, True, False), "qgZ": (False, False, True),
+                                  "ZeRO++ (all three)": (True, True, True)}.items():
+        across = theory.zeropp_volume(psi, qwz, hpz, qgz, nodes=2)
+        one = theory.zeropp_volume(psi, qwz, hpz, qgz, nodes=1)
+        rows.append([name, *(f"{across[p]['inter'] / m:g}M" for p in theory.ZEROPP_PHASES),
+                     f"{sum(v['inter'] for v in across.values()) / m:g}M",
+                     f"{sum(v['intra'] for v in one.values()) / m:g}M"])
+    return records.format_table(rows, ["setting", *(f"{p} (across)" for p in theory.ZEROPP_PHASES),
+                                       "across nodes", "one node, in total"])
+
+
+def prediction_table(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float,
+                     inter_gbit: Sequence[float] = (100, 200, 400, 800),
+                     intra: theory.Link = theory.DEFAULT_INTRA_NODE,
+                     inter: theory.Link = theory.DEFAULT_INTER_NODE) -> str:
+    """Predicted milliseconds per micro-step of ZeRO-3 and ZeRO++ (:func:`helpers.theory.zeropp_step_prediction`)
+    on one node, then on two or more nodes joined at each of ``inter_gbit`` Gbit/s per GPU (``inter``'s
+    latency); the assumptions are printed above the table."""
+    rows = []
+    cases = [("1 node", 1, inter)] + [(f"2+ nodes, {g:g} Gb/s per GPU", 2, theory.Link(g * 1e9 / 8, inter.latency))
+                                      for g in inter_gbit]
+    for label, nodes, link in cases:
+        p = theory.zeropp_step_prediction(psi, layers, tokens_per_gpu, nodes, flops_per_s, intra, link)
+        rows.append([label, f"{p['compute_s'] * 1e3:.0f}", f"{p['zero3_s'] * 1e3:.0f}", f"{p['zeropp_s'] * 1e3:.0f}",
+                     f"{p['speedup']:.2f}x"])
+    header = (f"assumed: inside a node {intra.bandwidth / 1e9:g} GB/s and {intra.latency * 1e6:g} µs a call; "
+              f"across nodes {inter.latency * 1e6:g} µs a call; compute {flops_per_s / 1e12:g} TFLOP/s per GPU; "
+              "no overlap of communication with compute")
+    return header + "\n" + records.format_table(rows, ["where", "compute ms", "ZeRO-3 ms", "ZeRO++ ms",
+                                                       "predicted speed-up"])
+
+
+def where_it_failed(failure: launch.RunFailed, frames: int = 3) -> str:
+    """The last ``frames`` frames of a rank's traceback, with paths cut to the package (``deepspeed/...``),
+    so the text is the same on every machine with the same DeepSpeed."""
+    found = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)', failure.traceback)
+    lines = []
+    for path, line, function, code in found[-frames:]:
+        short = re.sub(r"^.*?/(deepspeed|torch|helpers)/", r"\1/", path)
+        lines.append(f"{short}:{line} in {function}: {code.strip()}")
+    return "\n".join(lines + [f"{failure.error_type}: {failure.message}"])

@@ -1,0 +1,79 @@
+"""Kill a ZeRO-3 run mid-way (SIGKILL on every rank), resume it in fresh processes from its last
+checkpoint, and get the uninterrupted run's losses bit for bit; then read the checkpoint back.
+
+Two launches for the whole module (helpers.checkpoints.crash_and_resume with one stage).
+"""
+
+from __future__ import annotations
+
+
+import pytest
+
+from helpers import checkpoints, launch, records, train
+from helpers.environment import WORLD_SIZE_VARIABLE
+
+STEPS, CRASH_AFTER = 4, 2
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("checkpoints")
+    return checkpoints.crash_and_resume(stages=(3,), model="mlp", steps=STEPS, crash_after=CRASH_AFTER,
+                                        folder=folder, world_size=2, progress=False)
+
+
+def test_the_killed_launch_really_died_and_left_only_its_checkpoints(crashed):
+    assert isinstance(crashed.crashed, launch.RunFailed)
+    assert "return code = -9" in crashed.crashed.log_tail  # SIGKILL, seen by DeepSpeed's launcher
+    killed = crashed.folder / "zero3-crash"
+    assert not (crashed.folder / "run-zero3-crash" / "summary.json").exists()  # no record: no teardown ran
+    assert sorted(p.name for p in killed.glob("step*")) == [f"step{k}" for k in range(1, CRASH_AFTER + 1)]
+    assert (killed / "latest").read_text().strip() == f"step{CRASH_AFTER}"
+
+
+def test_the_resumed_run_continues_with_the_uninterrupted_losses_bit_for_bit(crashed):
+    whole, resumed = crashed.uninterrupted[3], crashed.resumed[3]
+    assert resumed["first_step"] == CRASH_AFTER
+    assert len(resumed.losses) == STEPS - CRASH_AFTER
+    assert resumed.losses == whole.losses[CRASH_AFTER:]  # fp32 on CPU: exactly
+    records.validate(resumed.summary)
+    assert "identical" in checkpoints.resume_table(crashed)
+
+
+def test_each_rank_saved_exactly_the_optimizer_states_and_master_copy_it_held(crashed):
+    held = crashed.uninterrupted[3]["memory.model_states_bytes_per_rank"]
+    saved = checkpoints.saved_by_rank(crashed.checkpoint_dir(3) / f"step{CRASH_AFTER}", len(held))
+    for rank, states in enumerate(held):
+        assert saved[rank]["files"] == 2  # its model shard and its optimizer shard
+        assert saved[rank]["optimizer"] == states["optimizer"] and saved[rank]["master"] == states["master"]
+        assert saved[rank]["params"] == 0  # at stage 3 the weights live in the fp32 master shards
+
+
+def test_zero_to_fp32_gives_a_plain_state_dict_that_reproduces_the_runs_next_loss(crashed):
+    run = crashed.uninterrupted[3].summary
+    state = checkpoints.consolidate(crashed.checkpoint_dir(3), f"step{CRASH_AFTER}")
+    loss = checkpoints.loss_of_state_dict(state, "mlp", CRASH_AFTER, 2, run["micro_batch"], run["grad_accum"])
+    assert records.loss_agreement([loss], [run["losses"][CRASH_AFTER]]) == "within 1e-06"
+
+
+def test_before_training_hook_must_return_a_step_of_the_run(monkeypatch):
+    monkeypatch.setattr(train, "resolve_function", lambda name: (lambda engine, run: 7))
+    with pytest.raises(ValueError, match="steps 0..3"):
+        train.before_training(None, {"before_training": "x:y", "steps": 4})
+    assert train.before_training(None, {"steps": 4}) == 0  # no hook: a fresh run
+
+
+def test_bad_hooks_and_options_are_refused_before_any_process_starts(monkeypatch):
+    monkeypatch.delenv(WORLD_SIZE_VARIABLE, raising=False)
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match="before_training='helpers.checkpoints:nope'"):
+        launch.run("zero3", before_training="helpers.checkpoints:nope", world_size=2)
+    with pytest.raises(ValueError, match="package.module:function"):
+        launch.run("zero3", before_training="resume", world_size=2)
+    with pytest.raises(ValueError, match="options"):
+        launch.run("zero3", options={"save_dir": object()}, world_size=2)
+    with pytest.raises(ValueError, match=r"options\['save_dir'\]"):
+        launch.run("zero3", probes=("checkpoint",), world_size=2)
+    with pytest.raises(ValueError, match=r"options\['load_dir'\]='nowhere'"):
+        launch.run("zero3", before_training="helpers.checkpoints:resume", options={"load_dir": "nowhere"},
+                   world_size=2)

@@ -1,0 +1,100 @@
+"""PyTorch's DDP and FSDP2 under torchrun, recorded like DeepSpeed's runs: one launch for the module,
+plus the profiler parsing on made-up events."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import launch, models, pytorch_train, records
+from helpers.environment import WORLD_SIZE_VARIABLE
+
+STEPS = 3
+PROBES = ("timing", "model_states", "torch_comm")
+
+
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("torchrun")
+    specs = {s: launch.RunSpec("zero0", model="mlp", steps=STEPS, probes=PROBES, out=folder / s,
+                               task="helpers.pytorch_train:train_run", options={"strategy": s})
+             for s in ("ddp", "fsdp2")}
+    return launch.sweep(specs, name=f"test-torchrun-{folder.name}", world_size=2, launcher="torchrun", progress=False)
+
+
+def test_torchrun_runs_come_back_as_records_of_their_strategy(torch_runs):
+    for strategy, record in torch_runs.items():
+        assert isinstance(record, records.Record)
+        assert record.summary["launcher"] == "torchrun" and record.summary["backend"] == "gloo"
+        assert record.label == f"{pytorch_train.STRATEGIES[strategy].label} fp32"
+    command = Path(torch_runs["ddp"]["launch"]["plan"]).parent / "command.txt"
+    assert "torch.distributed.run" in command.read_text()
+
+
+def test_ddp_trains_the_plain_loops_losses(torch_runs):
+    plain = models.plain_training("mlp", STEPS, batch_size=16, micro_batch=4)
+    assert records.loss_agreement(plain, torch_runs["ddp"].losses) == "within 1e-06"
+    assert records.loss_agreement(plain, torch_runs["fsdp2"].losses) == "within 1e-06"
+
+
+def test_model_states_ddp_whole_fsdp2_halved(torch_runs):
+    psi = models.count_parameters(models.build("mlp"))
+    ddp, fsdp = torch_runs["ddp"].states(0), torch_runs["fsdp2"].states(0)
+    assert ddp["params"] == ddp["grads"] == 4 * psi
+    assert ddp["buffers"] == 4 * psi  # DDP's gradient buckets, from its logging data
+    assert fsdp["params"] == fsdp["grads"] == 4 * psi // 2  # DTensor shards, counted locally
+    assert fsdp["optimizer"] < ddp["optimizer"] / 2 + 1024  # Adam's moments sharded (plus step counters)
+
+
+def test_profiler_counts_the_collectives_each_strategy_must_make(torch_runs):
+    psi = models.count_parameters(models.build("mlp"))
+    ddp = torch_runs["ddp"].comm_ops()
+    assert ddp["all_reduce"]["bytes"] == 4 * psi  # once per step (no_sync on the first micro-step)
+    fsdp = torch_runs["fsdp2"].comm_ops()
+    # 2 micro-steps x (forward + backward gather of every shard), and a reduce-scatter of every gradient
+    assert fsdp["all_gather_into_tensor"]["bytes"] == 2 * 2 * 4 * psi // 2
+    assert fsdp["reduce_scatter_tensor"]["bytes"] == 2 * 4 * psi
+    assert torch_runs["fsdp2"].summary["comm"]["source"].startswith("PyTorch profiler")
+
+
+class FakeEvent:
+    """What collectives_from_profile reads of a profiler event."""
+
+    def __init__(self, name, start, duration, shapes, dtypes, thread=1):
+        self._name, self._start, self._duration = name, start, duration
+        self._shapes, self._dtypes, self._thread = shapes, dtypes, thread
+
+    def name(self): return self._name
+    def start_ns(self): return self._start
+    def duration_ns(self): return self._duration
+    def start_thread_id(self): return self._thread
+    def structured_input_shapes(self): return self._shapes
+    def dtypes(self): return self._dtypes
+
+
+def test_collectives_from_profile_counts_nested_ops_once_and_sizes_them_like_the_comms_logger():
+    events = [
+        FakeEvent("FSDP::all_gather (3)", 0, 100, [], []),
+        FakeEvent("c10d::_allgather_base_", 10, 50, [[200], [100], [], [], []], ["c10::BFloat16", "c10::BFloat16"]),
+        FakeEvent("aten::linalg_vector_norm", 200, 100, [], []),
+        FakeEvent("_c10d_functional::all_reduce", 210, 50, [[4], [], []], ["float", "", ""]),
+        FakeEvent("c10d::allreduce_", 220, 10, [[[4]], []], ["TensorList", ""]),  # inside the functional op
+        FakeEvent("c10d::allreduce_", 400, 10, [[[1000], [24]], []], ["TensorList", ""]),  # a bucket: no dtype
+        FakeEvent("c10d::_reduce_scatter_base_", 500, 10, [[50], [100]], ["float", "float"]),
+    ]
+    found = pytorch_train.collectives_from_profile(events, fallback_dtype_bytes=4)
+    assert found["all_gather_into_tensor | [Caller Func: FSDP::all_gather]"] == {200: {"count": 1}}  # shard, bf16
+    assert found["all_reduce | [Caller Func: aten::linalg_vector_norm]"] == {16: {"count": 1}}
+    assert found["all_reduce"] == {4096: {"count": 1}}  # 1024 elements at the fallback width
+    assert found["reduce_scatter_tensor"] == {400: {"count": 1}}  # the whole input
+
+
+@pytest.mark.parametrize("bad", [None, "zero9"])
+def test_an_unknown_strategy_is_refused_before_any_process_starts(bad, monkeypatch):
+    monkeypatch.delenv(WORLD_SIZE_VARIABLE, raising=False)
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match=r"options\['strategy'\]"):
+        launch.sweep({"x": launch.RunSpec("zero0", task="helpers.pytorch_train:train_run",
+                                          options={"strategy": bad} if bad else None)},
+                     world_size=2, launcher="torchrun")
