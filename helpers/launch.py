@@ -128,18 +128,28 @@ def _port_taken(failure: RunFailed) -> bool:
     return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
-def command(plan_path: Path, world_size: int, port: int, launcher: str = "launch") -> list[str]:
-    """The argument list that starts ``world_size`` ranks of ``helpers.train`` on the plan."""
+def command(plan_path: Path, world_size: int, port: int, launcher: str = "launch", rank_prefix: Sequence[str] = (),
+            master_addr: str = "127.0.0.1") -> list[str]:
+    """The argument list that starts ``world_size`` ranks of ``helpers.train`` on the plan.
+
+    ``rank_prefix``: a command the launcher starts each rank through, with the rank's own command
+    appended (it can read ``$LOCAL_RANK``; :mod:`helpers.network` uses it to place each rank in a
+    network namespace); ``master_addr``: where the ranks find rank 0's TCP store.
+    """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
-    script = ["--module", "helpers.train", "--plan", str(plan_path)]
     python = environment.python_executable()
+    script = ["--module", "helpers.train", "--plan", str(plan_path)]
+    if rank_prefix:  # the launcher runs the prefix itself; the rank's Python comes after it
+        script = ["--no_python", "--no_local_rank", *rank_prefix, python, "-u", "-m", "helpers.train",
+                  "--plan", str(plan_path)]
     if launcher == "deepspeed":
-        return [python, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(world_size),
+        address = ["--master_addr", master_addr] if master_addr != "127.0.0.1" else []
+        return [python, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(world_size), *address,
                 "--master_port", str(port), *script]
     world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(world_size))}).encode()).decode()
     return [python, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}", "--node_rank=0",
-            "--master_addr=127.0.0.1", f"--master_port={port}", *script]
+            f"--master_addr={master_addr}", f"--master_port={port}", *script]
 
 
 # --- DeepSpeed's shared-memory segments -------------------------------------------------------
@@ -304,8 +314,8 @@ def run(config: str | Path | dict, *, world_size: int | None = None, model: str 
 
 
 def sweep(specs: Sequence[RunSpec] | Mapping[str, RunSpec], *, name: str = "sweep", world_size: int | None = None,
-          timeout: float = 900, launcher: str = "launch",
-          progress: bool = True) -> dict[str, records.Record | RunFailed]:
+          timeout: float = 900, launcher: str = "launch", progress: bool = True, rank_prefix: Sequence[str] = (),
+          master_addr: str = "127.0.0.1") -> dict[str, records.Record | RunFailed]:
     """Train several runs one after the other in the same ranks of ONE launch; return {name: record}.
 
     Each run gets a fresh model, ``deepspeed.initialize``, comms-logger reset and probes, and its own
@@ -313,17 +323,19 @@ def sweep(specs: Sequence[RunSpec] | Mapping[str, RunSpec], *, name: str = "swee
     destroyed before the next run starts. ``specs`` given as a mapping are named by their keys. Every
     config is checked before anything starts. A failing run ends the launch (:class:`RunFailed`)
     unless its spec says ``on_error="record"``. The launch's own files (plan, command, log) go to
-    ``runs/<name>/``.
+    ``runs/<name>/``. ``rank_prefix`` and ``master_addr``: see :func:`command` (a
+    :class:`helpers.network.Link` gives both).
     """
     if isinstance(specs, Mapping):
         specs = [dataclasses.replace(spec, name=spec.name or key) for key, spec in specs.items()]
     if not specs:
         raise ValueError("sweep() needs at least one RunSpec")
-    return _launch_specs(list(specs), world_size, name, timeout, launcher, progress)
+    return _launch_specs(list(specs), world_size, name, timeout, launcher, progress, rank_prefix, master_addr)
 
 
 def _launch_specs(specs: list[RunSpec], world_size: int | None, sweep_name: str | None, timeout: float,
-                  launcher: str, progress: bool) -> dict[str, records.Record | RunFailed]:
+                  launcher: str, progress: bool, rank_prefix: Sequence[str] = (),
+                  master_addr: str = "127.0.0.1") -> dict[str, records.Record | RunFailed]:
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     env = environment.detect(world_size)
@@ -349,7 +361,7 @@ def _launch_specs(specs: list[RunSpec], world_size: int | None, sweep_name: str 
     where = f"{world} {'GPU' if env.is_gpu else 'CPU'} rank{'s' if world > 1 else ''}"
     for attempt in range(1, PORT_RETRIES + 1):
         port = free_port()
-        argv = command(plan_path, world, port, launcher)
+        argv = command(plan_path, world, port, launcher, rank_prefix, master_addr)
         (folder / "command.txt").write_text(shlex.join(argv) + "\n")
         try:
             return _follow(argv, child, folder, prepared, world, where, timeout, progress, port)

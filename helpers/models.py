@@ -6,6 +6,8 @@ Models (all seeded, random weights, no downloads):
 - ``mlp``: eight equal 256-wide layers (526,336 parameters), big enough that ZeRO's partitions
   dwarf its alignment padding.
 - ``llama``: a small LLaMA-style causal language model built from a ``transformers`` config.
+- ``llama-265m``: a LLaMA-style model of 265M parameters for GPUs (hidden 1024, 16 layers, 32k vocabulary,
+  sequence 1024), the shape of the GPU measurement in the course's notes; too slow for CPU ranks.
 
 Data is a pure function of (sample index, seed), so the single-process baseline and every
 rank of every ZeRO stage see exactly the same samples: see :func:`sample_indices`.
@@ -25,12 +27,23 @@ MODELS = {
     "linear": "nn.Linear(10, 10), the source article's model",
     "mlp": "MLP of 8 blocks Linear(256, 256) + GELU (526,336 parameters)",
     "llama": "LLaMA-style causal LM (hidden 64, 2 layers, byte vocabulary)",
+    "llama-265m": "LLaMA-style causal LM for GPUs (hidden 1024, 16 layers, 32k vocabulary, sequence 1024)",
 }
 
 LINEAR_SAMPLES = 100  # the source article's TensorDataset has 100 rows
 MLP_WIDTH, MLP_BLOCKS = 256, 8
 LM_SEQ_LEN = 64
 LM_VOCAB = 256  # bytes
+#: The LLaMA-style models: their ``transformers`` config and sequence length. The GPU model's shape is
+#: LLaMA's (MLP width 8/3 of hidden, rounded down to a multiple of 128); its tokens are still bytes (ids < 256).
+LM_SHAPES = {
+    "llama": {"config": dict(vocab_size=LM_VOCAB, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, attn_implementation="eager"),
+              "seq_len": LM_SEQ_LEN},
+    "llama-265m": {"config": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2688, num_hidden_layers=16,
+                                  num_attention_heads=16, num_key_value_heads=16, attn_implementation="sdpa"),
+                   "seq_len": 1024},
+}
 
 
 def trainer_of(name: str) -> str:
@@ -45,21 +58,24 @@ def check_model_name(name: str) -> None:
         raise ValueError(f"model {name!r} is not one of the course's models: choose one of {', '.join(MODELS)}")
 
 
-def llama_config():
-    """The ``transformers`` config of the course's small LLaMA-style model."""
+def llama_config(name: str = "llama"):
+    """The ``transformers`` config of one of the course's LLaMA-style models (:data:`LM_SHAPES`)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=LM_VOCAB,
-        hidden_size=64,
-        intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=LM_SEQ_LEN,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
+    shape = LM_SHAPES[name]
+    return LlamaConfig(**shape["config"], max_position_embeddings=shape["seq_len"], tie_word_embeddings=False)
+
+
+def sequence_length(name: str) -> int:
+    """Tokens per sample of a language model (1 for the regression models)."""
+    return LM_SHAPES[name]["seq_len"] if name in LM_SHAPES else 1
+
+
+def parameters_of(name: str) -> int:
+    """Parameters of model ``name``, counted on PyTorch's meta device (no memory, no weights)."""
+    check_model_name(name)
+    with torch.device("meta"):
+        return count_parameters(build(name))
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
@@ -78,7 +94,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
         return nn.Sequential(*layers)
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(llama_config())
+    return LlamaForCausalLM(llama_config(name))
 
 
 def llama_7b_parameters() -> int:
@@ -163,21 +179,22 @@ def make_batch(name: str, indices: list[int], seed: int = 0) -> Batch:
         rows = torch.tensor([i % inputs.shape[0] for i in indices])
         return Batch(inputs[rows], targets[rows])
     tokens = _tokens()
-    windows = tokens.numel() - LM_SEQ_LEN - 1
+    seq_len = LM_SHAPES[name]["seq_len"]
+    windows = tokens.numel() - seq_len - 1
     gen = torch.Generator()
     starts = []
     for i in indices:  # each sample index picks a window by its own seeded draw
         gen.manual_seed(seed * 1_000_003 + i)
         starts.append(int(torch.randint(windows, (1,), generator=gen)))
-    chunk = torch.stack([tokens[s : s + LM_SEQ_LEN + 1] for s in starts])
+    chunk = torch.stack([tokens[s : s + seq_len + 1] for s in starts])
     return Batch(chunk[:, :-1], chunk[:, 1:])
 
 
 def loss_of(model: nn.Module, name: str, batch: Batch) -> torch.Tensor:
     """The training loss of ``model`` on ``batch``: MSE for regression, cross-entropy for the LM."""
-    if name == "llama":
+    if name in LM_SHAPES:
         logits = model(input_ids=batch.inputs).logits
-        return nn.functional.cross_entropy(logits.float().reshape(-1, LM_VOCAB), batch.targets.reshape(-1))
+        return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch.targets.reshape(-1))
     output = model(batch.inputs)
     return nn.functional.mse_loss(output.float(), batch.targets.float())
 

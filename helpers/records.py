@@ -23,6 +23,7 @@ PROBE_KEYS = {
     "peak_memory": ("memory.peak_bytes_per_rank",),
     "comm": ("comm.by_op", "comm.bytes_per_step", "comm.wire_bytes_per_step"),
     "timeline": ("timeline_s.per_rank",),
+    "micro_steps": ("micro_steps.by_phase", "micro_steps.comm_s_per_step"),  # bandwidth chapters
 }
 #: What a run with the default probes has (a summary without "probes" predates them and had these).
 DEFAULT_PROBES = ("timing", "model_states", "peak_memory", "comm")
