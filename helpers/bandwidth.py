@@ -343,7 +343,7 @@ def logged_runs(runs: Mapping[str, object], slow: bool = False) -> dict[str, rec
 
 
 def run_chapter(model: str = "mlp", precision: str = "fp32", micro_batch: int = 4, steps: int = 3,
-                rate_mbit: float = SLOW_RATE_MBIT, env=None, timeout: float = 900) -> tuple[dict, str]:
+                rate_mbit: float = SLOW_RATE_MBIT, env=None, timeout: float = 600) -> tuple[dict, str]:
     """Chapter 09's measurements in ONE launch: the collective benchmark and the training runs of
     :func:`stage_specs`; where the machine allows it (CPU ranks, :func:`helpers.network.link_support`), with
     every rank in its own network namespace, then, after the link is cut to ``rate_mbit``, a smaller

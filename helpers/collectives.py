@@ -135,6 +135,8 @@ def benchmark(run: dict, position: int, count: int, born: float) -> None:
     with open(run["config"]) as f:
         settings = json.load(f)["collectives"]
     rank, world = dist.get_rank(), dist.get_world_size()
+    if torch.cuda.is_available():  # deepspeed.initialize picks each rank's GPU; a task before it must do so itself
+        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device(get_accelerator().current_device_name())
     on_gpu = device.type == "cuda"
     dtype = getattr(torch, settings["dtype"])
@@ -146,9 +148,10 @@ def benchmark(run: dict, position: int, count: int, born: float) -> None:
 
     def aligned(fn) -> float:
         """One call, every rank starting together: a barrier (raw torch, not a call being measured), then the
-        call, timed to the end of its work on the device. Back-to-back calls of DeepSpeed's shared-memory
-        kernel can deadlock when one rank races into the next call (DeepSpeed PR #4048 fixed one such case),
-        so no call, warm-up included, goes without the barrier."""
+        call, timed to the end of its work on the device. DeepSpeed's shared-memory kernel spin-waits on its
+        peers' flags, and a rank racing into the next call has deadlocked it before (DeepSpeed PR #4048 fixed
+        one such case; a launch of this benchmark with back-to-back calls once hung here), so no call,
+        warm-up included, goes without the barrier."""
         tdist.barrier()
         sync()
         start = time.perf_counter()

@@ -59,8 +59,15 @@ def _run(argv: list[str]) -> str:
     return result.stdout
 
 
+#: Set to 1 to keep the course from building namespaces even where it could (the slow-link parts skip).
+OFF_SWITCH = "COURSE_NO_NAMESPACES"
+
+
 def link_support() -> tuple[bool, str]:
-    """Whether :func:`rate_limited_link` can run here, and why not: tools, privileges, a test namespace."""
+    """Whether :func:`rate_limited_link` can run here, and why not: the off switch, tools, privileges, and a
+    test namespace with a bridge and a rate limit, created and deleted."""
+    if os.environ.get(OFF_SWITCH) == "1":
+        return False, f"turned off by {OFF_SWITCH}=1"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return False, f"`{tool}` (iproute2) is not installed"
@@ -195,6 +202,9 @@ def set_rate(run: dict, position: int, count: int, born: float) -> None:
     ``tc`` now says. Only inside a course namespace (``COURSE_NETNS``); refused elsewhere."""
     import json
 
+    namespace = os.environ.get("COURSE_NETNS", "")
+    if not _NAME.match(namespace):
+        raise RuntimeError("set_rate runs only in ranks placed in a course namespace (network.rate_limited_link)")
     import deepspeed.comm as dist
     import torch.distributed
 
@@ -202,9 +212,6 @@ def set_rate(run: dict, position: int, count: int, born: float) -> None:
 
     with open(run["config"]) as f:
         wanted = json.load(f)["link"]
-    namespace = os.environ.get("COURSE_NETNS", "")
-    if not _NAME.match(namespace):
-        raise RuntimeError("set_rate runs only in ranks placed in a course namespace (network.rate_limited_link)")
     shaping = shaping_command(wanted.get("rate_mbit"))
     if shaping:
         _run(["tc", "qdisc", "replace", "dev", INTERFACE, "root", *shaping])
