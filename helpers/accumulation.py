@@ -203,6 +203,20 @@ def claim_specs(stages: Sequence[int] = STAGES, model: str = CLAIM["model"], mic
             for s in stages for a in accumulations}
 
 
+def measure_claim(steps: int = 6) -> tuple[dict[str, records.Record], object]:
+    """GPU machines only: the claim runs (:func:`claim_specs`) in one launch, saved with
+    :func:`helpers.experiments.save_reference` as ``runs/reference/grad-accum-claim-<N>x<GPU>.json``.
+    Returns the records and the file written (``python -m helpers reference grad-accum-claim`` runs this)."""
+    from helpers import environment, experiments
+
+    if not environment.detect().is_gpu:
+        raise RuntimeError("the claim runs on GPUs only: its model would take hours per step on CPU ranks")
+    runs = launch.sweep(claim_specs(steps=steps), name="grad-accum-claim", timeout=3600)
+    note = (f"ZeRO stages 0-3 at accumulation 1 and 4, {CLAIM['model']}, micro batch {CLAIM['micro_batch']}, "
+            f"{CLAIM['precision']}, timed without the comms logger ({steps} steps, median)")
+    return runs, experiments.save_reference("grad-accum-claim", runs, note=note)
+
+
 def claim_table(runs: Mapping[str, records.Record], tokens_per_sample: int) -> str:
     """Tokens/s per stage and accumulation, and the speed-up of each accumulation over accumulation 1."""
     table = []

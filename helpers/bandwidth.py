@@ -418,6 +418,47 @@ def slow_link_table(rows: Sequence[dict]) -> str:
                                         "from set rate ms", "samples/s fast", "samples/s slow"])
 
 
+#: The GPU-scale runs of chapter 09 (``python -m helpers reference bandwidth-nvlink|bandwidth-sockets``).
+GPU_MODEL = {"model": "llama-265m", "precision": "bf16", "micro_batch": 4, "steps": 3}
+
+
+def measure_gpu(transport: str = "nvlink") -> tuple[dict, object]:
+    """GPU machines only: chapter 09 at GPU scale, saved with :func:`helpers.experiments.save_reference`.
+
+    ``"nvlink"``: :func:`run_chapter` with :data:`GPU_MODEL` over NCCL's default transports (the
+    benchmark from 1 KiB to 1 GiB, ``deepspeed.comm`` beside ``torch.distributed``), saved as
+    ``bandwidth-nvlink``. ``"sockets"``: with NCCL kept off NVLink, peer-to-peer and shared memory
+    (:func:`helpers.network.nccl_over_sockets`, restored after), a benchmark up to 256 MiB and the runs of
+    stages 1 and 2 named ``slow-...``, saved as ``bandwidth-sockets`` with the transports NCCL's log names.
+    Returns the runs and the file written."""
+    from helpers import collectives, environment, experiments, network
+
+    if transport not in ("nvlink", "sockets"):
+        raise ValueError(f"transport={transport!r}: choose 'nvlink' or 'sockets'")
+    if not environment.detect().is_gpu:
+        raise RuntimeError("chapter 09's GPU-scale runs need GPUs")
+    m = GPU_MODEL
+    if transport == "nvlink":
+        runs, _ = run_chapter(model=m["model"], precision=m["precision"], micro_batch=m["micro_batch"], steps=m["steps"],
+                              timeout=3600)
+        note = (f"benchmark 1 KiB-1 GiB and {m['model']} {m['precision']} runs (micro batch {m['micro_batch']}), "
+                "NCCL's default transports")
+        return runs, experiments.save_reference("bandwidth-nvlink", runs, note=note)
+    from helpers import launch
+
+    name = "bandwidth-sockets"
+    with network.nccl_over_sockets() as settings:
+        specs = {f"{SLOW}collectives": collectives.spec(f"{SLOW}collectives", sizes=collectives.GPU_SIZES[:-1], iters=5,
+                                                       out=launch.RUNS_DIR / f"{SLOW}collectives-{m['model']}")}
+        specs.update(stage_specs(SLOW, model=m["model"], precision=m["precision"], micro_batch=m["micro_batch"],
+                                 steps=m["steps"], stages=(1, 2)))
+        runs = launch.sweep(specs, name=name, timeout=3600)
+    transports = network.nccl_transports(launch.RUNS_DIR / name / "launch.log")
+    note = (f"NCCL over sockets ({', '.join(f'{k}={v}' for k, v in settings.items())}); channels by transport in "
+            f"NCCL's log: {transports or 'none logged'}")
+    return runs, experiments.save_reference(name, runs, note=note)
+
+
 def extrapolation_check(runs: Mapping[str, records.Record], source_accum: int = 4, target_accum: int = 1) -> str:
     """For each stage measured at both accumulations: do the collectives :func:`extrapolate` predicts from the
     ``source_accum`` run equal, call for call and byte for byte, those measured at ``target_accum``?"""

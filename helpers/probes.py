@@ -333,13 +333,14 @@ class MicroSteps(Probe):
         import deepspeed.comm as dist
         from deepspeed.comm import comm as ds_comm
 
-        self.calls: list[tuple[str, int, float]] = []  # (op, logged bytes, seconds), in call order
+        self.calls: list[tuple[str, int, float]] = []  # (logger's record name, logged bytes, seconds), in order
         self.marks: list[tuple[int, str, int, float]] = []  # (step, phase, calls so far, time)
         logger = dist.comms_logger
         timers = ds_comm.timers
         # The logger sums every earlier call of a name at each call (see above): start each run with no
         # earlier calls, or a long sweep on GPUs slows down quadratically.
         timers.timers.clear()
+        vars(logger).pop("append", None)  # a wrapper left by a run that failed before its finish
         original = logger.append
 
         def append(raw_name, record_name, latency, msg_size):  # the logger's own hook, wrapped
@@ -347,7 +348,7 @@ class MicroSteps(Probe):
             self.calls.append((record_name, int(msg_size), _call_seconds(timers(record_name).event_timers[-1])))
 
         logger.append = append
-        self.restore = lambda: setattr(logger, "append", original)
+        self.restore = lambda: vars(logger).pop("append", None)
 
     def _mark(self, ctx: RunContext, step: int, phase: str) -> None:
         ctx.synchronize()

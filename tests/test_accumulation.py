@@ -172,3 +172,13 @@ def test_coverage_and_point_lookup():
     both = copy.deepcopy(bench)
     both["results"][0]["interface_bytes_sent"] = 4096.0
     assert collectives.wire_check_table(both, "all_gather").splitlines()[2].split()[-1] == "2.00"  # 4 KiB sent for 2 KiB of ring
+
+
+def test_gpu_reference_commands_refuse_a_machine_without_gpus(capsys):
+    from helpers import __main__ as cli, environment
+
+    if environment.detect().is_gpu:
+        pytest.skip("this machine has GPUs: the command would measure")
+    assert cli.main(["reference", "grad-accum-claim"]) == 2
+    assert cli.main(["reference", "bandwidth-sockets"]) == 2
+    assert "need GPUs" in capsys.readouterr().err
