@@ -7,6 +7,8 @@
     python -m helpers multinode-check              2 local "hosts" through DeepSpeed's pdsh runner
     python -m helpers build-ops                    compile DeepSpeed's ops once, visibly
     python -m helpers bench-launch [--repeats R]   where a launch's seconds go
+    python -m helpers reference NAME               GPU only: measure and save a chapter's GPU reference
+                                                   (grad-accum-claim, bandwidth-nvlink, bandwidth-sockets)
 """
 
 from __future__ import annotations
@@ -121,6 +123,30 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+#: GPU references a command can measure: name -> (module, function, arguments).
+REFERENCES = {"grad-accum-claim": ("helpers.accumulation", "measure_claim", ()),
+              "bandwidth-nvlink": ("helpers.bandwidth", "measure_gpu", ("nvlink",)),
+              "bandwidth-sockets": ("helpers.bandwidth", "measure_gpu", ("sockets",))}
+
+
+def _reference(args: argparse.Namespace) -> int:
+    import importlib
+
+    from helpers import launch
+
+    module, function, arguments = REFERENCES[args.name]
+    try:
+        _, saved = getattr(importlib.import_module(module), function)(*arguments)
+    except launch.RunFailed as failure:
+        print(failure.explain(traceback_lines=8), file=sys.stderr)
+        return 1
+    except RuntimeError as error:  # no GPU here
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"saved: {saved} (copy it to notebooks/reference/ to make it the course's GPU reference)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m helpers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--world-size", type=int)
     bench.set_defaults(func=_bench)
+
+    reference = verbs.add_parser("reference", help="GPU only: measure a chapter's GPU reference into runs/reference/")
+    reference.add_argument("name", choices=sorted(REFERENCES))
+    reference.set_defaults(func=_reference)
 
     args = parser.parse_args(argv)
     try:

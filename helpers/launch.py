@@ -198,16 +198,23 @@ def _port_taken(failure: RunFailed) -> bool:
 
 
 def command(plan_path: Path, world_size: int, port: int, launcher: str = "launch", gpu_ids: Sequence[int] = (),
-            hosts: Hosts | None = None, python: str | None = None) -> list[str]:
+            hosts: Hosts | None = None, python: str | None = None, rank_prefix: Sequence[str] = (),
+            master_addr: str = "127.0.0.1") -> list[str]:
     """The argument list that starts ``world_size`` ranks of ``helpers.train`` on the plan.
 
     ``gpu_ids`` are the GPU numbers to use (none on CPU); ``hosts`` sends the launch through
-    DeepSpeed's multi-node runner (``launcher`` must then be ``"deepspeed"``).
+    DeepSpeed's multi-node runner (``launcher`` must then be ``"deepspeed"``). ``rank_prefix``: a
+    command the launcher starts each rank through, with the rank's own command appended (it can read
+    ``$LOCAL_RANK``; :mod:`helpers.network` uses it to place each rank in a network namespace);
+    ``master_addr``: where the ranks find rank 0's TCP store.
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     script = ["--module", "helpers.train", "--plan", str(plan_path)]
     python = python or environment.python_executable()
+    if rank_prefix:  # the launcher runs the prefix itself; the rank's Python comes after it
+        script = ["--no_python", "--no_local_rank", *rank_prefix, python, "-u", "-m", "helpers.train",
+                  "--plan", str(plan_path)]
     if hosts is not None:
         if launcher != "deepspeed":
             raise ValueError("several hosts need DeepSpeed's multi-node runner: launcher='deepspeed'")
@@ -224,16 +231,17 @@ def command(plan_path: Path, world_size: int, port: int, launcher: str = "launch
         return argv + script
     if launcher == "torchrun":  # PyTorch's own launcher (all GPUs: COURSE_GPUS is not applied to it)
         return [python, "-u", "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={world_size}",
-                "--master_addr=127.0.0.1", f"--master_port={port}", *script]
+                f"--master_addr={master_addr}", f"--master_port={port}", *script]
     gpus = list(gpu_ids)[:world_size]
     if gpu_ids and len(gpus) < world_size:
         raise ValueError(f"{world_size} ranks but only GPUs {gpus} chosen")
     if launcher == "deepspeed":
         where = ["--include", "localhost:" + ",".join(map(str, gpus))] if gpus else ["--num_gpus", str(world_size)]
-        return [python, "-u", "-m", "deepspeed.launcher.runner", *where, "--master_port", str(port), *script]
+        address = ["--master_addr", master_addr] if master_addr != "127.0.0.1" else []
+        return [python, "-u", "-m", "deepspeed.launcher.runner", *where, *address, "--master_port", str(port), *script]
     world_info = base64.urlsafe_b64encode(json.dumps({"localhost": gpus or list(range(world_size))}).encode()).decode()
     return [python, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}", "--node_rank=0",
-            "--master_addr=127.0.0.1", f"--master_port={port}", *script]
+            f"--master_addr={master_addr}", f"--master_port={port}", *script]
 
 
 #: Variables the ranks need that DeepSpeed's multi-node runner does not pass to other hosts by itself
@@ -485,7 +493,8 @@ def run(config: str | Path | dict, *, world_size: int | None = None, model: str 
 
 def sweep(specs: Sequence[RunSpec] | Mapping[str, RunSpec], *, name: str = "sweep", world_size: int | None = None,
           timeout: float = 900, launcher: str | None = None, progress: bool = True,
-          hosts: Hosts | None = None, on_event: EventListener | None = None) -> dict[str, records.Record | RunFailed]:
+          hosts: Hosts | None = None, on_event: EventListener | None = None, rank_prefix: Sequence[str] = (),
+          master_addr: str = "127.0.0.1") -> dict[str, records.Record | RunFailed]:
     """Train several runs one after the other in the same ranks of ONE launch; return {name: record}.
 
     Each run gets a fresh model, ``deepspeed.initialize``, comms-logger reset and probes, and its own
@@ -493,18 +502,21 @@ def sweep(specs: Sequence[RunSpec] | Mapping[str, RunSpec], *, name: str = "swee
     destroyed before the next run starts. ``specs`` given as a mapping are named by their keys. Every
     config is checked before anything starts. A failing run ends the launch (:class:`RunFailed`)
     unless its spec says ``on_error="record"``. The launch's own files (plan, command, log) go to
-    ``runs/<name>/``. ``on_event`` hears every run's progress (:data:`EventListener`).
+    ``runs/<name>/``. ``on_event`` hears every run's progress (:data:`EventListener`). ``rank_prefix``
+    and ``master_addr``: see :func:`command` (a :class:`helpers.network.Link` gives both).
     """
     if isinstance(specs, Mapping):
         specs = [dataclasses.replace(spec, name=spec.name or key) for key, spec in specs.items()]
     if not specs:
         raise ValueError("sweep() needs at least one RunSpec")
-    return _launch_specs(list(specs), world_size, name, timeout, launcher, progress, hosts=hosts, on_event=on_event)
+    return _launch_specs(list(specs), world_size, name, timeout, launcher, progress, hosts=hosts, on_event=on_event,
+                         rank_prefix=rank_prefix, master_addr=master_addr)
 
 
 def _launch_specs(specs: list[RunSpec], world_size: int | None, sweep_name: str | None, timeout: float,
                   launcher: str | None, progress: bool, hosts: Hosts | None = None,
-                  on_event: EventListener | None = None) -> dict[str, records.Record | RunFailed]:
+                  on_event: EventListener | None = None, rank_prefix: Sequence[str] = (),
+                  master_addr: str = "127.0.0.1") -> dict[str, records.Record | RunFailed]:
     launcher = launcher or ("deepspeed" if hosts is not None else "launch")
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
@@ -547,7 +559,8 @@ def _launch_specs(specs: list[RunSpec], world_size: int | None, sweep_name: str 
         where += f" on {len(hosts.resources())} hosts"
     for attempt in range(1, PORT_RETRIES + 1):
         port = free_port()
-        argv = command(plan_path, world, port, launcher, env.gpu_ids, hosts)
+        argv = command(plan_path, world, port, launcher, env.gpu_ids, hosts, rank_prefix=rank_prefix,
+                       master_addr=master_addr)
         (folder / "command.txt").write_text(shlex.join(argv) + "\n")
         try:
             return _follow(argv, child, folder, prepared, world, where, timeout, progress, port, hosts=hosts,

@@ -18,6 +18,8 @@ Models (all seeded, random weights, no downloads):
   ``-pipe`` (split into pipeline stages with DeepSpeed's ``PipelineModule``, trained with
   ``engine.train_batch``). Every variant of one size starts from the same weights.
 - ``llama-medium``: the same architecture at hidden 768 and 12 layers, for runs on GPUs.
+- ``llama-265m``: a LLaMA-style model of 265M parameters for GPUs (hidden 1024, 16 layers, 32k vocabulary,
+  sequence 1024), the shape of the GPU measurement in the course's notes; too slow for CPU ranks.
 
 Data is a pure function of (sample index, seed), so the single-process baseline and every
 rank of every ZeRO stage see exactly the same samples: see :func:`sample_indices`.
@@ -47,10 +49,13 @@ class LlamaShape:
     heads: int
     intermediate: int
     seq: int
+    vocab: int = LM_VOCAB  # the corpus is bytes: token ids stay below 256 even with a larger vocabulary
+    attention: str = "eager"
 
     def describe(self) -> str:
+        vocabulary = "byte vocabulary" if self.vocab == LM_VOCAB else f"{self.vocab:,}-token vocabulary"
         return (f"hidden {self.hidden}, {self.layers} layers, {self.heads} heads, MLP {self.intermediate}, "
-                f"{self.seq} tokens, byte vocabulary")
+                f"{self.seq} tokens, {vocabulary}")
 
 
 #: The LLaMA-style sizes: the course's small model, the same with long sequences, and one for GPUs.
@@ -59,6 +64,9 @@ LLAMA_SHAPES = {
     "llama-long": LlamaShape(hidden=64, layers=2, heads=4, intermediate=172, seq=512),
     "llama-gpu": LlamaShape(hidden=1024, layers=8, heads=16, intermediate=2816, seq=1024),
     "llama-medium": LlamaShape(hidden=768, layers=12, heads=12, intermediate=2048, seq=LM_SEQ_LEN),
+    # the shape of the 265M GPU measurement in the course's notes (LLaMA's MLP width, 8/3 of hidden)
+    "llama-265m": LlamaShape(hidden=1024, layers=16, heads=16, intermediate=2688, seq=1024, vocab=32000,
+                             attention="sdpa"),
 }
 #: Name suffix -> how that LLaMA-style model is trained (see the module docstring).
 LLAMA_VARIANTS = {
@@ -78,8 +86,6 @@ MODELS = {
     "llama-capstone": "LLaMA-style causal LM sized by model_options (size, seq_len, attention, checkpointing)",
     "mlp_wide": "MLP of 8 blocks Linear(4096, 4096) + GELU (134,250,496 parameters), for GPUs",
 }
-#: hidden size, layers, MLP width, attention heads of the LLaMA-style models
-LM_SHAPES = {"llama": (64, 2, 172, 4), "llama-medium": (768, 12, 2048, 12)}
 
 #: Shapes of the capstone model: hidden size, MLP size, layers, attention heads, vocabulary. "1.2b" is the
 #: issue's baseline (hidden 2048, 22 layers: 1,244,227,584 parameters); heads of 128 dimensions, as LLaMA's.
@@ -233,7 +239,7 @@ def llama_config(name: str = "llama"):
 
     shape = shape_of(name)
     return LlamaConfig(
-        vocab_size=LM_VOCAB,
+        vocab_size=shape.vocab,
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
         num_hidden_layers=shape.layers,
@@ -241,9 +247,21 @@ def llama_config(name: str = "llama"):
         num_key_value_heads=shape.heads,
         max_position_embeddings=shape.seq,
         tie_word_embeddings=False,
-        attn_implementation="eager",
+        attn_implementation=shape.attention,
         use_cache=False,  # training: no key/value cache
     )
+
+
+def sequence_length(name: str) -> int:
+    """Tokens per sample of a language model (1 for the regression models)."""
+    return seq_len_of(name) if is_language_model(name) and name != "llama-capstone" else 1
+
+
+def parameters_of(name: str) -> int:
+    """Parameters of model ``name``, counted on PyTorch's meta device (no memory, no weights)."""
+    check_model_name(name)
+    with torch.device("meta"):
+        return count_parameters(build(name))
 
 
 def build(name: str, seed: int = 0, config: dict | None = None, **options) -> nn.Module:

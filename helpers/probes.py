@@ -159,6 +159,16 @@ def deep_update(target: dict, sections: dict) -> dict:
     return target
 
 
+def logger_off() -> None:
+    """Turn DeepSpeed's comms logger off at the end of a run that used it (what it logged stays readable).
+    ``deepspeed.initialize`` turns it on for a config with a ``comms_logger`` section but never off: without
+    this, the next run of a sweep would still wait for and time every collective although its config asks
+    for no logging."""
+    import deepspeed.comm as dist
+
+    dist.configure(enabled=False)
+
+
 # --- the course's probes ----------------------------------------------------------------------
 
 @register
@@ -284,6 +294,7 @@ class Comm(Probe):
         import deepspeed.comm as dist
 
         summary = dist.log_summary(return_dict=True) or {"summary": {}}  # every rank must call it
+        logger_off()
         return {"summary": summary.get("summary", {})}
 
     def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
@@ -444,3 +455,114 @@ from helpers import activations, pipeline, tensor_parallel  # noqa: E402,F401
 # Their probes live in their own modules; importing them here registers them wherever probes are
 # looked up (in the notebook before a launch, and on every rank).
 from helpers import checkpoints, pytorch_train  # noqa: E402,F401
+
+
+# --- bandwidth chapters (08 gradient accumulation, 09 collective bandwidth) -------------------
+
+def _call_seconds(event) -> float:
+    """Seconds of one call as DeepSpeed's comms-logger timer kept it: a host duration (CPU) or a pair
+    of device events (GPU), whose end the logger has already waited for."""
+    return float(event) if isinstance(event, (int, float)) else event.get_elapsed_msec() / 1000.0
+
+
+@register
+class MicroSteps(Probe):
+    """Collectives and wall time of each phase of an optimizer step: micro-step 1, 2, ... (forward and
+    backward, with the previous micro-step's ``engine.step``, which does no work off the boundary), and
+    the optimizer step (the last ``engine.step``). Steps 2..S are kept; the first warms up.
+
+    Every call DeepSpeed's comms logger records is captured as it is logged, with its own duration.
+    The logger's ``latency`` column cannot serve: in DeepSpeed 0.19.8 it is the running total of every
+    earlier call of the same name (``timers(log_name).elapsed(reset=False)`` in ``deepspeed/comm/comm.py``),
+    so the probe reads the duration of the call itself from the logger's timer. The logger waits for
+    each collective to finish before timing it, so overlap of communication with computation is lost
+    in a run with this probe: time steps in runs without it (``probes=("timing",)``).
+
+    A collective's time on a rank includes waiting for the others to reach it; the rank that arrived
+    last waited least, so each call's time is the smallest over the ranks: the collective's own.
+
+    Section ``micro_steps``: ``phases`` (names), ``by_phase`` (phase -> op -> count, logged bytes and
+    seconds per optimizer step), ``wall_s_by_phase`` (rank 0), ``comm_s_per_step`` (the collectives' own
+    seconds per step) and ``comm_s_per_step_with_waiting_per_rank`` (each rank's, waiting included).
+    """
+
+    name = "micro_steps"
+    config = Comm.config
+
+    def start(self, ctx: RunContext) -> None:
+        import deepspeed.comm as dist
+        from deepspeed.comm import comm as ds_comm
+
+        self.calls: list[tuple[str, int, float]] = []  # (logger's record name, logged bytes, seconds), in order
+        self.marks: list[tuple[int, str, int, float]] = []  # (step, phase, calls so far, time)
+        logger = dist.comms_logger
+        timers = ds_comm.timers
+        # The logger sums every earlier call of a name at each call (see above): start each run with no
+        # earlier calls, or a long sweep on GPUs slows down quadratically.
+        timers.timers.clear()
+        vars(logger).pop("append", None)  # a wrapper left by a run that failed before its finish
+        original = logger.append
+
+        def append(raw_name, record_name, latency, msg_size):  # the logger's own hook, wrapped
+            original(raw_name, record_name, latency, msg_size)
+            self.calls.append((record_name, int(msg_size), _call_seconds(timers(record_name).event_timers[-1])))
+
+        logger.append = append
+        self.restore = lambda: vars(logger).pop("append", None)
+
+    def _mark(self, ctx: RunContext, step: int, phase: str) -> None:
+        ctx.synchronize()
+        self.marks.append((step, phase, len(self.calls), time.perf_counter()))
+
+    def before_step(self, ctx: RunContext, step: int) -> None:
+        self._mark(ctx, step, "start")
+
+    def after_backward(self, ctx: RunContext, step: int, micro_step: int) -> None:
+        self._mark(ctx, step, f"micro-step {micro_step + 1}")
+
+    def after_step(self, ctx: RunContext, step: int) -> None:
+        self._mark(ctx, step, "optimizer step")
+
+    def finish(self, ctx: RunContext) -> dict:
+        from helpers import communication
+
+        self.restore()
+        logger_off()
+        first = 1 if ctx.steps > 1 else 0
+        steps: list[list[dict]] = []
+        for (step, _, begin, t0), (_, phase, end, t1) in zip(self.marks, self.marks[1:]):
+            if phase == "start" or step < first:
+                continue
+            if phase == "micro-step 1":
+                steps.append([])
+            calls = [[communication.split_name(name)[0], size, seconds]
+                     for name, size, seconds in self.calls[begin:end]
+                     if communication.split_name(name)[0] not in communication.IGNORED_OPS]
+            steps[-1].append({"phase": phase, "wall_s": t1 - t0, "calls": calls})
+        return {"steps": steps}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        measured = ranks[0]["steps"]
+        phases = [p["phase"] for p in measured[0]]
+        by_phase: dict[str, dict[str, dict[str, float]]] = {phase: {} for phase in phases}
+        for s, step in enumerate(measured):
+            for i, phase in enumerate(step):
+                theirs = [r["steps"][s][i]["calls"] for r in ranks]
+                matched = all(len(c) == len(phase["calls"]) for c in theirs)
+                for j, (op, size, seconds) in enumerate(phase["calls"]):
+                    # the rank that arrived last waited least: its time is the collective's own
+                    own = min(c[j][2] for c in theirs) if matched else seconds
+                    row = by_phase[phase["phase"]].setdefault(op, {"count": 0, "bytes": 0, "seconds": 0.0})
+                    row["count"] += 1 / len(measured)
+                    row["bytes"] += size / len(measured)
+                    row["seconds"] += own / len(measured)
+        waiting = [statistics.fmean(sum(c[2] for p in step for c in p["calls"]) for step in r["steps"]) for r in ranks]
+        return {"micro_steps": {
+            "phases": phases,
+            "by_phase": by_phase,
+            "wall_s_by_phase": {phase: statistics.fmean(step[i]["wall_s"] for step in measured)
+                                for i, phase in enumerate(phases)},
+            "comm_s_per_step": sum(row["seconds"] for ops in by_phase.values() for row in ops.values()),
+            "comm_s_per_step_with_waiting_per_rank": waiting,
+            "measured_steps": len(measured),
+        }}

@@ -35,6 +35,7 @@ PROBE_KEYS = {
     "param_shards": ("param_shards.per_rank",),
     "checkpoint": ("checkpoint.tags", "checkpoint.save_s"),
     "torch_comm": ("comm.by_op", "comm.bytes_per_step", "comm.wire_bytes_per_step"),
+    "micro_steps": ("micro_steps.by_phase", "micro_steps.comm_s_per_step"),  # bandwidth chapters
 }
 #: What a run with the default probes has (a summary without "probes" predates them and had these).
 DEFAULT_PROBES = ("timing", "model_states", "peak_memory", "comm")

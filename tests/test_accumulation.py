@@ -1,0 +1,184 @@
+"""helpers.accumulation and helpers.collectives tables and checks, on hand-built records (no launches)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from helpers import accumulation, collectives, launch, models, records
+from test_records import minimal_summary
+
+AR, AG = "all_reduce", "all_gather_into_tensor"
+
+
+def _run(stage: int, accum: int, micro: int, ops: dict, losses=(1.0, 0.75), phases: dict | None = None) -> records.Record:
+    s = minimal_summary()
+    s.update(zero_stage=stage, grad_accum=accum, micro_batch=micro, train_batch=micro * accum * s["world_size"],
+             losses=list(losses), name=f"zero{stage}-acc{accum}")
+    s["comm"]["by_op"] = {op: {"count": float(c), "bytes": float(b)} for op, (c, b) in ops.items()}
+    s["comm"]["bytes_per_step"] = float(sum(b for _, b in ops.values()))
+    if phases is not None:
+        s["probes"] = list(records.DEFAULT_PROBES) + ["micro_steps"]
+        s["micro_steps"] = {"phases": list(phases), "by_phase": phases, "wall_s_by_phase": {p: 0.01 for p in phases},
+                            "comm_s_per_step": 0.0}
+    return records.Record(s)
+
+
+def test_grid_specs_keep_the_global_batch_and_name_every_point():
+    specs = accumulation.grid_specs(world_size=2, stages=(0, 2), accumulations=(1, 2, 4), fixed_micro=(4,))
+    assert list(specs) == ["zero0-acc1", "zero0-acc2", "zero0-acc4", "zero0-acc4-micro16",
+                           "zero2-acc1", "zero2-acc2", "zero2-acc4", "zero2-acc4-micro16"]
+    for name, spec in specs.items():
+        o = spec.overrides
+        if "micro" in name:
+            assert o["train_micro_batch_size_per_gpu"] == 16
+        else:
+            assert o["train_micro_batch_size_per_gpu"] * o["gradient_accumulation_steps"] == 16
+        assert "micro_steps" in spec.probes and "comm" in spec.probes
+
+
+def test_an_accumulation_that_does_not_divide_the_batch_is_refused_before_launch(monkeypatch):
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match=r"accumulations \[3\]"):
+        accumulation.grid_specs(world_size=2, accumulations=(1, 3))
+    with pytest.raises(ValueError, match="accumulations"):
+        accumulation.run_grid(accumulations=(0,), world_size=2)
+
+
+def test_overrides_turn_on_half_precision_only_when_asked():
+    assert accumulation.overrides(8, 4) == {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}
+    assert accumulation.overrides(8, 4, "bf16")["bf16"] == {"enabled": True}
+
+
+def test_comm_table_gives_bytes_per_sample_relative_to_accumulation_one():
+    runs = {(2, 1): _run(2, 1, 16, {AR: (2, 2000), AG: (1, 1000)}),
+            (2, 4): _run(2, 4, 4, {AR: (5, 8000), AG: (1, 1000)}),
+            (1, 4): _run(1, 4, 4, {AR: (2, 2000), AG: (1, 1000)})}
+    lines = accumulation.comm_table(runs).splitlines()
+    assert lines[2].split()[-1] == "1.00x"
+    assert lines[3].split()[-1] == "3.00x"  # (8000 + 1000) / (2000 + 1000), same batch of 32
+    assert lines[4].split()[-1] == "-"  # no accumulation-1 run of stage 1 to compare with
+    assert "4 x 4 x 2 = 32" in lines[3] and "all_gather:1 all_reduce:5" in lines[3]
+
+
+def test_where_table_reads_the_phases_off_the_boundary_on_it_and_in_the_optimizer_step():
+    ar = {AR: {"count": 1, "bytes": 2000, "seconds": 0.001}}
+    phases = {"micro-step 1": ar, "micro-step 2": ar, "micro-step 3": ar, "micro-step 4": ar,
+              "optimizer step": {AG: {"count": 1, "bytes": 1000, "seconds": 0.001}}}
+    quiet = {"micro-step 1": {}, "micro-step 2": {}, "micro-step 3": {}, "micro-step 4": ar, "optimizer step": {}}
+    runs = {(2, 4): _run(2, 4, 4, {AR: (4, 8000)}, phases=phases), (0, 4): _run(0, 4, 4, {AR: (1, 2000)}, phases=quiet)}
+    lines = accumulation.where_table(runs, 4).splitlines()
+    assert lines[2].split() == ["ZeRO-2", "all_reduce:1", "all_reduce:1", "all_gather:1"]
+    assert lines[3].split() == ["ZeRO-0", "-", "all_reduce:1", "-"]
+    assert "micro-step 4" in accumulation.phase_table(runs[(2, 4)])
+
+
+def test_loss_table_states_agreement_within_the_tolerance_and_says_when_not():
+    base = _run(0, 1, 16, {AR: (1, 10)}, losses=(1.0, 0.75))
+    close = _run(0, 2, 8, {AR: (1, 10)}, losses=(1.0 + 4e-7, 0.75))
+    far = _run(0, 4, 4, {AR: (1, 10)}, losses=(1.0, 0.7501))
+    lines = accumulation.loss_table({(0, 1): base, (0, 2): close, (0, 4): far}).splitlines()
+    assert lines[2].endswith("within 1e-06") and lines[3].endswith("differ by more than 1e-06")
+
+
+def test_same_collectives_table_compares_the_two_ways_of_accumulating():
+    a = _run(1, 4, 4, {AR: (2, 2000)})
+    b = _run(1, 4, 16, {AR: (2, 2000)})
+    c = _run(2, 4, 16, {AR: (5, 9000)})
+    grid = accumulation.Grid({(1, 4): a, (2, 4): _run(2, 4, 4, {AR: (5, 8000)})}, {(1, 4): b, (2, 4): c}, 32, 16)
+    lines = accumulation.same_collectives_table(grid).splitlines()
+    assert lines[2].split()[-1] == "yes" and lines[3].split()[-1] == "no"
+
+
+def test_claim_table_gives_tokens_per_second_and_the_speedup_over_accumulation_one():
+    one, four = _run(2, 1, 8, {AR: (1, 1)}), _run(2, 4, 8, {AR: (4, 4)})
+    one.summary["samples_per_s"], four.summary["samples_per_s"] = 100.0, 135.0
+    lines = accumulation.claim_table({"zero2-acc1": one, "zero2-acc4": four}, tokens_per_sample=1024).splitlines()
+    assert "102,400" in lines[2] and "1.00x" in lines[2]
+    assert "138,240" in lines[3] and "1.35x" in lines[3]
+
+
+def test_the_claim_model_has_the_shape_of_the_measurement_in_the_notes():
+    config = models.llama_config("llama-265m")
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (1024, 16, 32000)
+    assert models.sequence_length("llama-265m") == 1024
+    assert models.parameters_of("llama-265m") == pytest.approx(265e6, rel=0.005)
+    assert models.sequence_length("mlp") == 1
+    batch = models.make_batch("llama-265m", [0, 1])
+    assert tuple(batch.inputs.shape) == (2, 1024) and int(batch.inputs.max()) < 256
+
+
+def test_batch_size_curves_see_the_same_samples_in_fewer_steps_and_restore_threads():
+    import torch
+
+    threads = torch.get_num_threads()
+    curves = accumulation.batch_size_curves({"small": 8, "large": 32}, samples=64, model="linear")
+    assert [len(losses) for _, losses in curves.values()] == [8, 2]
+    assert torch.get_num_threads() == threads
+    assert "mean loss, last 16 samples" in accumulation.curve_summary(curves, window=16)
+
+
+# --- helpers.collectives ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [({"ops": ("all_to_all",)}, "ops"), ({"implementations": ("nccl",)}, "implementations"),
+                                           ({"sizes": (8,)}, "sizes"), ({"sizes": (2**33,)}, "sizes"),
+                                           ({"iters": 0}, "iters"), ({"dtype": "int8"}, "dtype"),
+                                           ({"baseline_ops": ("gather",)}, "baseline_ops")])
+def test_a_bad_benchmark_is_refused_before_launch(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        collectives.spec(is_gpu=False, **kwargs)
+
+
+def test_benchmark_defaults_depend_on_the_device():
+    cpu = collectives.spec(is_gpu=False).config["collectives"]
+    gpu = collectives.spec(is_gpu=True).config["collectives"]
+    assert cpu["sizes"][0] == gpu["sizes"][0] == 1024
+    assert cpu["sizes"][-1] == 4 * 2**20 and gpu["sizes"][-1] == 2**30
+    assert cpu["baseline_ops"] == ["all_reduce"] and gpu["baseline_ops"] == list(collectives.OPS)
+    spec = collectives.spec("b", is_gpu=False)
+    assert spec.task == collectives.TASK and spec.probes == () and spec.check is False
+
+
+def _bench(points: list[tuple[str, str, int, float]], world: int = 2) -> dict:
+    from helpers import theory
+
+    return {"world_size": world, "device": "cuda", "device_name": "GPU", "backend": "nccl",
+            "implementations": sorted({p[0] for p in points}),
+            "results": [{"implementation": i, "op": op, "bytes": size, "seconds": t,
+                         "busbw": theory.bus_bandwidth(op, size, t, world),
+                         "wire_bytes": collectives.wire_bytes(op, size, world), "interface_bytes_sent": None}
+                        for i, op, size, t in points]}
+
+
+def test_target_table_says_met_or_missed_at_each_size():
+    mib256, gib = 256 * 2**20, 2**30
+    bench = _bench([("deepspeed.comm", "all_reduce", mib256, 1.00e-3), ("torch.distributed", "all_reduce", mib256, 0.96e-3),
+                    ("deepspeed.comm", "all_reduce", gib, 4.4e-3), ("torch.distributed", "all_reduce", gib, 4.0e-3)])
+    lines = collectives.target_table(bench).splitlines()
+    assert lines[2].split()[-1] == "met" and lines[3].split()[-1] == "missed"
+    assert collectives.ratio(bench, "all_reduce", "deepspeed.comm", "torch.distributed", gib) == pytest.approx(4.0 / 4.4)
+    small = _bench([("deepspeed.comm", "all_reduce", 2**20, 1e-4), ("torch.distributed", "all_reduce", 2**20, 1e-4)])
+    assert "not measured" in collectives.target_table(small)
+
+
+def test_coverage_and_point_lookup():
+    bench = _bench([("deepspeed.comm", "all_gather", 4096, 1e-5), ("deepspeed.comm", "all_gather", 65536, 2e-5)])
+    assert collectives.coverage_table(bench).splitlines()[2].split()[:3] == ["all_gather", "deepspeed.comm", "2"]
+    assert collectives.point(bench, "deepspeed.comm", "all_gather", 60000)["bytes"] == 65536
+    with pytest.raises(KeyError, match="torch.distributed"):
+        collectives.point(bench, "torch.distributed", "all_gather", 4096)
+    assert "no interface counters" in collectives.wire_check_table(bench)
+    both = copy.deepcopy(bench)
+    both["results"][0]["interface_bytes_sent"] = 4096.0
+    assert collectives.wire_check_table(both, "all_gather").splitlines()[2].split()[-1] == "2.00"  # 4 KiB sent for 2 KiB of ring
+
+
+def test_gpu_reference_commands_refuse_a_machine_without_gpus(capsys):
+    from helpers import __main__ as cli, environment
+
+    if environment.detect().is_gpu:
+        pytest.skip("this machine has GPUs: the command would measure")
+    assert cli.main(["reference", "grad-accum-claim"]) == 2
+    assert cli.main(["reference", "bandwidth-sockets"]) == 2
+    assert "need GPUs" in capsys.readouterr().err

@@ -1,0 +1,162 @@
+"""helpers.bandwidth: the alpha-beta model recovers known alpha and beta, and predicts what it should (no launches)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from helpers import bandwidth, collectives, records, theory
+
+SIZES = [2.0**k for k in range(10, 31, 2)]  # 1 KiB .. 1 GiB, as the GPU benchmark
+
+
+@pytest.mark.parametrize("alpha, gbps", [(20e-6, 300.0), (300e-6, 1.0), (5e-6, 12.5), (1e-3, 0.025)])
+def test_fit_recovers_alpha_and_beta_exactly_from_noiseless_points(alpha, gbps):
+    beta = 1 / (gbps * 1e9)
+    model = bandwidth.fit(SIZES, [alpha + beta * x for x in SIZES])
+    assert model.alpha == pytest.approx(alpha, rel=1e-9)
+    assert model.beta == pytest.approx(beta, rel=1e-9)
+    assert model.bandwidth == pytest.approx(gbps * 1e9, rel=1e-9)
+    assert model.half_bandwidth_bytes == pytest.approx(alpha / beta, rel=1e-9)
+
+
+def test_fit_recovers_alpha_and_beta_within_noise():
+    rng = random.Random(7)
+    alpha, beta = 50e-6, 1 / 10e9
+    times = [(alpha + beta * x) * (1 + rng.uniform(-0.05, 0.05)) for x in SIZES for _ in range(5)]
+    model = bandwidth.fit([x for x in SIZES for _ in range(5)], times)
+    assert model.alpha == pytest.approx(alpha, rel=0.05)
+    assert model.beta == pytest.approx(beta, rel=0.05)
+
+
+def test_relative_weighting_keeps_small_messages_in_view():
+    # an ordinary least-squares fit would let the 1 GiB point swamp alpha; this one keeps both
+    alpha, beta = 10e-6, 1 / 100e9
+    model = bandwidth.fit(SIZES, [alpha + beta * x for x in SIZES])
+    errors = bandwidth.relative_errors(model, SIZES, [alpha + beta * x for x in SIZES])
+    assert max(abs(e) for e in errors) < 1e-9
+
+
+def test_fit_clamps_to_non_negative_terms():
+    # pure bandwidth (t proportional to size, times shrunk at small sizes): alpha would come out negative
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    model = bandwidth.fit(sizes, [x / 1e9 * (0.5 if x < 1e4 else 1.0) for x in sizes])
+    assert model.alpha == 0.0 and model.beta > 0
+    # pure latency: the same time whatever the size
+    flat = bandwidth.fit(sizes, [1e-4] * 4)
+    assert flat.beta == 0.0 and flat.alpha == pytest.approx(1e-4) and flat.bandwidth == math.inf
+
+
+@pytest.mark.parametrize("sizes, times, match", [([1e3, 1e3], [1e-4, 2e-4], "two or more different sizes"),
+                                                 ([1e3, 1e4], [1e-4], "2 sizes but 1 times"),
+                                                 ([1e3, 1e4], [0.0, 1e-4], "positive")])
+def test_fit_refuses_what_it_cannot_fit(sizes, times, match):
+    with pytest.raises(ValueError, match=match):
+        bandwidth.fit(sizes, times)
+
+
+def test_collective_names_of_the_comms_logger_map_to_the_four_collectives():
+    assert bandwidth.collective_of("all_gather_into_tensor") == "all_gather"
+    assert bandwidth.collective_of("reduce_scatter_tensor") == "reduce_scatter"
+    assert bandwidth.collective_of("all_reduce_coalesced") == "all_reduce"
+    assert bandwidth.collective_of("inference_all_reduce") == "all_reduce"
+    with pytest.raises(KeyError, match="all_to_all"):
+        bandwidth.collective_of("all_to_all_single")
+
+
+def _synthetic_benchmark(world: int, fits: dict[str, tuple[float, float]]) -> dict:
+    """A helpers.collectives summary whose times follow known alpha and beta per collective."""
+    results = []
+    for op, (alpha, beta) in fits.items():
+        for size in (2**k for k in range(10, 23, 2)):
+            wire = collectives.wire_bytes(op, size, world)
+            seconds = alpha + beta * wire
+            results.append({"implementation": "deepspeed.comm", "op": op, "bytes": size, "seconds": seconds,
+                            "wire_bytes": wire, "busbw": theory.bus_bandwidth(op, size, seconds, world),
+                            "interface_bytes_sent": None})
+    return {"world_size": world, "device_name": "cpu", "backend": "gloo", "implementations": ["deepspeed.comm"],
+            "results": results}
+
+
+def test_a_model_fitted_on_a_benchmark_predicts_a_steps_collectives_from_logged_bytes():
+    world = 4
+    known = {"all_reduce": (100e-6, 1 / 2e9), "all_gather": (50e-6, 1 / 3e9), "reduce_scatter": (70e-6, 1 / 1e9)}
+    model = bandwidth.CommModel.from_benchmark(_synthetic_benchmark(world, known))
+    for op, (alpha, beta) in known.items():
+        assert model.fits[op].alpha == pytest.approx(alpha, rel=1e-6)
+        assert model.fits[op].beta == pytest.approx(beta, rel=1e-6)
+    # a ZeRO-2-like step as the comms logger records it: 3 all_reduce of 2 MB in all, 1 all_gather of a 1 MB shard
+    step = {"all_reduce": {"count": 3, "bytes": 6e6}, "all_gather_into_tensor": {"count": 1, "bytes": 1e6}}
+    expected = (3 * 100e-6 + 2 * 3 / 4 * 6e6 / 2e9) + (50e-6 + 3 * 1e6 / 3e9)
+    assert model.predict_total(step) == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(KeyError, match="broadcast"):
+        model.predict({"broadcast": {"count": 1, "bytes": 10}})
+
+
+def test_busbw_of_the_benchmark_is_wire_bytes_over_time():
+    # nccl-tests' busbw and the model's wire bytes are the same convention, for every collective
+    for op in collectives.OPS:
+        for world in (2, 3, 8):
+            size, seconds = 2**20 * world, 1e-3
+            assert theory.bus_bandwidth(op, size, seconds, world) == pytest.approx(
+                collectives.wire_bytes(op, size, world) / seconds)
+
+
+def test_a_link_model_is_bandwidth_per_direction_plus_latency():
+    link = bandwidth.CommModel.for_link(100 * bandwidth.GBIT, 20e-6, world_size=2)
+    # an all_reduce of 1 GB on 2 ranks sends 1 GB per rank: 80 ms at 100 Gb/s, plus one alpha
+    assert link.seconds("all_reduce", 1e9) == pytest.approx(0.08 + 20e-6)
+    assert bandwidth.LINKS["10 Gb/s"] == pytest.approx(1.25e9)
+
+
+def _record_with_phases(accum: int, micro_ops: dict, boundary_ops: dict, step_ops: dict, walls: dict) -> records.Record:
+    from test_records import minimal_summary
+
+    summary = minimal_summary()
+    phases = [f"micro-step {i + 1}" for i in range(accum)] + ["optimizer step"]
+    by_phase = {p: dict(micro_ops) for p in phases[:-2]}
+    by_phase[phases[-2]] = dict(boundary_ops)
+    by_phase["optimizer step"] = dict(step_ops)
+    summary.update(grad_accum=accum, micro_batch=4, train_batch=4 * accum * summary["world_size"], name="synthetic",
+                   probes=list(summary.get("probes", records.DEFAULT_PROBES)) + ["micro_steps"])
+    summary["micro_steps"] = {"phases": phases, "by_phase": by_phase, "wall_s_by_phase": walls,
+                              "comm_s_per_step": sum(r["seconds"] for p in by_phase.values() for r in p.values())}
+    return records.Record(summary)
+
+
+def test_extrapolating_accumulation_repeats_the_off_boundary_micro_step():
+    ar = {"all_reduce": {"count": 1, "bytes": 1000, "seconds": 0.002}}
+    ag = {"all_gather_into_tensor": {"count": 1, "bytes": 500, "seconds": 0.001}}
+    r = _record_with_phases(2, ar, ar, ag, {"micro-step 1": 0.010, "micro-step 2": 0.012, "optimizer step": 0.005})
+    p8 = bandwidth.extrapolate(r, 8)
+    assert p8.by_op == {"all_reduce": {"count": 8, "bytes": 8000}, "all_gather_into_tensor": {"count": 1, "bytes": 500}}
+    # computation: 7 x (10 - 2) ms + (12 - 2) ms + (5 - 1) ms
+    assert p8.compute_s == pytest.approx(7 * 0.008 + 0.010 + 0.004)
+    assert p8.samples == 4 * 8 * r["world_size"]
+    # the profile of the run itself adds up to the step its probe timed
+    p2 = bandwidth.profile(r)
+    assert p2.compute_s + p2.measured_comm_s == pytest.approx(0.027)
+    assert bandwidth.extrapolate(r, 2).by_op == p2.by_op
+    # stage 0/1-like: nothing off the boundary, so accumulation leaves the collectives alone
+    quiet = _record_with_phases(2, {}, ar, {}, {"micro-step 1": 0.010, "micro-step 2": 0.012, "optimizer step": 0.005})
+    assert bandwidth.extrapolate(quiet, 8).by_op == {"all_reduce": {"count": 1, "bytes": 1000}}
+    with pytest.raises(ValueError, match="accumulation 1 has no micro-step"):
+        bandwidth.extrapolate(_record_with_phases(1, {}, ar, {}, {"micro-step 1": 0.01, "optimizer step": 0.0}), 4)
+
+
+def test_what_if_puts_slower_links_above_faster_ones_and_overlap_below_serial():
+    ar = {"all_reduce": {"count": 1, "bytes": 1e8, "seconds": 0.002}}
+    r = _record_with_phases(2, ar, ar, {}, {"micro-step 1": 0.010, "micro-step 2": 0.012, "optimizer step": 0.005})
+    p = bandwidth.profile(r)
+    rows = bandwidth.what_if([p], alpha=10e-6)
+    steps = [row["step_s"] for row in rows]
+    assert [row["link"] for row in rows] == list(bandwidth.LINKS)
+    assert steps == sorted(steps, reverse=True)
+    assert all(0 < row["comm_share"] < 1 for row in rows)
+    # 10 Gb/s: 2 all_reduce of 100 MB on 2 ranks send 200 MB per rank = 0.16 s
+    assert rows[0]["comm_s"] == pytest.approx(0.16 + 2 * 10e-6)
+    link = bandwidth.CommModel.for_link(bandwidth.LINKS["10 Gb/s"], 10e-6, 2)
+    assert bandwidth.predict_step(p, link, overlap=True)["step_s"] == pytest.approx(max(p.compute_s, rows[0]["comm_s"]))
+    assert "10 Gb/s: step (comm)" in bandwidth.what_if_table(rows).splitlines()[0]
