@@ -6,6 +6,8 @@ TASK is one of
     check [--jobs N] [NOTEBOOK ...]   execute notebooks (python3 -m helpers.course check-gpu --no-setup)
     reference [ARGS ...]              benchmarks/reference.py (chapter references, then the capstone)
     capstone [ARGS ...]               benchmarks/capstone.py (the tuning ladder)
+    jobs "GPUS:COMMAND" ...           several shell commands at once, each on its own GPUs (COURSE_GPUS),
+                                      e.g. "0,1:python3 benchmarks/capstone.py" "2,3:python3 -m helpers ..."
     env                               only the set-up and what the machine is
 
 Made for a machine with no package index: it installs the wheels of the git-ignored ``.whl/`` folder (made
@@ -135,6 +137,37 @@ def run_with_deadline(argv: list[str], env: dict[str, str], log: Path, seconds: 
         return 124
 
 
+def run_jobs(jobs: list[str], env: dict[str, str], logs: Path, seconds: float) -> int:
+    """Run each ``"GPUS:COMMAND"`` at once (bash, ``COURSE_GPUS=GPUS``, its output in ``logs/job-N.log``),
+    all stopped at the deadline; returns the largest exit code (124 if any was stopped)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    started, processes = time.monotonic(), []
+    for number, job in enumerate(jobs, 1):
+        gpus, _, command = job.partition(":")
+        log = open(logs / f"job-{number}.log", "w")
+        say(f"job {number} on GPUs {gpus}: {command}")
+        processes.append((number, log, subprocess.Popen(["bash", "-c", command], env={**env, "COURSE_GPUS": gpus},
+                                                        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                                        start_new_session=True)))
+    codes = []
+    for number, log, process in processes:
+        try:
+            codes.append(process.wait(max(1.0, seconds - (time.monotonic() - started))))
+        except subprocess.TimeoutExpired:
+            say(f"job {number}: time budget spent, stopping it")
+            for sig in (15, 9):
+                try:
+                    os.killpg(process.pid, sig)
+                except ProcessLookupError:
+                    break
+                time.sleep(3)
+            codes.append(124)
+        log.close()
+        say(f"job {number} ended with code {codes[-1]} after {time.monotonic() - started:.0f} s")
+        sys.stdout.write("".join((logs / f"job-{number}.log").read_text().splitlines(True)[-25:]))
+    return max(codes)
+
+
 def pack(out: Path, task: str, code: int, seconds: float, log: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs = ROOT / "runs"
@@ -160,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "runs" / "device-out")))
     parser.add_argument("--no-install", action="store_true",
                         help="use the packages this Python already has (a machine set up otherwise)")
-    parser.add_argument("task", choices=("check", "reference", "capstone", "env"))
+    parser.add_argument("task", choices=("check", "reference", "capstone", "jobs", "env"))
+    parser.add_argument("--ops", default=None, help="DeepSpeed ops to build first, comma-separated builder names "
+                        "(default: those the task needs)")
     parser.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -172,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     check_imports(env)
     show_machine(env)
-    ops = "FusedAdamBuilder" if args.task == "capstone" else ""
+    ops = args.ops if args.ops is not None else ("FusedAdamBuilder" if args.task == "capstone" else "")
     say("building DeepSpeed's ops" + (f" ({ops})" if ops else ""))
     subprocess.run([sys.executable, "-m", "helpers", "build-ops", *(["--only", ops] if ops else [])], env=env, cwd=ROOT)
 
@@ -186,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         argv_task = [sys.executable, str(ROOT / "benchmarks" / "capstone.py"), "--budget", str(int(left - 20)), *args.rest]
     else:
         argv_task = [sys.executable, "-c", "print('set-up only')"]
-    say(f"running {' '.join(argv_task[1:])} ({left:.0f} s left)")
-    code = run_with_deadline(argv_task, env, log, left)
+    if args.task == "jobs":
+        code = run_jobs(args.rest, env, ROOT / "runs" / "jobs", left)
+        log.write_text("\n".join(f"job: {job}" for job in args.rest) + "\n")
+    else:
+        say(f"running {' '.join(argv_task[1:])} ({left:.0f} s left)")
+        code = run_with_deadline(argv_task, env, log, left)
     say(f"task ended with code {code} after {time.monotonic() - started:.0f} s")
     pack(args.out, args.task, code, time.monotonic() - started, log)
     return code

@@ -5,7 +5,7 @@
     python3 -m helpers.course test --lesser-cpu   # the notebooks again, as on a processor without AVX-512
     python3 -m helpers.course setup               # set up only
     python3 -m helpers.course setup --wheelhouse DIR   # set up offline, from `pip download -r requirements.txt -d DIR`
-    python3 -m helpers.course check-gpu [--jobs N] [--no-setup] [NOTEBOOK ...]
+    python3 -m helpers.course check-gpu [--jobs N] [--timeout S] [--out DIR] [--no-setup] [NOTEBOOK ...]
                                                   # execute every notebook here; fail on any error cell
 
 Set-up, each step skipped when already done: a virtual environment in ``.venv`` (unless one is
@@ -164,8 +164,16 @@ def check_notebooks(python: str, notebooks: list[Path], jobs: int = 1, timeout: 
 
 def check_gpu(python: str, args: list[str]) -> int:
     """``check-gpu``: execute the notebooks named in ``args`` (default: all), report, exit 1 on a failed cell."""
+    if "-h" in args or "--help" in args:
+        print(__doc__)
+        return 0
     jobs = int(_option(args, "--jobs", "1"))
     timeout = float(_option(args, "--timeout", "900"))
+    out = Path(_option(args, "--out", str(ROOT / "runs" / "check-gpu"))).resolve()
+    unknown = [a for a in args if a.startswith("-")]
+    if unknown:
+        sys.exit(f"check-gpu: unknown option(s) {' '.join(unknown)}; it takes --jobs N, --timeout S, --out DIR, "
+                 "--no-setup and notebook paths")
     names = [a for a in args if not a.startswith("-")]
     notebooks = [Path(n).resolve() for n in names] or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     missing = [str(n) for n in notebooks if not n.exists()]
@@ -177,11 +185,11 @@ def check_gpu(python: str, args: list[str]) -> int:
     _say(f"{len(notebooks)} notebook(s), {jobs} at a time, on "
          + (f"{gpus} GPU(s)" if gpus else "no GPU (CPU ranks): this checks the CPU path"))
     started = time.monotonic()
-    results = check_notebooks(python, notebooks, jobs, timeout)
+    results = check_notebooks(python, notebooks, jobs, timeout, out)
     report = {"gpus": gpus, "jobs": jobs, "seconds": round(time.monotonic() - started, 1),
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "notebooks": results,
               "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "course_gpus": os.environ.get("COURSE_GPUS")}
-    path = ROOT / "runs" / "check-gpu" / "report.json"
+    path = out / "report.json"
     path.write_text(json.dumps(report, indent=1))
     failed = [r for r in results if not r["ok"]]
     for r in results:
@@ -190,7 +198,7 @@ def check_gpu(python: str, args: list[str]) -> int:
             line += f"  cell {r.get('cell')}: {r.get('error')}"
         print(line)
     _say(f"{len(results) - len(failed)} of {len(results)} notebook(s) ran without an error cell; "
-         f"report: {path.relative_to(ROOT)}, executed copies beside it")
+         f"report: {path}, executed copies beside it")
     return 1 if failed else 0
 
 

@@ -229,7 +229,7 @@ def command(plan_path: Path, world_size: int, port: int, launcher: str = "launch
         if hosts.ssh_port:
             argv += ["--ssh_port", str(hosts.ssh_port)]
         return argv + script
-    if launcher == "torchrun":  # PyTorch's own launcher (all GPUs: COURSE_GPUS is not applied to it)
+    if launcher == "torchrun":  # PyTorch's own launcher: the chosen GPUs reach it as CUDA_VISIBLE_DEVICES
         return [python, "-u", "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={world_size}",
                 f"--master_addr={master_addr}", f"--master_port={port}", *script]
     gpus = list(gpu_ids)[:world_size]
@@ -551,6 +551,8 @@ def _launch_specs(specs: list[RunSpec], world_size: int | None, sweep_name: str 
     plan_path.write_text(json.dumps({"world_size": world, "launcher": launcher,
                                      "runs": [_plan_entry(p, plan_path) for p in prepared]}, indent=1))
     child, _ = environment.child_env(env, world)
+    if launcher == "torchrun" and env.is_gpu:  # torchrun does not pick GPUs: each rank takes cuda:LOCAL_RANK
+        child["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, env.gpu_ids[:world]))
     if hosts is not None:
         child["DS_ENV_FILE"] = str(write_host_env(child, folder / "deepspeed_env"))
     remove_stale_shared_memory()
