@@ -267,9 +267,12 @@ def prediction_table(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: 
                                                        "predicted speed-up"])
 
 
-def where_it_failed(failure: launch.RunFailed, frames: int = 3) -> str:
+def where_it_failed(failure: launch.RunFailed | records.Record, frames: int = 3) -> str:
     """The last ``frames`` frames of a rank's traceback, with paths cut to the package (``deepspeed/...``),
-    so the text is the same on every machine with the same DeepSpeed."""
+    so the text is the same on every machine with the same DeepSpeed. A run that did not fail (quantized
+    weights on a GPU) says so instead."""
+    if isinstance(failure, records.Record):
+        return f"{failure.summary['name']}: no failure on {failure.summary['device_name']}: it trained"
     found = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)', failure.traceback)
     lines = []
     for path, line, function, code in found[-frames:]:

@@ -299,7 +299,8 @@ def build(name: str, seed: int = 0, config: dict | None = None, **options) -> nn
     base, variant = llama_parts(name)
     model = LlamaForCausalLM(llama_config(base))  # the same weights for every variant of one size
     if variant == "-ckpt":
-        model.activation_checkpointing_enable()  # new name of gradient_checkpointing_enable
+        # newer transformers call it activation_checkpointing_enable; 5.17 (the GPU image) only has gradient_checkpointing_enable
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     elif variant == "-dsckpt":
         import deepspeed
 
@@ -401,9 +402,8 @@ def make_batch(name: str, indices: list[int], seed: int = 0, seq_len: int | None
         inputs, targets = _regression_data(name, seed)
         rows = torch.tensor([i % inputs.shape[0] for i in indices])
         return Batch(inputs[rows], targets[rows])
-    seq = seq_len or LM_SEQ_LEN
+    seq = seq_len or seq_len_of(name)
     tokens = _tokens()
-    seq = seq_len_of(name)
     windows = tokens.numel() - seq - 1
     gen = torch.Generator()
     starts = []

@@ -82,6 +82,9 @@ def throughput(step_times: Sequence[float], tokens_per_step: int, flops_token: f
         result["tflops_per_gpu"] = flops_token * tokens_per_s / world_size / 1e12
         if peak:
             result["mfu"] = result["tflops_per_gpu"] / peak
+            if result["mfu"] > 1:  # faster than the chip can go: the token or FLOP count is wrong, not the GPU
+                raise ValueError(f"MFU {result['mfu']:.0%} is above 100% of {device_name}'s peak: the tokens per step "
+                                 f"({tokens_per_step:,}) or FLOPs per token counted do not match what was trained")
     return result
 
 

@@ -53,10 +53,22 @@ class DecoderStage(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
-                                  position_ids=positions)
+        # the cache argument's name changed between transformers 5 releases (past_key_values -> cache)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                  position_ids=positions, **{_CACHE_ARGUMENT: None})
         return self.layer(hidden, attention_mask=mask, position_embeddings=self.rotary(hidden, position_ids=positions),
                           position_ids=positions)
+
+
+def _cache_argument() -> str:
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
+_CACHE_ARGUMENT = _cache_argument()
 
 
 class HeadStage(nn.Module):
