@@ -45,29 +45,8 @@ def collective_of(op: str) -> str:
     raise KeyError(f"op {op!r}: the model knows {', '.join(COLLECTIVES)} (and their DeepSpeed variants)")
 
 
-@dataclasses.dataclass(frozen=True)
-class AlphaBeta:
-    """t = alpha + beta * wire_bytes for one call."""
-
-    alpha: float  # seconds per call
-    beta: float  # seconds per byte sent by a rank
-
-    def seconds(self, wire_bytes: float, calls: float = 1.0) -> float:
-        """Time of ``calls`` calls that send ``wire_bytes`` bytes in all."""
-        return calls * self.alpha + self.beta * wire_bytes
-
-    @property
-    def bandwidth(self) -> float:
-        """1 / beta in bytes/s (infinite when the fit found no bandwidth term)."""
-        return math.inf if self.beta == 0 else 1.0 / self.beta
-
-    @property
-    def half_bandwidth_bytes(self) -> float:
-        """The message (wire bytes) at which alpha and the bytes cost the same: below it latency rules."""
-        return math.inf if self.beta == 0 else self.alpha / self.beta
-
-    def describe(self) -> str:
-        return f"alpha {self.alpha * 1e6:,.1f} us, 1/beta {self.bandwidth / 1e9:.3g} GB/s"
+#: The model itself lives in :mod:`helpers.theory`, beside every other formula that turns bytes into seconds.
+AlphaBeta = theory.AlphaBeta
 
 
 def fit(wire_bytes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:

@@ -213,7 +213,7 @@ def train_step(ctx, run: dict, step: int, probes: list) -> list[float]:
     losses = []
     for micro_step in range(ctx.grad_accum):
         indices = models.sample_indices(step, micro_step, ctx.rank, ctx.world_size, ctx.micro_batch, ctx.grad_accum)
-        batch = models.make_batch(name, indices, run["seed"], seq_len=options["seq_len"]).to(engine.device)
+        batch = models.make_batch(name, indices, run["seed"], seq_len=models.run_seq_len(name, options)).to(engine.device)
         loss = models.loss_of(engine, name, batch)
         engine.backward(loss)
         for probe in probes:
@@ -450,27 +450,51 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
             result.rungs.append({"rung": rung.name, "what": rung.what, "ran": True, "candidates": len(found),
                                  "kept": winner.label if winner else None})
     result.best = best
+    left = budget_s - (time.monotonic() - started)
+    estimate = _estimate(history, len(FSDP2_STRATEGIES), False, env.is_gpu)
+    if estimate > left:
+        result.fsdp2 = {"measured": False,
+                        "reason": f"time budget: about {estimate:.0f} s needed, {max(0, left):.0f} s left"}
+    else:
+        result.fsdp2 = fsdp2_run(best or baseline, size, steps, world, name, timeout=max(300.0, 3 * estimate))
     result.seconds = time.monotonic() - started
-    result.fsdp2 = fsdp2_run(best or baseline, size, steps, world)
     return result
 
 
-def fsdp2_run(setting: Setting, size: str, steps: int, world_size: int) -> dict:
-    """HOOK: PyTorch FSDP2 on the ladder's best setting, the alternative a user would weigh.
+#: PyTorch's strategies the capstone sets beside DeepSpeed's best (:data:`helpers.pytorch_train.STRATEGIES`):
+#: FSDP2 with ZeRO-3's sharding, and with ZeRO-2's traffic (layers stay gathered until their backward).
+FSDP2_STRATEGIES = ("fsdp2", "fsdp2-grad-op")
 
-    Where the FSDP2 run plugs in. The DDP/FSDP2 helpers are built with the chapter that compares DeepSpeed
-    with PyTorch (``helpers.pytorch_train``: runs under ``torchrun`` with the same run record). Once they
-    are in ``helpers/``, this function trains the capstone model with FSDP2 (full sharding; the same micro
-    batch, accumulation, sequence length, precision and checkpointing as ``setting``) for ``steps`` steps
-    on ``world_size`` ranks, with :data:`PROBES`, in one launch, e.g.
-    ``launch.sweep({"fsdp2": launch.RunSpec(setting.config(world_size), model="llama-capstone", steps=steps,
-    probes=PROBES, model_options=setting.model_options(size), task="helpers.pytorch_train:train_run",
-    options={"strategy": "fsdp2"})}, launcher="torchrun")``, and returns ``{"measured": True,
-    **measurements(record)}``. Until then it measures nothing and says why.
+
+def fsdp2_run(setting: Setting, size: str, steps: int, world_size: int, name: str = "capstone",
+              timeout: float = 600.0) -> dict:
+    """PyTorch FSDP2 on the ladder's best setting, the alternative a user would weigh: the capstone model
+    trained under ``torchrun`` by :func:`helpers.pytorch_train.train_run` with each of
+    :data:`FSDP2_STRATEGIES`, at the same micro batch, accumulation, sequence length, precision and
+    activation checkpointing as ``setting``, with the same probes, in one launch.
+
+    What differs, and the figures say so: FSDP2 runs eagerly (``setting.compile`` is not applied: DeepSpeed's
+    ``engine.compile()`` has no FSDP2 counterpart in the course's PyTorch loop) and steps
+    ``torch.optim.AdamW``. Returns ``{"measured": True, "runs": {strategy label: measurements}, "mfu": the
+    best MFU, "eager": True}`` or ``{"measured": False, "reason": ...}``.
     """
-    return {"measured": False,
-            "reason": "the FSDP2 comparison is not connected yet: helpers.capstone.fsdp2_run is the hook for "
-                      "the PyTorch DDP/FSDP2 helpers (torchrun), built separately"}
+    from helpers import pytorch_train
+
+    plain = dataclasses.replace(setting, compile=False)
+    folder = launch.RUNS_DIR / name
+    specs = {f"fsdp2-{strategy}": launch.RunSpec(
+        plain.config(world_size), model="llama-capstone", steps=steps, name=f"fsdp2-{strategy}",
+        out=folder / f"fsdp2-{strategy}", probes=PROBES, model_options=plain.model_options(size),
+        task="helpers.pytorch_train:train_run", options={"strategy": strategy}) for strategy in FSDP2_STRATEGIES}
+    try:
+        found = launch.sweep(specs, name=f"{name}/fsdp2", world_size=world_size, launcher="torchrun",
+                             timeout=timeout)
+    except launch.RunFailed as failure:
+        return {"measured": False, "reason": f"the FSDP2 launch failed: {str(failure).splitlines()[0][:200]}"}
+    runs = {pytorch_train.STRATEGIES[s].label: measurements(found[f"fsdp2-{s}"]) for s in FSDP2_STRATEGIES}
+    mfus = [r["mfu"] for r in runs.values() if r["mfu"] is not None]
+    return {"measured": True, "eager": True, "setting": dataclasses.asdict(plain), "runs": runs,
+            "mfu": max(mfus) if mfus else None, "metric": max(r["metric"] for r in runs.values())}
 
 
 # --- tables ---------------------------------------------------------------------------------------
@@ -493,6 +517,22 @@ def ladder_table(ladder: dict) -> str:
     per = "rank" if ladder["device"].startswith("CPU") else "GPU"
     return records.format_table(rows, ["rung", "candidate", "tokens/s", f"TFLOP/s/{per}", "MFU", "peak mem",
                                        "comm exposed", "verdict"])
+
+
+def fsdp2_table(ladder: dict) -> str:
+    """DeepSpeed's baseline and best beside FSDP2's runs of the best setting: tokens/s, model TFLOP/s, MFU,
+    peak memory (FSDP2 eager; see :func:`fsdp2_run`)."""
+    best = {c["run"]: c for c in ladder["candidates"]}.get(ladder.get("best_run"))
+    entries = [(f"DeepSpeed {c['label']}", c) for c in ladder["candidates"]
+               if c["verdict"] == "baseline" and "tokens_per_s" in c]
+    if best is not None and best["verdict"] != "baseline":
+        entries.append((f"DeepSpeed best: {best['label']}", best))
+    fsdp2 = ladder.get("fsdp2") or {}
+    entries += [(f"{label}, eager", r) for label, r in (fsdp2.get("runs") or {}).items()]
+    rows = [[name, f"{r['tokens_per_s']:,.0f}", "-" if r["tflops_per_gpu"] is None else f"{r['tflops_per_gpu']:.4g}",
+             _pct(r["mfu"]), records.format_bytes(r["peak_bytes"])] for name, r in entries if r]
+    per = "rank" if ladder["device"].startswith("CPU") else "GPU"
+    return records.format_table(rows, ["run", "tokens/s", f"TFLOP/s/{per}", "MFU", "peak mem"])
 
 
 def rungs_table(ladder: dict) -> str:
@@ -526,9 +566,21 @@ def summary(ladder: dict) -> str:
                      f"exposed communication {_pct(best['comm_exposed_share'])} of a step")
     else:
         lines.append("MFU: none (no dense bf16 peak for this device)")
-    fsdp2 = ladder.get("fsdp2") or {}
-    lines.append("FSDP2: " + (f"{fsdp2['mfu']:.1%} MFU" if fsdp2.get("measured") else fsdp2.get("reason", "not run")))
+    lines.append(fsdp2_line(ladder))
     return "\n".join(lines)
+
+
+def fsdp2_line(ladder: dict) -> str:
+    """What PyTorch FSDP2 reached on the best setting (eager), beside DeepSpeed's best, or why it did not run."""
+    fsdp2 = ladder.get("fsdp2") or {}
+    if not fsdp2.get("measured"):
+        return "FSDP2: " + fsdp2.get("reason", "not run")
+    parts = []
+    for label, r in fsdp2["runs"].items():
+        figure = f"{r['mfu']:.1%} MFU" if r.get("mfu") is not None else f"{r['tokens_per_s']:,.0f} tokens/s"
+        parts.append(f"{label} {figure}")
+    return ("FSDP2 on the best setting, eager, torch.optim.AdamW: " + "; ".join(parts)
+            + (" (DeepSpeed's best above was compiled)" if (ladder.get("best") or {}).get("compile") else ""))
 
 
 def _mean(values: list) -> float | None:
@@ -553,6 +605,22 @@ def same_math(ladder: dict) -> str:
     table = [[c["label"], c["changes"], records.loss_agreement(c["losses"], base["losses"], c["setting"]["precision"])]
              for c in rows if c is not base and batch(c) == batch(base)]
     return records.format_table(table, ["candidate", "changed from the baseline", "losses vs the baseline"])
+
+
+def fsdp2_same_math(ladder: dict) -> str:
+    """FSDP2's runs against DeepSpeed's best, whose samples, precision and checkpointing they trained:
+    another framework sums the same numbers in another order, so the losses must agree within
+    :data:`helpers.records.REORDERED_TOLERANCE`; or why FSDP2 did not run."""
+    fsdp2 = ladder.get("fsdp2") or {}
+    if not fsdp2.get("measured"):
+        return "FSDP2 did not run: " + fsdp2.get("reason", "not run")
+    best = {c["run"]: c for c in ladder["candidates"]}.get(ladder.get("best_run"))
+    if best is None or "losses" not in best:
+        return "DeepSpeed's best has no losses here (a resumed ladder): no comparison"
+    tolerance = records.REORDERED_TOLERANCE[fsdp2["setting"]["precision"]]
+    table = [[label, f"{len(r['losses'])} steps", records.loss_agreement(r["losses"], best["losses"], tolerance=tolerance)]
+             for label, r in fsdp2["runs"].items()]
+    return records.format_table(table, ["PyTorch run (torchrun)", "trained", "losses vs DeepSpeed's best"])
 
 
 def save(ladder: Ladder, note: str = "") -> tuple[Path, Path | None]:

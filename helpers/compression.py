@@ -248,20 +248,20 @@ def volume_table(psi: float) -> str:
 
 def prediction_table(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float,
                      inter_gbit: Sequence[float] = (100, 200, 400, 800),
-                     intra: theory.Link = theory.DEFAULT_INTRA_NODE,
-                     inter: theory.Link = theory.DEFAULT_INTER_NODE) -> str:
+                     intra: theory.AlphaBeta = theory.DEFAULT_INTRA_NODE,
+                     inter: theory.AlphaBeta = theory.DEFAULT_INTER_NODE) -> str:
     """Predicted milliseconds per micro-step of ZeRO-3 and ZeRO++ (:func:`helpers.theory.zeropp_step_prediction`)
     on one node, then on two or more nodes joined at each of ``inter_gbit`` Gbit/s per GPU (``inter``'s
     latency); the assumptions are printed above the table."""
     rows = []
-    cases = [("1 node", 1, inter)] + [(f"2+ nodes, {g:g} Gb/s per GPU", 2, theory.Link(g * 1e9 / 8, inter.latency))
+    cases = [("1 node", 1, inter)] + [(f"2+ nodes, {g:g} Gb/s per GPU", 2, theory.AlphaBeta.link(g * 1e9 / 8, inter.alpha))
                                       for g in inter_gbit]
     for label, nodes, link in cases:
         p = theory.zeropp_step_prediction(psi, layers, tokens_per_gpu, nodes, flops_per_s, intra, link)
         rows.append([label, f"{p['compute_s'] * 1e3:.0f}", f"{p['zero3_s'] * 1e3:.0f}", f"{p['zeropp_s'] * 1e3:.0f}",
                      f"{p['speedup']:.2f}x"])
-    header = (f"assumed: inside a node {intra.bandwidth / 1e9:g} GB/s and {intra.latency * 1e6:g} µs a call; "
-              f"across nodes {inter.latency * 1e6:g} µs a call; compute {flops_per_s / 1e12:g} TFLOP/s per GPU; "
+    header = (f"assumed: inside a node {intra.bandwidth / 1e9:g} GB/s and {intra.alpha * 1e6:g} µs a call; "
+              f"across nodes {inter.alpha * 1e6:g} µs a call; compute {flops_per_s / 1e12:g} TFLOP/s per GPU; "
               "no overlap of communication with compute")
     return header + "\n" + records.format_table(rows, ["where", "compute ms", "ZeRO-3 ms", "ZeRO++ ms",
                                                        "predicted speed-up"])

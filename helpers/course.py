@@ -3,6 +3,7 @@
     python3 -m helpers.course lab                 # set up, then open the notebooks in JupyterLab
     python3 -m helpers.course test                # set up, then pytest --nbval notebooks/ plus the unit tests
     python3 -m helpers.course test --lesser-cpu   # the notebooks again, as on a processor without AVX-512
+    python3 -m helpers.course test --system       # the tests that need Chromium, or root with sshd and pdsh
     python3 -m helpers.course setup               # set up only
     python3 -m helpers.course setup --wheelhouse DIR   # set up offline, from `pip download -r requirements.txt -d DIR`
     python3 -m helpers.course check-gpu [--jobs N] [--timeout S] [--out DIR] [--no-setup] [NOTEBOOK ...]
@@ -227,8 +228,13 @@ def main(argv: list[str] | None = None) -> int:
             _say("pytest --nbval notebooks/ with " + " ".join(f"{k}={v}" for k, v in LESSER_CPU.items()))
             return subprocess.run([python, "-m", "pytest", "--nbval", "notebooks/", *rest], cwd=ROOT,
                                   env={**os.environ, **LESSER_CPU}).returncode
-        _say("pytest --nbval notebooks/ tests/")
-        return subprocess.run([python, "-m", "pytest", "--nbval", "notebooks/", "tests/", *rest], cwd=ROOT).returncode
+        if "--system" in rest:
+            rest.remove("--system")
+            _say("pytest -m system tests/ (the tests that need Chromium, or root with sshd and pdsh)")
+            return subprocess.run([python, "-m", "pytest", "-m", "system", "tests/", *rest], cwd=ROOT).returncode
+        _say("pytest --nbval notebooks/ tests/ (all but the system tests: test --system runs those)")
+        return subprocess.run([python, "-m", "pytest", "--nbval", "-m", "not system", "notebooks/", "tests/", *rest],
+                              cwd=ROOT).returncode
     return 0
 
 

@@ -136,6 +136,12 @@ def seq_len_of(name: str) -> int:
     return shape_of(name).seq if is_llama(name) else LM_SEQ_LEN
 
 
+def run_seq_len(name: str, model_options: dict | None = None) -> int | None:
+    """Tokens per sample a run of model ``name`` trains on: the capstone's ``seq_len`` option, else None
+    (:func:`make_batch`'s default for the model)."""
+    return capstone_options(model_options)["seq_len"] if name == "llama-capstone" else None
+
+
 def trainer_of(name: str) -> str:
     """How model ``name`` takes an optimizer step: a key of ``helpers.train.TRAINERS``."""
     check_model_name(name)

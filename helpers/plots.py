@@ -375,7 +375,7 @@ def zeropp_speedup(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: fl
     """Predicted ZeRO++ speed-up over ZeRO-3 on two or more nodes against the network bandwidth per GPU
     (:func:`helpers.theory.zeropp_step_prediction`, the default links' latencies)."""
     speedups = [theory.zeropp_step_prediction(psi, layers, tokens_per_gpu, 2, flops_per_s,
-                                              inter=theory.Link(g * 1e9 / 8, theory.DEFAULT_INTER_NODE.latency))
+                                              inter=theory.AlphaBeta.link(g * 1e9 / 8, theory.DEFAULT_INTER_NODE.alpha))
                 ["speedup"] for g in gbits]
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     ax.plot(gbits, speedups, marker="o")

@@ -120,7 +120,7 @@ def torch_step(ctx, run: dict, step: int, probes: list) -> list[float]:
     for micro_step in range(ctx.grad_accum):
         last = micro_step == ctx.grad_accum - 1
         indices = models.sample_indices(step, micro_step, ctx.rank, ctx.world_size, ctx.micro_batch, ctx.grad_accum)
-        batch = models.make_batch(name, indices, seed).to(engine.device)
+        batch = models.make_batch(name, indices, seed, models.run_seq_len(name, run.get("model_options"))).to(engine.device)
         sync = engine.wrapped.no_sync() if engine.strategy == "ddp" and not last else nullcontext()
         with sync:
             with autocast:
@@ -154,7 +154,7 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     precision = train.precision_of(config)
-    model = models.build(run["model"], run["seed"]).to(device)
+    model = models.build(run["model"], run["seed"], config, **(run.get("model_options") or {})).to(device)
     psi = models.count_parameters(model)
     wrapped, module = _wrap(model, strategy, device, precision)
     params = config.get("optimizer", {}).get("params", {})

@@ -18,12 +18,13 @@ stages 0-2 (reduce-scatter + all-gather), 3Ψ for stage 3 (one more all-gather o
 
 For the calculator (:mod:`helpers.widgets`), the end of this module adds where offload puts each
 state (:func:`placement`), the collectives of one step (:func:`step_collectives`) and their predicted
-time on a :class:`Cluster` (:func:`collective_seconds`, the one place bytes become seconds).
+time on a :class:`Cluster` (:func:`collective_seconds`); :class:`AlphaBeta` is the one place bytes become seconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 PAPER_K = 12  # bytes of optimizer state per parameter for mixed-precision Adam
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -162,6 +163,43 @@ def deepspeed_estimate_bytes(psi: int, stage: int, world_size: int, largest_laye
 
 # --- offload, clusters and predicted communication time (the calculator; helpers.widgets) -----
 #
+@dataclasses.dataclass(frozen=True)
+class AlphaBeta:
+    """The course's one latency-bandwidth model of communication: a call (or ``calls`` calls) that makes
+    each rank send ``wire_bytes`` bytes takes ``calls * alpha + beta * wire_bytes`` seconds. ``alpha`` is
+    seconds per call, ``1 / beta`` the bus bandwidth in bytes/s (nccl-tests' convention). The calculator's
+    bandwidth-only :class:`Cluster`, ZeRO++'s two-link model and the fits of measured collectives
+    (:func:`helpers.bandwidth.fit`) are all this class."""
+
+    alpha: float  # seconds per call
+    beta: float  # seconds per byte sent by a rank
+
+    @classmethod
+    def link(cls, bandwidth: float, latency: float = 0.0) -> "AlphaBeta":
+        """A link of ``bandwidth`` bytes/s per GPU and ``latency`` seconds per call."""
+        if not bandwidth > 0 or latency < 0:
+            raise ValueError(f"bandwidth={bandwidth!r}, latency={latency!r}: needs a positive bandwidth and a "
+                             "latency of 0 or more")
+        return cls(latency, 1.0 / bandwidth)
+
+    def seconds(self, wire_bytes: float, calls: float = 1.0) -> float:
+        """Time of ``calls`` calls that send ``wire_bytes`` bytes in all."""
+        return calls * self.alpha + self.beta * wire_bytes
+
+    @property
+    def bandwidth(self) -> float:
+        """1 / beta in bytes/s (infinite when there is no bandwidth term)."""
+        return math.inf if self.beta == 0 else 1.0 / self.beta
+
+    @property
+    def half_bandwidth_bytes(self) -> float:
+        """The message (wire bytes) at which alpha and the bytes cost the same: below it latency rules."""
+        return math.inf if self.beta == 0 else self.alpha / self.beta
+
+    def describe(self) -> str:
+        return f"alpha {self.alpha * 1e6:,.1f} us, 1/beta {self.bandwidth / 1e9:.3g} GB/s"
+
+
 # Everything the calculator shows is computed here, from the formulas above, so a chapter and the
 # calculator can never disagree.
 
@@ -195,6 +233,11 @@ class Cluster:
     def world_size(self) -> int:
         """Data-parallel ranks: one per GPU."""
         return self.gpus_per_node * self.nodes
+
+    @property
+    def link(self) -> AlphaBeta:
+        """The cluster's link as the course's latency-bandwidth model (bandwidth only: no latency term)."""
+        return AlphaBeta.link(self.link_bytes_per_s)
 
 
 def placement(psi: float, stage: int, world_size: int, precision: str = "bf16", offload_optimizer: bool = False,
@@ -250,13 +293,13 @@ def ring_bytes(op: str, message_bytes: float, world_size: int) -> float:
 
 
 def collective_seconds(op: str, message_bytes: float, cluster: Cluster) -> float:
-    """Predicted seconds of one collective on ``cluster``: the bytes each GPU sends on a ring over the
-    link's bus bandwidth (a bandwidth-only model: no per-message latency).
+    """Predicted seconds of one collective on ``cluster``: the bytes each GPU sends on a ring through
+    :meth:`AlphaBeta.seconds` of the cluster's link (bandwidth only: no per-message latency).
 
-    This is the ONE place the course turns bytes into time: the calculator and the chapters call only
-    this, so a measured latency-bandwidth model (``helpers.bandwidth``) replaces it here.
+    Bytes become seconds only through :class:`AlphaBeta`: here, in ZeRO++'s model below and in the
+    fitted models of :mod:`helpers.bandwidth`.
     """
-    return ring_bytes(op, message_bytes, cluster.world_size) / cluster.link_bytes_per_s
+    return cluster.link.seconds(ring_bytes(op, message_bytes, cluster.world_size))
 
 
 def comm_seconds_per_step(psi: float, stage: int, cluster: Cluster, precision: str = "fp32") -> float:
@@ -529,29 +572,17 @@ def zeropp_cross_node_bytes(psi: float, qwz: bool = False, hpz: bool = False, qg
     return sum(v["inter"] for v in zeropp_volume(psi, qwz, hpz, qgz, nodes=2).values())
 
 
-@dataclasses.dataclass(frozen=True)
-class Link:
-    """A latency-bandwidth model of one kind of connection: a collective moving ``b`` bytes per GPU takes
-    ``latency + b / bandwidth`` seconds. ``bandwidth`` is bytes/s per GPU (bus bandwidth, nccl-tests)."""
-
-    bandwidth: float
-    latency: float
-
-    def seconds(self, nbytes: float, calls: int = 1) -> float:
-        return calls * self.latency + nbytes / self.bandwidth
-
-
 #: The model's assumptions, stated as parameters, not measurements. The bandwidth chapter's measured
-#: figures (helpers/bandwidth.py) plug in here: pass a Link built from them instead of these defaults.
+#: fits (helpers/bandwidth.py) are the same class: pass one of them instead of these defaults.
 #: Inside a node: NVLink-class, 300 GB/s bus bandwidth for large messages, 10 µs a call. Across nodes:
 #: one 100 Gb/s NIC per GPU (12.5 GB/s), 20 µs a call: a commodity cluster, where ZeRO++ is meant to help.
-DEFAULT_INTRA_NODE = Link(bandwidth=300e9, latency=10e-6)
-DEFAULT_INTER_NODE = Link(bandwidth=12.5e9, latency=20e-6)
+DEFAULT_INTRA_NODE = AlphaBeta.link(bandwidth=300e9, latency=10e-6)
+DEFAULT_INTER_NODE = AlphaBeta.link(bandwidth=12.5e9, latency=20e-6)
 
 
 def zeropp_comm_seconds(psi: float, layers: int, nodes: int, qwz: bool = False, hpz: bool = False,
-                        qgz: bool = False, intra: Link = DEFAULT_INTRA_NODE,
-                        inter: Link = DEFAULT_INTER_NODE) -> float:
+                        qgz: bool = False, intra: AlphaBeta = DEFAULT_INTRA_NODE,
+                        inter: AlphaBeta = DEFAULT_INTER_NODE) -> float:
     """Predicted communication seconds per GPU and micro-step of ZeRO-3 (with the ZeRO++ parts chosen) for
     ``psi`` 16-bit parameters in ``layers`` gathered units, on ``nodes`` nodes: bytes from
     :func:`zeropp_volume` at each link's bandwidth, plus one latency per collective call and link
@@ -565,7 +596,7 @@ def zeropp_comm_seconds(psi: float, layers: int, nodes: int, qwz: bool = False, 
 
 
 def zeropp_step_prediction(psi: float, layers: int, tokens_per_gpu: int, nodes: int, flops_per_s: float,
-                           intra: Link = DEFAULT_INTRA_NODE, inter: Link = DEFAULT_INTER_NODE) -> dict[str, float]:
+                           intra: AlphaBeta = DEFAULT_INTRA_NODE, inter: AlphaBeta = DEFAULT_INTER_NODE) -> dict[str, float]:
     """Predicted seconds per micro-step of plain ZeRO-3 and full ZeRO++ (qwZ + hpZ + qgZ): compute
     (6Ψ FLOPs a token at ``flops_per_s`` achieved per GPU) plus communication (:func:`zeropp_comm_seconds`),
     without overlap; and the speed-up. Quantization kernels' own time is left out (small on GPUs)."""

@@ -28,6 +28,9 @@ import pytest
 
 from helpers import environment
 
+#: Not in the README's test command: `python3 -m helpers.course test --system` (and .ci/run) runs it.
+pytestmark = pytest.mark.system
+
 ROOT = environment.REPO_ROOT
 IMAGES = ROOT / "docs" / "images"
 NOTEBOOK = "17_config_lab.ipynb"

@@ -145,9 +145,27 @@ def test_tables_from_a_ladder_dict():
     assert "within 1e-03" in capstone.same_math(ladder)  # bf16 tolerance, same batch as the baseline
 
 
-def test_fsdp2_hook_says_it_measured_nothing():
-    found = capstone.fsdp2_run(capstone.GPU_BASELINE, "1.2b", 8, 2)
-    assert found["measured"] is False and "fsdp2_run" in found["reason"]
+def test_fsdp2_lines_report_what_ran_or_why_not():
+    base = {"rung": "cpu", "label": "baseline", "run": "r0", "verdict": "baseline", "losses": [5.0, 4.0],
+            "setting": dataclasses.asdict(capstone.CPU_BASELINE)}
+    runs = {"FSDP2 full": {"mfu": None, "tokens_per_s": 1234.0, "losses": [5.0, 4.0 + 5e-6]},
+            "FSDP2 grad-op": {"mfu": None, "tokens_per_s": 1500.0, "losses": [5.0, 4.1]}}
+    ladder = {"candidates": [base], "best": dataclasses.asdict(capstone.CPU_BASELINE), "best_run": "r0",
+              "fsdp2": {"measured": True, "setting": dataclasses.asdict(capstone.CPU_BASELINE), "runs": runs}}
+    same = capstone.fsdp2_same_math(ladder)
+    assert "FSDP2 full" in same and "within 1e-05" in same and "differ by more than 1e-05" in same
+    assert "FSDP2 full 1,234 tokens/s; FSDP2 grad-op 1,500 tokens/s" in capstone.fsdp2_line(ladder)
+    base.update(run="r0", tokens_per_s=1000.0, tflops_per_gpu=None, mfu=None, peak_bytes=2**20)
+    for r in runs.values():
+        r.update(tflops_per_gpu=None, peak_bytes=2**21)
+    table = capstone.fsdp2_table({**ladder, "device": "CPU (2 cores)"})
+    assert "DeepSpeed baseline" in table and "FSDP2 grad-op, eager" in table and "DeepSpeed best" not in table
+    best = {**base, "run": "r1", "label": "ZeRO-3", "verdict": "kept: +5.0%"}
+    table = capstone.fsdp2_table({**ladder, "candidates": [base, best], "best_run": "r1", "device": "CPU (2 cores)"})
+    assert "DeepSpeed best: ZeRO-3" in table
+    skipped = {**ladder, "fsdp2": {"measured": False, "reason": "time budget: about 50 s needed, 3 s left"}}
+    assert capstone.fsdp2_line(skipped) == "FSDP2: time budget: about 50 s needed, 3 s left"
+    assert "did not run: time budget" in capstone.fsdp2_same_math(skipped)
 
 
 def test_summary_says_when_nothing_beat_the_baseline():

@@ -8,6 +8,9 @@ import pytest
 
 from helpers import multinode
 
+#: Not in the README's test command: `python3 -m helpers.course test --system` (and .ci/run) runs it.
+pytestmark = pytest.mark.system
+
 REASON = multinode.missing()
 
 

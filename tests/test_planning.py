@@ -111,6 +111,16 @@ def test_predicted_time_is_ring_bytes_over_the_link():
     assert theory.comm_seconds_per_step(PSI, 3, cluster, "bf16") == pytest.approx(seconds * 1.5)
 
 
+def test_the_calculator_and_the_fitted_models_share_one_time_formula():
+    from helpers import bandwidth
+    cluster = theory.Cluster(gpus_per_node=4, nodes=2, link_bytes_per_s=50e9)
+    assert bandwidth.AlphaBeta is theory.AlphaBeta and cluster.link == theory.AlphaBeta(0.0, 1 / 50e9)
+    wire = theory.ring_bytes("all_gather", 3e9, 8)
+    assert theory.collective_seconds("all_gather", 3e9, cluster) == cluster.link.seconds(wire)
+    with pytest.raises(ValueError, match="bandwidth"):
+        theory.AlphaBeta.link(0.0)
+
+
 def test_default_link_is_stated_and_used():
     assert theory.Cluster().link_bytes_per_s == theory.DEFAULT_LINK_BYTES_PER_S
 

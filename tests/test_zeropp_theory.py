@@ -49,25 +49,25 @@ def test_hpz_and_qgz_keep_part_of_their_traffic_inside_the_node():
 
 
 def test_link_costs_latency_per_call_plus_bytes_over_bandwidth():
-    link = theory.Link(bandwidth=1e9, latency=1e-5)
+    link = theory.AlphaBeta.link(bandwidth=1e9, latency=1e-5)
     assert link.seconds(2e9) == pytest.approx(2 + 1e-5)
     assert link.seconds(0, calls=10) == pytest.approx(1e-4)
 
 
 def test_comm_seconds_by_hand():
-    intra, inter = theory.Link(100e9, 0.0), theory.Link(10e9, 0.0)
+    intra, inter = theory.AlphaBeta.link(100e9, 0.0), theory.AlphaBeta.link(10e9, 0.0)
     # two nodes, plain ZeRO-3: 3M across at 10 GB/s
     assert theory.zeropp_comm_seconds(PSI, 1, 2, intra=intra, inter=inter) == pytest.approx(3 * M / 10e9)
     # ZeRO++: 0.75M across, 0.5M (quantized secondary gather) + 0.25M (first qgZ hop) inside
     assert theory.zeropp_comm_seconds(PSI, 1, 2, True, True, True, intra=intra, inter=inter) == pytest.approx(
         0.75 * M / 10e9 + 0.75 * M / 100e9)
     # latency: one per phase, link and layer
-    lat = theory.Link(1e30, 1e-3)
+    lat = theory.AlphaBeta.link(1e30, 1e-3)
     assert theory.zeropp_comm_seconds(PSI, 10, 2, intra=lat, inter=lat) == pytest.approx(3 * 10 * 1e-3)
 
 
 def test_step_prediction_gain_grows_as_the_network_slows():
-    slow, fast = theory.Link(1e9, 2e-5), theory.Link(100e9, 2e-5)
+    slow, fast = theory.AlphaBeta.link(1e9, 2e-5), theory.AlphaBeta.link(100e9, 2e-5)
     p_slow = theory.zeropp_step_prediction(7e9, 32, 8192, 2, 400e12, inter=slow)
     p_fast = theory.zeropp_step_prediction(7e9, 32, 8192, 2, 400e12, inter=fast)
     assert p_slow["compute_s"] == pytest.approx(6 * 7e9 * 8192 / 400e12)
