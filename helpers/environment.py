@@ -24,6 +24,26 @@ WORLD_SIZE_VARIABLE = "COURSE_WORLD_SIZE"
 #: DS_ACCELERATOR as this process found it, before :func:`detect` set it for a CPU-only machine.
 _ORIGINAL_DS_ACCELERATOR = os.environ.get("DS_ACCELERATOR")
 
+
+def own_ninja_first(path: str) -> str:
+    """``path`` (a PATH value) with this Python's own ``bin`` folder first when it holds ``ninja``.
+
+    DeepSpeed JIT-builds its ops with whichever ``ninja`` PATH finds first. pip installs one into the
+    environment (a dependency of deepspeed, 1.13 here) and many systems have another (Debian's 1.11): the two
+    keep build logs in different formats, so each switch between them (an activated shell, then a Jupyter
+    kernel that is not) rebuilds every op, about 40 s each on 2 cores. The course always uses the
+    environment's own.
+    """
+    own = Path(sys.executable).parent
+    if not (own / "ninja").exists():
+        return path
+    parts = [p for p in path.split(os.pathsep) if p and Path(p) != own]
+    return os.pathsep.join([str(own), *parts])
+
+
+# This process (a notebook's kernel, a command) and every rank it starts: the same ninja, always.
+os.environ["PATH"] = own_ninja_first(os.environ.get("PATH", ""))
+
 #: Ranks used on a machine without GPUs: two is the smallest world where ZeRO partitions anything.
 CPU_DEFAULT_RANKS = 2
 
@@ -291,6 +311,7 @@ def child_env(env: Environment, world_size: int, base: dict[str, str] | None = N
                 f"OMP_NUM_THREADS={threads}: {env.cpu_cores} cores shared by {world_size} ranks "
                 "(more threads than cores makes every rank slower)"
             )
+    child["PATH"] = own_ninja_first(child.get("PATH", ""))
     child.setdefault("PYTHONUNBUFFERED", "1")
     return child, changes
 

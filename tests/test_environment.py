@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +165,14 @@ def test_child_env_on_gpus_changes_no_cpu_settings():
     assert child["OMP_NUM_THREADS"] == "7"
     assert "DS_ACCELERATOR" not in child
     assert changes == []
+
+
+def test_the_ranks_find_the_environments_own_ninja_first():
+    own = Path(sys.executable).parent
+    if not (own / "ninja").exists():
+        pytest.skip(f"no ninja in {own}: nothing to put first")
+    child, _ = environment.child_env(_env(), 2, base={"PATH": os.pathsep.join(["/usr/bin", str(own), "/bin"])})
+    assert child["PATH"].split(os.pathsep) == [str(own), "/usr/bin", "/bin"]
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(own)  # the kernel itself, from importing helpers
+    found = shutil.which("ninja", path=child["PATH"])
+    assert Path(found).parent == own
