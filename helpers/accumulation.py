@@ -250,10 +250,6 @@ def claim_report(name: str = "grad-accum-claim") -> str:
     that none are committed yet."""
     from helpers import experiments, models
 
-    found = experiments.reference_runs(name)
-    if not found:
-        return (f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json): "
-                "run this notebook on a GPU machine to measure them.")
     tokens = models.sequence_length(CLAIM["model"])
-    return "\n\n".join(f"Measured on {device}, {date} ({note}):\n{claim_table(runs, tokens)}"
-                        for device, date, note, runs in found)
+    return experiments.references_report(name, lambda runs: claim_table(runs, tokens),
+                                         how="run this notebook on a GPU machine to measure them.")

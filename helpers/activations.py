@@ -446,8 +446,5 @@ def reference_report(name: str = "activation-checkpointing") -> str:
     """Every committed GPU result of this chapter, labelled with its device, or a plain statement that none is."""
     from helpers import experiments
 
-    found = experiments.reference_runs(name)
-    if not found:
-        return f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json)."
-    return "\n\n".join(f"Measured on {device}, {date} ({note}):\n{gpu_table(runs)}" for device, date, note, runs in found)
+    return experiments.references_report(name, gpu_table)
 

@@ -466,8 +466,7 @@ def reference_report(name: str = "bandwidth-nvlink", sockets: str = "bandwidth-s
 
     found = experiments.reference_runs(name)
     if not found:
-        return (f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json): "
-                "run this notebook on a GPU machine to measure them.")
+        return experiments.no_references(name, "run this notebook on a GPU machine to measure them.")
     over_sockets = {device: runs for device, _, _, runs in experiments.reference_runs(sockets)}
     parts = []
     for device, date, note, runs in found:

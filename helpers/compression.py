@@ -202,16 +202,8 @@ def _failure(result) -> str:
 
 def reference_report(name: str = "zeropp") -> str:
     """The committed GPU results of this chapter, each labelled with its device, date and note."""
-    found = experiments.reference_runs(name)
-    if not found:
-        return (f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json): run this "
-                "notebook on a machine with 2 or more NVIDIA GPUs to measure them.")
-    parts = []
-    for device, date, note, runs in found:
-        by_bytes = {k.removeprefix("bytes: "): r for k, r in runs.items() if k.startswith("bytes: ")}
-        by_time = {k.removeprefix("time: "): r for k, r in runs.items() if k.startswith("time: ")}
-        parts.append(f"Measured on {device}, {date} ({note}):\n{gpu_table(by_bytes, by_time or None)}")
-    return "\n\n".join(parts)
+    return experiments.bytes_and_time_report(
+        name, gpu_table, how="run this notebook on a machine with 2 or more NVIDIA GPUs to measure them.")
 
 
 def save_gpu_reference(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record],

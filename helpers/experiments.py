@@ -10,7 +10,7 @@ import datetime
 import json
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from helpers import environment, launch, records, theory
 
@@ -156,13 +156,35 @@ def reference_runs(name: str) -> list[tuple[str, str, str, dict[str, records.Rec
     return found
 
 
-def reference_report(name: str) -> str:
-    """The knob table of every committed GPU result of ``name``, timings included, each labelled with its device."""
+def no_references(name: str, how: str = "") -> str:
+    """The plain statement that no GPU result of experiment ``name`` is committed (and ``how`` to measure one)."""
+    return (f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json)"
+            + (f": {how}" if how else "."))
+
+
+def references_report(name: str, render: Callable[[dict], str], how: str = "") -> str:
+    """Every committed GPU result of experiment ``name``: a "Measured on <device>, <date> (<note>):" line with
+    ``render(runs)`` below it, one block per reference; or :func:`no_references`."""
     found = reference_runs(name)
     if not found:
-        return f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json)."
-    return "\n\n".join(f"Measured on {device}, {date} ({note}):\n{knob_table(runs, timings=True)}"
-                       for device, date, note, runs in found)
+        return no_references(name, how)
+    return "\n\n".join(f"Measured on {device}, {date} ({note}):\n{render(runs)}" for device, date, note, runs in found)
+
+
+def bytes_and_time_report(name: str, table: Callable[[dict, dict | None], str], how: str = "") -> str:
+    """:func:`references_report` for references that keep two sets of the same runs, ``"bytes: <run>"`` (with
+    the probes that measure communication) and ``"time: <run>"`` (timing only): ``table(by_bytes, by_time)``,
+    ``by_time`` None where a reference has no timing-only runs."""
+    def render(runs: dict) -> str:
+        by_bytes = {k.removeprefix("bytes: "): r for k, r in runs.items() if k.startswith("bytes: ")}
+        by_time = {k.removeprefix("time: "): r for k, r in runs.items() if k.startswith("time: ")}
+        return table(by_bytes, by_time or None)
+    return references_report(name, render, how)
+
+
+def reference_report(name: str) -> str:
+    """The knob table of every committed GPU result of ``name``, timings included, each labelled with its device."""
+    return references_report(name, lambda runs: knob_table(runs, timings=True))
 
 
 def comparison_table(subject: records.Record, baselines: Mapping[str, records.Record], rank: int = 0) -> str:

@@ -223,13 +223,6 @@ def save_gpu_reference(by_bytes: Mapping[str, records.Record], by_time: Mapping[
 
 def reference_report(name: str = "frameworks") -> str:
     """The committed GPU comparisons, each labelled with its device, date and note."""
-    found = experiments.reference_runs(name)
-    if not found:
-        return (f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json): run this "
-                "notebook on a machine with 2 or more NVIDIA GPUs to measure them.")
-    parts = []
-    for device, date, note, runs in found:
-        by_bytes = {k.removeprefix("bytes: "): r for k, r in runs.items() if k.startswith("bytes: ")}
-        by_time = {k.removeprefix("time: "): r for k, r in runs.items() if k.startswith("time: ")}
-        parts.append(f"Measured on {device}, {date} ({note}):\n{gpu_table(by_bytes, by_time)}")
-    return "\n\n".join(parts)
+    return experiments.bytes_and_time_report(
+        name, lambda by_bytes, by_time: gpu_table(by_bytes, by_time or {}),
+        how="run this notebook on a machine with 2 or more NVIDIA GPUs to measure them.")

@@ -439,7 +439,7 @@ def reference_report(name: str = "pipeline") -> str:
 
     found = experiments.reference_runs(name)
     if not found:
-        return f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json)."
+        return experiments.no_references(name)
     blocks = []
     for device, date, note, runs in found:
         counts = sorted(int(k.removeprefix("pipeline-M")) for k in runs if k.startswith("pipeline-M"))

@@ -342,7 +342,7 @@ WARMUP_STEPS = 2
 
 
 @register
-class Throughput(Probe):
+class Throughput(Timing):
     """Tokens per second, model TFLOP/s per GPU and MFU (:func:`helpers.performance.throughput`), from
     rank 0's step times (device synchronized before and after each step), steps ``WARMUP_STEPS`` + 1 to
     the last but one (all but the first when a run has fewer than ``WARMUP_STEPS`` + 2 steps). Tokens per
@@ -350,21 +350,7 @@ class Throughput(Probe):
     Section: ``throughput``.
     """
 
-    name = "throughput"
-
-    def start(self, ctx: RunContext) -> None:
-        self.times: list[float] = []
-
-    def before_step(self, ctx: RunContext, step: int) -> None:
-        ctx.synchronize()
-        self.started = time.perf_counter()
-
-    def after_step(self, ctx: RunContext, step: int) -> None:
-        ctx.synchronize()
-        self.times.append(time.perf_counter() - self.started)
-
-    def finish(self, ctx: RunContext) -> dict:
-        return {"times": self.times}
+    name = "throughput"  # steps timed as the timing probe does; only what is made of them differs
 
     def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
         from helpers import performance

@@ -243,11 +243,8 @@ def reference_report(name: str = "tensor-parallel") -> str:
     statement that none is."""
     from helpers import experiments
 
-    found = experiments.reference_runs(name)
-    if not found:
-        return f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json)."
-    return "\n\n".join(f"Measured on {device}, {date} ({note}):\n{against_zero3_table(runs, timings=True)}\n"
-                         f"{memory_table(runs)}" for device, date, note, runs in found)
+    return experiments.references_report(
+        name, lambda runs: f"{against_zero3_table(runs, timings=True)}\n{memory_table(runs)}")
 
 
 def plan_table(name: str = "llama") -> str:
