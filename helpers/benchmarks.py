@@ -13,11 +13,15 @@ import statistics
 from helpers import launch, records
 
 
+#: DeepSpeed's two ways to start ranks (``torchrun``, the third launcher, starts PyTorch's own strategies).
+DEEPSPEED_LAUNCHERS = ("launch", "deepspeed")
+
+
 def launch_overhead(repeats: int = 5, world_size: int | None = None) -> dict[str, dict]:
     """Wall seconds of ``repeats`` 2-step runs per launcher, alternating, plus rank 0's phases."""
-    results: dict[str, dict] = {name: {"wall_s": [], "phases": []} for name in launch.LAUNCHERS}
+    results: dict[str, dict] = {name: {"wall_s": [], "phases": []} for name in DEEPSPEED_LAUNCHERS}
     for _ in range(repeats):
-        for name in launch.LAUNCHERS:
+        for name in DEEPSPEED_LAUNCHERS:
             record = launch.run("zero0", model="linear", steps=2, world_size=world_size, launcher=name,
                                 name=f"bench-{name}", progress=False)
             results[name]["wall_s"].append(record.wall_s)

@@ -41,8 +41,18 @@ def own_ninja_first(path: str) -> str:
     return os.pathsep.join([str(own), *parts])
 
 
-# This process (a notebook's kernel, a command) and every rank it starts: the same ninja, always.
+def extensions_dir() -> Path | None:
+    """Where DeepSpeed's JIT-built ops go: inside the course's virtual environment (None outside one:
+    torch's default, ``~/.cache/torch_extensions``). Two clones share torch's default folder, and each
+    build there records its own clone's source paths, so switching between clones rebuilt every op."""
+    return Path(sys.prefix) / "torch_extensions" if sys.prefix != sys.base_prefix else None
+
+
+# This process (a notebook's kernel, a command) and every rank it starts: the same ninja, always, and the
+# ops of this environment.
 os.environ["PATH"] = own_ninja_first(os.environ.get("PATH", ""))
+if extensions_dir() is not None:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
 
 #: Ranks used on a machine without GPUs: two is the smallest world where ZeRO partitions anything.
 CPU_DEFAULT_RANKS = 2

@@ -36,6 +36,7 @@ import base64
 import ctypes
 import dataclasses
 import json
+import math
 import os
 import queue
 import random
@@ -673,8 +674,9 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
                         elif kind == "done":
                             run_times[event["run"]].append(time.perf_counter())
                             bars.done(event["run"])
-                        elif kind == "run_error":
-                            run_errors.setdefault(event["run"], event)
+                        elif kind == "run_error":  # every rank reports; keep the lowest rank's, as in order
+                            if event["rank"] < run_errors.get(event["run"], {"rank": math.inf})["rank"]:
+                                run_errors[event["run"]] = event
                         elif kind == "error" and fatal is None:
                             fatal = event
                     if not text.strip():

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable
@@ -55,20 +56,21 @@ class DecoderStage(nn.Module):
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         # the cache argument's name changed between transformers 5 releases (past_key_values -> cache)
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  position_ids=positions, **{_CACHE_ARGUMENT: None})
+                                  position_ids=positions, **{_cache_argument(): None})
         return self.layer(hidden, attention_mask=mask, position_embeddings=self.rotary(hidden, position_ids=positions),
                           position_ids=positions)
 
 
+@functools.lru_cache(maxsize=None)
 def _cache_argument() -> str:
+    """The name transformers gives create_causal_mask's cache argument (asked on first use: importing
+    transformers costs every rank about 2 s, and most runs never build a pipeline)."""
     import inspect
 
     from transformers.masking_utils import create_causal_mask
 
     return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
-
-_CACHE_ARGUMENT = _cache_argument()
 
 
 class HeadStage(nn.Module):

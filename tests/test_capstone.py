@@ -203,6 +203,13 @@ def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypat
                 for i, (label, s) in enumerate(pairs)]
 
     monkeypatch.setattr(capstone, "_launch_rung", fake_launch)
+    fsdp2_settings = []
+
+    def fake_fsdp2(setting, size, steps, world_size, name, timeout):
+        fsdp2_settings.append(setting)
+        return {"measured": False, "reason": "faked"}
+
+    monkeypatch.setattr(capstone, "fsdp2_run", fake_fsdp2)
     stage = capstone.Rung("stage", "stage", lambda s: [("ZeRO-3", dataclasses.replace(s, stage=3))])
     batch = capstone.Rung("batch", "batch", lambda s: [("accumulation x2", dataclasses.replace(s, grad_accum=4))])
     first = capstone.walk("tiny", ladder=[stage], budget_s=1000, world_size=2).to_dict()
@@ -214,8 +221,11 @@ def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypat
     assert launches[1:] == [["accumulation x2"]]  # the stage rung is not climbed again
     assert second["candidates"][-1]["verdict"] == "kept: +10.0%" and second["best_label"] == "batch: accumulation x2"
     assert [r["rung"] for r in second["rungs"]] == ["stage", "batch"] and second["walks"] == 2
+    # after each walk, FSDP2 on the best setting so far
+    assert [s.grad_accum for s in fsdp2_settings] == [capstone.CPU_BASELINE.grad_accum, 4]
 
     monkeypatch.setattr(capstone, "_estimate", lambda *args: 1e9)  # no budget: the baseline alone, then nothing
     third = capstone.walk("tiny", ladder=[stage, batch], budget_s=10, world_size=2).to_dict()
     assert launches[-1] == ["baseline", "baseline, again"]
     assert [r["ran"] for r in third["rungs"]] == [False, False] and "baseline alone" in third["rungs"][0]["why"]
+    assert third["fsdp2"]["reason"].startswith("time budget") and len(fsdp2_settings) == 2

@@ -176,3 +176,13 @@ def test_the_ranks_find_the_environments_own_ninja_first():
     assert os.environ["PATH"].split(os.pathsep)[0] == str(own)  # the kernel itself, from importing helpers
     found = shutil.which("ninja", path=child["PATH"])
     assert Path(found).parent == own
+
+
+def test_ops_are_built_inside_the_courses_environment():
+    where = environment.extensions_dir()
+    if where is None:
+        pytest.skip("not in a virtual environment: torch's default folder")
+    assert where == Path(sys.prefix) / "torch_extensions"
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(where)  # set when helpers is imported (unless set before)
+    child, _ = environment.child_env(_env(), 2)
+    assert child["TORCH_EXTENSIONS_DIR"] == os.environ["TORCH_EXTENSIONS_DIR"]  # the ranks load the same ops

@@ -30,6 +30,9 @@ def swept(tmp_path_factory):
     # stage 3 and stage 1 come after other runs in the same processes, where leftovers would show
     specs = {f"zero{s}": launch.RunSpec(f"zero{s}", model="mlp", steps=3, out=folder / f"zero{s}")
              for s in (0, 2, 3, 1)}
+    # and a run that asks for one probe only: it records only that (no comms logger in its config either)
+    specs["timing-only"] = launch.RunSpec("zero1", model="linear", steps=2, probes=("timing",),
+                                          out=folder / "timing-only")
     return launch.sweep(specs, name=f"test-sweep-{folder.name}", world_size=2, progress=False)
 
 
@@ -40,13 +43,21 @@ def test_a_swept_run_has_the_record_of_its_own_launch(swept, stage, tmp_path):
 
 
 def test_every_run_of_a_sweep_has_its_own_folder_and_record(swept):
-    assert list(swept) == ["zero0", "zero2", "zero3", "zero1"]
+    assert list(swept) == ["zero0", "zero2", "zero3", "zero1", "timing-only"]
     for position, (name, record) in enumerate(swept.items(), start=1):
         assert isinstance(record, records.Record)
-        assert record.stage == int(name[-1])
+        assert record.stage == (1 if name == "timing-only" else int(name[-1]))
         assert record.out.name == name and (record.out / "ds_config.json").exists()
-        assert record["launch"]["position"] == position and record["launch"]["of"] == 4
+        assert record["launch"]["position"] == position and record["launch"]["of"] == 5
         assert record.wall_s is not None and record.wall_s > 0
+
+
+def test_a_run_records_only_what_its_probes_measure(swept):
+    record = swept["timing-only"]
+    assert record.summary["probes"] == ["timing"]
+    assert "memory" not in record.summary and "comm" not in record.summary
+    assert len(record["step_time_s.all"]) == 2
+    assert "comms_logger" not in record.summary["config"]  # the comm probe was not asked for
 
 
 def test_a_sweep_refuses_two_runs_of_one_name(tmp_path, monkeypatch):
