@@ -213,7 +213,7 @@ def train_step(ctx, run: dict, step: int, probes: list) -> list[float]:
     losses = []
     for micro_step in range(ctx.grad_accum):
         indices = models.sample_indices(step, micro_step, ctx.rank, ctx.world_size, ctx.micro_batch, ctx.grad_accum)
-        batch = models.make_batch(name, indices, run["seed"], seq_len=models.run_seq_len(name, options)).to(engine.device)
+        batch = models.make_batch(name, indices, run["seed"], seq_len=options["seq_len"]).to(engine.device)
         loss = models.loss_of(engine, name, batch)
         engine.backward(loss)
         for probe in probes:

@@ -175,18 +175,18 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
     for name, record in by_bytes.items():
         failed = _failure(record) or _failure((by_time or {}).get(name))
         if failed:
-            rows.append([name, f"failed: {failed}", "-", "-"] + (["-", "-"] if by_time is not None else []))
+            rows.append([name, f"failed: {failed}", "-", "-"] + (["-", "-"] if by_time else []))
             continue
         ops = " ".join(f"{op}:{row['count']:g}x{records.format_bytes(row['bytes'] / max(row['count'], 1))}"
                        for op, row in record.comm_ops().items())
         row = [name, ops, records.format_bytes(record["comm.bytes_per_step"]),
                f"{record['comm.bytes_per_step'] / base:.2f}"]
-        if by_time is not None:
+        if by_time:
             t, t0 = by_time[name]["step_time_s.median"], by_time[baseline]["step_time_s.median"]
             row += [f"{t * 1000:.1f}", f"{t / t0:.2f}"]
         rows.append(row)
     headers = ["setting", "collectives per step: calls x bytes per call", "bytes/step", "vs ZeRO-3"]
-    if by_time is not None:
+    if by_time:
         headers += ["step ms", "vs ZeRO-3"]
     return records.format_table(rows, headers)
 

@@ -25,6 +25,13 @@ WORLD_SIZE_VARIABLE = "COURSE_WORLD_SIZE"
 _ORIGINAL_DS_ACCELERATOR = os.environ.get("DS_ACCELERATOR")
 
 
+def shown_path(path: str | Path) -> Path:
+    """``path`` as a learner should read it: relative to the course's folder when inside it (the same on
+    every machine), else as it is."""
+    path = Path(path)
+    return path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+
+
 def own_ninja_first(path: str) -> str:
     """``path`` (a PATH value) with this Python's own ``bin`` folder first when it holds ``ninja``.
 

@@ -156,6 +156,10 @@ def reference_runs(name: str) -> list[tuple[str, str, str, dict[str, records.Rec
     return found
 
 
+#: How a learner gets a chapter's GPU results where none are committed.
+GPU_HOW = "run this chapter on a GPU machine to measure them."
+
+
 def no_references(name: str, how: str = "") -> str:
     """The plain statement that no GPU result of experiment ``name`` is committed (and ``how`` to measure one)."""
     return (f"No GPU results for {name!r} are committed yet (notebooks/reference/{name}-*.json)"
@@ -171,14 +175,14 @@ def references_report(name: str, render: Callable[[dict], str], how: str = "") -
     return "\n\n".join(f"Measured on {device}, {date} ({note}):\n{render(runs)}" for device, date, note, runs in found)
 
 
-def bytes_and_time_report(name: str, table: Callable[[dict, dict | None], str], how: str = "") -> str:
+def bytes_and_time_report(name: str, table: Callable[[dict, dict], str], how: str = "") -> str:
     """:func:`references_report` for references that keep two sets of the same runs, ``"bytes: <run>"`` (with
     the probes that measure communication) and ``"time: <run>"`` (timing only): ``table(by_bytes, by_time)``,
-    ``by_time`` None where a reference has no timing-only runs."""
+    ``by_time`` empty where a reference has no timing-only runs."""
     def render(runs: dict) -> str:
         by_bytes = {k.removeprefix("bytes: "): r for k, r in runs.items() if k.startswith("bytes: ")}
         by_time = {k.removeprefix("time: "): r for k, r in runs.items() if k.startswith("time: ")}
-        return table(by_bytes, by_time or None)
+        return table(by_bytes, by_time)
     return references_report(name, render, how)
 
 

@@ -224,5 +224,5 @@ def save_gpu_reference(by_bytes: Mapping[str, records.Record], by_time: Mapping[
 def reference_report(name: str = "frameworks") -> str:
     """The committed GPU comparisons, each labelled with its device, date and note."""
     return experiments.bytes_and_time_report(
-        name, lambda by_bytes, by_time: gpu_table(by_bytes, by_time or {}),
+        name, gpu_table,
         how="run this notebook on a machine with 2 or more NVIDIA GPUs to measure them.")

@@ -435,7 +435,7 @@ def reference_report(name: str = "offload") -> str:
 
     found = experiments.reference_runs(name)
     if not found:
-        return experiments.no_references(name, "run this chapter on a GPU machine to measure them.")
+        return experiments.no_references(name, experiments.GPU_HOW)
     parts = []
     for device, date, note, runs in found:
         trained = {k: r for k, r in runs.items() if not isinstance(r, dict)}

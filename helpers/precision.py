@@ -602,17 +602,13 @@ def engine_against_demo(engine: Mapping[str, Any], demos: Mapping[str, Any]) -> 
     return records.format_table(rows, ["fp16 settings", "engine vs scaler demo", "detail"])
 
 
-#: How a learner gets the chapter's GPU results where none are committed.
-GPU_HOW = "run this chapter on a GPU machine to measure them."
-
-
 def loss_scale_reference_report(demos: Mapping[str, Any], name: str = "loss-scale") -> str:
     """The fp16 engine's trajectories measured on GPUs (committed references), against the scaler demo here."""
     from helpers import experiments
 
     found = experiments.reference_runs(name)
     if not found:
-        return experiments.no_references(name, GPU_HOW)
+        return experiments.no_references(name, experiments.GPU_HOW)
     parts = []
     for device, date, note, runs in found:
         trained = {k: r for k, r in runs.items() if not (isinstance(r, dict) and "failed" in r)}
@@ -635,7 +631,7 @@ def speed_reference_report(name: str = "precision-speed") -> str:
     """Step time and peak device memory per precision, measured on GPUs (committed references)."""
     from helpers import experiments
 
-    return experiments.references_report(name, speed_table, how=GPU_HOW)
+    return experiments.references_report(name, speed_table, how=experiments.GPU_HOW)
 
 
 def gpu_experiment(runs: Mapping[Any, Any]) -> None:

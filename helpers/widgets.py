@@ -333,7 +333,7 @@ class ConfigBuilder:
         MY_CONFIGS.mkdir(exist_ok=True)
         path = MY_CONFIGS / f"{name}.json"
         path.write_text(json.dumps(self.config, indent=1) + "\n")
-        shown = path.relative_to(environment.REPO_ROOT) if path.is_relative_to(environment.REPO_ROOT) else path
+        shown = environment.shown_path(path)
         self.status.value = (f"saved <code>{html.escape(str(shown))}</code> "
                              f"(check it in a terminal: <code>python -m helpers check {html.escape(str(shown))}</code>)")
         return path
@@ -646,8 +646,9 @@ class LiveRun:
         self.plot.layout.display = None
 
     def show_record(self, record: records.Record, name: str) -> None:
+        shown = environment.shown_path(record.out / "summary.json")
         self.record_view.value = (_pre(records.runs_table({name: record})) +
-                                  f"<small>record: <code>{html.escape(str(record.out))}/summary.json</code>"
+                                  f"<small>record: <code>{html.escape(str(shown))}</code>"
                                   + (f", launch to exit {record.wall_s:.1f} s" if record.wall_s else "") + "</small>")
 
     def show_failure(self, error: Exception) -> None:
@@ -713,7 +714,8 @@ class MyRuns:
 
     def show(self) -> None:
         chosen = {name: self.runs[name] for name in self.choice.value}
-        note = (f"<small>{len(self.runs)} run(s) in <code>{html.escape(str(self.folder))}</code>"
+        shown = environment.shown_path(self.folder)
+        note = (f"<small>{len(self.runs)} run(s) in <code>{html.escape(str(shown))}</code>"
                 + (f"; not training records: {html.escape(', '.join(self.skipped))}" if self.skipped else "")
                 + "</small>")
         self.table_view.value = note + _pre(records.runs_table(self.runs)) if self.runs else note
