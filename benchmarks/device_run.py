@@ -94,6 +94,11 @@ def show_machine(env: dict[str, str]) -> None:
     for key in KEPT:
         say(f"{key}={env.get(key, '(unset)')}")
     subprocess.run([sys.executable, "-m", "helpers", "env"], env=env, cwd=ROOT)
+    # the machine as a reference file records it, kept beside the results: records that come back without
+    # their reference can be adopted with it (python -m helpers adopt-reference --machine ...)
+    subprocess.run([sys.executable, "-c", "import json; from helpers import environment as e; "
+                    "print(json.dumps({'software': e.software(), 'hardware': e.hardware()}, indent=1))"],
+                   env=env, cwd=ROOT, stdout=open(ROOT / "runs" / "device-environment.json", "w"))
 
 
 def run_with_deadline(argv: list[str], env: dict[str, str], log: Path, seconds: float) -> int:
@@ -168,23 +173,48 @@ def run_jobs(jobs: list[str], env: dict[str, str], logs: Path, seconds: float) -
     return max(codes)
 
 
+#: What comes back first when the archive must stay small: references, reports, logs, ladders, then records.
+PACK_ORDER = ("reference/", "device-environment.json", "report.json", ".log", "ladder", "summary.json", ".json", ".txt", ".ipynb")
+#: Never packed: checkpoints and tensors (chapter 14 writes hundreds of MB of them).
+PACK_SKIPPED = (".pt", ".bin", ".safetensors", ".npy", ".pth")
+#: The transfer back takes files of 16 MiB at most; stay well below it.
+PACK_LIMIT = 14_000_000
+
+
+def _pack_rank(path: Path) -> int:
+    text = str(path)
+    return next((i for i, key in enumerate(PACK_ORDER) if key in text), len(PACK_ORDER))
+
+
 def pack(out: Path, task: str, code: int, seconds: float, log: Path) -> None:
+    """``OUT/results.tar.gz`` of ``runs/`` below :data:`PACK_LIMIT` (compressed): references and reports
+    first, executed notebooks last, no checkpoints; what did not fit is listed in ``summary.txt``."""
     out.mkdir(parents=True, exist_ok=True)
     runs = ROOT / "runs"
     archive = out / "results.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        for path in sorted(runs.rglob("*")) if runs.exists() else []:
-            if path.is_file() and path.stat().st_size < 4_000_000 and "/dev/shm" not in str(path):
-                tar.add(path, arcname=str(path.relative_to(ROOT)))
+    files = [p for p in (runs.rglob("*") if runs.exists() else [])
+             if p.is_file() and p != log and p.suffix not in PACK_SKIPPED and "checkpoint" not in str(p)
+             and "global_step" not in str(p) and p.stat().st_size < 4_000_000]
+    files.sort(key=lambda p: (_pack_rank(p), str(p)))
+    left_out: list[str] = []
+    with open(archive, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
         tar.add(log, arcname="runs/device_run.log")
+        for path in files:
+            # a notebook's figures hardly compress: count them whole, text at a quarter
+            cost = path.stat().st_size if path.suffix in (".ipynb", ".png") else path.stat().st_size // 4
+            if raw.tell() + cost > PACK_LIMIT:  # compressed bytes so far (gzip buffers a little)
+                left_out.append(str(path.relative_to(ROOT)))
+                continue
+            tar.add(path, arcname=str(path.relative_to(ROOT)))
     lines = [f"task: {task}", f"exit code: {code}", f"seconds: {seconds:.0f}",
              f"archive: results.tar.gz ({archive.stat().st_size / 1e6:.1f} MB; unpack in the repository root: "
              "tar xzf results.tar.gz)"]
     references = sorted((runs / "reference").glob("*.json")) if (runs / "reference").exists() else []
     lines.append("references: " + (", ".join(p.name for p in references) or "none"))
+    lines.append(f"left out of the archive (size): {len(left_out)} file(s)" + "".join(f"\n  {p}" for p in left_out[:50]))
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     shutil.copy(log, out / "log.txt")
-    say(f"packed into {archive}")
+    say(f"packed into {archive} ({archive.stat().st_size / 1e6:.1f} MB, {len(left_out)} file(s) left out)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         argv_task = [sys.executable, "-c", "print('set-up only')"]
     if args.task == "jobs":
         code = run_jobs(args.rest, env, ROOT / "runs" / "jobs", left)
-        log.write_text("\n".join(f"job: {job}" for job in args.rest) + "\n")
+        log.write_text("".join(f"job {n}: {job}\n" + (ROOT / "runs" / "jobs" / f"job-{n}.log").read_text()[-20_000:]
+                               for n, job in enumerate(args.rest, 1)))
     else:
         say(f"running {' '.join(argv_task[1:])} ({left:.0f} s left)")
         code = run_with_deadline(argv_task, env, log, left)

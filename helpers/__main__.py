@@ -9,6 +9,8 @@
     python -m helpers bench-launch [--repeats R]   where a launch's seconds go
     python -m helpers reference NAME               GPU only: measure and save a chapter's GPU reference
                                                    (grad-accum-claim, bandwidth-nvlink, bandwidth-sockets)
+    python -m helpers adopt-reference NAME LABEL=RUN_FOLDER ... --note N --conditions C --why W
+                                                   keep GPU records that came back without their reference
 """
 
 from __future__ import annotations
@@ -147,6 +149,19 @@ def _reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _adopt(args: argparse.Namespace) -> int:
+    from helpers import experiments
+
+    pairs = [a.partition("=") for a in args.runs]
+    bad = [a for a, (label, eq, folder) in zip(args.runs, pairs) if not (label and eq and folder)]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: give each run as LABEL=RUN_FOLDER, e.g. 'time: ZeRO-3=runs/zeropp-time-0-llama-medium-2r'")
+    path = experiments.adopt_records(args.name, {label: folder for label, _, folder in pairs}, args.note,
+                                     args.conditions, args.why, args.machine)
+    print(f"saved: {path} (copy it to notebooks/reference/ to make it the course's GPU reference)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m helpers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -200,6 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     reference = verbs.add_parser("reference", help="GPU only: measure a chapter's GPU reference into runs/reference/")
     reference.add_argument("name", choices=sorted(REFERENCES))
     reference.set_defaults(func=_reference)
+
+    adopt = verbs.add_parser("adopt-reference", help="keep GPU run records that came back without their reference "
+                             "file as a reference (software and hardware marked as not recorded)")
+    adopt.add_argument("name", help="the reference's experiment name, e.g. zeropp")
+    adopt.add_argument("runs", nargs="+", help="LABEL=RUN_FOLDER (a folder with the run's summary.json)")
+    adopt.add_argument("--note", required=True)
+    adopt.add_argument("--conditions", required=True, help="what else ran on the machine meanwhile")
+    adopt.add_argument("--why", required=True, help="why the reference itself was not written there")
+    adopt.add_argument("--machine", help="the device-environment.json written on the GPU machine (software, hardware)")
+    adopt.set_defaults(func=_adopt)
 
     args = parser.parse_args(argv)
     try:

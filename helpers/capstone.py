@@ -163,6 +163,8 @@ GPU_LADDER: list[Rung] = [
     Rung("overlap", "communication overlap and bucket sizes", _overlap),
     Rung("compile", "torch.compile through engine.compile()",
          lambda s: [("engine.compile()", dataclasses.replace(s, compile=True))] if not s.compile else []),
+    Rung("rebatch", "micro batch and accumulation again, from what was kept above (compiled kernels move the "
+         "balance between compute, the optimizer step and memory)", _batch),
     Rung("sequence", "sequence length x2 at the same tokens per micro-batch",
          lambda s: [("sequence x2, micro /2", dataclasses.replace(s, seq_len=s.seq_len * 2,
                                                                   micro_batch=max(1, s.micro_batch // 2)))]),
@@ -542,6 +544,30 @@ def rungs_table(ladder: dict) -> str:
     return records.format_table(rows, ["rung", "tunes", "outcome", "kept"])
 
 
+def shortfall(ladder: dict) -> str:
+    """What stands between the ladder's best candidate and the MFU target, from its own figures: the share of
+    its step that was exposed communication bounds what hiding communication could still give
+    (MFU / (1 - exposed share)); the rest of the gap is time the GPU spent below its peak while computing."""
+    best = next(c for c in ladder["candidates"] if c["run"] == ladder["best_run"])
+    rows = [c for c in ladder["candidates"] if c["verdict"] == "baseline"] if best["verdict"] == "baseline" else [best]
+    target = ladder["target_mfu"]
+    if any(r.get("mfu") is None or r.get("comm_exposed_share") is None for r in rows):
+        return "no MFU or no communication share for this device: nothing to bound"
+    # the baseline's figures are the mean of its two runs, as in summary()
+    mfu, exposed = (sum(r[k] for r in rows) / len(rows) for k in ("mfu", "comm_exposed_share"))
+    if mfu is None or exposed is None:
+        return "no MFU or no communication share for this device: nothing to bound"
+    if mfu >= target:
+        return f"the target is reached: {mfu:.1%} MFU against {target:.0%}"
+    bound = mfu / (1 - exposed)
+    line = (f"best {mfu:.1%} MFU with {exposed:.1%} of its step exposed communication: hiding all of it would give "
+            f"at most {bound:.1%}")
+    if bound < target:
+        return line + (f", still {100 * (target - bound):.1f} points short of {target:.0%}. The rest is compute below the GPU's peak "
+                       "(the kernels between the matrix products, attention, the optimizer step), not communication.")
+    return line + f", enough for {target:.0%}: the communication left is what stands in the way."
+
+
 def summary(ladder: dict) -> str:
     """The best setting against the baseline and the target, in words and numbers from the ladder."""
     rows = {c["run"]: c for c in ladder["candidates"]}
@@ -644,9 +670,10 @@ def save(ladder: Ladder, note: str = "") -> tuple[Path, Path | None]:
     return path, reference
 
 
-def reference_ladders(size: str = "1.2b") -> list[tuple[str, str, str, dict]]:
-    """Committed GPU ladders of ``size``: (device, date, note, ladder dict), oldest file name first."""
+def reference_ladders(size: str = "1.2b") -> list[tuple[str, str, str, str, dict]]:
+    """Committed GPU ladders of ``size``: (device, date, note, conditions, ladder dict), oldest file name first."""
     from helpers import experiments
 
-    return [(device, date, note, runs["ladder"]) for device, date, note, runs
-            in experiments.reference_runs(f"capstone-ladder-{size}") if "ladder" in runs]
+    name = f"capstone-ladder-{size}"
+    return [(device, date, note, conditions, runs["ladder"]) for (device, date, note, runs), conditions
+            in zip(experiments.reference_runs(name), experiments.reference_conditions(name)) if "ladder" in runs]

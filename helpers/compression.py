@@ -146,48 +146,76 @@ GPU_OVERRIDES = {"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 16
                  "zero_optimization": {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}}
 
 
-def gpu_runs(steps: int = 12, world_size: int | None = None,
-             progress: bool = True) -> tuple[dict[str, records.Record], dict[str, records.Record]]:
-    """On GPUs: every ZeRO++ setting in two launches: with the comms logger (bytes per collective) and
-    without it (step time; the logger synchronizes the device after each collective). Returns
-    ({setting: record with comm}, {setting: record with timing}); a setting that fails comes back as its
-    :class:`helpers.launch.RunFailed` (``on_error="record"``), and the tables say so."""
+#: DeepSpeed's own ZeRO-3 defaults for what :data:`GPU_OVERRIDES` and ``ds_configs/zero3.json`` set to 0
+#: (``gpu_runs(zero_knobs=DEEPSPEED_DEFAULTS)`` measures the settings with these instead).
+DEEPSPEED_DEFAULTS = {"stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+                      "stage3_param_persistence_threshold": 100_000}
+
+
+def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = True, timeout: float = 60,
+             zero_knobs: Mapping | None = None, tag: str = "zeropp"
+             ) -> tuple[dict[str, records.Record | launch.RunFailed], dict[str, records.Record | launch.RunFailed]]:
+    """On GPUs: every ZeRO++ setting timed without the comms logger (it synchronizes the device after each
+    collective), each in its own launch, so that one which fails or hangs past ``timeout`` seconds (its
+    ranks' stacks then say where) costs only itself; then the settings that trained, in one launch with
+    the comms logger (bytes per collective). ``zero_knobs`` go into every setting's ``zero_optimization``
+    (e.g. :data:`DEEPSPEED_DEFAULTS`). Returns ({setting: record with comm}, {setting: record with timing});
+    a setting that failed comes back as its :class:`helpers.launch.RunFailed` in both."""
     env = environment.detect(world_size)
     settings = zeropp_settings(env.default_world_size)
-    measured = {}
-    for purpose, probes in (("bytes", ("model_states", "peak_memory", "comm")),
-                            ("time", ("timing", "peak_memory"))):
-        specs = {name: launch.RunSpec("zero3", model=GPU_MODEL, steps=steps, probes=probes,
-                                      name=f"zeropp-{purpose}-{i}", on_error="record",
-                                      overrides=configs.merged(GPU_OVERRIDES, {"zero_optimization": knobs}))
-                 for i, (name, knobs) in enumerate(settings.items())}
-        runs = launch.sweep(specs, name=f"zeropp-gpu-{purpose}", world_size=world_size, progress=progress)
-        measured[purpose] = {name: runs[spec.name] for name, spec in specs.items()}
-    return measured["bytes"], measured["time"]
+
+    def specs(purpose: str, probes: tuple[str, ...]) -> dict[str, launch.RunSpec]:
+        return {name: launch.RunSpec("zero3", model=GPU_MODEL, steps=steps, probes=probes, name=f"{tag}-{purpose}-{i}",
+                                     on_error="record", overrides=configs.merged(
+                                         GPU_OVERRIDES, {"zero_optimization": {**(zero_knobs or {}), **knobs}}))
+                for i, (name, knobs) in enumerate(settings.items())}
+
+    timing = specs("time", ("timing", "peak_memory"))
+    by_time = {name: launch.sweep({spec.name: spec}, name=f"{tag}-gpu-time-{i}", world_size=world_size,
+                                  progress=progress, timeout=timeout)[spec.name]
+               for i, (name, spec) in enumerate(timing.items())}
+    trained = {name: spec for name, spec in specs("bytes", ("model_states", "peak_memory", "comm")).items()
+               if not isinstance(by_time[name], launch.RunFailed)}
+    found = launch.sweep({s.name: s for s in trained.values()}, name=f"{tag}-gpu-bytes", world_size=world_size,
+                         progress=progress, timeout=timeout * len(trained)) if trained else {}
+    by_bytes = {name: found[trained[name].name] if name in trained else by_time[name] for name in settings}
+    return by_bytes, by_time
 
 
 def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record] | None = None,
               baseline: str = "ZeRO-3") -> str:
-    """Per setting: each collective's calls and bytes per step, the total against plain ZeRO-3's, and (with
-    the timing runs) the median step time against ZeRO-3's."""
-    base = by_bytes[baseline]["comm.bytes_per_step"]
+    """Per setting: each collective's calls and bytes per step and the total against plain ZeRO-3's (the
+    comms-logger runs), then the median step time against ZeRO-3's and the peak memory per rank (the timing
+    runs). A side that was not measured or failed says so in its columns."""
+    by_time = by_time or {}
+    names = list(dict.fromkeys([*by_time, *by_bytes]))
+    base = by_bytes.get(baseline)
+    base_bytes = base["comm.bytes_per_step"] if base is not None and not _failure(base) else None
+    base_time = by_time.get(baseline)
     rows = []
-    for name, record in by_bytes.items():
-        failed = _failure(record) or _failure((by_time or {}).get(name))
-        if failed:
-            rows.append([name, f"failed: {failed}", "-", "-"] + (["-", "-"] if by_time else []))
-            continue
-        ops = " ".join(f"{op}:{row['count']:g}x{records.format_bytes(row['bytes'] / max(row['count'], 1))}"
-                       for op, row in record.comm_ops().items())
-        row = [name, ops, records.format_bytes(record["comm.bytes_per_step"]),
-               f"{record['comm.bytes_per_step'] / base:.2f}"]
+    for name in names:
+        record, timed = by_bytes.get(name), by_time.get(name)
+        if record is None:
+            row = [name, "not measured", "-", "-"]
+        elif _failure(record):
+            row = [name, f"failed: {_failure(record)}", "-", "-"]
+        else:
+            ops = " ".join(f"{op}:{r['count']:g}x{records.format_bytes(r['bytes'] / max(r['count'], 1))}"
+                           for op, r in record.comm_ops().items())
+            row = [name, ops, records.format_bytes(record["comm.bytes_per_step"]),
+                   f"{record['comm.bytes_per_step'] / base_bytes:.2f}" if base_bytes else "-"]
         if by_time:
-            t, t0 = by_time[name]["step_time_s.median"], by_time[baseline]["step_time_s.median"]
-            row += [f"{t * 1000:.1f}", f"{t / t0:.2f}"]
+            if timed is None or _failure(timed):
+                row += [f"failed: {_failure(timed)}" if timed is not None else "not measured", "-", "-"]
+            else:
+                t = timed["step_time_s.median"]
+                t0 = base_time["step_time_s.median"] if base_time is not None and not _failure(base_time) else None
+                row += [f"{t * 1000:.1f}", f"{t / t0:.2f}" if t0 else "-",
+                        records.format_bytes(max(timed["memory.peak_bytes_per_rank"]))]
         rows.append(row)
     headers = ["setting", "collectives per step: calls x bytes per call", "bytes/step", "vs ZeRO-3"]
     if by_time:
-        headers += ["step ms", "vs ZeRO-3"]
+        headers += ["step ms", "vs ZeRO-3", "peak/rank"]
     return records.format_table(rows, headers)
 
 
@@ -206,17 +234,27 @@ def reference_report(name: str = "zeropp") -> str:
         name, gpu_table, how="run this notebook on a machine with 2 or more NVIDIA GPUs to measure them.")
 
 
+def _where(failure: launch.RunFailed) -> list[str]:
+    """Where a failed run was: a hang's first stack (innermost frame first), an exception's last frames."""
+    lines = failure.traceback.strip().splitlines()
+    if failure.error_type == "Timeout":
+        second = next((i for i, line in enumerate(lines) if i and "most recent call first" in line), len(lines))
+        return lines[:min(second, 30)]
+    return lines[-12:]
+
+
 def save_gpu_reference(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record],
-                       note: str) -> Path | None:
-    """Keep both GPU launches as one reference file (``runs/reference/zeropp-<N>x<GPU>.json``)."""
+                       note: str, name: str = "zeropp") -> Path | None:
+    """Keep both GPU passes as one reference file (``runs/reference/<name>-<N>x<GPU>.json``)."""
     def kept(result):  # a failure is kept as its error, so the committed file says what failed
         if isinstance(result, launch.RunFailed):
-            return {"error_type": result.error_type, "message": result.message, "device": "cuda"}
+            return {"error_type": result.error_type, "message": result.message, "device": "cuda",
+                    "where": _where(result)}
         return result
 
     runs = {f"bytes: {k}": kept(r) for k, r in by_bytes.items()} | {f"time: {k}": kept(r) for k, r in by_time.items()}
     ordered = dict(sorted(runs.items(), key=lambda item: isinstance(item[1], dict)))  # a record first (its device)
-    return experiments.save_reference("zeropp", ordered, note)
+    return experiments.save_reference(name, ordered, note)
 
 
 # --- across nodes: the latency-bandwidth model ------------------------------------------------

@@ -123,12 +123,15 @@ def scaled_out_table(psi: float, world_size: int, largest_layer_params: int = 0,
     return records.format_table(rows, ["ZeRO", "paper GB/device", "DeepSpeed estimator GB/device"])
 
 
-def save_reference(name: str, runs: Mapping[str, records.Record | dict], note: str = "") -> Path | None:
+def save_reference(name: str, runs: Mapping[str, records.Record | dict], note: str = "",
+                   machine: Mapping | None = None) -> Path | None:
     """On a GPU machine, keep ``runs`` (records, or the summary dicts of other tasks) as
     ``runs/reference/<name>-<N>x<device>.json`` for an instructor to commit to ``notebooks/reference/``,
     with the software and hardware that measured them (versions, GPUs, ``nvidia-smi topo -m``, driver, date)
     and the conditions (:data:`CONDITIONS_VARIABLE`). Runs a sweep recorded as failures
-    (``RunSpec(on_error="record")``) are left out. Does nothing for CPU runs; returns the file written."""
+    (``RunSpec(on_error="record")``) are left out. ``machine`` stands in for this machine's software and
+    hardware where the runs were measured elsewhere (:func:`adopt_records`). Does nothing for CPU runs;
+    returns the file written."""
     summaries = {k: (r.summary if isinstance(r, records.Record) else r) for k, r in runs.items()
                  if not isinstance(r, Exception)}
     first = next(iter(summaries.values()))
@@ -138,10 +141,42 @@ def save_reference(name: str, runs: Mapping[str, records.Record | dict], note: s
     NEW_REFERENCE_DIR.mkdir(parents=True, exist_ok=True)
     conditions = os.environ.get(CONDITIONS_VARIABLE) or "not stated (measured outside benchmarks/reference.py)"
     payload = {"experiment": name, "device": f"{first['world_size']} x {first['device_name']}",
-               "date": datetime.date.today().isoformat(), "note": note, "software": environment.software(),
-               "hardware": environment.hardware(), "conditions": conditions, "runs": summaries}
+               "date": datetime.date.today().isoformat(), "note": note,
+               "software": dict(machine.get("software", machine)) if machine is not None else environment.software(),
+               "hardware": dict(machine.get("hardware", machine)) if machine is not None else environment.hardware(),
+               "conditions": conditions, "runs": summaries}
     path = NEW_REFERENCE_DIR / f"{name}-{device}.json"
     path.write_text(json.dumps(payload, indent=1))
+    return path
+
+
+def adopt_records(name: str, folders: Mapping[str, str | Path], note: str, conditions: str, why: str,
+                  machine_file: str | Path | None = None) -> Path:
+    """Keep GPU run records that came back without their reference file (a device call stopped before it
+    wrote one) as the reference ``name``: the records are the GPU's own, as written by its ranks; the
+    conditions are given; software and hardware come from ``machine_file`` (the ``device-environment.json``
+    that ``benchmarks/device_run.py`` writes on the GPU machine) or, without one, are marked as not recorded,
+    with ``why``. Raises a ValueError for a folder without a record or a record not measured on GPUs."""
+    runs = {}
+    for label, folder in folders.items():
+        if not (Path(folder) / "summary.json").exists():
+            raise ValueError(f"{label}: {folder} holds no summary.json (a run's record); give a run's folder")
+        runs[label] = records.load(folder)
+        if runs[label].summary.get("device") != "cuda":
+            raise ValueError(f"{label}: {folder} was not measured on GPUs (device {runs[label].summary.get('device')})")
+    previous = os.environ.get(CONDITIONS_VARIABLE)
+    os.environ[CONDITIONS_VARIABLE] = conditions
+    try:
+        found = json.loads(Path(machine_file).read_text()) if machine_file else None
+        machine = ({"software": found["software"], "hardware": {**found["hardware"], "adopted": why}} if found
+                   else {"recorded": False, "why": why})
+        path = save_reference(name, runs, note, machine=machine)
+    finally:
+        if previous is None:
+            os.environ.pop(CONDITIONS_VARIABLE, None)
+        else:
+            os.environ[CONDITIONS_VARIABLE] = previous
+    assert path is not None  # every record is a GPU's (checked above)
     return path
 
 
@@ -172,7 +207,14 @@ def references_report(name: str, render: Callable[[dict], str], how: str = "") -
     found = reference_runs(name)
     if not found:
         return no_references(name, how)
-    return "\n\n".join(f"Measured on {device}, {date} ({note}):\n{render(runs)}" for device, date, note, runs in found)
+    return "\n\n".join(f"Measured on {device}, {date} ({note}):\nConditions: {conditions}\n{render(runs)}"
+                        for (device, date, note, runs), conditions in zip(found, reference_conditions(name)))
+
+
+def reference_conditions(name: str) -> list[str]:
+    """What else ran while each committed GPU result of ``name`` was measured, in :func:`reference_runs`' order."""
+    return [json.loads(path.read_text()).get("conditions", "not stated")
+            for path in sorted(REFERENCE_DIR.glob(f"{name}-*.json"))]
 
 
 def bytes_and_time_report(name: str, table: Callable[[dict, dict], str], how: str = "") -> str:

@@ -199,6 +199,15 @@ def gpu_compare(steps: int = 12, world_size: int | None = None,
     return ordered(by_bytes), ordered(by_time)
 
 
+def bytes_per_step(record: records.Record) -> str:
+    """A run's bytes per step, or what is missing: the profiler can count a collective yet record no
+    message size (seen for DDP's bucket all-reduce on NCCL), and zero bytes would then be a false figure."""
+    calls = sum(row["count"] for row in record.comm_ops().values())
+    if record["comm.bytes_per_step"] == 0 and calls:
+        return f"? ({calls:.3g} collectives a step, no sizes recorded)"
+    return records.format_bytes(record["comm.bytes_per_step"])
+
+
 def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record]) -> str:
     """Per run: model states and peak memory per rank, bytes per step, median step time, losses vs DDP."""
     base = by_bytes.get("DDP")
@@ -207,7 +216,7 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
         t = by_time.get(name)
         rows.append([name, records.format_bytes(r.model_state_bytes()),
                      records.format_bytes(max(t["memory.peak_bytes_per_rank"])) if t else "-",
-                     records.format_bytes(r["comm.bytes_per_step"]),
+                     bytes_per_step(r),
                      f"{t['step_time_s.median'] * 1000:.1f}" if t else "-",
                      records.loss_agreement(base.losses, r.losses, r.summary["precision"]) if base is not None else "-"])
     return records.format_table(rows, ["run", "model states/rank", "peak/rank", "bytes/step", "step ms",

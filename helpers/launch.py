@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from helpers import configs, environment, probes as probe_registry, records
-from helpers.train import EVENT_PREFIX
+from helpers.train import EVENT_PREFIX, STACK_SIGNAL
 
 #: Where runs write their folders: ``$COURSE_RUNS_DIR`` when set, else ``runs/`` in the repository.
 RUNS_DIR = Path(os.environ.get("COURSE_RUNS_DIR") or environment.REPO_ROOT / "runs").resolve()
@@ -363,6 +363,79 @@ def _die_with_parent() -> None:
         pass
 
 
+def _rank_stacks(process: subprocess.Popen, lines: queue.Queue, log_path: Path, wait: float = 4.0) -> str:
+    """Ask every rank of a launch that timed out for its Python stack (:data:`helpers.train.STACK_SIGNAL`;
+    not the launcher, which that signal would end) and collect what they print for ``wait`` seconds into
+    the launch's log. Returns every rank's stack (innermost frame first), or "" if none came."""
+    try:
+        import psutil
+
+        # the ranks run "python -u -m helpers.train"; a launcher that names the module differently
+        # (DeepSpeed's launch: "--module helpers.train") is left alone
+        ranks = [c for c in psutil.Process(process.pid).children(recursive=True)
+                 if " -m helpers.train " in f" {' '.join(c.cmdline())} "]
+    except Exception:  # the launch is already gone
+        return ""
+    printed: list[str] = []
+    for rank in ranks:  # one at a time: stacks printed at once would interleave line by line
+        try:
+            os.kill(rank.pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            continue
+        deadline = time.monotonic() + wait / max(1, len(ranks))
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            printed.append(line)
+    with open(log_path, "a") as log:
+        log.write("".join(printed))
+    # faulthandler prints "Stack (most recent call first):", then one "  File ..." line per frame
+    kept = [line.rstrip() for line in printed if "most recent call first" in line or line.lstrip().startswith("File ")]
+    return "\n".join(kept[next((i for i, line in enumerate(kept) if "most recent call first" in line), len(kept)):])
+
+
+def _innermost(stacks: str) -> str:
+    """``function (file:line)`` of the first stack's innermost frame, from :func:`_rank_stacks`' text."""
+    match = re.search(r'File "([^"]+)", line (\d+) in (\S+)', stacks)
+    if not match:
+        return ""
+    path = Path(match.group(1))
+    return f"{match.group(3)} ({'/'.join(path.parts[-3:])}:{match.group(2)})"
+
+
+def _after_timeout(prepared: list["_Prepared"], run_times: dict[int, list[float]], steps_done: dict[int, int],
+                   timeout: float, tail: str, stacks: str) -> dict[str, records.Record | RunFailed]:
+    """A sweep whose every run records its failure (``on_error="record"``) keeps what finished before a
+    run hung: finished runs give their records, the hung run and those after it a :class:`RunFailed`."""
+    results: dict[str, records.Record | RunFailed] = {}
+    hung = None
+    for i, p in enumerate(prepared):
+        times = run_times.get(i, [])
+        if (p.out / "summary.json").exists() and len(times) == 2:
+            summary = json.loads((p.out / "summary.json").read_text())
+            if not _is_record(summary):  # a task's own result
+                results[p.name] = summary
+                continue
+            results[p.name] = records.load(p.out)
+            results[p.name].wall_s = times[1] - times[0]
+        elif hung is None:
+            hung = p.name
+            done = f"{steps_done.get(i, 0)} of {p.spec.steps} steps"
+            results[p.name] = RunFailed(f"timed out after {timeout:.0f} s ({done}): every process of the launch was "
+                                        "stopped" + (f"; a rank was in {_innermost(stacks)}" if stacks else ""),
+                                        error_type="Timeout", message=f"not done within the launch's {timeout:.0f} s "
+                                        f"({done})",
+                                        traceback=stacks, log_tail=tail, out=p.out)
+        else:
+            results[p.name] = RunFailed(f"not run: {hung} hung before it", error_type="NotRun",
+                                        message=f"not run: {hung} hung before it", log_tail=tail, out=p.out)
+    return results
+
+
 def _kill_group(process: subprocess.Popen, signals: Sequence[int] = (signal.SIGTERM, signal.SIGKILL)) -> None:
     """End the launcher and every rank it started (they share its process group): each of ``signals``
     in turn, 5 s apart, until none is left."""
@@ -423,6 +496,11 @@ def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepar
         raise ValueError(f"steps={spec.steps}: a run needs at least one optimizer step")
     probe_registry.check_names(list(spec.probes))
     probes = _probes_of(spec)
+    for key in ("fail_on_rank", "hang_on_rank"):
+        rank = (spec.faults or {}).get(key)
+        if rank is not None and not (isinstance(rank, int) and 0 <= rank < world):
+            raise ValueError(f"faults {{'{key}': {rank}}}: this launch has ranks 0-{world - 1}; "
+                             f"choose one of them (the last is {world - 1})")
     probe_registry.check_trainer(list(spec.probes), spec.model)
     if spec.on_error not in ON_ERROR:
         raise ValueError(f"on_error={spec.on_error!r}: choose one of {', '.join(ON_ERROR)}")
@@ -640,6 +718,7 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
     fatal: dict | None = None
     run_errors: dict[int, dict] = {}
     run_times: dict[int, list[float]] = {}
+    steps_done: dict[int, int] = {}  # per run, the last step any rank reported
     log_lines: list[str] = []
     bars = _Progress(prepared, world, where, progress, on_event)
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child,
@@ -647,6 +726,7 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(process.stdout, lines), daemon=True).start()
     timed_out = interrupted = False
+    stacks = ""
     try:
         with open(folder / "launch.log", "w") as log:
             while True:
@@ -671,6 +751,7 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
                             bars.start(event["run"])
                         elif kind == "step":
                             bars.step(event)
+                            steps_done[event["run"]] = max(steps_done.get(event["run"], 0), event["step"])
                         elif kind == "done":
                             run_times[event["run"]].append(time.perf_counter())
                             bars.done(event["run"])
@@ -696,6 +777,8 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
     finally:
         code = process.poll()
         bars.close()
+        if timed_out and hosts is None:
+            stacks = _rank_stacks(process, lines, folder / "launch.log")
         if hosts is not None and code is None:
             # not SIGTERM: DeepSpeed's runner answers it with `pkill -f` of every DeepSpeed launcher
             # of this Python on every host. Kill this launch's processes here, then its ranks there.
@@ -710,8 +793,12 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
     tail = "".join(log_lines[-25:])
     first = prepared[0].out
     if timed_out:
+        where_stuck = f"\nWhere the ranks waited (their Python stacks):\n{stacks}" if stacks else ""
+        if all(p.spec.on_error == "record" for p in prepared):
+            return _after_timeout(prepared, run_times, steps_done, timeout, tail, stacks)
         raise RunFailed(f"[{where}] timed out after {timeout:.0f} s: every process of the run was stopped. "
-                        f"Last log lines:\n{tail}", log_tail=tail, out=first)
+                        f"Last log lines:\n{tail}{where_stuck}", log_tail=tail, out=first,
+                        traceback=stacks)
     if fatal is not None:
         run = next((p for i, p in enumerate(prepared) if i in run_times and len(run_times[i]) == 1), prepared[0])
         raise RunFailed(f"rank {fatal['rank']} failed: {fatal['type']}: {fatal['message']}", rank=fatal["rank"],

@@ -358,9 +358,17 @@ def init_process_group(launcher: str):
     return dist
 
 
+#: The launcher sends this to every rank of a launch that outlives its timeout: each rank prints its
+#: Python stack (faulthandler), so a hang shows where it waited.
+STACK_SIGNAL = signal.SIGUSR1
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     die_with_parent()
+    import faulthandler
+
+    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=False)
     try:
         import psutil
 

@@ -229,3 +229,16 @@ def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypat
     assert launches[-1] == ["baseline", "baseline, again"]
     assert [r["ran"] for r in third["rungs"]] == [False, False] and "baseline alone" in third["rungs"][0]["why"]
     assert third["fsdp2"]["reason"].startswith("time budget") and len(fsdp2_settings) == 2
+
+
+def test_shortfall_bounds_what_hiding_communication_could_give():
+    ladder = {"target_mfu": 0.5, "best_run": "r2", "candidates": [
+        {"run": "r0", "verdict": "baseline", "mfu": 0.40, "comm_exposed_share": 0.03},
+        {"run": "r1", "verdict": "baseline", "mfu": 0.40, "comm_exposed_share": 0.03},
+        {"run": "r2", "verdict": "kept: +20%", "mfu": 0.48, "comm_exposed_share": 0.02}]}
+    assert capstone.shortfall(ladder).startswith("best 48.0% MFU with 2.0% of its step exposed communication: "
+                                                 "hiding all of it would give at most 49.0%, still 1.0 points short")
+    ladder["candidates"][2]["comm_exposed_share"] = 0.1
+    assert capstone.shortfall(ladder).endswith("the communication left is what stands in the way.")
+    ladder["best_run"] = "r0"  # the baseline: the mean of its two runs
+    assert capstone.shortfall(ladder).startswith("best 40.0% MFU with 3.0%")

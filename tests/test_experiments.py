@@ -40,3 +40,45 @@ def test_every_committed_gpu_reference_loads_and_names_its_device():
             assert "x" in device and date and note
             assert all(r.summary["device"] == "cuda" for r in runs.values())
         assert experiments.reference_report(name).startswith("Measured on ")
+
+
+def _gpu_folder(tmp_path, name: str, **changes) -> str:
+    import json
+
+    summary = {**minimal_summary(), "device": "cuda", "device_name": "NVIDIA H200", "backend": "nccl", **changes}
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "summary.json").write_text(json.dumps(summary))
+    return str(folder)
+
+
+def test_adopted_records_keep_the_gpu_figures_and_say_what_was_not_recorded(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr(experiments, "NEW_REFERENCE_DIR", tmp_path / "out")
+    monkeypatch.delenv(experiments.CONDITIONS_VARIABLE, raising=False)
+    path = experiments.adopt_records("adopted", {"time: a": _gpu_folder(tmp_path, "a")}, "a note", "alone", "stopped")
+    payload = json.loads(path.read_text())
+    assert path.name == "adopted-2xNVIDIA-H200.json"
+    assert payload["software"] == payload["hardware"] == {"recorded": False, "why": "stopped"}
+    assert payload["conditions"] == "alone" and payload["runs"]["time: a"]["step_time_s"]["median"] == 0.1
+    assert experiments.CONDITIONS_VARIABLE not in __import__("os").environ  # left as it was
+    machine = tmp_path / "device-environment.json"
+    machine.write_text(json.dumps({"software": {"torch": "2.11"}, "hardware": {"gpu_count": 4}}))
+    payload = json.loads(experiments.adopt_records("adopted", {"time: a": _gpu_folder(tmp_path, "b")}, "n", "c",
+                                                   "stopped", machine).read_text())
+    assert payload["software"] == {"torch": "2.11"} and payload["hardware"] == {"gpu_count": 4, "adopted": "stopped"}
+
+
+def test_adopting_a_cpu_record_or_a_folder_without_one_is_refused(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="no summary.json"):
+        experiments.adopt_records("x", {"a": str(tmp_path)}, "n", "c", "w")
+    with pytest.raises(ValueError, match="not measured on GPUs"):
+        experiments.adopt_records("x", {"a": _gpu_folder(tmp_path, "cpu", device="cpu")}, "n", "c", "w")
+
+
+def test_reference_reports_state_their_conditions():
+    report = experiments.reference_report("zero1-knobs")
+    assert report.splitlines()[1].startswith("Conditions: ")

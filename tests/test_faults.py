@@ -108,3 +108,19 @@ def test_a_hung_launch_is_ended_at_its_timeout_with_nothing_left(tmp_path):
     assert caught.value.out == out
     assert course_processes(out) == []
     assert segments_of(out) == []
+    # the error says where the hung rank waited: its stack, printed by faulthandler on the launcher's signal
+    assert "Where the ranks waited" in str(caught.value)
+    assert "data_parallel_step" in caught.value.traceback
+
+
+def test_a_recording_sweep_keeps_the_runs_that_finished_before_one_hung(tmp_path):
+    specs = {name: launch.RunSpec("zero0", model="linear", steps=2, name=name, on_error="record",
+                                  faults={"hang_on_rank": 1} if name == "hangs" else None)
+             for name in ("first", "hangs", "after")}
+    found = launch.sweep(specs, name="hang-sweep", world_size=2, progress=False, timeout=20)
+    assert len(found["first"].losses) == 2
+    assert isinstance(found["hangs"], launch.RunFailed) and found["hangs"].error_type == "Timeout"
+    assert "data_parallel_step" in found["hangs"].traceback and "a rank was in " in str(found["hangs"])
+    assert "(0 of 2 steps)" in found["hangs"].message
+    assert isinstance(found["after"], launch.RunFailed) and found["after"].error_type == "NotRun"
+    assert course_processes(launch.RUNS_DIR / "hang-sweep") == []

@@ -131,6 +131,7 @@ def test_bad_config_raises_before_any_process_starts(tmp_path, monkeypatch):
     ({"model": "resnet"}, "resnet"),
     ({"steps": 0}, "steps=0"),
     ({"launcher": "mpirun"}, "mpirun"),
+    ({"faults": {"fail_on_rank": 2}}, r"ranks 0-1; choose one of them"),  # a fault on no rank would pass silently
 ])
 def test_bad_arguments_raise_before_any_process_starts(tmp_path, monkeypatch, kwargs, match):
     monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))

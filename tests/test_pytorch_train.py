@@ -98,3 +98,14 @@ def test_an_unknown_strategy_is_refused_before_any_process_starts(bad, monkeypat
         launch.sweep({"x": launch.RunSpec("zero0", task="helpers.pytorch_train:train_run",
                                           options={"strategy": bad} if bad else None)},
                      world_size=2, launcher="torchrun")
+
+
+def test_a_collective_counted_without_sizes_is_not_shown_as_zero_bytes():
+    from helpers import frameworks, records
+    from test_records import minimal_summary
+
+    summary = minimal_summary()
+    summary["comm"] = {"by_op": {"all_reduce": {"count": 13.0, "bytes": 0.0}}, "bytes_per_step": 0.0,
+                       "wire_bytes_per_step": 0.0}
+    assert frameworks.bytes_per_step(records.Record(summary)) == "? (13 collectives a step, no sizes recorded)"
+    assert frameworks.bytes_per_step(records.Record(minimal_summary())) == "5.86 KiB"

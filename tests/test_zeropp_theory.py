@@ -73,3 +73,18 @@ def test_step_prediction_gain_grows_as_the_network_slows():
     assert p_slow["compute_s"] == pytest.approx(6 * 7e9 * 8192 / 400e12)
     assert 1 < p_fast["speedup"] < p_slow["speedup"] < 4
     assert p_slow["speedup"] == pytest.approx(p_slow["zero3_s"] / p_slow["zeropp_s"])
+
+
+def test_gpu_table_shows_timing_only_references_and_failures():
+    from helpers import compression, launch, records
+    from test_records import minimal_summary
+
+    def timed(median: float) -> records.Record:
+        return records.Record({**minimal_summary(), "step_time_s": {"median": median, "all": [median]}})
+
+    hung = launch.RunFailed("timed out", error_type="Timeout", message="not done within the launch's 45 s (3 of 12 steps)")
+    table = compression.gpu_table({}, {"ZeRO-3": timed(0.2), "qwZ (quantized weights)": timed(0.3), "hpZ": hung})
+    rows = {line.split("  ")[0]: line for line in table.splitlines()[2:]}
+    assert "not measured" in rows["ZeRO-3"] and "200.0" in rows["ZeRO-3"]
+    assert "300.0" in rows["qwZ (quantized weights)"] and "1.50" in rows["qwZ (quantized weights)"]
+    assert "failed: Timeout: not done within the launch's 45 s (3 of 12 steps)" in rows["hpZ"]
