@@ -294,14 +294,20 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def _estimate(history: list[tuple[float, int]], count: int, compiles: bool, is_gpu: bool) -> float:
-    """Seconds a launch of ``count`` candidates should take, from earlier launches (wall, candidates)."""
+#: How much longer a candidate takes when it compiles, where no compiled launch has been timed yet.
+COMPILE_FACTOR = 2.5
+
+
+def _estimate(history: list[tuple[float, int, bool]], count: int, compiles: bool, is_gpu: bool) -> float:
+    """Seconds a launch of ``count`` candidates should take, from earlier launches (wall, candidates,
+    compiled): the slowest candidate of earlier launches of the same kind, else of any kind scaled by
+    :data:`COMPILE_FACTOR` for a compiled launch, else a first guess."""
+    same = [wall / runs for wall, runs, compiled in history if compiled == compiles]
+    if same:
+        return max(same) * count
     if history:
-        per_run = max(wall / runs for wall, runs in history)
-        estimate = per_run * count
-    else:
-        estimate = (60 + 30 * count) if is_gpu else (10 + 5 * count)
-    return estimate * (2.5 if compiles else 1.0)
+        return max(wall / runs for wall, runs, _ in history) * count * (COMPILE_FACTOR if compiles else 1.0)
+    return ((60 + 30 * count) if is_gpu else (10 + 5 * count)) * (COMPILE_FACTOR if compiles else 1.0)
 
 
 def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], size: str, steps: int,
@@ -384,7 +390,7 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
     result = Ladder(size=size, params=models.capstone_parameters(size), world_size=world, device=env.device_name,
                     baseline=baseline, budget_s=budget_s, name=name)
     best, best_value, seen = None, None, set()
-    history: list[tuple[float, int]] = []
+    history: list[tuple[float, int, bool]] = []  # (seconds, candidates, compiled) of each launch
     done: set[str] = set()
     if resume is not None:
         if (resume["size"], resume["world_size"]) != (size, world):
@@ -426,7 +432,7 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
         launched = time.monotonic()
         # the budget decides which rungs start; a started launch gets room (a loaded machine is slow)
         found = _launch_rung(index, rung, pairs, size, steps, world, name, timeout=max(300.0, min(left, 3 * estimate)))
-        history.append((time.monotonic() - launched, len(pairs)))
+        history.append((time.monotonic() - launched, len(pairs), any(s.compile for _, s in pairs)))
         seen.update(s for _, s in pairs)
         if best is None:
             base = [c for c in found[:2] if c.record is not None]

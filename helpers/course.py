@@ -146,7 +146,7 @@ def check_notebooks(python: str, notebooks: list[Path], jobs: int = 1, timeout: 
                   else {"notebook": path.name, "ok": False, "error": f"exited {process.returncode}, see "
                         f"{out / path.stem}.log", "seconds": None})
         results.append(result)
-        _say(f"{path.name}: {'ok' if result['ok'] else 'FAILED'} ({result.get('seconds')} s)")
+        _say(f"{path.name}: {_verdict(result)} ({result.get('seconds')} s)")
 
     for batch in (shared, alone):
         width = max(1, jobs) if batch is shared else 1
@@ -161,6 +161,11 @@ def check_notebooks(python: str, notebooks: list[Path], jobs: int = 1, timeout: 
             time.sleep(0.5)
     order = {n.name: i for i, n in enumerate(notebooks)}
     return sorted(results, key=lambda r: order.get(r["notebook"], 0))
+
+
+def _verdict(result: dict) -> str:
+    """ok, FAILED (an error cell, a dead kernel) or STOPPED (ended from outside: no verdict)."""
+    return "ok" if result["ok"] else ("STOPPED" if result.get("stopped") else "FAILED")
 
 
 def check_gpu(python: str, args: list[str]) -> int:
@@ -193,13 +198,15 @@ def check_gpu(python: str, args: list[str]) -> int:
     path = out / "report.json"
     path.write_text(json.dumps(report, indent=1))
     failed = [r for r in results if not r["ok"]]
+    stopped = [r for r in failed if r.get("stopped")]
     for r in results:
-        line = f"  {'ok    ' if r['ok'] else 'FAILED'} {r['notebook']:<40} {r.get('seconds')} s"
+        line = f"  {_verdict(r):<7} {r['notebook']:<40} {r.get('seconds')} s"
         if not r["ok"]:
             line += f"  cell {r.get('cell')}: {r.get('error')}"
         print(line)
-    _say(f"{len(results) - len(failed)} of {len(results)} notebook(s) ran without an error cell; "
-         f"report: {path}, executed copies beside it")
+    _say(f"{len(results) - len(failed)} of {len(results)} notebook(s) ran without an error cell"
+         + (f", {len(stopped)} stopped from outside before they finished" if stopped else "")
+         + f"; report: {path}, executed copies beside it")
     return 1 if failed else 0
 
 

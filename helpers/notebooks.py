@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -49,13 +50,17 @@ def _kernel_dir() -> str:
     return str(folder)
 
 
+class _Stopped(BaseException):
+    """SIGTERM from outside while a notebook executes (BaseException: no cell's ``except Exception`` eats it)."""
+
+
 def execute(path: Path, out_dir: Path, timeout: float = 900) -> dict:
     """Run every cell of ``path`` in a fresh kernel (cell timeout ``timeout`` s); write the executed
     notebook and ``result.json`` into ``out_dir``; return the result: ``ok``, seconds, and for a failure
-    the cell number, its first source line and the error."""
+    the cell number, its first source line and the error; ``stopped`` when SIGTERM ended the execution
+    (a deadline outside it: no verdict on the notebook)."""
     import nbformat
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
     path, out_dir = Path(path).resolve(), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -65,26 +70,53 @@ def execute(path: Path, out_dir: Path, timeout: float = 900) -> dict:
                             resources={"metadata": {"path": str(path.parent)}})
     started = time.monotonic()
     result: dict = {"notebook": path.name, "ok": True}
+
+    received: list[str] = []
+
+    def stop(signum, frame):  # a deadline outside (a job's time budget) ended this execution
+        received.append(signal.Signals(signum).name)
+        raise _Stopped(received[0])
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    # starting the kernel sets SIGTERM back to its default (jupyter_client): take it again before each cell
+    client.on_cell_start = lambda **_: signal.signal(signal.SIGTERM, stop)
     try:
         client.execute()
-    except (CellExecutionError, CellTimeoutError) as error:
-        result["ok"] = False
+    except BaseException as error:
+        if not received and not isinstance(error, Exception):
+            raise  # Ctrl-C and the like: not a notebook's failure
+        result.update(_failure(notebook, error, received, time.monotonic() - started))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    result["seconds"] = round(time.monotonic() - started, 1)
+    nbformat.write(notebook, out_dir / path.name)
+    (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _failure(notebook, error: BaseException, received: list[str], seconds: float) -> dict:
+    """What ended an execution early: a signal from outside (whatever it broke on the way out), an error
+    cell or a cell's timeout, or a kernel that died or did not start."""
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+    started_cells = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and c.get("execution_count")]
+    if received:
+        return {"ok": False, "stopped": True, "cell": max(started_cells, default=None),
+                "error": f"stopped from outside ({received[0]}) after {seconds:.0f} s, before the notebook "
+                         "finished: no verdict"}
+    if isinstance(error, (CellExecutionError, CellTimeoutError)):
+        result: dict = {"ok": False}
         failed = next((i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and any(
             o.get("output_type") == "error" for o in c.get("outputs", []))), None)
         if failed is None:  # a timeout leaves no error output: the last cell that started
-            failed = max((i for i, c in enumerate(notebook.cells) if c.cell_type == "code"
-                          and c.get("execution_count")), default=None)
+            failed = max(started_cells, default=None)
         result["cell"] = failed
         if failed is not None:
             result["cell_source"] = notebook.cells[failed].source.splitlines()[:3]
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()  # IPython's colours
         result["error"] = text.splitlines()[-1][:500] if text else type(error).__name__
-    except Exception as error:  # the kernel died, or could not start
-        result.update(ok=False, cell=None, error=f"{type(error).__name__}: {error}"[:500])
-    result["seconds"] = round(time.monotonic() - started, 1)
-    nbformat.write(notebook, out_dir / path.name)
-    (out_dir / "result.json").write_text(json.dumps(result, indent=1))
-    return result
+        return result
+    return {"ok": False, "cell": None, "error": f"{type(error).__name__}: {error}"[:500]}  # the kernel died
 
 
 def main(argv: list[str] | None = None) -> int:

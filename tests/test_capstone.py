@@ -242,3 +242,13 @@ def test_shortfall_bounds_what_hiding_communication_could_give():
     assert capstone.shortfall(ladder).endswith("the communication left is what stands in the way.")
     ladder["best_run"] = "r0"  # the baseline: the mean of its two runs
     assert capstone.shortfall(ladder).startswith("best 40.0% MFU with 3.0%")
+
+
+def test_a_compiled_launch_is_estimated_from_compiled_launches_once_one_was_timed():
+    eager = [(100.0, 5, False)]  # 20 s a candidate
+    assert capstone._estimate(eager, 2, False, True) == 40.0
+    assert capstone._estimate(eager, 2, True, True) == 40.0 * capstone.COMPILE_FACTOR  # no compiled launch yet
+    timed = eager + [(70.0, 1, True)]  # a compiled candidate took 70 s: the factor is not applied on top
+    assert capstone._estimate(timed, 2, True, True) == 140.0
+    assert capstone._estimate(timed, 2, False, True) == 40.0
+    assert capstone._estimate([], 2, False, True) == 120.0

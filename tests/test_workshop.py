@@ -138,6 +138,27 @@ def test_check_notebooks_names_the_failing_cell(tmp_path):
     assert executed.cells[0].outputs[0]["text"] == "fine\n"
 
 
+def test_a_notebook_stopped_from_outside_is_reported_as_stopped_not_failed(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    slow = tmp_path / "03_slow.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("x = 1"), new_code_cell("import time; time.sleep(120)")]), slow)
+    process = subprocess.Popen([sys.executable, "-m", "helpers.notebooks", str(slow), "--out", str(tmp_path / "out")],
+                               cwd=REPO_ROOT)
+    time.sleep(8)  # the kernel is up and in the second cell (a job's deadline comes as SIGTERM)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 1
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["stopped"] is True and result["ok"] is False and result["cell"] == 1
+    assert "no verdict" in result["error"]
+    assert course._verdict(result) == "STOPPED"
+
+
 def test_the_capstone_runs_alone_in_the_check():
     assert notebooks.is_exclusive(REPO_ROOT / "notebooks" / "16_capstone.ipynb")
     assert not any(notebooks.is_exclusive(p) for p in notebooks.course_notebooks() if not p.name.startswith("16"))
