@@ -96,9 +96,10 @@ def show_machine(env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "-m", "helpers", "env"], env=env, cwd=ROOT)
     # the machine as a reference file records it, kept beside the results: records that come back without
     # their reference can be adopted with it (python -m helpers adopt-reference --machine ...)
-    subprocess.run([sys.executable, "-c", "import json; from helpers import environment as e; "
-                    "print(json.dumps({'software': e.software(), 'hardware': e.hardware()}, indent=1))"],
-                   env=env, cwd=ROOT, stdout=open(ROOT / "runs" / "device-environment.json", "w"))
+    with open(ROOT / "runs" / "device-environment.json", "w") as out:
+        subprocess.run([sys.executable, "-c", "import json; from helpers import environment as e; "
+                        "print(json.dumps({'software': e.software(), 'hardware': e.hardware()}, indent=1))"],
+                       env=env, cwd=ROOT, stdout=out)
 
 
 def run_with_deadline(argv: list[str], env: dict[str, str], log: Path, seconds: float) -> int:

@@ -561,8 +561,6 @@ def shortfall(ladder: dict) -> str:
         return "no MFU or no communication share for this device: nothing to bound"
     # the baseline's figures are the mean of its two runs, as in summary()
     mfu, exposed = (sum(r[k] for r in rows) / len(rows) for k in ("mfu", "comm_exposed_share"))
-    if mfu is None or exposed is None:
-        return "no MFU or no communication share for this device: nothing to bound"
     if mfu >= target:
         return f"the target is reached: {mfu:.1%} MFU against {target:.0%}"
     bound = mfu / (1 - exposed)

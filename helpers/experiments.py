@@ -124,14 +124,14 @@ def scaled_out_table(psi: float, world_size: int, largest_layer_params: int = 0,
 
 
 def save_reference(name: str, runs: Mapping[str, records.Record | dict], note: str = "",
-                   machine: Mapping | None = None) -> Path | None:
+                   machine: Mapping | None = None, conditions: str | None = None) -> Path | None:
     """On a GPU machine, keep ``runs`` (records, or the summary dicts of other tasks) as
     ``runs/reference/<name>-<N>x<device>.json`` for an instructor to commit to ``notebooks/reference/``,
     with the software and hardware that measured them (versions, GPUs, ``nvidia-smi topo -m``, driver, date)
     and the conditions (:data:`CONDITIONS_VARIABLE`). Runs a sweep recorded as failures
-    (``RunSpec(on_error="record")``) are left out. ``machine`` stands in for this machine's software and
-    hardware where the runs were measured elsewhere (:func:`adopt_records`). Does nothing for CPU runs;
-    returns the file written."""
+    (``RunSpec(on_error="record")``) are left out. ``machine`` ({"software": ..., "hardware": ...}) and
+    ``conditions`` stand in for this machine's and the variable's where the runs were measured elsewhere
+    (:func:`adopt_records`). Does nothing for CPU runs; returns the file written."""
     summaries = {k: (r.summary if isinstance(r, records.Record) else r) for k, r in runs.items()
                  if not isinstance(r, Exception)}
     first = next(iter(summaries.values()))
@@ -139,12 +139,12 @@ def save_reference(name: str, runs: Mapping[str, records.Record | dict], note: s
         return None
     device = f"{first['world_size']}x{first['device_name']}".replace(" ", "-")
     NEW_REFERENCE_DIR.mkdir(parents=True, exist_ok=True)
-    conditions = os.environ.get(CONDITIONS_VARIABLE) or "not stated (measured outside benchmarks/reference.py)"
+    conditions = (conditions or os.environ.get(CONDITIONS_VARIABLE)
+                  or "not stated (measured outside benchmarks/reference.py)")
+    machine = machine or {"software": environment.software(), "hardware": environment.hardware()}
     payload = {"experiment": name, "device": f"{first['world_size']} x {first['device_name']}",
-               "date": datetime.date.today().isoformat(), "note": note,
-               "software": dict(machine.get("software", machine)) if machine is not None else environment.software(),
-               "hardware": dict(machine.get("hardware", machine)) if machine is not None else environment.hardware(),
-               "conditions": conditions, "runs": summaries}
+               "date": datetime.date.today().isoformat(), "note": note, "software": dict(machine["software"]),
+               "hardware": dict(machine["hardware"]), "conditions": conditions, "runs": summaries}
     path = NEW_REFERENCE_DIR / f"{name}-{device}.json"
     path.write_text(json.dumps(payload, indent=1))
     return path
@@ -164,18 +164,12 @@ def adopt_records(name: str, folders: Mapping[str, str | Path], note: str, condi
         runs[label] = records.load(folder)
         if runs[label].summary.get("device") != "cuda":
             raise ValueError(f"{label}: {folder} was not measured on GPUs (device {runs[label].summary.get('device')})")
-    previous = os.environ.get(CONDITIONS_VARIABLE)
-    os.environ[CONDITIONS_VARIABLE] = conditions
-    try:
-        found = json.loads(Path(machine_file).read_text()) if machine_file else None
-        machine = ({"software": found["software"], "hardware": {**found["hardware"], "adopted": why}} if found
-                   else {"recorded": False, "why": why})
-        path = save_reference(name, runs, note, machine=machine)
-    finally:
-        if previous is None:
-            os.environ.pop(CONDITIONS_VARIABLE, None)
-        else:
-            os.environ[CONDITIONS_VARIABLE] = previous
+    if machine_file:
+        found = json.loads(Path(machine_file).read_text())
+        machine = {"software": found["software"], "hardware": {**found["hardware"], "adopted": why}}
+    else:
+        machine = {"software": {"recorded": False, "why": why}, "hardware": {"recorded": False, "why": why}}
+    path = save_reference(name, runs, note, machine=machine, conditions=conditions)
     assert path is not None  # every record is a GPU's (checked above)
     return path
 
@@ -183,12 +177,14 @@ def adopt_records(name: str, folders: Mapping[str, str | Path], note: str, condi
 def reference_runs(name: str) -> list[tuple[str, str, str, dict[str, records.Record | dict]]]:
     """Committed GPU results of experiment ``name``: a list of (device, date, note, {setting: record}).
     Training runs come back as :class:`helpers.records.Record`, other tasks' results as dicts."""
-    found = []
-    for path in sorted(REFERENCE_DIR.glob(f"{name}-*.json")):
-        payload = json.loads(path.read_text())
-        found.append((payload["device"], payload["date"], payload.get("note", ""),
-                      {k: records.Record(v) if "zero_stage" in v else v for k, v in payload["runs"].items()}))
-    return found
+    return [(payload["device"], payload["date"], payload.get("note", ""),
+             {k: records.Record(v) if "zero_stage" in v else v for k, v in payload["runs"].items()})
+            for payload in _reference_payloads(name)]
+
+
+def _reference_payloads(name: str) -> list[dict]:
+    """The committed reference files of experiment ``name``, oldest file name first."""
+    return [json.loads(path.read_text()) for path in sorted(REFERENCE_DIR.glob(f"{name}-*.json"))]
 
 
 #: How a learner gets a chapter's GPU results where none are committed.
@@ -213,8 +209,7 @@ def references_report(name: str, render: Callable[[dict], str], how: str = "") -
 
 def reference_conditions(name: str) -> list[str]:
     """What else ran while each committed GPU result of ``name`` was measured, in :func:`reference_runs`' order."""
-    return [json.loads(path.read_text()).get("conditions", "not stated")
-            for path in sorted(REFERENCE_DIR.glob(f"{name}-*.json"))]
+    return [payload.get("conditions", "not stated") for payload in _reference_payloads(name)]
 
 
 def bytes_and_time_report(name: str, table: Callable[[dict, dict], str], how: str = "") -> str:

@@ -416,12 +416,7 @@ def _after_timeout(prepared: list["_Prepared"], run_times: dict[int, list[float]
     for i, p in enumerate(prepared):
         times = run_times.get(i, [])
         if (p.out / "summary.json").exists() and len(times) == 2:
-            summary = json.loads((p.out / "summary.json").read_text())
-            if not _is_record(summary):  # a task's own result
-                results[p.name] = summary
-                continue
-            results[p.name] = records.load(p.out)
-            results[p.name].wall_s = times[1] - times[0]
+            results[p.name] = _finished(p, times[1] - times[0])
         elif hung is None:
             hung = p.name
             done = f"{steps_done.get(i, 0)} of {p.spec.steps} steps"
@@ -695,6 +690,10 @@ class _Progress:
             if mean is not None:
                 self.bar.set_postfix_str(f"loss {mean:.4f}")
 
+    def last_step(self, run: int) -> int:
+        """The last step of ``run`` that any rank reported (0: none)."""
+        return max((step for r, step in self.pending if r == run), default=0)
+
     def done(self, run: int) -> None:
         self.close()
         self._tell("done", run)
@@ -718,7 +717,6 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
     fatal: dict | None = None
     run_errors: dict[int, dict] = {}
     run_times: dict[int, list[float]] = {}
-    steps_done: dict[int, int] = {}  # per run, the last step any rank reported
     log_lines: list[str] = []
     bars = _Progress(prepared, world, where, progress, on_event)
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child,
@@ -751,7 +749,6 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
                             bars.start(event["run"])
                         elif kind == "step":
                             bars.step(event)
-                            steps_done[event["run"]] = max(steps_done.get(event["run"], 0), event["step"])
                         elif kind == "done":
                             run_times[event["run"]].append(time.perf_counter())
                             bars.done(event["run"])
@@ -795,6 +792,7 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
     if timed_out:
         where_stuck = f"\nWhere the ranks waited (their Python stacks):\n{stacks}" if stacks else ""
         if all(p.spec.on_error == "record" for p in prepared):
+            steps_done = {i: bars.last_step(i) for i in range(len(prepared))}
             return _after_timeout(prepared, run_times, steps_done, timeout, tail, stacks)
         raise RunFailed(f"[{where}] timed out after {timeout:.0f} s: every process of the run was stopped. "
                         f"Last log lines:\n{tail}{where_stuck}", log_tail=tail, out=first,
@@ -815,17 +813,23 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
         if code != 0 or not (p.out / "summary.json").exists():
             raise RunFailed(f"[{where}] exited with code {code} and no summary for {p.name}. "
                             f"Last log lines:\n{tail}", log_tail=tail, out=p.out)
-        if p.spec.task != "train":
-            summary = json.loads((p.out / "summary.json").read_text())
-            if not _is_record(summary):  # a task's own result (a benchmark's table, say)
-                results[p.name] = summary
-                continue
-        record = records.load(p.out)
         times = run_times.get(i, [])
         # a launch of one run: launch to exit; a run of a sweep: its own start to its record
-        record.wall_s = seconds if len(prepared) == 1 else (times[1] - times[0] if len(times) == 2 else None)
-        results[p.name] = record
+        results[p.name] = _finished(p, seconds if len(prepared) == 1 else
+                                    (times[1] - times[0] if len(times) == 2 else None))
     return results
+
+
+def _finished(p: _Prepared, wall_s: float | None) -> records.Record | dict:
+    """A finished run's record (its ``wall_s`` set), or the summary a task other than training wrote
+    (a benchmark's table, say)."""
+    if p.spec.task != "train":
+        summary = json.loads((p.out / "summary.json").read_text())
+        if not _is_record(summary):
+            return summary
+    record = records.load(p.out)
+    record.wall_s = wall_s
+    return record
 
 
 def _is_record(summary: dict) -> bool:
