@@ -3,8 +3,8 @@
 - :func:`cpu_attempts`: one launch that asks CPU ranks for each ZeRO++ part, the 16-bit gradient
   reduction every backend has (``communication_data_type``), and the removed 1-bit optimizers, each
   with ``on_error="record"``: the real error, or a run whose collectives can be compared with plain ZeRO-3.
-- :func:`gpu_runs`: on GPUs, ZeRO-3 against each ZeRO++ part: bytes per collective (comms logger) in one
-  launch, step time in another without the logger (it synchronizes the device after every collective).
+- :func:`gpu_runs`: on GPUs, ZeRO-3 against each ZeRO++ part: step time (a launch per setting), bytes per
+  collective (the PyTorch profiler, one launch), and the comms logger on ZeRO-3 and qwZ as a cross-check.
 - :func:`deepspeed_source`: the lines of DeepSpeed's installed code that decide what applies on one node.
 - :func:`prediction_table`: the cross-node gain from :func:`helpers.theory.zeropp_step_prediction`.
 """
@@ -152,34 +152,93 @@ DEEPSPEED_DEFAULTS = {"stage3_max_live_parameters": 1_000_000_000, "stage3_max_r
                       "stage3_param_persistence_threshold": 100_000}
 
 
+#: The bytes pass counts collectives with the PyTorch profiler (``torch_comm``), which only watches the
+#: ops as they are issued: DeepSpeed's comms logger synchronizes the device after every collective, and
+#: with ZeRO++ on GPUs a launch with it did not finish (the ``LOGGER_CHECKS`` runs show where it stops).
+BYTES_PROBES = ("model_states", "peak_memory", "torch_comm")
+#: The comms logger and the profiler on the same run: section ``comm`` from the logger, ``comm_profiler``
+#: from the profiler, so the two methods can be compared (``frameworks.profiler_check_table``).
+LOGGER_PROBES = ("comm", "torch_comm")
+#: Settings also run with the comms logger, each in a launch of its own after the bytes pass: plain
+#: ZeRO-3 (the cross-check of the profiler's bytes) and quantized weights.
+LOGGER_CHECKS = ("ZeRO-3", "qwZ (quantized weights)")
+LOGGER_SUFFIX = ", comms logger"
+#: :func:`gpu_runs`' passes, in the order they run.
+PASSES = ("time", "bytes", "logger")
+
+
 def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = True, timeout: float = 60,
-             zero_knobs: Mapping | None = None, tag: str = "zeropp"
+             zero_knobs: Mapping | None = None, tag: str = "zeropp", passes: Sequence[str] = PASSES
              ) -> tuple[dict[str, records.Record | launch.RunFailed], dict[str, records.Record | launch.RunFailed]]:
-    """On GPUs: every ZeRO++ setting timed without the comms logger (it synchronizes the device after each
-    collective), each in its own launch, so that one which fails or hangs past ``timeout`` seconds (its
-    ranks' stacks then say where) costs only itself; then the settings that trained, in one launch with
-    the comms logger (bytes per collective). ``zero_knobs`` go into every setting's ``zero_optimization``
-    (e.g. :data:`DEEPSPEED_DEFAULTS`). Returns ({setting: record with comm}, {setting: record with timing});
-    a setting that failed comes back as its :class:`helpers.launch.RunFailed` in both."""
+    """On GPUs, three passes over plain ZeRO-3 and every ZeRO++ setting, each launch given ``timeout``
+    seconds a run (a run that fails or hangs comes back as its :class:`helpers.launch.RunFailed`; for a
+    hang its ranks' stacks say where):
+
+    1. time: each setting timed in a launch of its own, with no probe that synchronizes the device;
+    2. bytes: the settings that trained, together in one launch, their collectives counted by the PyTorch
+       profiler (:data:`BYTES_PROBES`);
+    3. logger: each of :data:`LOGGER_CHECKS` that trained, with DeepSpeed's comms logger, alone in a launch
+       (named ``"<setting>, comms logger"``).
+
+    ``zero_knobs`` go into every setting's ``zero_optimization`` (e.g. :data:`DEEPSPEED_DEFAULTS`).
+    ``passes`` picks some of ``"time"``, ``"bytes"``, ``"logger"`` (without ``"time"`` every setting is tried).
+    Returns ({setting: record of pass 2 or 3}, {setting: record of pass 1}); a setting that failed to
+    train comes back as its failure in both."""
+    unknown = sorted(set(passes) - set(PASSES))
+    if unknown:
+        raise ValueError(f"passes {unknown}: choose from {', '.join(PASSES)}")
     env = environment.detect(world_size)
     settings = zeropp_settings(env.default_world_size)
 
-    def specs(purpose: str, probes: tuple[str, ...]) -> dict[str, launch.RunSpec]:
-        return {name: launch.RunSpec("zero3", model=GPU_MODEL, steps=steps, probes=probes, name=f"{tag}-{purpose}-{i}",
-                                     on_error="record", overrides=configs.merged(
-                                         GPU_OVERRIDES, {"zero_optimization": {**(zero_knobs or {}), **knobs}}))
-                for i, (name, knobs) in enumerate(settings.items())}
+    def spec(name: str, purpose: str, probes: tuple[str, ...]) -> launch.RunSpec:
+        index = list(settings).index(name)
+        return launch.RunSpec("zero3", model=GPU_MODEL, steps=steps, probes=probes, name=f"{tag}-{purpose}-{index}",
+                              on_error="record", overrides=configs.merged(
+                                  GPU_OVERRIDES, {"zero_optimization": {**(zero_knobs or {}), **settings[name]}}))
 
-    timing = specs("time", ("timing", "peak_memory"))
-    by_time = {name: launch.sweep({spec.name: spec}, name=f"{tag}-gpu-time-{i}", world_size=world_size,
-                                  progress=progress, timeout=timeout)[spec.name]
-               for i, (name, spec) in enumerate(timing.items())}
-    trained = {name: spec for name, spec in specs("bytes", ("model_states", "peak_memory", "comm")).items()
-               if not isinstance(by_time[name], launch.RunFailed)}
-    found = launch.sweep({s.name: s for s in trained.values()}, name=f"{tag}-gpu-bytes", world_size=world_size,
-                         progress=progress, timeout=timeout * len(trained)) if trained else {}
-    by_bytes = {name: found[trained[name].name] if name in trained else by_time[name] for name in settings}
+    def alone(name: str, purpose: str, probes: tuple[str, ...]) -> records.Record | launch.RunFailed:
+        one = spec(name, purpose, probes)
+        return launch.sweep([one], name=f"{tag}-gpu-{purpose}-{list(settings).index(name)}", world_size=world_size,
+                            progress=progress, timeout=timeout)[one.name]
+
+    by_time = {name: alone(name, "time", ("timing", "peak_memory")) for name in settings} if "time" in passes else {}
+    trained = [name for name in settings if not isinstance(by_time.get(name), launch.RunFailed)]
+    counted = {name: spec(name, "bytes", BYTES_PROBES) for name in trained} if "bytes" in passes else {}
+    found = launch.sweep(list(counted.values()), name=f"{tag}-gpu-bytes", world_size=world_size,
+                         progress=progress, timeout=timeout * len(counted)) if counted else {}
+    by_bytes = {name: found[counted[name].name] if name in counted else by_time[name]
+                for name in settings if name in counted or name in by_time}
+    for name in (n for n in LOGGER_CHECKS if n in trained and "logger" in passes):
+        by_bytes[name + LOGGER_SUFFIX] = alone(name, "logger", LOGGER_PROBES)
     return by_bytes, by_time
+
+
+def logger_check_table(by_bytes: Mapping[str, records.Record]) -> str:
+    """The comms-logger runs beside the profiler: per collective, calls and bytes per step by each method
+    on the same run (``comm`` and ``comm_profiler``); a logger run that failed says where each of its
+    ranks' threads was (the innermost frame in DeepSpeed's or the course's code)."""
+    from helpers import frameworks
+
+    rows, done = [], {}
+    for name in LOGGER_CHECKS:
+        result = by_bytes.get(name + LOGGER_SUFFIX)
+        if result is None:
+            continue
+        if _failure(result):
+            where = result.get("where", []) if isinstance(result, dict) else _where(result)
+            # per stack (a rank's thread), its innermost frame in DeepSpeed's or the course's code, else its
+            # innermost frame; an exception: its last line
+            heads = [i for i, line in enumerate(where) if "most recent call first" in line]
+            stacks = [where[i + 1:j] for i, j in zip(heads, heads[1:] + [len(where)])]
+            frames = [next((f for f in stack if "/deepspeed/" in f or "/helpers/" in f), stack[0]).strip()
+                      for stack in stacks if stack]
+            for i, frame in enumerate(frames or where[-1:]):
+                rows.append([name if i == 0 else "", f"failed: {_failure(result)}" if i == 0 else "",
+                             re.sub(r'File "(?:[^"]*/)?([^"/]+)", line (\d+) in (\S+)', r"\3 (\1:\2)", frame)])
+        else:
+            done[name] = result if isinstance(result, records.Record) else records.Record(result)
+    table = records.format_table(rows, ["setting", "with the comms logger", "where each stack was"]) if rows else ""
+    return "\n\n".join(t for t in (frameworks.profiler_check_table(done) if done else "", table) if t)
 
 
 def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record] | None = None,
@@ -205,7 +264,9 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
             row = [name, ops, records.format_bytes(record["comm.bytes_per_step"]),
                    f"{record['comm.bytes_per_step'] / base_bytes:.2f}" if base_bytes else "-"]
         if by_time:
-            if timed is None or _failure(timed):
+            if timed is None and name.endswith(LOGGER_SUFFIX):  # measured bytes only
+                row += ["-", "-", "-"]
+            elif timed is None or _failure(timed):
                 row += [f"failed: {_failure(timed)}" if timed is not None else "not measured", "-", "-"]
             else:
                 t = timed["step_time_s.median"]
@@ -231,15 +292,22 @@ def _failure(result) -> str:
 def reference_report(name: str = "zeropp") -> str:
     """The committed GPU results of this chapter, each labelled with its device, date and note."""
     return experiments.bytes_and_time_report(
-        name, gpu_table, how="run this notebook on a machine with 2 or more NVIDIA GPUs to measure them.")
+        name, both_tables, how="run this notebook on a machine with 2 or more NVIDIA GPUs to measure them.")
 
 
-def _where(failure: launch.RunFailed) -> list[str]:
-    """Where a failed run was: a hang's first stack (innermost frame first), an exception's last frames."""
+def both_tables(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record] | None = None) -> str:
+    """:func:`gpu_table`, then :func:`logger_check_table` where there were comms-logger runs."""
+    check = logger_check_table(by_bytes)
+    return gpu_table(by_bytes, by_time) + (f"\n\nThe comms logger beside the profiler:\n{check}" if check else "")
+
+
+def _where(failure: launch.RunFailed, frames: int = 14) -> list[str]:
+    """Where a failed run was: for a hang, every rank's stack (its header and ``frames`` innermost frames
+    each: a deadlock shows in how the ranks' stacks differ); for an exception, its last frames."""
     lines = failure.traceback.strip().splitlines()
     if failure.error_type == "Timeout":
-        second = next((i for i, line in enumerate(lines) if i and "most recent call first" in line), len(lines))
-        return lines[:min(second, 30)]
+        heads = [i for i, line in enumerate(lines) if "most recent call first" in line] or [0]
+        return [line for i in heads for line in lines[i:i + frames + 1]]
     return lines[-12:]
 
 

@@ -66,7 +66,7 @@ def execute(path: Path, out_dir: Path, timeout: float = 900) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     notebook = nbformat.read(path, as_version=4)
     os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [_kernel_dir(), os.environ.get("JUPYTER_PATH")]))
-    client = NotebookClient(notebook, timeout=timeout, kernel_name=KERNEL_NAME, allow_errors=False,
+    client = NotebookClient(notebook, timeout=max(1, int(timeout)), kernel_name=KERNEL_NAME, allow_errors=False,
                             resources={"metadata": {"path": str(path.parent)}})
     started = time.monotonic()
     result: dict = {"notebook": path.name, "ok": True}

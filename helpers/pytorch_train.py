@@ -241,12 +241,66 @@ def _caller(event, enclosing: list) -> str:
     collective machinery itself (FSDP2's ``FSDP::all_gather``, DDP's autograd hook, an aten op of DTensor)."""
     for outer in sorted(enclosing, key=lambda e: e.duration_ns()):
         name = outer.name()
-        if name == "PythonSubclass" or name in COLLECTIVES:
-            continue
+        if name == "PythonSubclass" or name in COLLECTIVES or _BACKEND_EVENT.match(name):
+            continue  # (a backend's event is no caller: NCCL's lasts until its work completes)
         name = re.sub(r"\s*\(\d+\)$", "", name)  # FSDP2 numbers its parameter groups
         name = re.sub(r" for \d+$", "", name)
         return name.replace("autograd::engine::evaluate_function: ", "backward: ")
     return ""
+
+
+def _shapes(event) -> list:
+    """An event's input shapes, a list of tensors as a list of shapes where this torch records them."""
+    return event.structured_input_shapes() if hasattr(event, "structured_input_shapes") else event.shapes()
+
+
+#: The events a communication backend records for the work it runs (``nccl:all_reduce``, ``gloo:broadcast``).
+_BACKEND_EVENT = re.compile(r"(nccl|gloo|mpi|ucc|xccl):")
+#: The c10d ops that take a list of tensors -> the name their backend gives its own event (``nccl:<name>``).
+_BACKEND_NAMES = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::allgather_": "all_gather",
+                  "c10d::reduce_scatter_": "reduce_scatter"}
+
+
+def _backend_events(events) -> dict[int, Any]:
+    """Each list-taking c10d op (by ``id``) -> the event its backend recorded for it (``gloo:all_reduce``,
+    ``nccl:all_reduce``: one tensor, with shape and dtype). Every ``c10d::`` op makes one backend event,
+    in the order the ops were issued (gloo starts them on a thread of its own after the op returned, and
+    names them by what it runs: a reduce-scatter is a ``gloo:all_reduce``), so the i-th op pairs with the
+    i-th event. Nothing is paired where the counts differ (an op cut by the profile's window) or where a
+    list op's partner has another name."""
+    def by_start(name_matches) -> list:
+        return sorted((e for e in events if name_matches(e.name())), key=lambda e: e.start_ns())
+
+    ops = by_start(lambda n: n.startswith("c10d::"))
+    own = by_start(lambda n: _BACKEND_EVENT.match(n) is not None)
+    pairs = [(op, event) for op, event in zip(ops, own) if op.name() in _BACKEND_NAMES]
+    if len(ops) != len(own) or any(event.name().split(":", 1)[1] != _BACKEND_NAMES[op.name()] for op, event in pairs):
+        return {}
+    return {id(op): event for op, event in pairs}
+
+
+def _collectives_in_context(events: list) -> list[tuple[Any, list]]:
+    """Every collective op of a profile with the events of its thread that enclose it, outermost first.
+    One pass per thread over its events in start order, keeping a stack of those still open (a thread's
+    ranges nest), so a profile of a whole model's steps (10^5-10^6 events) takes seconds. A backend's
+    events are left out: NCCL ends them when the work completes, not where the op returns."""
+    threads: dict[int, list] = {}
+    for e in events:
+        if not _BACKEND_EVENT.match(e.name()):
+            threads.setdefault(e.start_thread_id(), []).append(e)
+    found = []
+    for chain in threads.values():
+        chain.sort(key=lambda e: (e.start_ns(), -e.duration_ns()))
+        stack: list = []
+        for e in chain:
+            end = e.start_ns() + e.duration_ns()
+            while stack and stack[-1].start_ns() + stack[-1].duration_ns() < end:
+                stack.pop()  # ended before this event did: encloses neither it nor anything after it
+            if e.name() in COLLECTIVES:
+                found.append((e, list(stack)))
+            if e.duration_ns() > 0:
+                stack.append(e)
+    return sorted(found, key=lambda pair: pair[0].start_ns())
 
 
 def collectives_from_profile(events, fallback_dtype_bytes: int) -> dict:
@@ -255,23 +309,25 @@ def collectives_from_profile(events, fallback_dtype_bytes: int) -> dict:
 
     ``events`` are the profiler's kineto events. A collective that runs inside another (DTensor's
     functional all_reduce calls ``c10d::allreduce_``) is counted once, as the outer one. The profiler
-    records no dtype for an op that takes a list of tensors (``c10d::allreduce_``, DDP's buckets): those
-    bytes use ``fallback_dtype_bytes``, the width of the gradients that DDP buckets.
+    records no dtype for an op that takes a list of tensors (``c10d::allreduce_``, DDP's buckets), and a
+    torch without ``structured_input_shapes`` (2.11) no shape either: such an op takes its dtype (and
+    then its shape) from its backend's own event (:func:`_backend_events`); with none paired, its width
+    is ``fallback_dtype_bytes``, that of the gradients that DDP buckets.
     """
-    spans = [e for e in events if e.name() in COLLECTIVES]
-    everything = [e for e in events if e.duration_ns() > 0]
+    events = list(events)
+    backend = _backend_events(events)
     summary: dict[str, dict[int, dict[str, int]]] = {}
-    for e in spans:
-        start, end, thread = e.start_ns(), e.start_ns() + e.duration_ns(), e.start_thread_id()
-        enclosing = [o for o in everything if o is not e and o.start_thread_id() == thread
-                     and o.start_ns() <= start and o.start_ns() + o.duration_ns() >= end]
+    for e, enclosing in _collectives_in_context(events):
         if any(o.name() in COLLECTIVES for o in enclosing):
             continue  # the inner half of a functional collective
         argument = _MESSAGE_ARGUMENT.get(e.name(), 0)
-        shapes = e.structured_input_shapes() if hasattr(e, "structured_input_shapes") else e.shapes()
-        shape, dtype = shapes[argument], e.dtypes()[argument]
+        shape, dtype = _shapes(e)[argument], e.dtypes()[argument]
         if dtype == "TensorList":
-            numel, width = sum(_numel(s) for s in shape), fallback_dtype_bytes
+            numel, width = sum(_numel(s) for s in shape if isinstance(s, (list, tuple))), fallback_dtype_bytes
+            inner = backend.get(id(e))
+            if inner is not None and _shapes(inner):  # (a 0-dim tensor's shape is [])
+                numel = numel or _numel(_shapes(inner)[0])
+                width = DTYPE_BYTES.get(inner.dtypes()[0], fallback_dtype_bytes)
         else:
             numel, width = _numel(shape), DTYPE_BYTES.get(dtype, fallback_dtype_bytes)
         caller = _caller(e, enclosing)

@@ -90,6 +90,32 @@ def test_collectives_from_profile_counts_nested_ops_once_and_sizes_them_like_the
     assert found["reduce_scatter_tensor"] == {400: {"count": 1}}  # the whole input
 
 
+class OldTorchEvent(FakeEvent):
+    """An event of a torch without ``structured_input_shapes`` (2.11): a list of tensors has no shape."""
+
+    structured_input_shapes = property()  # hasattr() is False
+    def shapes(self): return self._shapes
+
+
+def test_a_list_op_takes_its_size_and_dtype_from_its_backends_event_in_issue_order():
+    events = [  # torch 2.11 on NCCL: no shapes on the list op; the backend's event inside it
+        OldTorchEvent("c10d::allreduce_", 100, 20, [[], [], []], ["TensorList", "", ""]),
+        OldTorchEvent("nccl:all_reduce", 110, 500, [[3000]], ["c10::BFloat16"]),  # ends after the op returned
+        # gloo: its events on a worker thread, after the op returned, a reduce-scatter run as an all-reduce;
+        # the i-th c10d op is paired with the i-th backend event
+        OldTorchEvent("c10d::_reduce_scatter_base_", 300, 10, [[50], [100]], ["float", "float"]),
+        OldTorchEvent("gloo:all_reduce", 650, 5, [[100]], ["float"], thread=7),
+        OldTorchEvent("c10d::allreduce_", 700, 20, [[], [], []], ["TensorList", "", ""]),
+        OldTorchEvent("gloo:all_reduce", 900, 5, [[1]], ["double"], thread=7),
+    ]
+    found = pytorch_train.collectives_from_profile(events, fallback_dtype_bytes=4)
+    assert found["all_reduce"] == {6000: {"count": 1}, 8: {"count": 1}}
+    assert found["reduce_scatter_tensor"] == {400: {"count": 1}}
+    # an op whose backend event fell outside the profile: nothing paired, the fallback width
+    cut = pytorch_train.collectives_from_profile(events + [FakeEvent("c10d::allreduce_", 950, 5, [[[10]]], ["TensorList"])], 4)
+    assert cut["all_reduce"] == {0: {"count": 2}, 40: {"count": 1}}
+
+
 @pytest.mark.parametrize("bad", [None, "zero9"])
 def test_an_unknown_strategy_is_refused_before_any_process_starts(bad, monkeypatch):
     monkeypatch.delenv(WORLD_SIZE_VARIABLE, raising=False)
@@ -109,3 +135,19 @@ def test_a_collective_counted_without_sizes_is_not_shown_as_zero_bytes():
                        "wire_bytes_per_step": 0.0}
     assert frameworks.bytes_per_step(records.Record(summary)) == "? (13 collectives a step, no sizes recorded)"
     assert frameworks.bytes_per_step(records.Record(minimal_summary())) == "5.86 KiB"
+
+
+def test_a_profile_of_many_steps_is_read_in_one_pass():
+    import time
+
+    # 2,000 collectives among 60,000 other events on one thread: a comparison of every pair would take minutes
+    events = []
+    for i in range(2_000):
+        base = i * 1_000
+        events.append(FakeEvent("autograd::engine::evaluate_function: X", base, 900, [], []))
+        events += [FakeEvent("aten::mm", base + 10 + j * 20, 10, [], []) for j in range(30)]
+        events.append(FakeEvent("c10d::_allgather_base_", base + 700, 50, [[8], [4]], ["float", "float"]))
+    started = time.monotonic()
+    found = pytorch_train.collectives_from_profile(events, fallback_dtype_bytes=4)
+    assert time.monotonic() - started < 5
+    assert found == {"all_gather_into_tensor | [Caller Func: backward: X]": {16: {"count": 2_000}}}

@@ -88,3 +88,28 @@ def test_gpu_table_shows_timing_only_references_and_failures():
     assert "not measured" in rows["ZeRO-3"] and "200.0" in rows["ZeRO-3"]
     assert "300.0" in rows["qwZ (quantized weights)"] and "1.50" in rows["qwZ (quantized weights)"]
     assert "failed: Timeout: not done within the launch's 45 s (3 of 12 steps)" in rows["hpZ"]
+
+
+def test_a_hung_logger_run_shows_every_ranks_innermost_frame_and_a_finished_one_its_cross_check():
+    from helpers import compression, launch, records
+    from test_records import minimal_summary
+
+    stacks = "\n".join([
+        "Stack (most recent call first):",
+        '  File "/x/torch/cuda/__init__.py", line 175 in is_available',  # shown: the frame in DeepSpeed below it
+        '  File "/x/deepspeed/comm/comm.py", line 120 in log_wrapper',
+        '  File "/x/deepspeed/runtime/zero/partition_parameters.py", line 1426 in _all_gather_dtype',
+        "Stack (most recent call first):",
+        '  File "/x/deepspeed/runtime/zero/stage3.py", line 1300 in __avg_scatter_grads',
+    ])
+    hung = launch.RunFailed("timed out", error_type="Timeout", message="not done within 60 s", traceback=stacks)
+    assert compression._where(hung, frames=1) == [stacks.splitlines()[i] for i in (0, 1, 4, 5)]
+    op = {"count": 2.0, "bytes": 100.0}
+    section = {"by_op": {"all_gather_into_tensor": op}, "bytes_per_step": 100.0, "wire_bytes_per_step": 50.0}
+    logged = records.Record({**minimal_summary(), "comm": section, "comm_profiler": section})
+    table = compression.logger_check_table({"ZeRO-3, comms logger": logged, "qwZ (quantized weights), comms logger": hung})
+    assert "same" in table
+    assert "log_wrapper (comm.py:120)" in table and "__avg_scatter_grads (stage3.py:1300)" in table
+    assert "is_available" not in table
+    saved = {"error_type": "Timeout", "message": "not done", "where": compression._where(hung)}  # as a reference keeps it
+    assert "log_wrapper (comm.py:120)" in compression.logger_check_table({"qwZ (quantized weights), comms logger": saved})
