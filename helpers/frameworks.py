@@ -120,7 +120,7 @@ def summary_table(runs: Mapping[str, records.Record]) -> str:
         comm = r.summary["comm"]
         calls = sum(row["count"] for row in r.comm_ops().values())
         rows.append([name, f"{calls:g}", f"{comm['bytes_per_step']:,.0f}", f"{comm['wire_bytes_per_step']:,.0f}",
-                     f"{comm['wire_bytes_per_step'] / r['theory.comm_wire_bytes_per_step']:.2f}"])
+                     records.format_ratio(comm['wire_bytes_per_step'], r['theory.comm_wire_bytes_per_step'])])
     return records.format_table(rows, ["run", "calls/step", "bytes/step", "wire bytes/step (ring)",
                                        "wire / paper's 2Ψ or 3Ψ"])
 
@@ -169,7 +169,7 @@ def pick_table(runs: Mapping[str, records.Record], baseline: str = "DDP") -> str
     rows = []
     for name, r in runs.items():
         rows.append([name, f"{r.model_state_bytes() / base.model_state_bytes():.2f}x",
-                     f"{r['comm.wire_bytes_per_step'] / base['comm.wire_bytes_per_step']:.2f}x",
+                     records.format_ratio(r["comm.wire_bytes_per_step"], base["comm.wire_bytes_per_step"], suffix="x"),
                      records.loss_agreement(base.losses, r.losses, r.summary["precision"]) if name != baseline else "-",
                      ADVICE.get(name, "")])
     return records.format_table(rows, ["run", f"states vs {baseline}", f"wire bytes vs {baseline}", "losses",

@@ -137,6 +137,12 @@ def load(out: str | Path) -> Record:
     return Record(json.loads(path.read_text()), path.parent)
 
 
+def format_ratio(a: float, b: float, digits: int = 2, suffix: str = "",
+                 none: str = "- (one rank sends nothing)") -> str:
+    """``a / b`` with ``digits`` decimals and ``suffix``, or ``none`` where ``b`` is 0 (one rank moves no bytes)."""
+    return f"{a / b:.{digits}f}{suffix}" if b else none
+
+
 def format_bytes(n: float) -> str:
     """Bytes in the largest binary unit that keeps the number >= 1, three significant digits."""
     units = ("B", "KiB", "MiB", "GiB", "TiB")

@@ -238,3 +238,10 @@ def test_by_op_on_one_rank_has_no_wire_bytes():
 def test_per_step_divides_every_figure():
     table = {"all_reduce": {"count": 4, "bytes": 4096, "wire_bytes": 4096.0}}
     assert communication.per_step(table, 2) == {"all_reduce": {"count": 2, "bytes": 2048, "wire_bytes": 2048.0}}
+
+
+def test_a_ratio_over_nothing_says_why_instead_of_dividing_by_zero():
+    from helpers import records
+
+    assert records.format_ratio(3.0, 2.0, suffix="x") == "1.50x"
+    assert records.format_ratio(3.0, 0.0) == "- (one rank sends nothing)"
