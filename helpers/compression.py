@@ -262,7 +262,7 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
             ops = " ".join(f"{op}:{r['count']:g}x{records.format_bytes(r['bytes'] / max(r['count'], 1))}"
                            for op, r in record.comm_ops().items())
             row = [name, ops, records.format_bytes(record["comm.bytes_per_step"]),
-                   f"{record['comm.bytes_per_step'] / base_bytes:.2f}" if base_bytes else "-"]
+                   records.format_ratio(record["comm.bytes_per_step"], base_bytes or 0, none="-")]
         if by_time:
             if timed is None and name.endswith(LOGGER_SUFFIX):  # measured bytes only
                 row += ["-", "-", "-"]
@@ -271,7 +271,7 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
             else:
                 t = timed["step_time_s.median"]
                 t0 = base_time["step_time_s.median"] if base_time is not None and not _failure(base_time) else None
-                row += [f"{t * 1000:.1f}", f"{t / t0:.2f}" if t0 else "-",
+                row += [f"{t * 1000:.1f}", records.format_ratio(t, t0 or 0, none="-"),
                         records.format_bytes(max(timed["memory.peak_bytes_per_rank"]))]
         rows.append(row)
     headers = ["setting", "collectives per step: calls x bytes per call", "bytes/step", "vs ZeRO-3"]

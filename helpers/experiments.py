@@ -238,7 +238,7 @@ def comparison_table(subject: records.Record, baselines: Mapping[str, records.Re
         return sum(row["count"] for row in r.comm_ops().values())
 
     def ratio(a: float, b: float) -> str:
-        return f"{a / b:.2f}x" if b else "-"
+        return records.format_ratio(a, b, suffix="x", none="-")
 
     def losses(a: records.Record, b: records.Record) -> str:
         return records.loss_agreement(a.losses, b.losses, a.summary["precision"])

@@ -233,9 +233,9 @@ def save_gpu_reference(by_bytes: Mapping[str, records.Record], by_time: Mapping[
 def reference_report(name: str = "frameworks") -> str:
     """The committed GPU comparisons, each labelled with its device, date and note."""
     def tables(by_bytes: dict, by_time: dict) -> str:
-        check = profiler_check_table({k: r for k, r in by_bytes.items() if "comm_profiler" in r.summary})
-        return gpu_table(by_bytes, by_time) + (f"\n\nDeepSpeed's runs, by its comms logger and by the profiler:\n{check}"
-                                               if check.count("\n") > 1 else "")
+        both = {k: r for k, r in by_bytes.items() if "comm_profiler" in r.summary}
+        return gpu_table(by_bytes, by_time) + (f"\n\nDeepSpeed's runs, by its comms logger and by the profiler:\n"
+                                               f"{profiler_check_table(both)}" if both else "")
 
     return experiments.bytes_and_time_report(
         name, tables, how="run this notebook on a machine with 2 or more NVIDIA GPUs to measure them.")

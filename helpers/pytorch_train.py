@@ -241,8 +241,8 @@ def _caller(event, enclosing: list) -> str:
     collective machinery itself (FSDP2's ``FSDP::all_gather``, DDP's autograd hook, an aten op of DTensor)."""
     for outer in sorted(enclosing, key=lambda e: e.duration_ns()):
         name = outer.name()
-        if name == "PythonSubclass" or name in COLLECTIVES or _BACKEND_EVENT.match(name):
-            continue  # (a backend's event is no caller: NCCL's lasts until its work completes)
+        if name == "PythonSubclass" or name in COLLECTIVES:
+            continue
         name = re.sub(r"\s*\(\d+\)$", "", name)  # FSDP2 numbers its parameter groups
         name = re.sub(r" for \d+$", "", name)
         return name.replace("autograd::engine::evaluate_function: ", "backward: ")
