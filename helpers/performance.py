@@ -6,7 +6,9 @@ The formulas the capstone (notebook 16) and its probes (``throughput``, ``comm_s
 - **Model FLOPs per token** (PaLM, Chowdhery et al. 2022, appendix B): ``6 N`` for the matrix products of
   forward and backward over ``N`` parameters, plus ``12 L d T`` for attention's score and value products
   (``L`` layers, hidden size ``d``, sequence length ``T``; the causal mask is not subtracted, as PaLM
-  does not). Recomputed activations (checkpointing) are not counted: this is *model* FLOPs, not
+  does not). An input embedding that is not tied to the output layer is a table lookup, not a matrix
+  product, so its ``E = V d`` parameters are left out of ``N``: ``6 (N - E)`` (PaLM ties the two, so its
+  ``N`` needs no such step; torchtitan counts untied LLaMA models this way). Recomputed activations (checkpointing) are not counted: this is *model* FLOPs, not
   hardware FLOPs, so checkpointing lowers MFU by the work it repeats.
 - **MFU**: model FLOP/s per GPU divided by the GPU's dense bf16 peak from its datasheet
   (:data:`PEAK_BF16_DENSE_TFLOPS`, looked up by the device name torch reports).
@@ -50,21 +52,29 @@ def peak_tflops(device_name: str) -> tuple[float | None, str]:
                   "helpers.performance.PEAK_BF16_DENSE_TFLOPS to get an MFU")
 
 
-def flops_per_token(params: int, layers: int, hidden: int, seq_len: int) -> dict[str, float]:
-    """Model FLOPs of training on one token (forward and backward): ``6 N`` + ``12 L d T`` (PaLM)."""
-    matmul = 6.0 * params
+def flops_per_token(params: int, layers: int, hidden: int, seq_len: int, lookup_params: int = 0) -> dict[str, float]:
+    """Model FLOPs of training on one token (forward and backward): ``6 (N - E)`` + ``12 L d T`` (PaLM),
+    where ``E`` = ``lookup_params``, the parameters of an untied input embedding (a lookup, no FLOPs)."""
+    if not 0 <= lookup_params <= params:
+        raise ValueError(f"lookup_params={lookup_params:,}: between 0 and the model's {params:,} parameters")
+    matmul = 6.0 * (params - lookup_params)
     attention = 12.0 * layers * hidden * seq_len
-    return {"matmul_6N": matmul, "attention_12LdT": attention, "total": matmul + attention}
+    return {"matmul_6N": matmul, "attention_12LdT": attention, "total": matmul + attention,
+            "lookup_params": lookup_params}
 
 
 def model_shape(module) -> dict[str, int] | None:
-    """Layers, hidden size and sequence length of a ``transformers`` model (the course's language
-    models set ``max_position_embeddings`` to the sequence length they train on); None for others."""
+    """Layers, hidden size, sequence length and untied input-embedding parameters (``lookup_params``,
+    0 when tied) of a ``transformers`` model (the course's language models set
+    ``max_position_embeddings`` to the sequence length they train on); None for others. Read from the
+    config, not the weights, which ZeRO-3 has partitioned."""
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "num_hidden_layers"):
         return None
+    tied = getattr(config, "tie_word_embeddings", False)
     return {"layers": config.num_hidden_layers, "hidden": config.hidden_size,
-            "seq_len": config.max_position_embeddings}
+            "seq_len": config.max_position_embeddings,
+            "lookup_params": 0 if tied else config.vocab_size * config.hidden_size}
 
 
 def throughput(step_times: Sequence[float], tokens_per_step: int, flops_token: float | None, world_size: int,

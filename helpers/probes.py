@@ -359,7 +359,8 @@ class Throughput(Timing):
         first, last = (WARMUP_STEPS, len(times) - 1) if len(times) >= WARMUP_STEPS + 2 else (min(1, len(times) - 1), len(times))
         shape = performance.model_shape(ctx.engine.module)
         seq = shape["seq_len"] if shape else 1
-        flops = performance.flops_per_token(ctx.params, shape["layers"], shape["hidden"], seq) if shape else None
+        flops = (performance.flops_per_token(ctx.params, shape["layers"], shape["hidden"], seq, shape["lookup_params"])
+                 if shape else None)
         device_name = "cpu"
         if ctx.device_type == "cuda":
             import torch
@@ -369,7 +370,8 @@ class Throughput(Timing):
                                          flops["total"] if flops else None, ctx.world_size, device_name)
         section.update({"measured_steps": list(range(first + 1, last + 1)), "all_step_times_s": times,
                         "seq_len": seq if shape else None, "flops_per_token": flops,
-                        "formula": "6*N + 12*layers*hidden*seq_len model FLOPs per token (PaLM, appendix B)"})
+                        "formula": "6*(N - untied input embedding) + 12*layers*hidden*seq_len model FLOPs per "
+                                   "token (PaLM, appendix B)"})
         return {"throughput": section}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from helpers import capstone, configs, models, performance
 
@@ -15,7 +16,28 @@ from helpers import capstone, configs, models, performance
 
 def test_flops_per_token_is_palms_count():
     f = performance.flops_per_token(1_000, layers=2, hidden=64, seq_len=128)
-    assert f == {"matmul_6N": 6_000.0, "attention_12LdT": 12.0 * 2 * 64 * 128, "total": 6_000.0 + 196_608.0}
+    assert f == {"matmul_6N": 6_000.0, "attention_12LdT": 12.0 * 2 * 64 * 128, "total": 6_000.0 + 196_608.0,
+                 "lookup_params": 0}
+
+
+def test_an_untied_input_embedding_is_a_lookup_not_flops():
+    f = performance.flops_per_token(1_000, layers=2, hidden=64, seq_len=128, lookup_params=200)
+    assert f["matmul_6N"] == 6 * 800 and f["total"] == 6 * 800 + 12.0 * 2 * 64 * 128
+    with pytest.raises(ValueError, match="lookup_params"):
+        performance.flops_per_token(1_000, layers=2, hidden=64, seq_len=128, lookup_params=2_000)
+
+
+def test_model_shape_counts_the_untied_embedding_from_the_config():
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        untied = LlamaForCausalLM(models.capstone_config("1.2b"))
+        tied_config = models.capstone_config("tiny")
+        tied_config.tie_word_embeddings = True
+        tied = LlamaForCausalLM(tied_config)
+    assert performance.model_shape(untied)["lookup_params"] == 32_000 * 2048 == untied.get_input_embeddings().weight.numel()
+    assert performance.model_shape(tied)["lookup_params"] == 0
+    assert performance.model_shape(torch.nn.Linear(2, 2)) is None
 
 
 def test_the_baseline_model_has_the_issues_shape():
