@@ -64,13 +64,18 @@ def flops_per_token(params: int, layers: int, hidden: int, seq_len: int, lookup_
 
 
 def model_shape(module) -> dict[str, int] | None:
-    """Layers, hidden size, sequence length and untied input-embedding parameters (``lookup_params``,
-    0 when tied) of a ``transformers`` model (the course's language models set
-    ``max_position_embeddings`` to the sequence length they train on); None for others. Read from the
+    """:func:`config_shape` of a ``transformers`` model's config; None for other models. Read from the
     config, not the weights, which ZeRO-3 has partitioned."""
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "num_hidden_layers"):
         return None
+    return config_shape(config)
+
+
+def config_shape(config) -> dict[str, int]:
+    """Layers, hidden size, sequence length and untied input-embedding parameters (``lookup_params``,
+    0 when tied) of a ``transformers`` config (the course's language models set
+    ``max_position_embeddings`` to the sequence length they train on)."""
     tied = getattr(config, "tie_word_embeddings", False)
     return {"layers": config.num_hidden_layers, "hidden": config.hidden_size,
             "seq_len": config.max_position_embeddings,
