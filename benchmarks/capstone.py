@@ -5,6 +5,9 @@
     COURSE_GPUS=0,1 python benchmarks/capstone.py      # two GPUs of a shared box
     python benchmarks/capstone.py --resume runs/capstone/ladder-1.2b-2r.json   # climb the rungs left
 
+A resumed walk may run on another machine: its first launch trains the setting kept so far again, beside the
+new candidates, and judges them against that figure rather than the stored one.
+
 Each rung of ``helpers.capstone.GPU_LADDER`` is one launch of its candidates; a candidate is kept when its
 model TFLOP/s per GPU beats the best so far by more than the noise margin. Writes every candidate's
 record to ``runs/capstone/``, the ladder to ``runs/capstone/ladder-<size>-<N>r.json`` and, on GPUs, the

@@ -282,7 +282,9 @@ class Ladder:
                 "seconds": before["seconds"] + self.seconds, "margin": self.margin, "spread": self.spread,
                 "rungs": before_rungs + self.rungs, "walks": 1 + before.get("walks", 0),
                 "best": dataclasses.asdict(self.best) if self.best else None, "best_label": self.best_label,
-                "best_run": self.best_run(), "target_mfu": TARGET_MFU, "fsdp2": self.fsdp2,
+                "best_run": self.best_run(), "target_mfu": TARGET_MFU,
+                # an FSDP2 measurement of an earlier walk stays when this one could not measure it
+                "fsdp2": self.fsdp2 if self.fsdp2.get("measured") or not before.get("fsdp2") else before["fsdp2"],
                 "candidates": before["candidates"] + [
                     {"rung": c.rung, "label": c.label, "run": c.run_name, "verdict": c.verdict,
                      "changes": c.setting.changes_from(self.baseline), "failure": c.failure,
@@ -293,6 +295,9 @@ class Ladder:
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
+
+#: Label of the kept setting trained again in a resumed walk's first launch.
+AGAIN = "best so far, again"
 
 #: How much longer a candidate takes when it compiles, where no compiled launch has been timed yet.
 COMPILE_FACTOR = 2.5
@@ -406,16 +411,21 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
             else rows[resume["best_run"]]["metric"]
         seen = {Setting(**c["setting"]) for c in resume["candidates"]}
         done = {r["rung"] for r in resume["rungs"] if r["ran"]}
+    # a resumed walk may run on another machine, or the same one another day: its first launch trains the
+    # kept setting again beside the new candidates, and they are judged against that figure
+    again = resume is not None
     for index, rung in enumerate(ladder):
         if rung.name in done:
             continue
         current = best or baseline
         pairs = [(label, s) for label, s in rung.propose(current) if s not in seen and env.supports(s.precision)]
-        if best is None:
-            pairs = [("baseline", baseline), ("baseline, again", baseline)] + pairs
         if not pairs:
             result.rungs.append({"rung": rung.name, "what": rung.what, "ran": False, "why": "nothing new to try"})
             continue
+        if best is None:
+            pairs = [("baseline", baseline), ("baseline, again", baseline)] + pairs
+        elif again:
+            pairs = [(AGAIN, best)] + pairs
         left = budget_s - (time.monotonic() - started)
         estimate = _estimate(history, len(pairs), any(s.compile for _, s in pairs), env.is_gpu)
         reduced = best is None and estimate > left
@@ -447,6 +457,13 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
             for c in found[:2]:
                 c.verdict = "baseline" if c.record else f"failed: {c.failure}"
             found_rest = found[2:]
+        elif again:
+            first, found_rest, again = found[0], found[1:], False
+            if first.record is not None:
+                best_value = metric(first.record)
+                first.verdict = "best so far, trained again: the candidates below are judged against it"
+            else:
+                first.verdict = f"failed: {first.failure}; the candidates are judged against the earlier figure"
         else:
             found_rest = found
         winner = decide([(c, metric(c.record) if c.record else None) for c in found_rest], best_value,
@@ -535,6 +552,9 @@ def fsdp2_table(ladder: dict) -> str:
                if c["verdict"] == "baseline" and "tokens_per_s" in c]
     if best is not None and best["verdict"] != "baseline":
         entries.append((f"DeepSpeed best: {best['label']}", best))
+    partner = fsdp2_partner(ladder)
+    if partner is not None and partner is not best and partner["verdict"] != "baseline":
+        entries.append((f"DeepSpeed, FSDP2's batch: {partner['label']}", partner))
     fsdp2 = ladder.get("fsdp2") or {}
     entries += [(f"{label}, eager", r) for label, r in (fsdp2.get("runs") or {}).items()]
     rows = [[name, f"{r['tokens_per_s']:,.0f}", "-" if r["tflops_per_gpu"] is None else f"{r['tflops_per_gpu']:.4g}",
@@ -609,7 +629,11 @@ def fsdp2_line(ladder: dict) -> str:
     for label, r in fsdp2["runs"].items():
         figure = f"{r['mfu']:.1%} MFU" if r.get("mfu") is not None else f"{r['tokens_per_s']:,.0f} tokens/s"
         parts.append(f"{label} {figure}")
-    return ("FSDP2 on the best setting, eager, torch.optim.AdamW: " + "; ".join(parts)
+    best, setting = ladder.get("best") or {}, fsdp2["setting"]
+    earlier = bool(best) and _samples(best) != _samples(setting)
+    on = (f"an earlier best setting (micro batch {setting['micro_batch']} x accumulation {setting['grad_accum']}, "
+          "measured before a resumed walk changed the batch)" if earlier else "the best setting")
+    return (f"FSDP2 on {on}, eager, torch.optim.AdamW: " + "; ".join(parts)
             + (" (DeepSpeed's best above was compiled)" if (ladder.get("best") or {}).get("compile") else ""))
 
 
@@ -637,20 +661,42 @@ def same_math(ladder: dict) -> str:
     return records.format_table(table, ["candidate", "changed from the baseline", "losses vs the baseline"])
 
 
+def _samples(setting: dict) -> tuple:
+    """What decides the losses a setting trains: micro batch, accumulation, sequence length, precision."""
+    return setting["micro_batch"], setting["grad_accum"], setting["seq_len"], setting["precision"]
+
+
+def fsdp2_partner(ladder: dict) -> dict | None:
+    """The DeepSpeed candidate FSDP2's runs are set beside: the ladder's best when FSDP2 trained its micro batch,
+    accumulation, sequence length and precision, else (FSDP2 measured in an earlier walk of a resumed
+    ladder) the last kept or baseline candidate that trained those; None when none did or FSDP2 did not run."""
+    fsdp2 = ladder.get("fsdp2") or {}
+    if not fsdp2.get("measured"):
+        return None
+
+    rows = {c["run"]: c for c in ladder["candidates"]}
+    best = rows.get(ladder.get("best_run"))
+    if best is not None and _samples(best["setting"]) == _samples(fsdp2["setting"]):
+        return best
+    return next((c for c in reversed(ladder["candidates"]) if c["verdict"].startswith(("kept", "baseline"))
+                 and _samples(c["setting"]) == _samples(fsdp2["setting"])), None)
+
+
 def fsdp2_same_math(ladder: dict) -> str:
-    """FSDP2's runs against DeepSpeed's best, whose samples, precision and checkpointing they trained:
-    another framework sums the same numbers in another order, so the losses must agree within
-    :data:`helpers.records.REORDERED_TOLERANCE`; or why FSDP2 did not run."""
+    """FSDP2's runs against the DeepSpeed run whose samples, precision and checkpointing they trained
+    (:func:`fsdp2_partner`: DeepSpeed's best, normally): another framework sums the same numbers in another
+    order, so the losses must agree within :data:`helpers.records.REORDERED_TOLERANCE`; or why FSDP2 did not run."""
     fsdp2 = ladder.get("fsdp2") or {}
     if not fsdp2.get("measured"):
         return "FSDP2 did not run: " + fsdp2.get("reason", "not run")
-    best = {c["run"]: c for c in ladder["candidates"]}.get(ladder.get("best_run"))
-    if best is None or "losses" not in best:
-        return "DeepSpeed's best has no losses here (a resumed ladder): no comparison"
+    partner = fsdp2_partner(ladder)
+    if partner is None or "losses" not in partner:
+        return "No DeepSpeed run here trained FSDP2's samples with its losses kept: no comparison"
     tolerance = records.REORDERED_TOLERANCE[fsdp2["setting"]["precision"]]
-    table = [[label, f"{len(r['losses'])} steps", records.loss_agreement(r["losses"], best["losses"], tolerance=tolerance)]
+    table = [[label, f"{len(r['losses'])} steps", records.loss_agreement(r["losses"], partner["losses"], tolerance=tolerance)]
              for label, r in fsdp2["runs"].items()]
-    return records.format_table(table, ["PyTorch run (torchrun)", "trained", "losses vs DeepSpeed's best"])
+    against = "DeepSpeed's best" if partner["run"] == ladder.get("best_run") else f"DeepSpeed's {partner['label']}"
+    return records.format_table(table, ["PyTorch run (torchrun)", "trained", f"losses vs {against}"])
 
 
 def save(ladder: Ladder, note: str = "") -> tuple[Path, Path | None]:

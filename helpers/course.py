@@ -1,7 +1,8 @@
 """Set up the course and open it, or test it: the README's two commands.
 
     python3 -m helpers.course lab                 # set up, then open the notebooks in JupyterLab
-    python3 -m helpers.course test                # set up, then pytest --nbval notebooks/ plus the unit tests
+    python3 -m helpers.course test                # set up, then pytest --nbval notebooks/
+    python3 -m helpers.course test --unit         # the unit tests in tests/ (all but the system tests)
     python3 -m helpers.course test --lesser-cpu   # the notebooks again, as on a processor without AVX-512
     python3 -m helpers.course test --system       # the tests that need Chromium, or root with sshd and pdsh
     python3 -m helpers.course setup               # set up only
@@ -188,8 +189,10 @@ def check_gpu(python: str, args: list[str]) -> int:
     probe = subprocess.run([python, "-c", "import torch; print(torch.cuda.device_count())"], capture_output=True,
                            text=True, cwd=ROOT)
     gpus = int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
-    _say(f"{len(notebooks)} notebook(s), {jobs} at a time, on "
-         + (f"{gpus} GPU(s)" if gpus else "no GPU (CPU ranks): this checks the CPU path"))
+    chosen = os.environ.get("COURSE_GPUS", "").strip()  # environment.GPUS_VARIABLE; this module stays stdlib-only
+    where = (f"GPU(s) {chosen} of {gpus} (set by $COURSE_GPUS)" if chosen else f"{gpus} GPU(s)") if gpus \
+        else "no GPU (CPU ranks): this checks the CPU path"
+    _say(f"{len(notebooks)} notebook(s), {jobs} at a time, on {where}")
     started = time.monotonic()
     results = check_notebooks(python, notebooks, jobs, timeout, out)
     report = {"gpus": gpus, "jobs": jobs, "seconds": round(time.monotonic() - started, 1),
@@ -239,9 +242,12 @@ def main(argv: list[str] | None = None) -> int:
             rest.remove("--system")
             _say("pytest -m system tests/ (the tests that need Chromium, or root with sshd and pdsh)")
             return subprocess.run([python, "-m", "pytest", "-m", "system", "tests/", *rest], cwd=ROOT).returncode
-        _say("pytest --nbval notebooks/ tests/ (all but the system tests: test --system runs those)")
-        return subprocess.run([python, "-m", "pytest", "--nbval", "-m", "not system", "notebooks/", "tests/", *rest],
-                              cwd=ROOT).returncode
+        if "--unit" in rest:
+            rest.remove("--unit")
+            _say("pytest -m 'not system' tests/ (the unit tests; test --system runs the rest)")
+            return subprocess.run([python, "-m", "pytest", "-m", "not system", "tests/", *rest], cwd=ROOT).returncode
+        _say("pytest --nbval notebooks/ (every notebook, its checked outputs compared with the stored ones)")
+        return subprocess.run([python, "-m", "pytest", "--nbval", "notebooks/", *rest], cwd=ROOT).returncode
     return 0
 
 

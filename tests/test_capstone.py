@@ -240,17 +240,29 @@ def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypat
     assert [c["verdict"].split(":")[0] for c in first["candidates"]] == ["baseline", "baseline", "dropped"]
 
     second = capstone.walk("tiny", ladder=[stage, batch], budget_s=1000, world_size=2, resume=first).to_dict()
-    assert launches[1:] == [["accumulation x2"]]  # the stage rung is not climbed again
+    # the stage rung is not climbed again; the kept setting trains again beside the new candidate
+    assert launches[1:] == [[capstone.AGAIN, "accumulation x2"]]
+    assert second["candidates"][-2]["verdict"].startswith("best so far, trained again")
     assert second["candidates"][-1]["verdict"] == "kept: +10.0%" and second["best_label"] == "batch: accumulation x2"
     assert [r["rung"] for r in second["rungs"]] == ["stage", "batch"] and second["walks"] == 2
     # after each walk, FSDP2 on the best setting so far
     assert [s.grad_accum for s in fsdp2_settings] == [capstone.CPU_BASELINE.grad_accum, 4]
 
+    # on a machine 20% faster the candidate gains 10% over the kept setting trained there, not 32% over the old figure
+    scale = 1.2
+    faster = lambda index, rung, pairs, *rest, **options: [  # noqa: E731
+        capstone.Candidate(rung.name, label, s, f"{index}-{i}", record=_FakeRecord(scale * value(s)))
+        for i, (label, s) in enumerate(pairs)]
+    monkeypatch.setattr(capstone, "_launch_rung", faster)
+    elsewhere = capstone.walk("tiny", ladder=[stage, batch], budget_s=1000, world_size=2, resume=first).to_dict()
+    assert elsewhere["candidates"][-1]["verdict"] == "kept: +10.0%"
+    monkeypatch.setattr(capstone, "_launch_rung", fake_launch)
+
     monkeypatch.setattr(capstone, "_estimate", lambda *args: 1e9)  # no budget: the baseline alone, then nothing
     third = capstone.walk("tiny", ladder=[stage, batch], budget_s=10, world_size=2).to_dict()
     assert launches[-1] == ["baseline", "baseline, again"]
     assert [r["ran"] for r in third["rungs"]] == [False, False] and "baseline alone" in third["rungs"][0]["why"]
-    assert third["fsdp2"]["reason"].startswith("time budget") and len(fsdp2_settings) == 2
+    assert third["fsdp2"]["reason"].startswith("time budget") and len(fsdp2_settings) == 3
 
 
 def test_shortfall_bounds_what_hiding_communication_could_give():
@@ -274,3 +286,27 @@ def test_a_compiled_launch_is_estimated_from_compiled_launches_once_one_was_time
     assert capstone._estimate(timed, 2, True, True) == 140.0
     assert capstone._estimate(timed, 2, False, True) == 40.0
     assert capstone._estimate([], 2, False, True) == 120.0
+
+
+def test_fsdp2_of_an_earlier_walk_is_set_beside_the_run_that_trained_its_batch():
+    def setting(micro: int, accum: int, compiled: bool) -> dict:
+        return dataclasses.asdict(dataclasses.replace(capstone.GPU_BASELINE, micro_batch=micro, grad_accum=accum,
+                                                      compile=compiled))
+
+    def row(run: str, label: str, verdict: str, s: dict, losses: list) -> dict:
+        return {"run": run, "label": label, "verdict": verdict, "setting": s, "losses": losses, "tokens_per_s": 1.0,
+                "tflops_per_gpu": 1.0, "mfu": 0.4, "peak_bytes": 1}
+
+    fsdp2 = {"measured": True, "setting": setting(8, 2, False), "runs": {"FSDP2 full": {
+        "losses": [2.0, 1.0], "tokens_per_s": 1.0, "tflops_per_gpu": 1.0, "mfu": 0.4, "peak_bytes": 1}}}
+    ladder = {"device": "2 x GPU", "best": setting(16, 1, True), "best_run": "r2", "fsdp2": fsdp2, "candidates": [
+        row("r0", "baseline", "baseline", setting(8, 2, False), [9.0, 9.0]),
+        row("r1", "engine.compile()", "kept: +14%", setting(8, 2, True), [2.0, 1.0]),
+        row("r2", "micro x2, accumulation /2", "kept: +4%", setting(16, 1, True), [1.5])]}
+    assert capstone.fsdp2_partner(ladder)["run"] == "r1"  # the last kept run of FSDP2's batch, not the best
+    assert "losses vs DeepSpeed's engine.compile()" in capstone.fsdp2_same_math(ladder)
+    assert "within" in capstone.fsdp2_same_math(ladder)
+    assert "DeepSpeed, FSDP2's batch: engine.compile()" in capstone.fsdp2_table(ladder)
+    assert capstone.fsdp2_line(ladder).startswith("FSDP2 on an earlier best setting (micro batch 8 x accumulation 2")
+    ladder["fsdp2"] = {**fsdp2, "setting": setting(16, 1, False)}  # FSDP2 on the best's batch: the best itself
+    assert capstone.fsdp2_partner(ladder)["run"] == "r2" and capstone.fsdp2_line(ladder).startswith("FSDP2 on the best")
