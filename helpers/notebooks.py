@@ -65,6 +65,10 @@ def execute(path: Path, out_dir: Path, timeout: float = 900) -> dict:
     path, out_dir = Path(path).resolve(), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     notebook = nbformat.read(path, as_version=4)
+    for cell in notebook.cells:  # the stored (CPU) outputs go: a cell not reached shows nothing, not stale figures
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+            cell.metadata.pop("execution", None)
     os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [_kernel_dir(), os.environ.get("JUPYTER_PATH")]))
     client = NotebookClient(notebook, timeout=max(1, int(timeout)), kernel_name=KERNEL_NAME, allow_errors=False,
                             resources={"metadata": {"path": str(path.parent)}})

@@ -148,15 +148,21 @@ def test_a_notebook_stopped_from_outside_is_reported_as_stopped_not_failed(tmp_p
     from nbformat.v4 import new_code_cell, new_notebook
 
     slow = tmp_path / "03_slow.ipynb"
-    nbformat.write(new_notebook(cells=[new_code_cell("x = 1"), new_code_cell("import time; time.sleep(120)")]), slow)
+    stored = new_code_cell("print('stored on another machine')", execution_count=3,
+                           outputs=[nbformat.v4.new_output("stream", text="stored on another machine\n")])
+    nbformat.write(new_notebook(cells=[new_code_cell("x = 1"), new_code_cell("import time; time.sleep(120)"), stored]),
+                   slow)
     process = subprocess.Popen([sys.executable, "-m", "helpers.notebooks", str(slow), "--out", str(tmp_path / "out")],
                                cwd=REPO_ROOT)
     time.sleep(8)  # the kernel is up and in the second cell (a job's deadline comes as SIGTERM)
     process.send_signal(signal.SIGTERM)
     assert process.wait(60) == 1
     result = json.loads((tmp_path / "out" / "result.json").read_text())
+    # the cell that was running, not the last one with a stored execution count; the cell never reached is empty
     assert result["stopped"] is True and result["ok"] is False and result["cell"] == 1
     assert "no verdict" in result["error"]
+    executed = nbformat.read(tmp_path / "out" / slow.name, as_version=4)
+    assert executed.cells[2].outputs == [] and executed.cells[2].execution_count is None
     assert course._verdict(result) == "STOPPED"
 
 
