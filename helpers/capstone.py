@@ -634,7 +634,7 @@ def fsdp2_line(ladder: dict) -> str:
     on = (f"an earlier best setting (micro batch {setting['micro_batch']} x accumulation {setting['grad_accum']}, "
           "measured before a resumed walk changed the batch)" if earlier else "the best setting")
     return (f"FSDP2 on {on}, eager, torch.optim.AdamW: " + "; ".join(parts)
-            + (" (DeepSpeed's best above was compiled)" if (ladder.get("best") or {}).get("compile") else ""))
+            + (" (DeepSpeed's best above was compiled)" if best.get("compile") else ""))
 
 
 def _mean(values: list) -> float | None:

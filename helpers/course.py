@@ -197,7 +197,7 @@ def check_gpu(python: str, args: list[str]) -> int:
     results = check_notebooks(python, notebooks, jobs, timeout, out)
     report = {"gpus": gpus, "jobs": jobs, "seconds": round(time.monotonic() - started, 1),
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "notebooks": results,
-              "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "course_gpus": os.environ.get("COURSE_GPUS")}
+              "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "course_gpus": chosen or None}
     path = out / "report.json"
     path.write_text(json.dumps(report, indent=1))
     failed = [r for r in results if not r["ok"]]
