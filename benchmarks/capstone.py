@@ -4,6 +4,8 @@
     python benchmarks/capstone.py --size 2.7b --budget 900 --world-size 4
     COURSE_GPUS=0,1 python benchmarks/capstone.py      # two GPUs of a shared box
     python benchmarks/capstone.py --resume runs/capstone/ladder-1.2b-2r.json   # climb the rungs left
+    python benchmarks/capstone.py --resume runs/capstone/ladder-1.2b-2r.json --rungs overlap,rebatch
+                                                       # these two, from the best so far, climbed or not
 
 A resumed walk may run on another machine: its first launch trains the setting kept so far again, beside the
 new candidates, and judges them against that figure rather than the stored one.
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rungs", help="comma-separated rung names to climb, in ladder order (default: all)")
     parser.add_argument("--note", default="benchmarks/capstone.py", help="stored with the reference")
     parser.add_argument("--resume", type=Path, help="an earlier ladder-<size>-<N>r.json: go on where it stopped "
-                        "(its rungs are not climbed again)")
+                        "(its rungs are not climbed again, unless --rungs names them)")
     args = parser.parse_args(argv)
 
     env = environment.detect(args.world_size)
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
           f"rungs: {', '.join(r.name for r in ladder)}", flush=True)
     resume = json.loads(args.resume.read_text()) if args.resume else None
     result = capstone.walk(size, ladder=ladder, budget_s=args.budget, steps=args.steps, world_size=args.world_size,
-                           resume=resume)
+                           resume=resume, again=[r.name for r in ladder] if resume and args.rungs else ())
     data = result.to_dict()
     path, reference = capstone.save(result, note=args.note)
     print(capstone.ladder_table(data))

@@ -23,7 +23,7 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 from helpers import environment, launch, models, records
 
@@ -236,6 +236,7 @@ class Candidate:
     record: records.Record | None = None
     failure: str | None = None
     verdict: str = ""
+    note: str = ""  # how it was trained, where that differs from its rung's one launch
 
 
 @dataclasses.dataclass
@@ -288,7 +289,8 @@ class Ladder:
                 "candidates": before["candidates"] + [
                     {"rung": c.rung, "label": c.label, "run": c.run_name, "verdict": c.verdict,
                      "changes": c.setting.changes_from(self.baseline), "failure": c.failure,
-                     "setting": dataclasses.asdict(c.setting), **(measurements(c.record) if c.record else {})}
+                     "setting": dataclasses.asdict(c.setting), **({"note": c.note} if c.note else {}),
+                     **(measurements(c.record) if c.record else {})}
                     for c in self.candidates]}
 
 
@@ -315,26 +317,46 @@ def _estimate(history: list[tuple[float, int, bool]], count: int, compiles: bool
     return ((60 + 30 * count) if is_gpu else (10 + 5 * count)) * (COMPILE_FACTOR if compiles else 1.0)
 
 
-def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], size: str, steps: int,
-                 world: int, name: str, timeout: float) -> list[Candidate]:
-    """Train ``pairs`` in one launch; a candidate that fails (out of memory, say) is recorded, not fatal."""
-    folder = launch.RUNS_DIR / name
-    candidates, specs = [], []
-    for i, (label, setting) in enumerate(pairs):
-        run_name = f"{rung_index}-{rung.name}-{i}-{_slug(label)}"
-        candidates.append(Candidate(rung.name, label, setting, run_name))
-        specs.append(launch.RunSpec(setting.config(world), model="llama-capstone", steps=steps, name=run_name,
-                                    out=folder / run_name, probes=PROBES, on_error="record",
-                                    model_options=setting.model_options(size)))
+def _train(specs: list[launch.RunSpec], launch_name: str, world: int, timeout: float
+           ) -> dict[str, records.Record | Exception]:
+    """Train ``specs`` in one launch: {run name: its record, or why it has none}."""
     try:
-        results = launch.sweep(specs, name=f"{name}/{rung_index}-{rung.name}", world_size=world, timeout=timeout)
+        return launch.sweep(specs, name=launch_name, world_size=world, timeout=timeout)
     except launch.RunFailed as failure:  # a hang or a crash ends the launch: keep what finished before it
-        results = {}
+        results: dict[str, records.Record | Exception] = {}
         for spec in specs:
             try:
                 results[spec.name] = records.load(spec.out)
             except (OSError, ValueError):
                 results[spec.name] = failure
+        return results
+
+
+def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], size: str, steps: int,
+                 world: int, name: str, timeout: float, prefix: str = "") -> list[Candidate]:
+    """Train ``pairs`` in one launch; a candidate that fails (out of memory, say) is recorded, not fatal.
+
+    A failure can leave the ranks unfit for what follows in the same processes (on 2 x H200 a compiled
+    candidate that ran out of memory was followed by an NCCL error in the next one), so the candidates that
+    fail after another failed are trained again in one more launch, and their ``note`` says so. Run names
+    start with ``prefix`` (a resumed walk's number), so no walk overwrites another's records."""
+    folder = launch.RUNS_DIR / name
+    candidates, specs = [], []
+    for i, (label, setting) in enumerate(pairs):
+        run_name = f"{prefix}{rung_index}-{rung.name}-{i}-{_slug(label)}"
+        candidates.append(Candidate(rung.name, label, setting, run_name))
+        specs.append(launch.RunSpec(setting.config(world), model="llama-capstone", steps=steps, name=run_name,
+                                    out=folder / run_name, probes=PROBES, on_error="record",
+                                    model_options=setting.model_options(size)))
+    results = _train(specs, f"{name}/{prefix}{rung_index}-{rung.name}", world, timeout)
+    failed = [i for i, c in enumerate(candidates) if not isinstance(results.get(c.run_name), records.Record)]
+    again = failed[1:]  # one more launch for all of them: a hang would otherwise cost its time-out per candidate
+    if again:
+        results.update(_train([specs[i] for i in again], f"{name}/{prefix}{rung_index}-{rung.name}-again", world,
+                              timeout))
+        for i in again:
+            candidates[i].note = (f"trained again in one more launch: it failed after "
+                                  f"{candidates[failed[0]].label!r} failed in the rung's launch")
     for c in candidates:
         result = results.get(c.run_name)
         if isinstance(result, records.Record):
@@ -371,12 +393,14 @@ def decide(measured: list[tuple[Candidate, float | None]], best_value: float, ma
 
 def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Setting | None = None,
          budget_s: float = 300, steps: int | None = None, world_size: int | None = None,
-         name: str = "capstone", resume: dict | None = None) -> Ladder:
+         name: str = "capstone", resume: dict | None = None, again: Collection[str] = ()) -> Ladder:
     """Climb ``ladder`` from ``baseline`` with the capstone model of ``size`` within ``budget_s`` seconds.
 
     Defaults: on GPUs the 1.24B model would be ``size="1.2b"`` with :data:`GPU_LADDER` from
     :data:`GPU_BASELINE`; on CPU ranks :data:`CPU_LADDER` from :data:`CPU_BASELINE`. Each rung is one
-    launch; the first also trains the baseline twice, which sets the noise margin. Sets
+    launch; the first also trains the baseline twice, which sets the noise margin. A walk that goes on
+    from the ladder ``resume`` skips the rungs it climbed, except those named in ``again`` (proposed anew from
+    the best so far; a setting measured before is not trained again). Sets
     :data:`RANK_ENVIRONMENT` in this process (unless set) for the ranks. Returns the :class:`Ladder`; every
     candidate's record is in ``runs/<name>/``.
     """
@@ -410,10 +434,12 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
         best_value = (sum(base) / len(base)) if rows[resume["best_run"]]["verdict"] == "baseline" \
             else rows[resume["best_run"]]["metric"]
         seen = {Setting(**c["setting"]) for c in resume["candidates"]}
-        done = {r["rung"] for r in resume["rungs"] if r["ran"]}
+        done = {r["rung"] for r in resume["rungs"] if r["ran"]} - set(again)
     # a resumed walk may run on another machine, or the same one another day: its first launch trains the
     # kept setting again beside the new candidates, and they are judged against that figure
     again = resume is not None
+    # a resumed walk's run names carry its number: rung indices restart in every walk
+    prefix = f"w{resume.get('walks', 1) + 1}-" if resume is not None else ""
     for index, rung in enumerate(ladder):
         if rung.name in done:
             continue
@@ -441,7 +467,8 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
             continue
         launched = time.monotonic()
         # the budget decides which rungs start; a started launch gets room (a loaded machine is slow)
-        found = _launch_rung(index, rung, pairs, size, steps, world, name, timeout=max(300.0, min(left, 3 * estimate)))
+        found = _launch_rung(index, rung, pairs, size, steps, world, name, timeout=max(300.0, min(left, 3 * estimate)),
+                             prefix=prefix)
         history.append((time.monotonic() - launched, len(pairs), any(s.compile for _, s in pairs)))
         seen.update(s for _, s in pairs)
         if best is None:
@@ -534,11 +561,13 @@ def ladder_table(ladder: dict) -> str:
     rows = []
     for c in ladder["candidates"]:
         if c.get("failure") and "tokens_per_s" not in c:
-            rows.append([c["rung"], c["label"], "-", "-", "-", "-", "-", c["verdict"]])
+            rows.append([c["rung"], c["label"], "-", "-", "-", "-", "-",
+                         c["verdict"] + (f" ({c['note']})" if c.get("note") else "")])
             continue
         tflops = "-" if c["tflops_per_gpu"] is None else f"{c['tflops_per_gpu']:.4g}"
+        verdict = c["verdict"] + (f" ({c['note']})" if c.get("note") else "")
         rows.append([c["rung"], c["label"], f"{c['tokens_per_s']:,.0f}", tflops, _pct(c["mfu"]),
-                     records.format_bytes(c["peak_bytes"]), _pct(c["comm_exposed_share"]), c["verdict"]])
+                     records.format_bytes(c["peak_bytes"]), _pct(c["comm_exposed_share"]), verdict])
     per = "rank" if ladder["device"].startswith("CPU") else "GPU"
     return records.format_table(rows, ["rung", "candidate", "tokens/s", f"TFLOP/s/{per}", "MFU", "peak mem",
                                        "comm exposed", "verdict"])
@@ -589,6 +618,14 @@ def shortfall(ladder: dict) -> str:
     if bound < target:
         return line + (f", still {100 * (target - bound):.1f} points short of {target:.0%}. The rest is compute below the GPU's peak "
                        "(the kernels between the matrix products, attention, the optimizer step), not communication.")
+    # measured overlap candidates that were dropped: hiding was tried and did not pay on this setting
+    tried = [(c["label"], m.group(1)) for c in ladder["candidates"]
+             if c.get("rung") == "overlap" and "tokens_per_s" in c and c["verdict"].startswith("dropped")
+             and (m := re.search(r"([+-]\d+(?:\.\d+)?%)", c["verdict"]))]
+    if tried:
+        return line + (f", enough for {target:.0%} on paper; but the overlap rung did not hide it here ("
+                       + ", ".join(f"{label} {gain}" for label, gain in tried)
+                       + "): communication that the ladder's knobs could not hide is what stands in the way.")
     return line + f", enough for {target:.0%}: the communication left is what stands in the way."
 
 

@@ -163,12 +163,17 @@ LOGGER_PROBES = ("comm", "torch_comm")
 #: ZeRO-3 (the cross-check of the profiler's bytes) and quantized weights.
 LOGGER_CHECKS = ("ZeRO-3", "qwZ (quantized weights)")
 LOGGER_SUFFIX = ", comms logger"
+#: Steps of a comms-logger launch: the logger waits for the device after every collective, so on 2 x H200
+#: plain ZeRO-3 took about 3 s a step with it, 0.6 s with the profiler alone (the launch logs of chapter 13 on
+#: GPUs); the bytes it checks are per step.
+LOGGER_STEPS = 3
 #: :func:`gpu_runs`' passes, in the order they run.
 PASSES = ("time", "bytes", "logger")
 
 
 def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = True, timeout: float = 60,
-             zero_knobs: Mapping | None = None, tag: str = "zeropp", passes: Sequence[str] = PASSES
+             zero_knobs: Mapping | None = None, tag: str = "zeropp", passes: Sequence[str] = PASSES,
+             logger_steps: int = LOGGER_STEPS
              ) -> tuple[dict[str, records.Record | launch.RunFailed], dict[str, records.Record | launch.RunFailed]]:
     """On GPUs, three passes over plain ZeRO-3 and every ZeRO++ setting, each launch given ``timeout``
     seconds a run (a run that fails or hangs comes back as its :class:`helpers.launch.RunFailed`; for a
@@ -178,7 +183,7 @@ def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = Tr
     2. bytes: the settings that trained, together in one launch, their collectives counted by the PyTorch
        profiler (:data:`BYTES_PROBES`);
     3. logger: each of :data:`LOGGER_CHECKS` that trained, with DeepSpeed's comms logger, alone in a launch
-       (named ``"<setting>, comms logger"``).
+       of at most ``logger_steps`` steps (named ``"<setting>, comms logger"``).
 
     ``zero_knobs`` go into every setting's ``zero_optimization`` (e.g. :data:`DEEPSPEED_DEFAULTS`).
     ``passes`` picks some of ``"time"``, ``"bytes"``, ``"logger"`` (without ``"time"`` every setting is tried).
@@ -190,14 +195,15 @@ def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = Tr
     env = environment.detect(world_size)
     settings = zeropp_settings(env.default_world_size)
 
-    def spec(name: str, purpose: str, probes: tuple[str, ...]) -> launch.RunSpec:
+    def spec(name: str, purpose: str, probes: tuple[str, ...], n_steps: int = steps) -> launch.RunSpec:
         index = list(settings).index(name)
-        return launch.RunSpec("zero3", model=GPU_MODEL, steps=steps, probes=probes, name=f"{tag}-{purpose}-{index}",
+        return launch.RunSpec("zero3", model=GPU_MODEL, steps=n_steps, probes=probes, name=f"{tag}-{purpose}-{index}",
                               on_error="record", overrides=configs.merged(
                                   GPU_OVERRIDES, {"zero_optimization": {**(zero_knobs or {}), **settings[name]}}))
 
-    def alone(name: str, purpose: str, probes: tuple[str, ...]) -> records.Record | launch.RunFailed:
-        one = spec(name, purpose, probes)
+    def alone(name: str, purpose: str, probes: tuple[str, ...], n_steps: int = steps
+              ) -> records.Record | launch.RunFailed:
+        one = spec(name, purpose, probes, n_steps)
         return launch.sweep([one], name=f"{tag}-gpu-{purpose}-{list(settings).index(name)}", world_size=world_size,
                             progress=progress, timeout=timeout)[one.name]
 
@@ -209,7 +215,7 @@ def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = Tr
     by_bytes = {name: found[counted[name].name] if name in counted else by_time[name]
                 for name in settings if name in counted or name in by_time}
     for name in (n for n in LOGGER_CHECKS if n in trained and "logger" in passes):
-        by_bytes[name + LOGGER_SUFFIX] = alone(name, "logger", LOGGER_PROBES)
+        by_bytes[name + LOGGER_SUFFIX] = alone(name, "logger", LOGGER_PROBES, min(steps, logger_steps))
     return by_bytes, by_time
 
 

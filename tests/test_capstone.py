@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import capstone, configs, models, performance
+from helpers import capstone, configs, launch, models, performance, records
 
 
 # --- model FLOPs, peaks, MFU ---------------------------------------------------------------------
@@ -219,9 +219,9 @@ def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypat
 
     launches = []
 
-    def fake_launch(index, rung, pairs, size, steps, world, name, timeout):
+    def fake_launch(index, rung, pairs, size, steps, world, name, timeout, prefix=""):
         launches.append([label for label, _ in pairs])
-        return [capstone.Candidate(rung.name, label, s, f"{index}-{i}", record=_FakeRecord(value(s)))
+        return [capstone.Candidate(rung.name, label, s, f"{prefix}{index}-{i}", record=_FakeRecord(value(s)))
                 for i, (label, s) in enumerate(pairs)]
 
     monkeypatch.setattr(capstone, "_launch_rung", fake_launch)
@@ -245,13 +245,24 @@ def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypat
     assert second["candidates"][-2]["verdict"].startswith("best so far, trained again")
     assert second["candidates"][-1]["verdict"] == "kept: +10.0%" and second["best_label"] == "batch: accumulation x2"
     assert [r["rung"] for r in second["rungs"]] == ["stage", "batch"] and second["walks"] == 2
+    # rung indices restart in every walk: a resumed walk's run names carry its number
+    assert [c["run"] for c in second["candidates"]] == ["0-0", "0-1", "0-2", "w2-1-0", "w2-1-1"]
     # after each walk, FSDP2 on the best setting so far
     assert [s.grad_accum for s in fsdp2_settings] == [capstone.CPU_BASELINE.grad_accum, 4]
 
+    # a rung named in `again` is climbed once more, from the best so far; one not named stays climbed
+    again = capstone.walk("tiny", ladder=[stage, batch], budget_s=1000, world_size=2, resume=second,
+                          again=["stage"]).to_dict()
+    assert launches[2:] == [[capstone.AGAIN, "ZeRO-3"]]
+    assert again["candidates"][-1]["setting"]["grad_accum"] == 4 and again["candidates"][-1]["setting"]["stage"] == 3
+    assert [r["rung"] for r in again["rungs"]] == ["stage", "batch", "stage"] and again["walks"] == 3
+    assert again["candidates"][-1]["run"] == "w3-0-1"
+    del fsdp2_settings[2:]
+
     # on a machine 20% faster the candidate gains 10% over the kept setting trained there, not 32% over the old figure
     scale = 1.2
-    faster = lambda index, rung, pairs, *rest, **options: [  # noqa: E731
-        capstone.Candidate(rung.name, label, s, f"{index}-{i}", record=_FakeRecord(scale * value(s)))
+    faster = lambda index, rung, pairs, *rest, prefix="", **options: [  # noqa: E731
+        capstone.Candidate(rung.name, label, s, f"{prefix}{index}-{i}", record=_FakeRecord(scale * value(s)))
         for i, (label, s) in enumerate(pairs)]
     monkeypatch.setattr(capstone, "_launch_rung", faster)
     elsewhere = capstone.walk("tiny", ladder=[stage, batch], budget_s=1000, world_size=2, resume=first).to_dict()
@@ -265,6 +276,35 @@ def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypat
     assert third["fsdp2"]["reason"].startswith("time budget") and len(fsdp2_settings) == 3
 
 
+def test_a_candidate_failing_after_another_failed_is_trained_again_in_a_launch_of_its_own(monkeypatch, tmp_path):
+    monkeypatch.setattr(capstone.launch, "RUNS_DIR", tmp_path)
+    launches = []
+
+    trained = records.Record.__new__(records.Record)  # a record; its contents are not read here
+
+    def fake_train(specs, launch_name, world, timeout):
+        launches.append([s.name for s in specs])
+        if len(specs) < len(pairs):  # without the candidate that ran out of memory, they train
+            return {s.name: trained for s in specs}
+        return {specs[0].name: trained,
+                specs[1].name: launch.RunFailed("rank 0 failed: OutOfMemoryError: CUDA out of memory"),
+                specs[2].name: launch.RunFailed("rank 0 failed: DistBackendError: NCCL error"),
+                specs[3].name: launch.RunFailed("rank 0 failed: DistBackendError: NCCL error"),
+                specs[4].name: trained}
+
+    monkeypatch.setattr(capstone, "_train", fake_train)
+    rung = capstone.Rung("batch", "batch", lambda s: [])
+    pairs = [(label, capstone.GPU_BASELINE) for label in ("again", "micro x2", "accumulation x2", "micro /2", "x")]
+    found = capstone._launch_rung(0, rung, pairs, "tiny", 2, 2, "capstone", timeout=10, prefix="w4-")
+    names = [f"w4-0-batch-{i}-{capstone._slug(label)}" for i, (label, _) in enumerate(pairs)]
+    assert launches == [names, names[2:4]]  # the two that failed after the first failure, in one more launch
+    assert [c.record is not None for c in found] == [True, False, True, True, True]
+    assert found[1].failure.startswith("rank 0 failed: OutOfMemoryError") and not found[1].note
+    assert found[2].note == found[3].note == ("trained again in one more launch: it failed after 'micro x2' "
+                                              "failed in the rung's launch")
+    assert not found[0].note and not found[4].note
+
+
 def test_shortfall_bounds_what_hiding_communication_could_give():
     ladder = {"target_mfu": 0.5, "best_run": "r2", "candidates": [
         {"run": "r0", "verdict": "baseline", "mfu": 0.40, "comm_exposed_share": 0.03},
@@ -274,6 +314,14 @@ def test_shortfall_bounds_what_hiding_communication_could_give():
                                                  "hiding all of it would give at most 49.0%, still 1.0 points short")
     ladder["candidates"][2]["comm_exposed_share"] = 0.1
     assert capstone.shortfall(ladder).endswith("the communication left is what stands in the way.")
+    # an overlap rung that was measured and dropped: hiding was tried and did not pay
+    ladder["candidates"] += [
+        {"run": "r3", "rung": "overlap", "label": "overlap_comm", "tokens_per_s": 1.0,
+         "verdict": "dropped: -6.6%, not above the 2.0% margin"},
+        {"run": "r4", "rung": "overlap", "label": "overlap_comm, buckets 2e8", "verdict": "failed: out of memory"}]
+    assert capstone.shortfall(ladder).endswith(
+        "enough for 50% on paper; but the overlap rung did not hide it here (overlap_comm -6.6%): communication that "
+        "the ladder's knobs could not hide is what stands in the way.")
     ladder["best_run"] = "r0"  # the baseline: the mean of its two runs
     assert capstone.shortfall(ladder).startswith("best 40.0% MFU with 3.0%")
 

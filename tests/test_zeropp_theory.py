@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from helpers import theory
@@ -113,3 +115,31 @@ def test_a_hung_logger_run_shows_every_ranks_innermost_frame_and_a_finished_one_
     assert "is_available" not in table
     saved = {"error_type": "Timeout", "message": "not done", "where": compression._where(hung)}  # as a reference keeps it
     assert "log_wrapper (comm.py:120)" in compression.logger_check_table({"qwZ (quantized weights), comms logger": saved})
+
+
+def test_gpu_runs_time_each_setting_alone_and_give_the_logger_runs_fewer_steps(monkeypatch):
+    from helpers import compression, environment
+
+    gpus = environment.detect(2)
+    monkeypatch.setattr(compression.environment, "detect", lambda world_size=None: dataclasses.replace(
+        gpus, device="cuda", default_world_size=2))
+    launches = []
+
+    def fake_sweep(specs, name, world_size, progress, timeout):
+        launches.append((name, [(s.name, s.steps, s.probes) for s in specs], timeout))
+        return {s.name: f"record of {s.name}" for s in specs}
+
+    monkeypatch.setattr(compression.launch, "sweep", fake_sweep)
+    by_bytes, by_time = compression.gpu_runs(steps=12, timeout=60)
+    settings = list(compression.zeropp_settings(2))
+    timing, counting, logging = launches[:5], launches[5], launches[6:]
+    assert [runs[0][1] for _, runs, _ in timing] == [12] * 5 and all(len(runs) == 1 for _, runs, _ in timing)
+    assert [n for n, _, _ in counting[1]] == [f"zeropp-bytes-{i}" for i in range(5)] and counting[2] == 60 * 5
+    assert [(runs[0][1], runs[0][2]) for _, runs, _ in logging] == [(compression.LOGGER_STEPS,
+                                                                   compression.LOGGER_PROBES)] * 2
+    assert list(by_time) == settings
+    assert [k for k in by_bytes if k.endswith(compression.LOGGER_SUFFIX)] == [
+        name + compression.LOGGER_SUFFIX for name in compression.LOGGER_CHECKS]
+    assert compression.gpu_runs(steps=2, passes=("logger",)) and launches[-1][1][0][1] == 2  # never more than steps
+    with pytest.raises(ValueError, match="choose from time, bytes, logger"):
+        compression.gpu_runs(passes=("speed",))
