@@ -258,6 +258,8 @@ class Ladder:
     seconds: float = 0.0
     fsdp2: dict = dataclasses.field(default_factory=dict)
     previous: dict | None = None  # the ladder this walk resumed (Ladder.to_dict() of an earlier walk)
+    # (seconds, candidates, compiled) of every launch, earlier walks' first: what budget estimates start from
+    launches: list[tuple[float, int, bool]] = dataclasses.field(default_factory=list)
     name: str = "capstone"  # runs/<name>/ holds every candidate's record
 
     def best_candidate(self) -> Candidate | None:
@@ -283,7 +285,7 @@ class Ladder:
                 "seconds": before["seconds"] + self.seconds, "margin": self.margin, "spread": self.spread,
                 "rungs": before_rungs + self.rungs, "walks": 1 + before.get("walks", 0),
                 "best": dataclasses.asdict(self.best) if self.best else None, "best_label": self.best_label,
-                "best_run": self.best_run(), "target_mfu": TARGET_MFU,
+                "best_run": self.best_run(), "target_mfu": TARGET_MFU, "launches": [list(x) for x in self.launches],
                 # an FSDP2 measurement of an earlier walk stays when this one could not measure it
                 "fsdp2": self.fsdp2 if self.fsdp2.get("measured") or not before.get("fsdp2") else before["fsdp2"],
                 "candidates": before["candidates"] + [
@@ -419,7 +421,7 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
     result = Ladder(size=size, params=models.capstone_parameters(size), world_size=world, device=env.device_name,
                     baseline=baseline, budget_s=budget_s, name=name)
     best, best_value, seen = None, None, set()
-    history: list[tuple[float, int, bool]] = []  # (seconds, candidates, compiled) of each launch
+    history = result.launches  # (seconds, candidates, compiled) of each launch
     done: set[str] = set()
     if resume is not None:
         if (resume["size"], resume["world_size"]) != (size, world):
@@ -435,6 +437,9 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
             else rows[resume["best_run"]]["metric"]
         seen = {Setting(**c["setting"]) for c in resume["candidates"]}
         done = {r["rung"] for r in resume["rungs"] if r["ran"]} - set(again)
+        # the earlier walks' launches: a resumed walk's first estimate need not be a guess
+        history.extend((float(seconds), int(n), bool(compiled))
+                       for seconds, n, compiled in resume.get("launches", []))
     # a resumed walk may run on another machine, or the same one another day: its first launch trains the
     # kept setting again beside the new candidates, and they are judged against that figure
     again = resume is not None
