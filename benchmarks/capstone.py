@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
           f"rungs: {', '.join(r.name for r in ladder)}", flush=True)
     resume = json.loads(args.resume.read_text()) if args.resume else None
     result = capstone.walk(size, ladder=ladder, budget_s=args.budget, steps=args.steps, world_size=args.world_size,
-                           resume=resume, again=[r.name for r in ladder] if resume and args.rungs else ())
+                           resume=resume, climb_again=[r.name for r in ladder] if resume and args.rungs else ())
     data = result.to_dict()
     path, reference = capstone.save(result, note=args.note)
     print(capstone.ladder_table(data))

@@ -395,13 +395,13 @@ def decide(measured: list[tuple[Candidate, float | None]], best_value: float, ma
 
 def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Setting | None = None,
          budget_s: float = 300, steps: int | None = None, world_size: int | None = None,
-         name: str = "capstone", resume: dict | None = None, again: Collection[str] = ()) -> Ladder:
+         name: str = "capstone", resume: dict | None = None, climb_again: Collection[str] = ()) -> Ladder:
     """Climb ``ladder`` from ``baseline`` with the capstone model of ``size`` within ``budget_s`` seconds.
 
     Defaults: on GPUs the 1.24B model would be ``size="1.2b"`` with :data:`GPU_LADDER` from
     :data:`GPU_BASELINE`; on CPU ranks :data:`CPU_LADDER` from :data:`CPU_BASELINE`. Each rung is one
     launch; the first also trains the baseline twice, which sets the noise margin. A walk that goes on
-    from the ladder ``resume`` skips the rungs it climbed, except those named in ``again`` (proposed anew from
+    from the ladder ``resume`` skips the rungs it climbed, except those named in ``climb_again`` (proposed anew from
     the best so far; a setting measured before is not trained again). Sets
     :data:`RANK_ENVIRONMENT` in this process (unless set) for the ranks. Returns the :class:`Ladder`; every
     candidate's record is in ``runs/<name>/``.
@@ -436,7 +436,7 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
         best_value = (sum(base) / len(base)) if rows[resume["best_run"]]["verdict"] == "baseline" \
             else rows[resume["best_run"]]["metric"]
         seen = {Setting(**c["setting"]) for c in resume["candidates"]}
-        done = {r["rung"] for r in resume["rungs"] if r["ran"]} - set(again)
+        done = {r["rung"] for r in resume["rungs"] if r["ran"]} - set(climb_again)
         # the earlier walks' launches: a resumed walk's first estimate need not be a guess
         history.extend((float(seconds), int(n), bool(compiled))
                        for seconds, n, compiled in resume.get("launches", []))
@@ -565,12 +565,11 @@ def ladder_table(ladder: dict) -> str:
     changed from the baseline, its figures and its verdict."""
     rows = []
     for c in ladder["candidates"]:
+        verdict = c["verdict"] + (f" ({c['note']})" if c.get("note") else "")
         if c.get("failure") and "tokens_per_s" not in c:
-            rows.append([c["rung"], c["label"], "-", "-", "-", "-", "-",
-                         c["verdict"] + (f" ({c['note']})" if c.get("note") else "")])
+            rows.append([c["rung"], c["label"], "-", "-", "-", "-", "-", verdict])
             continue
         tflops = "-" if c["tflops_per_gpu"] is None else f"{c['tflops_per_gpu']:.4g}"
-        verdict = c["verdict"] + (f" ({c['note']})" if c.get("note") else "")
         rows.append([c["rung"], c["label"], f"{c['tokens_per_s']:,.0f}", tflops, _pct(c["mfu"]),
                      records.format_bytes(c["peak_bytes"]), _pct(c["comm_exposed_share"]), verdict])
     per = "rank" if ladder["device"].startswith("CPU") else "GPU"

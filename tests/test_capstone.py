@@ -254,16 +254,16 @@ def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypat
     assert [n for _, n, _ in second["launches"]] == [3, 2]
     seen_history = []
     monkeypatch.setattr(capstone, "_estimate", lambda history, *rest: seen_history.append(list(history)) or 0.0)
-    capstone.walk("tiny", ladder=[stage, batch], budget_s=1000, world_size=2, resume=second, again=["batch"])
+    capstone.walk("tiny", ladder=[stage, batch], budget_s=1000, world_size=2, resume=second, climb_again=["batch"])
     assert [n for _, n, _ in seen_history[0]] == [3, 2]
     monkeypatch.undo()
     monkeypatch.setattr(capstone, "_launch_rung", fake_launch)
     monkeypatch.setattr(capstone, "fsdp2_run", fake_fsdp2)
     del launches[2:], fsdp2_settings[2:]
 
-    # a rung named in `again` is climbed once more, from the best so far; one not named stays climbed
+    # a rung named in `climb_again` is climbed once more, from the best so far; one not named stays climbed
     again = capstone.walk("tiny", ladder=[stage, batch], budget_s=1000, world_size=2, resume=second,
-                          again=["stage"]).to_dict()
+                          climb_again=["stage"]).to_dict()
     assert launches[2:] == [[capstone.AGAIN, "ZeRO-3"]]
     assert again["candidates"][-1]["setting"]["grad_accum"] == 4 and again["candidates"][-1]["setting"]["stage"] == 3
     assert [r["rung"] for r in again["rungs"]] == ["stage", "batch", "stage"] and again["walks"] == 3
