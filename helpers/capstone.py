@@ -286,8 +286,9 @@ class Ladder:
                 "rungs": before_rungs + self.rungs, "walks": 1 + before.get("walks", 0),
                 "best": dataclasses.asdict(self.best) if self.best else None, "best_label": self.best_label,
                 "best_run": self.best_run(), "target_mfu": TARGET_MFU, "launches": [list(x) for x in self.launches],
-                # an FSDP2 measurement of an earlier walk stays when this one could not measure it
-                "fsdp2": self.fsdp2 if self.fsdp2.get("measured") or not before.get("fsdp2") else before["fsdp2"],
+                # an FSDP2 measurement of an earlier walk stays when this one could not measure it, with why not
+                "fsdp2": self.fsdp2 if self.fsdp2.get("measured") or not before.get("fsdp2", {}).get("measured")
+                else {**before["fsdp2"], "latest": {"reason": self.fsdp2.get("reason", "not run")}},
                 "candidates": before["candidates"] + [
                     {"rung": c.rung, "label": c.label, "run": c.run_name, "verdict": c.verdict,
                      "changes": c.setting.changes_from(self.baseline), "failure": c.failure,
@@ -674,8 +675,9 @@ def fsdp2_line(ladder: dict) -> str:
     earlier = bool(best) and _samples(best) != _samples(setting)
     on = (f"an earlier best setting (micro batch {setting['micro_batch']} x accumulation {setting['grad_accum']}, "
           "measured before a resumed walk changed the batch)" if earlier else "the best setting")
+    latest = f"; on the best setting since: {fsdp2['latest']['reason']}" if earlier and "latest" in fsdp2 else ""
     return (f"FSDP2 on {on}, eager, torch.optim.AdamW: " + "; ".join(parts)
-            + (" (DeepSpeed's best above was compiled)" if best.get("compile") else ""))
+            + (" (DeepSpeed's best above was compiled)" if best.get("compile") else "") + latest)
 
 
 def _mean(values: list) -> float | None:

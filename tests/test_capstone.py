@@ -367,5 +367,12 @@ def test_fsdp2_of_an_earlier_walk_is_set_beside_the_run_that_trained_its_batch()
     assert "within" in capstone.fsdp2_same_math(ladder)
     assert "DeepSpeed, FSDP2's batch: engine.compile()" in capstone.fsdp2_table(ladder)
     assert capstone.fsdp2_line(ladder).startswith("FSDP2 on an earlier best setting (micro batch 8 x accumulation 2")
+    # a later walk whose FSDP2 failed on its best setting keeps the earlier figures and says why it has no new ones
+    before = {"candidates": [], "rungs": [], "budget_s": 1, "seconds": 1, "walks": 1, "best_run": "r2", "fsdp2": fsdp2}
+    failed = "the FSDP2 launch failed: rank 0 failed: OutOfMemoryError"
+    later = capstone.Ladder(size="tiny", params=1, world_size=2, device="2 x GPU", baseline=capstone.GPU_BASELINE,
+                            budget_s=1, previous=before, fsdp2={"measured": False, "reason": failed}).to_dict()
+    assert later["fsdp2"]["runs"] == fsdp2["runs"] and later["fsdp2"]["latest"] == {"reason": failed}
+    assert capstone.fsdp2_line({**ladder, "fsdp2": later["fsdp2"]}).endswith(f"; on the best setting since: {failed}")
     ladder["fsdp2"] = {**fsdp2, "setting": setting(16, 1, False)}  # FSDP2 on the best's batch: the best itself
     assert capstone.fsdp2_partner(ladder)["run"] == "r2" and capstone.fsdp2_line(ladder).startswith("FSDP2 on the best")
