@@ -172,6 +172,9 @@ GPU_LADDER: list[Rung] = [
          _checkpointing),
     Rung("fused", "fused optimizer kernel: DeepSpeed's FusedAdam against torch.optim.AdamW (foreach)",
          lambda s: [("torch AdamW", dataclasses.replace(s, optimizer="torch" if s.optimizer == "fused" else "fused"))]),
+    Rung("accumulate", "longer accumulation at the kept micro batch: the optimizer step is paid once per step, so "
+         "it weighs less per token (the global batch grows: a real run weighs that against convergence)",
+         lambda s: [(f"accumulation x{k}", dataclasses.replace(s, grad_accum=s.grad_accum * k)) for k in (2, 4)]),
 ]
 
 #: On CPU ranks the notebook climbs one rung in one launch: the baseline (twice) and one candidate from
@@ -297,6 +300,14 @@ class Ladder:
                     for c in self.candidates]}
 
 
+def _may_train_again(candidate: dict) -> bool:
+    """Whether a stored candidate (``Ladder.to_dict()``) failed for another reason than running out of memory,
+    so a resumed walk may propose it again: such a failure may come from the machine, or from what failed
+    before it in the same launch, rather than from the setting."""
+    failure = candidate.get("failure")
+    return bool(failure) and "tokens_per_s" not in candidate and not re.search(r"out of memory|OutOfMemory", failure)
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
@@ -320,21 +331,6 @@ def _estimate(history: list[tuple[float, int, bool]], count: int, compiles: bool
     return ((60 + 30 * count) if is_gpu else (10 + 5 * count)) * (COMPILE_FACTOR if compiles else 1.0)
 
 
-def _train(specs: list[launch.RunSpec], launch_name: str, world: int, timeout: float
-           ) -> dict[str, records.Record | Exception]:
-    """Train ``specs`` in one launch: {run name: its record, or why it has none}."""
-    try:
-        return launch.sweep(specs, name=launch_name, world_size=world, timeout=timeout)
-    except launch.RunFailed as failure:  # a hang or a crash ends the launch: keep what finished before it
-        results: dict[str, records.Record | Exception] = {}
-        for spec in specs:
-            try:
-                results[spec.name] = records.load(spec.out)
-            except (OSError, ValueError):
-                results[spec.name] = failure
-        return results
-
-
 def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], size: str, steps: int,
                  world: int, name: str, timeout: float, prefix: str = "") -> list[Candidate]:
     """Train ``pairs`` in one launch; a candidate that fails (out of memory, say) is recorded, not fatal.
@@ -351,15 +347,14 @@ def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], 
         specs.append(launch.RunSpec(setting.config(world), model="llama-capstone", steps=steps, name=run_name,
                                     out=folder / run_name, probes=PROBES, on_error="record",
                                     model_options=setting.model_options(size)))
-    results = _train(specs, f"{name}/{prefix}{rung_index}-{rung.name}", world, timeout)
-    failed = [i for i, c in enumerate(candidates) if not isinstance(results.get(c.run_name), records.Record)]
-    again = failed[1:]  # one more launch for all of them: a hang would otherwise cost its time-out per candidate
-    if again:
-        results.update(_train([specs[i] for i in again], f"{name}/{prefix}{rung_index}-{rung.name}-again", world,
-                              timeout))
-        for i in again:
-            candidates[i].note = (f"trained again in one more launch: it failed after "
-                                  f"{candidates[failed[0]].label!r} failed in the rung's launch")
+    # the retried ones together: each compiled candidate alone would pay the compile's start again
+    results, again = launch.sweep_retrying(specs, name=f"{name}/{prefix}{rung_index}-{rung.name}", world_size=world,
+                                           timeout_each=timeout / len(specs), together=True)
+    first = next((c for c in candidates if not isinstance(results.get(c.run_name), records.Record)
+                  and c.run_name not in again), None)
+    for c in candidates:
+        if c.run_name in again:
+            c.note = (f"trained again in one more launch: it failed after {first.label!r} failed in the rung's launch")
     for c in candidates:
         result = results.get(c.run_name)
         if isinstance(result, records.Record):
@@ -436,7 +431,9 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
         base = [c["metric"] for c in resume["candidates"] if c["verdict"] == "baseline"]
         best_value = (sum(base) / len(base)) if rows[resume["best_run"]]["verdict"] == "baseline" \
             else rows[resume["best_run"]]["metric"]
-        seen = {Setting(**c["setting"]) for c in resume["candidates"]}
+        # a setting that ran out of memory will again; one that failed otherwise (an NCCL error after another
+        # candidate's failure, a hang) may train on another try
+        seen = {Setting(**c["setting"]) for c in resume["candidates"] if not _may_train_again(c)}
         done = {r["rung"] for r in resume["rungs"] if r["ran"]} - set(climb_again)
         # the earlier walks' launches: a resumed walk's first estimate need not be a guess
         history.extend((float(seconds), int(n), bool(compiled))

@@ -159,7 +159,7 @@ BYTES_PROBES = ("model_states", "peak_memory", "torch_comm")
 #: The comms logger and the profiler on the same run: section ``comm`` from the logger, ``comm_profiler``
 #: from the profiler, so the two methods can be compared (``frameworks.profiler_check_table``).
 LOGGER_PROBES = ("comm", "torch_comm")
-#: Settings also run with the comms logger, each in a launch of its own after the bytes pass: plain
+#: Settings also run with the comms logger, in one launch after the bytes pass: plain
 #: ZeRO-3 (the cross-check of the profiler's bytes) and quantized weights.
 LOGGER_CHECKS = ("ZeRO-3", "qwZ (quantized weights)")
 LOGGER_SUFFIX = ", comms logger"
@@ -167,6 +167,10 @@ LOGGER_SUFFIX = ", comms logger"
 #: plain ZeRO-3 took about 3 s a step with it, 0.6 s with the profiler alone (the launch logs of chapter 13 on
 #: GPUs); the bytes it checks are per step.
 LOGGER_STEPS = 3
+#: A comms-logger run's time-out, in multiples of the other passes' (``gpu_runs(timeout=...)``): on 4 x H200,
+#: plain ZeRO-3 with the logger took 53 s of its launch (start-up included), and qwZ had printed its comms
+#: summary but not finished within the 67 s left of the launch's 2 x 60 s.
+LOGGER_TIMEOUT_FACTOR = 2
 #: :func:`gpu_runs`' passes, in the order they run.
 PASSES = ("time", "bytes", "logger")
 
@@ -179,11 +183,14 @@ def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = Tr
     seconds a run (a run that fails or hangs comes back as its :class:`helpers.launch.RunFailed`; for a
     hang its ranks' stacks say where):
 
-    1. time: each setting timed in a launch of its own, with no probe that synchronizes the device;
+    1. time: every setting timed, one after another in one launch, with no probe that synchronizes the
+       device (:func:`helpers.launch.sweep_retrying`: a setting that fails after another failed is timed
+       again in a launch of its own, so a failure costs only itself);
     2. bytes: the settings that trained, together in one launch, their collectives counted by the PyTorch
        profiler (:data:`BYTES_PROBES`);
-    3. logger: each of :data:`LOGGER_CHECKS` that trained, with DeepSpeed's comms logger, alone in a launch
-       of at most ``logger_steps`` steps (named ``"<setting>, comms logger"``).
+    3. logger: each of :data:`LOGGER_CHECKS` that trained, with DeepSpeed's comms logger, in one launch (as
+       in 1), at most ``logger_steps`` steps and :data:`LOGGER_TIMEOUT_FACTOR` times ``timeout`` each (named
+       ``"<setting>, comms logger"``).
 
     ``zero_knobs`` go into every setting's ``zero_optimization`` (e.g. :data:`DEEPSPEED_DEFAULTS`).
     ``passes`` picks some of ``"time"``, ``"bytes"``, ``"logger"`` (without ``"time"`` every setting is tried).
@@ -201,21 +208,26 @@ def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = Tr
                               on_error="record", overrides=configs.merged(
                                   GPU_OVERRIDES, {"zero_optimization": {**(zero_knobs or {}), **settings[name]}}))
 
-    def alone(name: str, purpose: str, probes: tuple[str, ...], n_steps: int = steps
-              ) -> records.Record | launch.RunFailed:
-        one = spec(name, purpose, probes, n_steps)
-        return launch.sweep([one], name=f"{tag}-gpu-{purpose}-{list(settings).index(name)}", world_size=world_size,
-                            progress=progress, timeout=timeout)[one.name]
+    def each(names: Sequence[str], purpose: str, probes: tuple[str, ...], n_steps: int = steps,
+             seconds: float = timeout) -> dict[str, records.Record | launch.RunFailed]:
+        specs = {name: spec(name, purpose, probes, n_steps) for name in names}
+        if not specs:
+            return {}
+        found, _ = launch.sweep_retrying(list(specs.values()), name=f"{tag}-gpu-{purpose}", world_size=world_size,
+                                         timeout_each=seconds, progress=progress)
+        return {name: found[one.name] for name, one in specs.items()}
 
-    by_time = {name: alone(name, "time", ("timing", "peak_memory")) for name in settings} if "time" in passes else {}
+    by_time = each(list(settings), "time", ("timing", "peak_memory")) if "time" in passes else {}
     trained = [name for name in settings if not isinstance(by_time.get(name), launch.RunFailed)]
     counted = {name: spec(name, "bytes", BYTES_PROBES) for name in trained} if "bytes" in passes else {}
     found = launch.sweep(list(counted.values()), name=f"{tag}-gpu-bytes", world_size=world_size,
                          progress=progress, timeout=timeout * len(counted)) if counted else {}
     by_bytes = {name: found[counted[name].name] if name in counted else by_time[name]
                 for name in settings if name in counted or name in by_time}
-    for name in (n for n in LOGGER_CHECKS if n in trained and "logger" in passes):
-        by_bytes[name + LOGGER_SUFFIX] = alone(name, "logger", LOGGER_PROBES, min(steps, logger_steps))
+    checks = [n for n in LOGGER_CHECKS if n in trained and "logger" in passes]
+    by_bytes.update({name + LOGGER_SUFFIX: record for name, record in
+                     each(checks, "logger", LOGGER_PROBES, min(steps, logger_steps),
+                          timeout * LOGGER_TIMEOUT_FACTOR).items()})
     return by_bytes, by_time
 
 

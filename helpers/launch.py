@@ -508,12 +508,21 @@ def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepar
     for name in spec.probes:
         probe_registry.PROBES[name].check_options(spec.options or {})
     base = spec.config if isinstance(spec.config, dict) else configs.load(spec.config)
-    label = spec.name or (Path(str(spec.config)).stem if not isinstance(spec.config, dict) else "config")
+    label = _label(spec)
     full = configs.for_run(configs.merged(base, spec.overrides), probes)
     if spec.check:
         configs.check_or_raise(full, world, env, spec.client_optimizer, source=label)
-    out = Path(spec.out) if spec.out else RUNS_DIR / f"{label}-{spec.model}-{world}r"
-    return _Prepared(label, spec, out, full, probes)
+    return _Prepared(label, spec, run_folder(spec, world), full, probes)
+
+
+def _label(spec: RunSpec) -> str:
+    return spec.name or (Path(str(spec.config)).stem if not isinstance(spec.config, dict) else "config")
+
+
+def run_folder(spec: RunSpec, world: int) -> Path:
+    """Where the run of ``spec`` on ``world`` ranks writes its record: ``spec.out``, else
+    ``runs/<name>-<model>-<world>r``."""
+    return Path(spec.out) if spec.out else RUNS_DIR / f"{_label(spec)}-{spec.model}-{world}r"
 
 
 def _check_function(key: str, name: str | None, options: dict) -> None:
@@ -585,6 +594,44 @@ def sweep(specs: Sequence[RunSpec] | Mapping[str, RunSpec], *, name: str = "swee
         raise ValueError("sweep() needs at least one RunSpec")
     return _launch_specs(list(specs), world_size, name, timeout, launcher, progress, hosts=hosts, on_event=on_event,
                          rank_prefix=rank_prefix, master_addr=master_addr)
+
+
+def sweep_retrying(specs: Sequence[RunSpec], *, name: str, world_size: int | None = None, timeout_each: float = 60,
+                   progress: bool = True, together: bool = False
+                   ) -> tuple[dict[str, records.Record | RunFailed], list[str]]:
+    """Train ``specs`` (each ``on_error="record"``) in ONE launch, ``timeout_each`` seconds a run: when they all
+    train, they cost one launch's start-up (tens of seconds on GPUs), not one each.
+
+    A failure can leave the ranks unfit for what follows in the same processes (a hang ends the launch; a
+    rank that dies ends it; on 2 x H200 a run that ran out of memory was followed by an NCCL error in the
+    next), so every run that failed after the launch's first failure is trained again: each in a launch of
+    its own (``runs/<name>-again-<i>/``), or all of them in one more given the first launch's time
+    (``together``, for runs that share a slow start such as a compile). A failing or hanging run thus costs
+    only itself. Returns ({run name: its record or failure}, the names trained again)."""
+    world = environment.detect(world_size).default_world_size
+
+    def one_launch(batch: list[RunSpec], launch_name: str, seconds: float) -> dict[str, records.Record | RunFailed]:
+        try:
+            return sweep(batch, name=launch_name, world_size=world_size, timeout=seconds, progress=progress)
+        except RunFailed as failure:  # a rank died: the runs that finished before it have their records
+            found: dict[str, records.Record | RunFailed] = {}
+            for spec in batch:
+                try:
+                    found[_label(spec)] = records.load(run_folder(spec, world))
+                except (OSError, ValueError):
+                    found[_label(spec)] = failure
+            return found
+
+    specs = list(specs)
+    results = one_launch(specs, name, timeout_each * len(specs))
+    failed = [spec for spec in specs if not isinstance(results.get(_label(spec)), records.Record)]
+    again = failed[1:]
+    if together and again:
+        results.update(one_launch(again, f"{name}-again", timeout_each * len(specs)))
+    else:
+        for i, spec in enumerate(again):
+            results.update(one_launch([spec], f"{name}-again-{i}", timeout_each))
+    return results, [_label(spec) for spec in again]
 
 
 def _launch_specs(specs: list[RunSpec], world_size: int | None, sweep_name: str | None, timeout: float,

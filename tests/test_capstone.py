@@ -291,7 +291,7 @@ def test_a_candidate_failing_after_another_failed_is_trained_again_in_a_launch_o
 
     trained = records.Record.__new__(records.Record)  # a record; its contents are not read here
 
-    def fake_train(specs, launch_name, world, timeout):
+    def fake_sweep(specs, name, world_size, timeout, progress):
         launches.append([s.name for s in specs])
         if len(specs) < len(pairs):  # without the candidate that ran out of memory, they train
             return {s.name: trained for s in specs}
@@ -301,7 +301,7 @@ def test_a_candidate_failing_after_another_failed_is_trained_again_in_a_launch_o
                 specs[3].name: launch.RunFailed("rank 0 failed: DistBackendError: NCCL error"),
                 specs[4].name: trained}
 
-    monkeypatch.setattr(capstone, "_train", fake_train)
+    monkeypatch.setattr(capstone.launch, "sweep", fake_sweep)
     rung = capstone.Rung("batch", "batch", lambda s: [])
     pairs = [(label, capstone.GPU_BASELINE) for label in ("again", "micro x2", "accumulation x2", "micro /2", "x")]
     found = capstone._launch_rung(0, rung, pairs, "tiny", 2, 2, "capstone", timeout=10, prefix="w4-")
@@ -312,6 +312,31 @@ def test_a_candidate_failing_after_another_failed_is_trained_again_in_a_launch_o
     assert found[2].note == found[3].note == ("trained again in one more launch: it failed after 'micro x2' "
                                               "failed in the rung's launch")
     assert not found[0].note and not found[4].note
+
+
+def test_a_resumed_walk_proposes_again_what_failed_for_another_reason_than_memory(monkeypatch):
+    proposed = []
+
+    def fake_launch(index, rung, pairs, size, steps, world, name, timeout, prefix=""):
+        proposed.extend(label for label, _ in pairs)
+        return [capstone.Candidate(rung.name, label, s, f"{prefix}{index}-{i}", record=_FakeRecord(100.0))
+                for i, (label, s) in enumerate(pairs)]
+
+    monkeypatch.setattr(capstone, "_launch_rung", fake_launch)
+    monkeypatch.setattr(capstone, "fsdp2_run", lambda *args, **kwargs: {"measured": False, "reason": "faked"})
+    stage = capstone.Rung("stage", "stage", lambda s: [("ZeRO-3", dataclasses.replace(s, stage=3))])
+    first = capstone.walk("tiny", ladder=[stage], budget_s=1000, world_size=2).to_dict()
+    base = capstone.CPU_BASELINE
+    x2, x4 = (dataclasses.replace(base, grad_accum=base.grad_accum * k) for k in (2, 4))
+    first["candidates"] += [
+        {"rung": "batch", "label": "x2", "run": "r1", "verdict": "failed: ...", "setting": dataclasses.asdict(x2),
+         "failure": "rank 0 failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 320.00 MiB."},
+        {"rung": "batch", "label": "x4", "run": "r2", "verdict": "failed: ...", "setting": dataclasses.asdict(x4),
+         "failure": "rank 0 failed: DistBackendError: NCCL error in: ..."}]
+    accumulate = next(r for r in capstone.GPU_LADDER if r.name == "accumulate")
+    capstone.walk("tiny", ladder=[accumulate], budget_s=1000, world_size=2, resume=first)
+    # out of memory stays seen; the NCCL error that followed it is tried again
+    assert proposed[-2:] == [capstone.AGAIN, "accumulation x4"]
 
 
 def test_shortfall_bounds_what_hiding_communication_could_give():

@@ -170,3 +170,31 @@ def test_events_are_parsed_from_interleaved_output():
     text, events = launch.parse_events(line)
     assert [e["event"] for e in events] == ["error", "step"]
     assert text.strip() == "log text"
+
+
+def test_sweep_retrying_keeps_what_finished_before_a_rank_died_and_retries_what_came_after(monkeypatch, tmp_path):
+    monkeypatch.setattr(launch, "RUNS_DIR", tmp_path)
+    specs = [launch.RunSpec("zero2", model="linear", steps=1, name=n, on_error="record") for n in ("a", "b", "c")]
+    trained = records.Record.__new__(records.Record)
+    launches = []
+
+    def fake_sweep(batch, name, world_size, timeout, progress):
+        launches.append((name, [s.name for s in batch], timeout))
+        if len(batch) == 1:
+            return {batch[0].name: trained}
+        raise launch.RunFailed("rank 1 failed: RuntimeError: died in b")  # the launch ended inside b
+
+    def fake_load(out):
+        if Path(out) == launch.run_folder(specs[0], 2):  # only a finished before the rank died
+            return trained
+        raise OSError("no summary.json")
+
+    monkeypatch.setattr(launch, "sweep", fake_sweep)
+    monkeypatch.setattr(launch.records, "load", fake_load)
+    found, again = launch.sweep_retrying(specs, name="s", world_size=2, timeout_each=30, progress=False)
+    assert launches == [("s", ["a", "b", "c"], 90), ("s-again-0", ["c"], 30)] and again == ["c"]
+    assert found["a"] is trained and found["c"] is trained and str(found["b"]) == "rank 1 failed: RuntimeError: died in b"
+    # together: the runs after the first failure share one more launch, given the first launch's time
+    launches.clear()
+    launch.sweep_retrying(specs, name="s", world_size=2, timeout_each=30, progress=False, together=True)
+    assert launches[1] == ("s-again", ["c"], 90)

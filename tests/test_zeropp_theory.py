@@ -117,29 +117,41 @@ def test_a_hung_logger_run_shows_every_ranks_innermost_frame_and_a_finished_one_
     assert "log_wrapper (comm.py:120)" in compression.logger_check_table({"qwZ (quantized weights), comms logger": saved})
 
 
-def test_gpu_runs_time_each_setting_alone_and_give_the_logger_runs_fewer_steps(monkeypatch):
-    from helpers import compression, environment
+def test_gpu_runs_time_every_setting_in_one_launch_and_give_the_logger_runs_fewer_steps(monkeypatch):
+    from helpers import compression, environment, launch, records
 
     gpus = environment.detect(2)
     monkeypatch.setattr(compression.environment, "detect", lambda world_size=None: dataclasses.replace(
         gpus, device="cuda", default_world_size=2))
-    launches = []
+    launches, failing = [], set()
+    trained = records.Record.__new__(records.Record)  # a record; its contents are not read here
 
     def fake_sweep(specs, name, world_size, progress, timeout):
         launches.append((name, [(s.name, s.steps, s.probes) for s in specs], timeout))
-        return {s.name: f"record of {s.name}" for s in specs}
+        # a run named in `failing` fails when it shares a launch with another run
+        return {s.name: launch.RunFailed("rank 0 failed: NCCL error") if s.name in failing and len(specs) > 1
+                else trained for s in specs}
 
     monkeypatch.setattr(compression.launch, "sweep", fake_sweep)
     by_bytes, by_time = compression.gpu_runs(steps=12, timeout=60)
     settings = list(compression.zeropp_settings(2))
-    timing, counting, logging = launches[:5], launches[5], launches[6:]
-    assert [runs[0][1] for _, runs, _ in timing] == [12] * 5 and all(len(runs) == 1 for _, runs, _ in timing)
-    assert [n for n, _, _ in counting[1]] == [f"zeropp-bytes-{i}" for i in range(5)] and counting[2] == 60 * 5
-    assert [(runs[0][1], runs[0][2]) for _, runs, _ in logging] == [(compression.LOGGER_STEPS,
-                                                                   compression.LOGGER_PROBES)] * 2
+    assert [name for name, _, _ in launches] == ["zeropp-gpu-time", "zeropp-gpu-bytes", "zeropp-gpu-logger"]
+    (_, timing, seconds), (_, counting, counted), (_, logging, logged) = launches
+    assert [(n, k) for n, k, _ in timing] == [(f"zeropp-time-{i}", 12) for i in range(5)] and seconds == 60 * 5
+    assert [n for n, _, _ in counting] == [f"zeropp-bytes-{i}" for i in range(5)] and counted == 60 * 5
+    assert [(k, probes) for _, k, probes in logging] == [(compression.LOGGER_STEPS, compression.LOGGER_PROBES)] * 2
+    assert logged == 60 * compression.LOGGER_TIMEOUT_FACTOR * 2  # the logger waits for the device: more time a run
     assert list(by_time) == settings
     assert [k for k in by_bytes if k.endswith(compression.LOGGER_SUFFIX)] == [
         name + compression.LOGGER_SUFFIX for name in compression.LOGGER_CHECKS]
     assert compression.gpu_runs(steps=2, passes=("logger",)) and launches[-1][1][0][1] == 2  # never more than steps
+
+    # two settings fail in the time launch: the first keeps its failure, the one after it is timed alone
+    failing.update({"zeropp-time-1", "zeropp-time-3"})
+    del launches[:]
+    _, by_time = compression.gpu_runs(steps=12, timeout=60, passes=("time",))
+    assert [name for name, _, _ in launches] == ["zeropp-gpu-time", "zeropp-gpu-time-again-0"]
+    assert launches[1][1][0][0] == "zeropp-time-3" and launches[1][2] == 60
+    assert [isinstance(by_time[name], launch.RunFailed) for name in settings] == [False, True, False, False, False]
     with pytest.raises(ValueError, match="choose from time, bytes, logger"):
         compression.gpu_runs(passes=("speed",))
