@@ -350,17 +350,17 @@ def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], 
     # the retried ones together: each compiled candidate alone would pay the compile's start again
     results, again = launch.sweep_retrying(specs, name=f"{name}/{prefix}{rung_index}-{rung.name}", world_size=world,
                                            timeout_each=timeout / len(specs), together=True)
-    first = next((c for c in candidates if not isinstance(results.get(c.run_name), records.Record)
-                  and c.run_name not in again), None)
-    for c in candidates:
-        if c.run_name in again:
-            c.note = (f"trained again in one more launch: it failed after {first.label!r} failed in the rung's launch")
+    # the launch's first failure: the one candidate that failed and was not trained again
+    first = next((c.label for c in candidates if c.run_name not in again
+                  and not isinstance(results.get(c.run_name), records.Record)), None)
     for c in candidates:
         result = results.get(c.run_name)
         if isinstance(result, records.Record):
             c.record = result
         else:
             c.failure = str(result).splitlines()[0][:160] if result is not None else "did not run"
+        if c.run_name in again:
+            c.note = f"trained again in one more launch: it failed after {first!r} failed in the rung's launch"
     return candidates
 
 

@@ -285,7 +285,7 @@ def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypat
     assert third["fsdp2"]["reason"].startswith("time budget") and len(fsdp2_settings) == 3
 
 
-def test_a_candidate_failing_after_another_failed_is_trained_again_in_a_launch_of_its_own(monkeypatch, tmp_path):
+def test_candidates_failing_after_another_failed_are_trained_again_in_one_more_launch(monkeypatch, tmp_path):
     monkeypatch.setattr(capstone.launch, "RUNS_DIR", tmp_path)
     launches = []
 
