@@ -234,6 +234,14 @@ def build_ops(ops: str, env: dict[str, str]) -> None:
     say("ops built")
 
 
+#: Where each task's own options are told (``device_run.py TASK --help`` prints this).
+TASK_HELP = {"check": "python3 -m helpers.course check-gpu --help",
+             "reference": "python3 benchmarks/reference.py --help (on a machine with torch)",
+             "capstone": "python3 benchmarks/capstone.py --help (on a machine with torch)",
+             "jobs": 'none: each job is "GPUS:COMMAND", a shell command run with COURSE_GPUS=GPUS',
+             "env": "none"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=float, default=560, help="seconds for everything (default 560)")
@@ -245,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: those the task needs)")
     parser.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if "-h" in args.rest or "--help" in args.rest:  # the task's help, before installing or building anything
+        parser.print_help()
+        print(f"\n{args.task}'s own options: {TASK_HELP[args.task]}")
+        return 0
     started = time.monotonic()
     (ROOT / "runs").mkdir(exist_ok=True)
     log = ROOT / "runs" / "device_run.log"

@@ -154,22 +154,31 @@ DEEPSPEED_DEFAULTS = {"stage3_max_live_parameters": 1_000_000_000, "stage3_max_r
 
 #: The bytes pass counts collectives with the PyTorch profiler (``torch_comm``), which only watches the
 #: ops as they are issued: DeepSpeed's comms logger synchronizes the device after every collective, and
-#: with ZeRO++ on GPUs a launch with it did not finish (the ``LOGGER_CHECKS`` runs show where it stops).
+#: with ZeRO++ on GPUs a launch with it did not finish (see :data:`LOGGER_CHECKS`).
 BYTES_PROBES = ("model_states", "peak_memory", "torch_comm")
+#: Steps of a bytes run: one to warm up, then the profiled ones (bytes are per step). The profiler records
+#: every CPU op of those steps with its shapes, read in Python when the run ends: on 4 x H200 the bytes
+#: launch of five 12-step runs took 147 s for about 26 s of training, and 74 s with 4 steps each (chapter
+#: 13's check, 2026-11-27).
+BYTES_STEPS = 4
 #: The comms logger and the profiler on the same run: section ``comm`` from the logger, ``comm_profiler``
 #: from the profiler, so the two methods can be compared (``frameworks.profiler_check_table``).
 LOGGER_PROBES = ("comm", "torch_comm")
-#: Settings also run with the comms logger, in one launch after the bytes pass: plain
-#: ZeRO-3 (the cross-check of the profiler's bytes) and quantized weights.
-LOGGER_CHECKS = ("ZeRO-3", "qwZ (quantized weights)")
+#: Settings also run with the comms logger, in one launch after the bytes pass: plain ZeRO-3, the
+#: cross-check of the profiler's bytes. Not qwZ: on 4 x H200 its logger run (3 steps, then 2) had printed
+#: the logger's summary, its all-gathers timed at 5.0 s each on average against ZeRO-3's 0.35-0.77 s, but
+#: had not ended when the calls' deadlines came, 91 s after it started in the first (2026-11-27); the committed
+#: 2026-11-26 reference shows where its ranks were when its 60 s ran out.
+LOGGER_CHECKS = ("ZeRO-3",)
 LOGGER_SUFFIX = ", comms logger"
-#: Steps of a comms-logger launch: the logger waits for the device after every collective, so on 2 x H200
-#: plain ZeRO-3 took about 3 s a step with it, 0.6 s with the profiler alone (the launch logs of chapter 13 on
-#: GPUs); the bytes it checks are per step.
-LOGGER_STEPS = 3
+#: Steps of a comms-logger run: one to warm up, one logged. The logger waits for the device after every
+#: collective, so on 2 x H200 plain ZeRO-3 took about 3 s a step with it, 0.6 s with the profiler alone (the
+#: launch logs of chapter 13 on GPUs); the bytes it checks are per step.
+LOGGER_STEPS = 2
 #: A comms-logger run's time-out, in multiples of the other passes' (``gpu_runs(timeout=...)``): on 4 x H200,
-#: plain ZeRO-3 with the logger took 53 s of its launch (start-up included), and qwZ had printed its comms
-#: summary but not finished within the 67 s left of the launch's 2 x 60 s.
+#: with 3 steps, plain ZeRO-3 with the logger took 53 s of its launch (start-up included), and qwZ (its
+#: logged all-gathers 5 s each on average, against ZeRO-3's 0.8 s) had printed its comms summary but not
+#: finished after 67 s, nor after about 95 s in a later launch (both stopped from outside).
 LOGGER_TIMEOUT_FACTOR = 2
 #: :func:`gpu_runs`' passes, in the order they run.
 PASSES = ("time", "bytes", "logger")
@@ -177,7 +186,7 @@ PASSES = ("time", "bytes", "logger")
 
 def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = True, timeout: float = 60,
              zero_knobs: Mapping | None = None, tag: str = "zeropp", passes: Sequence[str] = PASSES,
-             logger_steps: int = LOGGER_STEPS
+             bytes_steps: int = BYTES_STEPS, logger_steps: int = LOGGER_STEPS
              ) -> tuple[dict[str, records.Record | launch.RunFailed], dict[str, records.Record | launch.RunFailed]]:
     """On GPUs, three passes over plain ZeRO-3 and every ZeRO++ setting, each launch given ``timeout``
     seconds a run (a run that fails or hangs comes back as its :class:`helpers.launch.RunFailed`; for a
@@ -186,8 +195,8 @@ def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = Tr
     1. time: every setting timed, one after another in one launch, with no probe that synchronizes the
        device (:func:`helpers.launch.sweep_retrying`: a setting that fails after another failed is timed
        again in a launch of its own, so a failure costs only itself);
-    2. bytes: the settings that trained, together in one launch, their collectives counted by the PyTorch
-       profiler (:data:`BYTES_PROBES`);
+    2. bytes: the settings that trained, together in one launch, at most ``bytes_steps`` steps each, their
+       collectives counted by the PyTorch profiler (:data:`BYTES_PROBES`);
     3. logger: each of :data:`LOGGER_CHECKS` that trained, with DeepSpeed's comms logger, in one launch (as
        in 1), at most ``logger_steps`` steps and :data:`LOGGER_TIMEOUT_FACTOR` times ``timeout`` each (named
        ``"<setting>, comms logger"``).
@@ -219,7 +228,8 @@ def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = Tr
 
     by_time = each(list(settings), "time", ("timing", "peak_memory")) if "time" in passes else {}
     trained = [name for name in settings if not isinstance(by_time.get(name), launch.RunFailed)]
-    counted = {name: spec(name, "bytes", BYTES_PROBES) for name in trained} if "bytes" in passes else {}
+    counted = ({name: spec(name, "bytes", BYTES_PROBES, min(steps, bytes_steps)) for name in trained}
+               if "bytes" in passes else {})
     found = launch.sweep(list(counted.values()), name=f"{tag}-gpu-bytes", world_size=world_size,
                          progress=progress, timeout=timeout * len(counted)) if counted else {}
     by_bytes = {name: found[counted[name].name] if name in counted else by_time[name]
@@ -238,10 +248,10 @@ def logger_check_table(by_bytes: Mapping[str, records.Record]) -> str:
     from helpers import frameworks
 
     rows, done = [], {}
-    for name in LOGGER_CHECKS:
-        result = by_bytes.get(name + LOGGER_SUFFIX)
-        if result is None:
+    for key, result in by_bytes.items():  # every logger run of this measurement (older ones had more)
+        if not key.endswith(LOGGER_SUFFIX):
             continue
+        name = key[:-len(LOGGER_SUFFIX)]
         if _failure(result):
             where = result.get("where", []) if isinstance(result, dict) else _where(result)
             # per stack (a rank's thread), its innermost frame in DeepSpeed's or the course's code, else its

@@ -171,9 +171,6 @@ def _verdict(result: dict) -> str:
 
 def check_gpu(python: str, args: list[str]) -> int:
     """``check-gpu``: execute the notebooks named in ``args`` (default: all), report, exit 1 on a failed cell."""
-    if "-h" in args or "--help" in args:
-        print(__doc__)
-        return 0
     jobs = int(_option(args, "--jobs", "1"))
     timeout = float(_option(args, "--timeout", "900"))
     out = Path(_option(args, "--out", str(ROOT / "runs" / "check-gpu"))).resolve()
@@ -218,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] not in ("lab", "test", "setup", "check-gpu"):
         print(__doc__)
         return 2
+    if "-h" in args or "--help" in args:  # help before any set-up (which can take minutes)
+        print(__doc__)
+        return 0
     if args[0] == "check-gpu" and "--no-setup" in args:
         args.remove("--no-setup")  # a machine set up otherwise (the offline GPU box): use this Python
         return check_gpu(sys.executable, args[1:])

@@ -16,6 +16,7 @@ from helpers import course, environment, experiments, launch, notebooks
 from helpers.environment import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import device_run  # noqa: E402
 import reference  # noqa: E402
 import wheels  # noqa: E402
 
@@ -216,3 +217,16 @@ def test_wheels_check_finds_requirements_neither_carried_nor_in_the_image(tmp_pa
     _fake_wheel(tmp_path, "nbval", ["pytest>=7", "ipykernel", "colorama; sys_platform == 'win32'", "sphinx; extra == 'doc'"])
     _fake_wheel(tmp_path, "ipykernel", ["tornado>=6", "packaging"])
     assert wheels.unmet(tmp_path) == {"ipykernel-1.0-py3-none-any.whl": ["tornado"]}
+
+
+@pytest.mark.parametrize("argv", [["lab", "--help"], ["setup", "-h"], ["check-gpu", "--help"], ["test", "-h"]])
+def test_help_comes_before_any_set_up(argv, monkeypatch, capsys):
+    monkeypatch.setattr(course, "set_up", lambda *a: pytest.fail("set up before showing help"))
+    assert course.main(argv) == 0 and "check-gpu [--jobs N]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("task", ["check", "capstone"])
+def test_device_runner_shows_help_before_installing_anything(task, monkeypatch, capsys):
+    monkeypatch.setattr(device_run, "install_wheels", lambda: pytest.fail("installed before showing help"))
+    assert device_run.main([task, "--help"]) == 0
+    assert device_run.TASK_HELP[task] in capsys.readouterr().out
