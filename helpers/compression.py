@@ -3,8 +3,8 @@
 - :func:`cpu_attempts`: one launch that asks CPU ranks for each ZeRO++ part, the 16-bit gradient
   reduction every backend has (``communication_data_type``), and the removed 1-bit optimizers, each
   with ``on_error="record"``: the real error, or a run whose collectives can be compared with plain ZeRO-3.
-- :func:`gpu_runs`: on GPUs, ZeRO-3 against each ZeRO++ part: step time (a launch per setting), bytes per
-  collective (the PyTorch profiler, one launch), and the comms logger on ZeRO-3 and qwZ as a cross-check.
+- :func:`gpu_runs`: on GPUs, ZeRO-3 against each ZeRO++ part: step time (every setting in one launch), bytes
+  per collective (the PyTorch profiler, one launch), and the comms logger on ZeRO-3 as a cross-check.
 - :func:`deepspeed_source`: the lines of DeepSpeed's installed code that decide what applies on one node.
 - :func:`prediction_table`: the cross-node gain from :func:`helpers.theory.zeropp_step_prediction`.
 """
