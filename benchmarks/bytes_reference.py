@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args(argv)
     if args.chapter == "zeropp":
-        by_bytes, by_time = compression.gpu_runs(steps=args.steps, passes=("bytes", "logger"), progress=False)
+        by_bytes, by_time = compression.gpu_runs(steps=args.steps, bytes_steps=args.steps, passes=("bytes", "logger"),
+                                                 progress=False)
         print(compression.save_gpu_reference(by_bytes, by_time, name="zeropp-bytes", note=(
             "compression chapter, one node; bytes by the PyTorch profiler, the comms logger beside it")))
         print(compression.both_tables(by_bytes, by_time))

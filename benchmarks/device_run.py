@@ -15,7 +15,13 @@ here with ``python3 benchmarks/wheels.py``) into ``/tmp/site`` with ``pip --no-i
 ``/tmp/site`` and this repository on ``PYTHONPATH``, checks every import the course needs, shows the GPUs
 and their links, builds DeepSpeed's ops, then runs TASK with what is left of ``--budget`` seconds and packs
 ``runs/`` (references, capstone ladder, check report, executed notebooks, logs) into
-``OUT/results.tar.gz`` with a ``summary.txt`` beside it. ``OUT`` defaults to ``$OUT``. It changes no
+``OUT/results.tar.gz`` with a ``summary.txt`` beside it.
+
+DeepSpeed's ops (``--ops``) take a minute or more to compile on every fresh machine. Where ``.whl/src/``
+holds DeepSpeed's source (``wheels.py`` puts it there), they are compiled into a DeepSpeed wheel of their own
+instead (DeepSpeed's ``DS_BUILD_<OP>=1``), installed, and left in ``OUT`` with a ``<wheel>-deepspeed-ops.json``
+that says what it was built for; moved into ``.whl/prebuilt/`` here, both are carried next time and the wheel
+is installed in place of compiling, on a machine with the same torch, CUDA and GPU architecture list. ``OUT`` defaults to ``$OUT``. It changes no
 ``NCCL_*`` or other variable the machine sets (NVLink multicast stays off where the machine says so).
 Standard library only: it runs before anything is installed.
 """
@@ -23,18 +29,28 @@ Standard library only: it runs before anything is installed.
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import time
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".whl"
 SITE = Path("/tmp/site")
+#: DeepSpeed wheels with ops compiled in, each with the ``<wheel>-deepspeed-ops.json`` it came back with.
+PREBUILT = WHEELS / "prebuilt"
+#: DeepSpeed's source distribution, to compile ops into a wheel on the GPU machine.
+SOURCES = WHEELS / "src"
+OPS_RECORD = "deepspeed-ops.json"
+#: Where this machine compiles that wheel (found again by a later call on the same machine).
+BUILT = Path("/tmp/deepspeed-ops-wheel")
 #: What the course imports on the GPU machine (module -> why).
 IMPORTS = {"torch": "training", "deepspeed": "the engine", "hjson": "DeepSpeed's config reader",
            "pydantic": "DeepSpeed's config models", "transformers": "the LLaMA-style models", "tqdm": "progress",
@@ -234,6 +250,100 @@ def build_ops(ops: str, env: dict[str, str]) -> None:
     say("ops built")
 
 
+def wheel_ops(wheel: Path) -> tuple[set[str], dict]:
+    """The ops a DeepSpeed wheel holds compiled and the torch it was built against, as DeepSpeed's own
+    ``git_version_info_installed.py`` in it records them (``installed_ops``, ``torch_info``)."""
+    with zipfile.ZipFile(wheel) as z:
+        tree = ast.parse(z.read("deepspeed/git_version_info_installed.py").decode())
+    found = {target.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+             for target in node.targets if isinstance(target, ast.Name)}
+    return {op for op, built in found.get("installed_ops", {}).items() if built}, found.get("torch_info", {})
+
+
+def usable_prebuilt(folder: Path, machine: dict) -> Path | None:
+    """A wheel in ``folder`` whose ``<wheel>-deepspeed-ops.json`` names this machine's GPU architecture list and
+    whose compiled ops (read from the wheel) include all of ``machine["ops"]``, built against its torch
+    and CUDA (what DeepSpeed checks when it loads them); None when there is none."""
+    for record_path in sorted(folder.glob(f"*{OPS_RECORD}")):
+        record = json.loads(record_path.read_text())
+        wheel = folder / record.get("wheel", "")
+        if not wheel.is_file() or record.get("arch") != machine["arch"]:
+            continue
+        ops, torch_info = wheel_ops(wheel)
+        if set(machine["ops"]) <= ops and torch_info.get("version") == machine["torch"] \
+                and torch_info.get("cuda_version") == machine["cuda"]:
+            return wheel
+    return None
+
+
+def build_env(machine: dict, env: dict[str, str]) -> dict[str, str]:
+    """The environment that compiles exactly ``machine["ops"]`` into DeepSpeed's wheel (DeepSpeed's
+    ``DS_BUILD_OPS=0`` and each builder's ``BUILD_VAR=1``), for the architecture list the course gives its
+    ranks."""
+    arch = {"TORCH_CUDA_ARCH_LIST": machine["arch"]} if machine["arch"] else {}
+    return {**env, "DS_BUILD_OPS": "0", **arch, **{variable: "1" for variable in machine["build_vars"]}}
+
+
+#: Asked of the machine once the plain wheels are in: torch and CUDA as DeepSpeed records them, the
+#: architecture list the course hands its ranks, and the ops the builders named on the command line build.
+MACHINE_QUERY = """
+import json, sys, torch
+from deepspeed.accelerator import get_accelerator
+from helpers import environment
+child, _ = environment.child_env(environment.detect(), 1)
+print(json.dumps({"torch": ".".join(torch.__version__.split(".")[:2]),
+                  "cuda": ".".join((torch.version.cuda or "0.0").split(".")[:2]),
+                  "arch": child.get("TORCH_CUDA_ARCH_LIST", ""),
+                  "ops": [get_accelerator().create_op_builder(n).name for n in sys.argv[1].split(",")],
+                  "build_vars": [get_accelerator().create_op_builder(n).BUILD_VAR for n in sys.argv[1].split(",")]}))
+"""
+
+
+def install_ops_wheel(ops: str, env: dict[str, str], out: Path) -> None:
+    """Install DeepSpeed with ``ops`` compiled in: a wheel of ``.whl/prebuilt/`` made for this machine, else
+    one compiled now from ``.whl/src/`` (then copied to ``out`` with its ``<wheel>-deepspeed-ops.json``). Where
+    neither works the ops are compiled just in time as before, and this says why."""
+    query = subprocess.run([sys.executable, "-c", MACHINE_QUERY, ops], env=env, cwd=ROOT, capture_output=True,
+                           text=True)
+    if query.returncode:
+        say(f"could not ask the machine which ops and torch it has, so the ops build just in time: "
+            f"{query.stderr.strip().splitlines()[-1:]}")
+        return
+    machine = json.loads(query.stdout.strip().splitlines()[-1])
+    wheel = next((found for folder in (PREBUILT, BUILT) if folder.is_dir()
+                  and (found := usable_prebuilt(folder, machine)) is not None), None)
+    if wheel is None:
+        sources = sorted(SOURCES.glob("deepspeed-*.tar.gz")) if SOURCES.is_dir() else []
+        if not sources:
+            say(f"no DeepSpeed source in {SOURCES} (python3 benchmarks/wheels.py): the ops build just in time")
+            return
+        say(f"compiling {', '.join(machine['ops'])} into DeepSpeed's wheel (torch {machine['torch']}, CUDA "
+            f"{machine['cuda']}, architectures {machine['arch']})")
+        started = time.monotonic()
+        shutil.rmtree(BUILT, ignore_errors=True)
+        built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index",
+                                "--no-build-isolation", "-w", str(BUILT), str(sources[-1])],
+                               env=build_env(machine, env), cwd="/tmp", capture_output=True, text=True)
+        made = sorted(BUILT.glob("deepspeed-*.whl"))
+        if built.returncode or not made:
+            say(f"compiling them into a wheel failed, so they build just in time: {built.stderr[-2000:]}")
+            return
+        wheel, seconds = made[0], time.monotonic() - started
+        if wheel.stat().st_size > 16 * 2**20:  # the transfer back takes files of 16 MiB at most
+            say(f"{wheel.name} is {wheel.stat().st_size / 2**20:.0f} MiB: too large to come back from the machine")
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(wheel, out / wheel.name)
+        record = out / f"{wheel.stem}-{OPS_RECORD}"
+        record.write_text(json.dumps({"wheel": wheel.name, **machine, "seconds": round(seconds)}, indent=1))
+        shutil.copy(record, BUILT / record.name)
+        say(f"compiled in {seconds:.0f} s: {wheel.name} and {record.name} are in {out}; move both into {PREBUILT} "
+            "here, and the next machine installs the wheel instead of compiling")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--upgrade", "--target", str(SITE), str(wheel)], check=True)
+    (SITE / ".course-wheels").unlink(missing_ok=True)  # /tmp/site no longer holds exactly .whl's wheels
+    say(f"installed {wheel.name}, with {', '.join(machine['ops'])} compiled in")
+
+
 #: Where each task's own options are told (``device_run.py TASK --help`` prints this).
 TASK_HELP = {"check": "python3 -m helpers.course check-gpu --help",
              "reference": "python3 benchmarks/reference.py --help (on a machine with torch)",
@@ -264,9 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_install:
         install_wheels()
     env = environment()
+    ops = args.ops if args.ops is not None else ("FusedAdamBuilder" if args.task == "capstone" else "")
+    if ops and not args.no_install:
+        install_ops_wheel(ops, env, args.out)
     check_imports(env)
     show_machine(env)
-    ops = args.ops if args.ops is not None else ("FusedAdamBuilder" if args.task == "capstone" else "")
     build_ops(ops, env)
 
     margin = 40  # for packing and the transfer back

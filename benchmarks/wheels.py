@@ -7,7 +7,9 @@ The GPU machine's image has torch, transformers, numpy, matplotlib, pytest, psut
 execute notebooks. This builds DeepSpeed's wheel (``pip wheel --no-deps``: its ops compile just in time
 on the GPU machine), downloads the rest for CPython 3.12 on x86-64 Linux with their dependencies, deletes
 what the image already has, and checks that every remaining wheel's requirements are met by the image or
-by ``.whl/`` itself. About 40 wheels, 20-odd MB.
+by ``.whl/`` itself. About 40 wheels, 20-odd MB, and DeepSpeed's source in ``.whl/src/`` (2 MB), from which
+``device_run.py`` compiles DeepSpeed's ops into a wheel on the GPU machine; the wheels it brings back go
+into ``.whl/prebuilt/``, which this leaves as it is.
 """
 
 from __future__ import annotations
@@ -101,14 +103,21 @@ def main(argv: list[str] | None = None) -> int:
             if project_of(wheel) in IMAGE_HAS:
                 wheel.unlink()
         for other in dest.iterdir():  # sdists pip fetched for the build: not installable offline
-            if other.suffix != ".whl":
+            if other.is_file() and other.suffix != ".whl":
                 other.unlink()
+        # DeepSpeed's source, for device_run.py to compile the ops into a wheel of their own on the machine
+        subprocess.run([*pip, "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(dest / "src"),
+                        DEEPSPEED], check=True)
     wheels = sorted(dest.glob("*.whl"))
     names = [project_of(w) for w in wheels]
     twice = sorted({n for n in names if names.count(n) > 1})
     problems = unmet(dest)
     size = sum(w.stat().st_size for w in wheels) / 1e6
     print(f"{len(wheels)} wheels, {size:.1f} MB in {dest}")
+    sources = sorted((dest / "src").glob("deepspeed-*.tar.gz"))
+    prebuilt = sorted((dest / "prebuilt").glob("deepspeed-*.whl"))
+    print(f"DeepSpeed's source: {sources[-1].name if sources else 'none (ops compile just in time on the machine)'}; "
+          f"with ops compiled in (.whl/prebuilt): {', '.join(p.name for p in prebuilt) or 'none yet'}")
     for wheel, missing in problems.items():
         print(f"  {wheel}: needs {', '.join(missing)} (neither in the image nor here)")
     if twice:

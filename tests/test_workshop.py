@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -230,3 +231,60 @@ def test_device_runner_shows_help_before_installing_anything(task, monkeypatch, 
     monkeypatch.setattr(device_run, "install_wheels", lambda: pytest.fail("installed before showing help"))
     assert device_run.main([task, "--help"]) == 0
     assert device_run.TASK_HELP[task] in capsys.readouterr().out
+
+
+def _deepspeed_wheel(folder: Path, ops: dict, torch_version: str = "2.11", cuda: str = "13.0", arch: str = "9.0",
+                     name: str = "deepspeed-0.19.8-cp312-cp312-linux_x86_64.whl") -> Path:
+    """A DeepSpeed wheel as DeepSpeed's setup.py records its compiled ops, and the record device_run leaves."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(folder / name, "w") as z:
+        z.writestr("deepspeed/git_version_info_installed.py",
+                   f"version='0.19.8'\ninstalled_ops={ops!r}\naccelerator_name='cuda'\n"
+                   f"torch_info={{'version': '{torch_version}', 'cuda_version': '{cuda}', 'hip_version': '0.0'}}\n")
+    (folder / f"{name[:-4]}-{device_run.OPS_RECORD}").write_text(json.dumps({"wheel": name, "arch": arch}))
+    return folder / name
+
+
+def test_a_prebuilt_deepspeed_wheel_is_used_only_on_a_machine_it_was_built_for(tmp_path):
+    machine = {"torch": "2.11", "cuda": "13.0", "arch": "9.0", "ops": ["quantizer", "fused_adam"]}
+    wheel = _deepspeed_wheel(tmp_path, {"quantizer": 1, "fused_adam": 1, "cpu_adam": False})
+    assert device_run.wheel_ops(wheel) == ({"quantizer", "fused_adam"}, {
+        "version": "2.11", "cuda_version": "13.0", "hip_version": "0.0"})
+    assert device_run.usable_prebuilt(tmp_path, machine) == wheel
+    assert device_run.usable_prebuilt(tmp_path, {**machine, "ops": ["quantizer", "cpu_adam"]}) is None  # not compiled
+    assert device_run.usable_prebuilt(tmp_path, {**machine, "torch": "2.12"}) is None  # DeepSpeed would refuse it
+    assert device_run.usable_prebuilt(tmp_path, {**machine, "cuda": "12.8"}) is None
+    assert device_run.usable_prebuilt(tmp_path, {**machine, "arch": "8.0"}) is None  # no kernels for that GPU
+
+
+def test_the_ops_wheel_is_built_with_exactly_the_named_ops_for_the_ranks_architectures():
+    machine = {"arch": "9.0", "build_vars": ["DS_BUILD_QUANTIZER", "DS_BUILD_FUSED_ADAM"]}
+    env = device_run.build_env(machine, {"TORCH_CUDA_ARCH_LIST": "9.0a", "NCCL_NVLS_ENABLE": "0", "DS_BUILD_OPS": "1"})
+    assert env == {"TORCH_CUDA_ARCH_LIST": "9.0", "NCCL_NVLS_ENABLE": "0", "DS_BUILD_OPS": "0",
+                   "DS_BUILD_QUANTIZER": "1", "DS_BUILD_FUSED_ADAM": "1"}
+    assert "TORCH_CUDA_ARCH_LIST" not in device_run.build_env({**machine, "arch": ""}, {})  # DeepSpeed's default
+
+
+def test_the_ops_wheel_made_for_the_machine_is_installed_and_nothing_is_compiled(tmp_path, monkeypatch):
+    machine = {"torch": "2.11", "cuda": "13.0", "arch": "9.0", "ops": ["quantizer"], "build_vars": ["DS_BUILD_QUANTIZER"]}
+    wheel = _deepspeed_wheel(tmp_path / "prebuilt", {"quantizer": 1})
+    monkeypatch.setattr(device_run, "PREBUILT", tmp_path / "prebuilt")
+    monkeypatch.setattr(device_run, "BUILT", tmp_path / "built")
+    monkeypatch.setattr(device_run, "SITE", tmp_path / "site")
+    calls = []
+
+    def fake_run(argv, **kwargs):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout=json.dumps(machine) + "\n", stderr="")
+
+    monkeypatch.setattr(device_run.subprocess, "run", fake_run)
+    device_run.install_ops_wheel("QuantizerBuilder", {}, tmp_path / "out")
+    assert calls[0][-1] == "QuantizerBuilder"  # the machine is asked which ops those builders make
+    assert calls[1][-1] == str(wheel) and "--target" in calls[1] and len(calls) == 2  # installed; no pip wheel
+    assert not (tmp_path / "out").exists()  # nothing new to bring back
+
+    machine["ops"] = ["fused_adam"]  # not in that wheel, and no source to compile it from
+    monkeypatch.setattr(device_run, "SOURCES", tmp_path / "no-source")
+    calls.clear()
+    device_run.install_ops_wheel("FusedAdamBuilder", {}, tmp_path / "out")
+    assert len(calls) == 1  # only the question: the op is left to the just-in-time build, as before
