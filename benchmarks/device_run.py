@@ -15,15 +15,15 @@ here with ``python3 benchmarks/wheels.py``) into ``/tmp/site`` with ``pip --no-i
 ``/tmp/site`` and this repository on ``PYTHONPATH``, checks every import the course needs, shows the GPUs
 and their links, builds DeepSpeed's ops, then runs TASK with what is left of ``--budget`` seconds and packs
 ``runs/`` (references, capstone ladder, check report, executed notebooks, logs) into
-``OUT/results.tar.gz`` with a ``summary.txt`` beside it.
+``OUT/results.tar.gz`` with a ``summary.txt`` beside it. ``OUT`` defaults to ``$OUT``. It changes no
+``NCCL_*`` or other variable the machine sets (NVLink multicast stays off where the machine says so).
+Standard library only: it runs before anything is installed.
 
 DeepSpeed's ops (``--ops``) take a minute or more to compile on every fresh machine. Where ``.whl/src/``
 holds DeepSpeed's source (``wheels.py`` puts it there), they are compiled into a DeepSpeed wheel of their own
 instead (DeepSpeed's ``DS_BUILD_<OP>=1``), installed, and left in ``OUT`` with a ``<wheel>-deepspeed-ops.json``
 that says what it was built for; moved into ``.whl/prebuilt/`` here, both are carried next time and the wheel
-is installed in place of compiling, on a machine with the same torch, CUDA and GPU architecture list. ``OUT`` defaults to ``$OUT``. It changes no
-``NCCL_*`` or other variable the machine sets (NVLink multicast stays off where the machine says so).
-Standard library only: it runs before anything is installed.
+is installed in place of compiling, on a machine with the same torch, CUDA and GPU architecture list.
 """
 
 from __future__ import annotations
