@@ -226,7 +226,7 @@ def claim_table(runs: Mapping[str, records.Record], tokens_per_sample: int) -> s
         speedup = r["samples_per_s"] / base["samples_per_s"] if base else None
         table.append([f"ZeRO-{stage}", f"{accum}", f"{r['micro_batch']} x {accum} x {r['world_size']}",
                       f"{r['samples_per_s'] * tokens_per_sample:,.0f}", "-" if speedup is None else f"{speedup:.2f}x",
-                      records.format_bytes(max(r["memory.peak_bytes_per_rank"]))])
+                      records.format_peak(r)])
     return records.format_table(table, ["stage", "accum", "micro x accum x ranks", "tokens/s", "vs accum 1",
                                         "peak per rank"])
 

@@ -316,7 +316,7 @@ def time_table(runs: dict, names) -> str:
     base = runs[names[0]]["step_time_s.median"]
     gpu = runs[names[0]]["device"] == "cuda"
     rows = [[LABELS.get(n, n), f"{runs[n]['step_time_s.median'] * 1000:.1f}", f"{runs[n]['step_time_s.median'] / base:.2f}x",
-             *([records.format_bytes(runs[n]["memory.peak_bytes_per_rank"][0])] if gpu else [])] for n in names]
+             *([records.format_peak(runs[n], 0)] if gpu else [])] for n in names]
     return records.format_table(rows, ["run", "step ms", f"vs {LABELS.get(names[0], names[0])}",
                                        *(["peak (torch.cuda.max_memory_allocated)"] if gpu else [])])
 
@@ -436,7 +436,7 @@ def gpu_table(runs: dict) -> str:
         rows.append([LABELS.get(name, name), records.format_bytes(m["by_device"].get("cuda", 0)),
                      records.format_bytes(m["by_device"].get("cpu", 0)),
                      records.format_bytes(m.get("allocated_at_step_start", 0)),
-                     records.format_bytes(r["memory.peak_bytes_per_rank"][0]),
+                     records.format_peak(r, 0),
                      f"{r['step_time_s.median'] * 1000:.1f}", f"{r['step_time_s.median'] / base:.2f}x"])
     return records.format_table(rows, ["run", "saved on GPU", "saved in host memory", "allocated at step start",
                                        f"peak ({runs[names[0]]['memory']['peak_source']})", "step ms", "time vs first"])

@@ -200,6 +200,7 @@ def measurements(record: records.Record) -> dict:
     t, share = record["throughput"], record.summary.get("comm_share", {})
     return {"tokens_per_s": t["tokens_per_s"], "tflops_per_gpu": t["tflops_per_gpu"], "mfu": t["mfu"],
             "step_time_s": t["step_time_s"], "peak_bytes": max(record["memory.peak_bytes_per_rank"]),
+            "peak_upper_bound": records.peak_may_include_earlier_runs(record),
             "comm_exposed_share": share.get("exposed_share"), "comm_busy_share": share.get("busy_share"),
             "losses": record.losses, "metric": metric(record)}
 
@@ -293,7 +294,7 @@ class Ladder:
                 "fsdp2": self.fsdp2 if self.fsdp2.get("measured") or not before.get("fsdp2", {}).get("measured")
                 else {**before["fsdp2"], "latest": {"reason": self.fsdp2.get("reason", "not run")}},
                 "candidates": before["candidates"] + [
-                    {"rung": c.rung, "label": c.label, "run": c.run_name, "verdict": c.verdict,
+                    {"rung": c.rung, "label": c.label, "run": c.run_name, "verdict": c.verdict, "engines_released": True,
                      "changes": c.setting.changes_from(self.baseline), "failure": c.failure,
                      "setting": dataclasses.asdict(c.setting), **({"note": c.note} if c.note else {}),
                      **(measurements(c.record) if c.record else {})}
@@ -301,11 +302,16 @@ class Ladder:
 
 
 def _may_train_again(candidate: dict) -> bool:
-    """Whether a stored candidate (``Ladder.to_dict()``) failed for another reason than running out of memory,
-    so a resumed walk may propose it again: such a failure may come from the machine, or from what failed
-    before it in the same launch, rather than from the setting."""
+    """Whether a stored candidate (``Ladder.to_dict()``) failed for a reason that may not be its setting's,
+    so a resumed walk may propose it again: another reason than running out of memory (the machine, or what
+    failed before it in the same launch), or running out of memory after earlier candidates of its launch in
+    a walk from before engines were released between runs (they may have held the memory)."""
     failure = candidate.get("failure")
-    return bool(failure) and "tokens_per_s" not in candidate and not re.search(r"out of memory|OutOfMemory", failure)
+    if not failure or "tokens_per_s" in candidate:
+        return False
+    if not re.search(r"out of memory|OutOfMemory", failure):
+        return True
+    return not candidate.get("engines_released") and _launch_index(candidate.get("run", "")) > 0
 
 
 def _slug(text: str) -> str:
@@ -558,6 +564,17 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
+def _launch_index(run_name: str) -> int:
+    """A candidate's place in its rung's launch, from its run name (``[w<walk>-]<launch>-<rung>-<i>-<label>``)."""
+    match = re.search(r"\d+-[a-z]+-(\d+)-", run_name)
+    return int(match.group(1)) if match else 0
+
+
+def _peak(figures: dict) -> str:
+    """A candidate's peak memory, marked where it may include earlier candidates of its launch."""
+    return (records.UPPER_BOUND if figures.get("peak_upper_bound") else "") + records.format_bytes(figures["peak_bytes"])
+
+
 def ladder_table(ladder: dict) -> str:
     """Every candidate of a ladder (``Ladder.to_dict()``, live or from a committed reference): what it
     changed from the baseline, its figures and its verdict."""
@@ -565,11 +582,13 @@ def ladder_table(ladder: dict) -> str:
     for c in ladder["candidates"]:
         verdict = c["verdict"] + (f" ({c['note']})" if c.get("note") else "")
         if c.get("failure") and "tokens_per_s" not in c:
+            if "OutOfMemoryError" in c["failure"] and not c.get("engines_released") and _launch_index(c["run"]):
+                verdict = f"{records.UPPER_BOUND}memory: earlier candidates of its launch may have held some; " + verdict
             rows.append([c["rung"], c["label"], "-", "-", "-", "-", "-", verdict])
             continue
         tflops = "-" if c["tflops_per_gpu"] is None else f"{c['tflops_per_gpu']:.4g}"
         rows.append([c["rung"], c["label"], f"{c['tokens_per_s']:,.0f}", tflops, _pct(c["mfu"]),
-                     records.format_bytes(c["peak_bytes"]), _pct(c["comm_exposed_share"]), verdict])
+                     _peak(c), _pct(c["comm_exposed_share"]), verdict])
     per = "rank" if ladder["device"].startswith("CPU") else "GPU"
     return records.format_table(rows, ["rung", "candidate", "tokens/s", f"TFLOP/s/{per}", "MFU", "peak mem",
                                        "comm exposed", "verdict"])
@@ -589,7 +608,7 @@ def fsdp2_table(ladder: dict) -> str:
     fsdp2 = ladder.get("fsdp2") or {}
     entries += [(f"{label}, eager", r) for label, r in (fsdp2.get("runs") or {}).items()]
     rows = [[name, f"{r['tokens_per_s']:,.0f}", "-" if r["tflops_per_gpu"] is None else f"{r['tflops_per_gpu']:.4g}",
-             _pct(r["mfu"]), records.format_bytes(r["peak_bytes"])] for name, r in entries if r]
+             _pct(r["mfu"]), _peak(r)] for name, r in entries if r]
     per = "rank" if ladder["device"].startswith("CPU") else "GPU"
     return records.format_table(rows, ["run", "tokens/s", f"TFLOP/s/{per}", "MFU", "peak mem"])
 
@@ -765,5 +784,20 @@ def reference_ladders(size: str = "1.2b") -> list[tuple[str, str, str, str, dict
     from helpers import experiments
 
     name = f"capstone-ladder-{size}"
-    return [(device, date, note, conditions, runs["ladder"]) for (device, date, note, runs), conditions
+    return [(device, date, note, conditions, _mark_peaks(runs["ladder"], runs)) for (device, date, note, runs), conditions
             in zip(experiments.reference_runs(name), experiments.reference_conditions(name)) if "ladder" in runs]
+
+
+def _mark_peaks(ladder: dict, runs: dict) -> dict:
+    """A committed ladder with each candidate's ``peak_upper_bound`` read from its record beside it (ladders
+    saved before that flag existed lack it)."""
+    def marked(figures: dict, record) -> dict:
+        known = isinstance(record, records.Record) and "peak_bytes" in figures
+        return {**figures, "peak_upper_bound": records.peak_may_include_earlier_runs(record)} if known else figures
+
+    # FSDP2's runs keep no record in a reference: the second of their one launch (FSDP2_STRATEGIES) is marked
+    gpu, fsdp2 = not ladder["device"].startswith("CPU"), ladder.get("fsdp2") or {}
+    fsdp2_runs = {label: r if not r or "peak_upper_bound" in r else {**r, "peak_upper_bound": gpu and i > 0}
+                  for i, (label, r) in enumerate((fsdp2.get("runs") or {}).items())}
+    return {**ladder, "candidates": [marked(c, runs.get(c.get("run"))) for c in ladder["candidates"]],
+            **({"fsdp2": {**fsdp2, "runs": fsdp2_runs}} if fsdp2_runs else {})}

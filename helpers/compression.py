@@ -300,7 +300,7 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
                 t = timed["step_time_s.median"]
                 t0 = base_time["step_time_s.median"] if base_time is not None and not _failure(base_time) else None
                 row += [f"{t * 1000:.1f}", records.format_ratio(t, t0 or 0, none="-"),
-                        records.format_bytes(max(timed["memory.peak_bytes_per_rank"]))]
+                        records.format_peak(timed)]
         rows.append(row)
     headers = ["setting", "collectives per step: calls x bytes per call", "bytes/step", "vs ZeRO-3"]
     if by_time:

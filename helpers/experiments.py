@@ -105,7 +105,7 @@ def knob_table(runs: Mapping[str, records.Record], timings: bool = False) -> str
                f"{r['comm.bytes_per_step']:,.0f}", records.format_bytes(r.states(0)["buffers"]),
                records.format_bytes(r.states(0)["grads"]), records.format_bytes(r.states(0)["params"])]
         if timings:
-            row += [records.format_bytes(r["memory.peak_bytes_per_rank"][0]), f"{r['step_time_s.median'] * 1000:.1f}"]
+            row += [records.format_peak(r, 0), f"{r['step_time_s.median'] * 1000:.1f}"]
         rows.append(row)
     headers = ["setting", "collectives per step", "bytes/step", "buffers", "grads", "params"]
     if timings:

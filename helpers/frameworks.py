@@ -144,7 +144,7 @@ def profiler_check_table(runs: Mapping[str, records.Record]) -> str:
 
 def timing_table(runs: Mapping[str, records.Record]) -> str:
     """Median step time and peak memory per rank (machine-dependent: print in an ignored cell)."""
-    rows = [[name, f"{r['step_time_s.median'] * 1000:.1f}", records.format_bytes(max(r['memory.peak_bytes_per_rank'])),
+    rows = [[name, f"{r['step_time_s.median'] * 1000:.1f}", records.format_peak(r),
              r["memory.peak_source"]] for name, r in runs.items()]
     return records.format_table(rows, ["run", "step ms (median)", "peak per rank", "peak measured as"])
 
@@ -215,7 +215,7 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
     for name, r in by_bytes.items():
         t = by_time.get(name)
         rows.append([name, records.format_bytes(r.model_state_bytes()),
-                     records.format_bytes(max(t["memory.peak_bytes_per_rank"])) if t else "-",
+                     records.format_peak(t) if t else "-",
                      bytes_per_step(r),
                      f"{t['step_time_s.median'] * 1000:.1f}" if t else "-",
                      records.loss_agreement(base.losses, r.losses, r.summary["precision"]) if base is not None else "-"])

@@ -305,7 +305,7 @@ def timing_table(runs: Mapping[str, object], rank: int = 0) -> str:
 
     rows = []
     for name, r in runs.items():
-        rows.append([name, f"{r['step_time_s.median'] * 1000:.1f}", records.format_bytes(r["memory.peak_bytes_per_rank"][rank]),
+        rows.append([name, f"{r['step_time_s.median'] * 1000:.1f}", records.format_peak(r, rank),
                      records.format_bytes(r["memory.host_peak_bytes_per_rank"][rank])])
     return records.format_table(rows, ["run", "step ms", f"peak ({runs[next(iter(runs))]['memory.peak_source']})",
                                        "host peak RSS"])

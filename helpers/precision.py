@@ -622,7 +622,7 @@ def speed_table(runs: Mapping[Any, Any], rank: int = 0) -> str:
     from helpers import records
 
     rows = [[r.label, f"{r['step_time_s.median'] * 1000:.1f}", f"{r['samples_per_s']:,.0f}",
-             records.format_bytes(r["memory.peak_bytes_per_rank"][rank])] for r in runs.values()]
+             records.format_peak(r, rank)] for r in runs.values()]
     first = next(iter(runs.values()))
     return records.format_table(rows, ["run", "step ms", "samples/s", f"peak ({first['memory.peak_source']})"])
 

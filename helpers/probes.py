@@ -245,9 +245,11 @@ class ModelStates(Probe):
 class PeakMemory(Probe):
     """Peak memory of each rank (:func:`helpers.memory.peak_bytes`).
 
-    On a GPU the allocator's peak is reset when the run starts, so each run of a sweep has its own.
-    On CPU it is the process's peak resident set, which only grows: in a sweep, a run's figure
-    includes the runs before it in the same processes. Section: ``memory.peak_bytes_per_rank``.
+    On a GPU the allocator's peak is reset when the run starts and the runs before it in the same
+    processes have released their engines (``train.release_zero3_references``; the record says so in
+    ``memory.earlier_runs_released``), so each run of a sweep has its own. On CPU it is the process's
+    peak resident set, which only grows: in a sweep, a run's figure includes the runs before it in the
+    same processes. Section: ``memory.peak_bytes_per_rank``.
     """
 
     name = "peak_memory"
@@ -265,7 +267,9 @@ class PeakMemory(Probe):
         return {"peak": peak, "source": source}
 
     def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
-        return {"memory": {"peak_bytes_per_rank": [r["peak"] for r in ranks], "peak_source": ranks[0]["source"]}}
+        released = {"earlier_runs_released": True} if ctx.device_type == "cuda" else {}
+        return {"memory": {"peak_bytes_per_rank": [r["peak"] for r in ranks], "peak_source": ranks[0]["source"],
+                           **released}}
 
 
 @register

@@ -164,6 +164,7 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
     micro = config["train_micro_batch_size_per_gpu"]
     accum = config.get("gradient_accumulation_steps", 1)
     chosen = STRATEGIES[strategy]
+    ctx = None  # holds the engine: dropped with it at teardown
     try:
         ctx = probe_registry.RunContext(
             engine=engine, rank=rank, world_size=world, device_type=device.type, precision=precision,
@@ -186,7 +187,7 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
             },
         })
     finally:
-        del engine, optimizer, wrapped, module, model
+        del engine, optimizer, wrapped, module, model, ctx  # all of them before the collection (train.train_run)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -157,14 +157,42 @@ def format_bytes(n: float) -> str:
 
 
 def format_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
-    """A plain-text table (fixed width, right-aligned numbers): deterministic, so nbval can check it."""
+    """A plain-text table (fixed width, right-aligned numbers): deterministic, so nbval can check it.
+    A table with a peak marked by :data:`UPPER_BOUND` ends with :data:`PEAK_NOTE`."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 
     def line(row: list[str]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
 
-    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+    marked = any(c.startswith(UPPER_BOUND) for row in cells[1:] for c in row)
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]]
+                     + ([PEAK_NOTE] if marked else []))
+
+
+#: Marks a GPU peak that may include memory of earlier runs (:func:`peak_may_include_earlier_runs`).
+UPPER_BOUND = "<= "
+PEAK_NOTE = ("<= : an upper bound. A run after the first of its launch, measured before the course released each "
+             "run's engine (2026-11-27): DeepSpeed's engines then outlived their runs, so its GPU peak may include "
+             "memory of the launch's earlier runs.")
+
+
+def peak_may_include_earlier_runs(record: "Record | dict") -> bool:
+    """Whether a GPU run's peak may include earlier runs of its launch: it was not the first run of its
+    launch, and its record does not say the earlier runs' engines were released (``peak_memory`` probe,
+    ``memory.earlier_runs_released``, written since ``train.release_zero3_references``). Before that,
+    ZeRO-3 engines lived as long as their processes and the others until Python's next full collection."""
+    s = getattr(record, "summary", record)  # a Record, or a summary as a reference keeps it
+    return (s.get("device") == "cuda" and (s.get("launch") or {}).get("position", 1) > 1
+            and not (s.get("memory") or {}).get("earlier_runs_released"))
+
+
+def format_peak(record: "Record | dict", rank: int | None = None) -> str:
+    """A run's peak memory (``rank``'s, else the largest of its ranks), marked :data:`UPPER_BOUND` where it
+    may include earlier runs of its launch."""
+    peaks = _get(getattr(record, "summary", record), "memory.peak_bytes_per_rank")
+    value = max(peaks) if rank is None else peaks[rank]
+    return (UPPER_BOUND if peak_may_include_earlier_runs(record) else "") + format_bytes(value)
 
 
 def loss_table(runs: dict[str, Iterable[float]], digits: int = 4) -> str:

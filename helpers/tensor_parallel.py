@@ -186,7 +186,7 @@ def against_zero3_table(runs: Mapping, timings: bool = False) -> str:
                f"{r['comm.bytes_per_step']:,.0f}", f"{moved_bytes_per_step(r):,.0f}", f"{formula * r['grad_accum']:,.0f}"]
         if timings:  # a CPU's peak resident set only grows from run to run of a sweep: GPU peaks only
             row += [f"{r['step_time_s.median'] * 1000:.1f}"]
-            row += [records.format_bytes(r["memory.peak_bytes_per_rank"][0])] if r["device"] == "cuda" else []
+            row += [records.format_peak(r, 0)] if r["device"] == "cuda" else []
         rows.append(row)
     headers = ["run", "model states", "calls/step", "logged bytes/step", "sent bytes/step", "formula sent"]
     if timings:

@@ -236,6 +236,7 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer,
                                            model_parameters=None if client_optimizer else model.parameters(),
                                            config=config)
+    ctx = None  # holds the engine: dropped with it at teardown
     try:
         first_step = before_training(engine, run)
         ctx = probe_registry.RunContext(
@@ -255,7 +256,10 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
     finally:
         # Teardown before the next run: without it ZeRO-3 keeps hooks and gathered parameters alive.
         engine.destroy()
-        del engine, model, client_optimizer
+        release_zero3_references(engine.module)
+        # Every reference this frame holds goes before the collection: the engine sits in reference cycles
+        # (its hooks), which only the collector frees, and a run's peak memory must not include the last run's.
+        del engine, model, client_optimizer, ctx
         # A pipeline or tensor-parallel engine leaves its groups in DeepSpeed's module globals (groups.mpu
         # and friends), which the next engine of a sweep would inherit: forget them (the process groups
         # themselves stay; every rank makes the same call, so later group creation stays in step).
@@ -265,6 +269,27 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def release_zero3_references(module) -> None:
+    """Drop what DeepSpeed 0.19.8's ZeRO-3 keeps of an engine after ``engine.destroy()``, which otherwise
+    keeps the engine, its model and its optimizer states alive for the life of the process (so in a sweep,
+    the GPU memory of every earlier run): the top module it puts on the module-level
+    ``parameter_offload.FWD_MODULE_STACK`` and never takes off, and the entries of
+    ``PartitionedParameterCoordinator.__params_to_release``, a class-level ``functools.lru_cache`` keyed
+    by (coordinator, module, step). ``tests/test_launch.py`` checks that no engine outlives its run."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if m is not module]
+    method = PartitionedParameterCoordinator.__dict__.get("_PartitionedParameterCoordinator__params_to_release")
+    # DeepSpeed wraps the cached method in its NVTX decorator (no functools.wraps): the cache is the
+    # decorator's closure variable ``func``
+    code, cells = getattr(method, "__code__", None), getattr(method, "__closure__", None) or ()
+    inner = dict(zip(code.co_freevars, (c.cell_contents for c in cells))).get("func") if code else None
+    for cached in (method, inner):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def train_and_record(ctx, run: dict, position: int, count: int, trainer, fields: dict) -> None:

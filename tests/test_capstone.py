@@ -399,3 +399,16 @@ def test_fsdp2_of_an_earlier_walk_is_set_beside_the_run_that_trained_its_batch()
     assert capstone.fsdp2_line({**ladder, "fsdp2": later["fsdp2"]}).endswith(f"; on the best setting since: {failed}")
     ladder["fsdp2"] = {**fsdp2, "setting": setting(16, 1, False)}  # FSDP2 on the best's batch: the best itself
     assert capstone.fsdp2_partner(ladder)["run"] == "r2" and capstone.fsdp2_line(ladder).startswith("FSDP2 on the best")
+
+
+def test_memory_failures_after_other_candidates_of_a_launch_from_before_engines_were_released_count_for_little():
+    oom = "rank 0 failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 432.00 MiB."
+    first = {"rung": "batch", "label": "x2", "run": "0-batch-0-micro-x2", "verdict": "failed: ...", "failure": oom}
+    later = {**first, "run": "w4-0-rebatch-2-micro-x2"}
+    assert capstone._launch_index(first["run"]) == 0 and capstone._launch_index(later["run"]) == 2
+    assert not capstone._may_train_again(first)  # its setting's own memory: seen
+    assert capstone._may_train_again(later)  # earlier engines of its launch may have held the memory
+    assert not capstone._may_train_again({**later, "engines_released": True})
+    ladder = {"device": "2 x NVIDIA H200", "candidates": [first, later, {**later, "engines_released": True}]}
+    rows = capstone.ladder_table(ladder).splitlines()[2:5]
+    assert [records.UPPER_BOUND + "memory: earlier" in row for row in rows] == [False, True, False]

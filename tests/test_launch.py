@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -198,3 +201,45 @@ def test_sweep_retrying_keeps_what_finished_before_a_rank_died_and_retries_what_
     launches.clear()
     launch.sweep_retrying(specs, name="s", world_size=2, timeout_each=30, progress=False, together=True)
     assert launches[1] == ("s-again", ["c"], 90)
+
+
+#: One rank in this test's own process group: trains a run of each ZeRO stage through the ranks' own
+#: ``train_run`` and says, per stage, whether its engine was still alive when ``train_run`` returned.
+ENGINE_LIFETIME = """
+import json, os, sys, time, weakref
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                  DS_ACCELERATOR="cpu")
+import deepspeed
+from helpers import configs, train
+deepspeed.init_distributed(dist_backend="gloo")
+engines, alive = [], {}
+initialize = deepspeed.initialize
+def remembered(*args, **kwargs):
+    made = initialize(*args, **kwargs)
+    engines.append(weakref.ref(made[0]))
+    return made
+deepspeed.initialize = remembered
+for stage in range(4):
+    out = os.path.join(sys.argv[1], f"zero{stage}")
+    os.makedirs(out)
+    with open(os.path.join(out, "ds_config.json"), "w") as f:
+        json.dump(configs.load(f"zero{stage}"), f)
+    run = {"name": f"zero{stage}", "out": out, "config": os.path.join(out, "ds_config.json"), "model": "mlp",
+           "steps": 2, "seed": 0, "probes": ["peak_memory"], "client_optimizer": False, "on_error": "raise",
+           "faults": {}, "task": "train", "model_options": {}, "options": {}, "before_training": None,
+           "plan": os.path.join(out, "plan.json")}
+    train.train_run(run, 0, 1, time.time())
+    alive[stage] = engines[-1]() is not None
+print("ALIVE " + json.dumps(alive))
+"""
+
+
+def test_no_engine_outlives_its_run(tmp_path):
+    """A sweep trains its runs one after another in the same processes: each engine (and on a GPU its
+    memory) must be gone when the next run starts, or that run's peak memory counts it. DeepSpeed's
+    ZeRO-3 keeps engines in module globals, and every engine sits in reference cycles."""
+    done = subprocess.run([sys.executable, "-c", ENGINE_LIFETIME, str(tmp_path), str(launch.free_port())],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
+    line = next((l for l in done.stdout.splitlines() if l.startswith("ALIVE ")), None)
+    assert line, done.stdout[-2000:] + done.stderr[-3000:]
+    assert json.loads(line[len("ALIVE "):]) == {"0": False, "1": False, "2": False, "3": False}

@@ -245,3 +245,17 @@ def test_a_ratio_over_nothing_says_why_instead_of_dividing_by_zero():
 
     assert records.format_ratio(3.0, 2.0, suffix="x") == "1.50x"
     assert records.format_ratio(3.0, 0.0) == "- (one rank sends nothing)"
+
+
+def test_a_gpu_peak_measured_after_other_runs_of_its_launch_before_engines_were_released_is_an_upper_bound():
+    from helpers import records
+
+    run = {"device": "cuda", "launch": {"position": 2, "of": 3}, "memory": {"peak_bytes_per_rank": [2**30, 3 * 2**30]}}
+    assert records.format_peak(run) == records.UPPER_BOUND + "3 GiB" and records.format_peak(run, 0).endswith(" 1 GiB")
+    assert records.format_peak({**run, "launch": {"position": 1, "of": 3}}) == "3 GiB"  # the first of its launch
+    assert records.format_peak({**run, "device": "cpu"}) == "3 GiB"  # CPU peaks say they grow, in the probe's doc
+    released = {**run, "memory": {**run["memory"], "earlier_runs_released": True}}
+    assert not records.peak_may_include_earlier_runs(released)
+    table = records.format_table([["a", records.format_peak(run)], ["b", records.format_peak(released)]], ["run", "peak"])
+    assert table.endswith(records.PEAK_NOTE) and table.count(records.UPPER_BOUND) == 2  # the cell and the note
+    assert records.PEAK_NOTE not in records.format_table([["b", "3 GiB"]], ["run", "peak"])
