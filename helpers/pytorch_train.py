@@ -189,6 +189,7 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
     finally:
         del engine, optimizer, wrapped, module, model, ctx  # all of them before the collection (train.train_run)
         gc.collect()
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -255,6 +255,7 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
         })
     finally:
         # Teardown before the next run: without it ZeRO-3 keeps hooks and gathered parameters alive.
+        compiled = bool(getattr(engine, "is_compiled", False))
         engine.destroy()
         release_zero3_references(engine.module)
         # Every reference this frame holds goes before the collection: the engine sits in reference cycles
@@ -266,6 +267,10 @@ def train_run(run: dict, position: int, count: int, born: float) -> None:
         from deepspeed.utils import groups
 
         groups._release_process_group_references(None)
+        if compiled:  # torch.compile's caches keep a compiled ZeRO-3 engine's modules (its guards on DeepSpeed's hooks)
+            torch._dynamo.reset()
+        # twice: objects the first collection finalizes can hold the last references to the engine's cycles
+        gc.collect()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

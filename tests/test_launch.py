@@ -219,17 +219,41 @@ def remembered(*args, **kwargs):
     engines.append(weakref.ref(made[0]))
     return made
 deepspeed.initialize = remembered
-for stage in range(4):
-    out = os.path.join(sys.argv[1], f"zero{stage}")
+# each ZeRO stage on the MLP, then ZeRO-3 on the capstone's tiny model through engine.compile()
+cases = [(str(stage), stage, "mlp", {}) for stage in range(4)]
+cases.append(("3 compiled", 3, "llama-capstone", {"size": "tiny", "compile": True}))
+for name, stage, model, options in cases:
+    out = os.path.join(sys.argv[1], name.replace(" ", "-"))
     os.makedirs(out)
     with open(os.path.join(out, "ds_config.json"), "w") as f:
         json.dump(configs.load(f"zero{stage}"), f)
-    run = {"name": f"zero{stage}", "out": out, "config": os.path.join(out, "ds_config.json"), "model": "mlp",
+    run = {"name": name, "out": out, "config": os.path.join(out, "ds_config.json"), "model": model,
            "steps": 2, "seed": 0, "probes": ["peak_memory"], "client_optimizer": False, "on_error": "raise",
-           "faults": {}, "task": "train", "model_options": {}, "options": {}, "before_training": None,
+           "faults": {}, "task": "train", "model_options": options, "options": {}, "before_training": None,
            "plan": os.path.join(out, "plan.json")}
     train.train_run(run, 0, 1, time.time())
-    alive[stage] = engines[-1]() is not None
+    alive[name] = engines[-1]() is not None
+# PyTorch's own engines (chapter 15, the capstone's FSDP2 runs), trained by the same kind of task
+from helpers import models, pytorch_train
+built = []
+build = models.build
+def remembered_model(*args, **kwargs):
+    model = build(*args, **kwargs)
+    built.append(weakref.ref(model))
+    return model
+models.build = remembered_model
+for strategy in ("ddp", "fsdp2"):
+    out = os.path.join(sys.argv[1], strategy)
+    os.makedirs(out)
+    with open(os.path.join(out, "ds_config.json"), "w") as f:
+        json.dump(configs.load("zero0"), f)
+    run = {"name": strategy, "out": out, "config": os.path.join(out, "ds_config.json"), "model": "mlp", "steps": 2,
+           "seed": 0, "probes": ["peak_memory"], "on_error": "raise", "faults": {}, "model_options": {},
+           "options": {"strategy": strategy}, "before_training": None, "plan": os.path.join(out, "plan.json")}
+    with open(run["plan"], "w") as f:
+        json.dump({"launcher": "torchrun"}, f)
+    pytorch_train.train_run(run, 0, 1, time.time())
+    alive[strategy] = built[-1]() is not None  # the model its engine wrapped
 print("ALIVE " + json.dumps(alive))
 """
 
@@ -237,9 +261,11 @@ print("ALIVE " + json.dumps(alive))
 def test_no_engine_outlives_its_run(tmp_path):
     """A sweep trains its runs one after another in the same processes: each engine (and on a GPU its
     memory) must be gone when the next run starts, or that run's peak memory counts it. DeepSpeed's
-    ZeRO-3 keeps engines in module globals, and every engine sits in reference cycles."""
+    ZeRO-3 keeps engines in module globals, torch.compile's caches keep a compiled ZeRO-3 engine's
+    modules, and every engine sits in reference cycles."""
     done = subprocess.run([sys.executable, "-c", ENGINE_LIFETIME, str(tmp_path), str(launch.free_port())],
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
     line = next((l for l in done.stdout.splitlines() if l.startswith("ALIVE ")), None)
     assert line, done.stdout[-2000:] + done.stderr[-3000:]
-    assert json.loads(line[len("ALIVE "):]) == {"0": False, "1": False, "2": False, "3": False}
+    assert json.loads(line[len("ALIVE "):]) == {"0": False, "1": False, "2": False, "3": False, "3 compiled": False,
+                                                 "ddp": False, "fsdp2": False}
