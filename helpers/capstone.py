@@ -309,9 +309,14 @@ def _may_train_again(candidate: dict) -> bool:
     failure = candidate.get("failure")
     if not failure or "tokens_per_s" in candidate:
         return False
-    if not re.search(r"out of memory|OutOfMemory", failure):
-        return True
-    return not candidate.get("engines_released") and _launch_index(candidate.get("run", "")) > 0
+    return not re.search(r"out of memory|OutOfMemory", failure) or _memory_maybe_held_by_earlier(candidate)
+
+
+def _memory_maybe_held_by_earlier(candidate: dict) -> bool:
+    """Whether a stored candidate ran out of memory after earlier candidates of its launch, in a walk from
+    before engines were released between runs: those engines may have held the memory."""
+    return (bool(re.search(r"out of memory|OutOfMemory", candidate.get("failure") or ""))
+            and not candidate.get("engines_released") and _launch_index(candidate.get("run", "")) > 0)
 
 
 def _slug(text: str) -> str:
@@ -572,7 +577,7 @@ def _launch_index(run_name: str) -> int:
 
 def _peak(figures: dict) -> str:
     """A candidate's peak memory, marked where it may include earlier candidates of its launch."""
-    return (records.UPPER_BOUND if figures.get("peak_upper_bound") else "") + records.format_bytes(figures["peak_bytes"])
+    return records.format_bytes_bound(figures["peak_bytes"], bool(figures.get("peak_upper_bound")))
 
 
 def ladder_table(ladder: dict) -> str:
@@ -582,7 +587,7 @@ def ladder_table(ladder: dict) -> str:
     for c in ladder["candidates"]:
         verdict = c["verdict"] + (f" ({c['note']})" if c.get("note") else "")
         if c.get("failure") and "tokens_per_s" not in c:
-            if "OutOfMemoryError" in c["failure"] and not c.get("engines_released") and _launch_index(c["run"]):
+            if _memory_maybe_held_by_earlier(c):
                 verdict = f"{records.UPPER_BOUND}memory: earlier candidates of its launch may have held some; " + verdict
             rows.append([c["rung"], c["label"], "-", "-", "-", "-", "-", verdict])
             continue

@@ -178,7 +178,7 @@ LOGGER_STEPS = 2
 #: A comms-logger run's time-out, in multiples of the other passes' (``gpu_runs(timeout=...)``): on 4 x H200,
 #: with 3 steps, plain ZeRO-3 with the logger took 53 s of its launch (start-up included), and qwZ (its
 #: logged all-gathers 5 s each on average, against ZeRO-3's 0.8 s) had printed its comms summary but not
-#: finished after 67 s, nor after about 95 s in a later launch (both stopped from outside).
+#: finished after 67 s (see :data:`LOGGER_CHECKS` for the later tries).
 LOGGER_TIMEOUT_FACTOR = 2
 #: :func:`gpu_runs`' passes, in the order they run.
 PASSES = ("time", "bytes", "logger")

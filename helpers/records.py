@@ -191,8 +191,12 @@ def format_peak(record: "Record | dict", rank: int | None = None) -> str:
     """A run's peak memory (``rank``'s, else the largest of its ranks), marked :data:`UPPER_BOUND` where it
     may include earlier runs of its launch."""
     peaks = _get(getattr(record, "summary", record), "memory.peak_bytes_per_rank")
-    value = max(peaks) if rank is None else peaks[rank]
-    return (UPPER_BOUND if peak_may_include_earlier_runs(record) else "") + format_bytes(value)
+    return format_bytes_bound(max(peaks) if rank is None else peaks[rank], peak_may_include_earlier_runs(record))
+
+
+def format_bytes_bound(n: float, upper_bound: bool) -> str:
+    """:func:`format_bytes`, marked :data:`UPPER_BOUND` when ``upper_bound``."""
+    return (UPPER_BOUND if upper_bound else "") + format_bytes(n)
 
 
 def loss_table(runs: dict[str, Iterable[float]], digits: int = 4) -> str:
