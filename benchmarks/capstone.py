@@ -6,6 +6,11 @@
     python benchmarks/capstone.py --resume runs/capstone/ladder-1.2b-2r.json   # climb the rungs left
     python benchmarks/capstone.py --resume runs/capstone/ladder-1.2b-2r.json --rungs overlap,rebatch
                                                        # these two, from the best so far, climbed or not
+    python benchmarks/capstone.py --size 2.7b --resume notebooks/reference/capstone-ladder-2.7b-2xNVIDIA-H200.json
+                                                       # go on from a committed ladder: the new reference
+                                                       # keeps its records, note and conditions
+    python benchmarks/capstone.py --combine EARLIER.json LATER.json
+                                                       # one reference from two walks' (LATER resumed EARLIER)
 
 A resumed walk may run on another machine: its first launch trains the setting kept so far again, beside the
 new candidates, and judges them against that figure rather than the stored one.
@@ -26,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's helpers, from any folder
 
-from helpers import capstone, environment, models  # noqa: E402
+from helpers import capstone, environment, experiments, models  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,9 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="optimizer steps per candidate (default 8 on GPUs, 5 on CPU)")
     parser.add_argument("--rungs", help="comma-separated rung names to climb, in ladder order (default: all)")
     parser.add_argument("--note", default="benchmarks/capstone.py", help="stored with the reference")
-    parser.add_argument("--resume", type=Path, help="an earlier ladder-<size>-<N>r.json: go on where it stopped "
-                        "(its rungs are not climbed again, unless --rungs names them)")
+    parser.add_argument("--resume", type=Path, help="an earlier ladder-<size>-<N>r.json or a committed "
+                        "capstone-ladder-*.json reference: go on where it stopped (its rungs are not climbed again, "
+                        "unless --rungs names them)")
+    parser.add_argument("--combine", type=Path, nargs=2, metavar=("EARLIER", "LATER"),
+                        help="write one reference from two walks' references (LATER's walk resumed EARLIER's) to "
+                        "runs/reference/, and train nothing")
     args = parser.parse_args(argv)
+    if args.combine:
+        return combine(*args.combine)
+    try:
+        resume, earlier = capstone.load_resume(args.resume) if args.resume else (None, None)
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
 
     env = environment.detect(args.world_size)
     size = args.size or ("1.2b" if env.is_gpu else "tiny")
@@ -53,11 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     print(env.report(), flush=True)
     print(f"capstone: {size} model ({models.capstone_parameters(size):,} parameters), budget {args.budget:.0f} s, "
           f"rungs: {', '.join(r.name for r in ladder)}", flush=True)
-    resume = json.loads(args.resume.read_text()) if args.resume else None
     result = capstone.walk(size, ladder=ladder, budget_s=args.budget, steps=args.steps, world_size=args.world_size,
                            resume=resume, climb_again=[r.name for r in ladder] if resume and args.rungs else ())
     data = result.to_dict()
-    path, reference = capstone.save(result, note=args.note)
+    path, reference = capstone.save(result, note=args.note, earlier=earlier)
     print(capstone.ladder_table(data))
     print()
     print(capstone.rungs_table(data))
@@ -66,6 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nladder: {path}")
     if reference:
         print(f"reference to commit: {reference}  (cp it to notebooks/reference/)")
+    return 0
+
+
+def combine(earlier: Path, later: Path) -> int:
+    """``--combine``: :func:`helpers.capstone.combine_references` of two reference files, written under
+    ``runs/reference/`` with the later file's name."""
+    try:
+        data = capstone.combine_references(json.loads(earlier.read_text()), json.loads(later.read_text()))
+    except (OSError, ValueError, KeyError) as error:
+        print(f"--combine: {error!r}", file=sys.stderr)
+        return 2
+    out = experiments.NEW_REFERENCE_DIR / later.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+    print(capstone.summary(data["runs"]["ladder"]))
+    print(f"reference to commit: {out}  (cp it to notebooks/reference/)")
     return 0
 
 

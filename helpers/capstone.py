@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Callable, Collection, Sequence
@@ -34,6 +35,8 @@ PROBES = ("timing", "throughput", "peak_memory", "comm_share")
 MIN_MARGIN = 0.02
 #: The issue's target: model FLOPs utilization per GPU with ZeRO-2 or ZeRO-3 on 2 or more GPUs.
 TARGET_MFU = 0.50
+#: How a skipped rung's or FSDP2's reason begins when no time was left to try it.
+BUDGET_SKIP = "time budget: "
 #: What :func:`walk` sets for the ranks unless already set: fewer, larger CUDA allocator segments (a
 #: candidate that ran out of memory leaves less fragmentation to the next), and a rank stuck in a
 #: collective after another rank failed gives up after 5 minutes instead of DeepSpeed's 10.
@@ -290,9 +293,7 @@ class Ladder:
                 "rungs": before_rungs + self.rungs, "walks": 1 + before.get("walks", 0),
                 "best": dataclasses.asdict(self.best) if self.best else None, "best_label": self.best_label,
                 "best_run": self.best_run(), "target_mfu": TARGET_MFU, "launches": [list(x) for x in self.launches],
-                # an FSDP2 measurement of an earlier walk stays when this one could not measure it, with why not
-                "fsdp2": self.fsdp2 if self.fsdp2.get("measured") or not before.get("fsdp2", {}).get("measured")
-                else {**before["fsdp2"], "latest": {"reason": self.fsdp2.get("reason", "not run")}},
+                "fsdp2": _carry_fsdp2(before.get("fsdp2") or {}, self.fsdp2),
                 "candidates": before["candidates"] + [
                     {"rung": c.rung, "label": c.label, "run": c.run_name, "verdict": c.verdict, "engines_released": True,
                      "changes": c.setting.changes_from(self.baseline), "failure": c.failure,
@@ -471,13 +472,13 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
         reduced = best is None and estimate > left
         if reduced:  # the baseline is measured whatever the budget
             result.rungs.append({"rung": rung.name, "what": rung.what, "ran": False,
-                                 "why": f"time budget: about {estimate:.0f} s needed, {max(0, left):.0f} s left; "
+                                 "why": f"{BUDGET_SKIP}about {estimate:.0f} s needed, {max(0, left):.0f} s left; "
                                         "the baseline alone was measured"})
             pairs = pairs[:2]
             estimate = _estimate(history, 2, False, env.is_gpu)
         elif estimate > left:
             result.rungs.append({"rung": rung.name, "what": rung.what, "ran": False,
-                                 "why": f"time budget: about {estimate:.0f} s needed, {max(0, left):.0f} s left"})
+                                 "why": f"{BUDGET_SKIP}about {estimate:.0f} s needed, {max(0, left):.0f} s left"})
             continue
         launched = time.monotonic()
         # the budget decides which rungs start; a started launch gets room (a loaded machine is slow)
@@ -520,7 +521,7 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
     estimate = _estimate(history, len(FSDP2_STRATEGIES), False, env.is_gpu)
     if estimate > left:
         result.fsdp2 = {"measured": False,
-                        "reason": f"time budget: about {estimate:.0f} s needed, {max(0, left):.0f} s left"}
+                        "reason": f"{BUDGET_SKIP}about {estimate:.0f} s needed, {max(0, left):.0f} s left"}
     else:
         result.fsdp2 = fsdp2_run(best or baseline, size, steps, world, name, timeout=max(300.0, 3 * estimate))
     result.seconds = time.monotonic() - started
@@ -679,8 +680,22 @@ def summary(ladder: dict) -> str:
                      f"exposed communication {_pct(best['comm_exposed_share'])} of a step")
     else:
         lines.append("MFU: none (no dense bf16 peak for this device)")
+    again = best_repeats(ladder)
+    if len(again) > 1 and mfu is not None:
+        reached = sum(m >= ladder["target_mfu"] for m in again)
+        lines.append(f"the best setting in all {len(again)} launches that trained it: MFU {min(again):.2%} to "
+                     f"{max(again):.2%}, median {statistics.median(again):.2%}; {reached} of {len(again)} at or "
+                     f"above the target")
     lines.append(fsdp2_line(ladder))
     return "\n".join(lines)
+
+
+def best_repeats(ladder: dict) -> list[float]:
+    """The MFU of every measured candidate that trained the best setting, in walk order: the run that kept it and
+    each "best so far, again" of later launches (the spread between machines and launches)."""
+    best = ladder.get("best")
+    return [c["mfu"] for c in ladder["candidates"]
+            if best and c.get("setting") == best and c.get("mfu") is not None and c["verdict"] != "baseline"]
 
 
 def fsdp2_line(ladder: dict) -> str:
@@ -763,9 +778,10 @@ def fsdp2_same_math(ladder: dict) -> str:
     return records.format_table(table, ["PyTorch run (torchrun)", "trained", f"losses vs {against}"])
 
 
-def save(ladder: Ladder, note: str = "") -> tuple[Path, Path | None]:
+def save(ladder: Ladder, note: str = "", earlier: dict | None = None) -> tuple[Path, Path | None]:
     """Write ``runs/<name>/ladder.json``; on GPUs also keep the ladder and its records as the reference
-    ``capstone-ladder`` (:func:`helpers.experiments.save_reference`). Returns both paths."""
+    ``capstone-ladder`` (:func:`helpers.experiments.save_reference`), carrying on ``earlier``, the reference
+    a resumed walk started from (:func:`load_resume`, :func:`combine_references`). Returns both paths."""
     from helpers import experiments
 
     data = ladder.to_dict()
@@ -781,7 +797,59 @@ def save(ladder: Ladder, note: str = "") -> tuple[Path, Path | None]:
             pass
     runs.update({c.run_name: c.record for c in ladder.candidates if c.record is not None})
     reference = experiments.save_reference(f"capstone-ladder-{ladder.size}", {**runs, "ladder": data}, note) if runs else None
+    if reference is not None and earlier is not None:
+        reference.write_text(json.dumps(combine_references(earlier, json.loads(reference.read_text())), indent=1))
     return path, reference
+
+
+def _skipped(fsdp2: dict) -> bool:
+    """FSDP2 was not tried in that walk: no time was left for it."""
+    return not fsdp2.get("measured") and fsdp2.get("reason", "").startswith(BUDGET_SKIP)
+
+
+def _carry_fsdp2(before: dict, now: dict) -> dict:
+    """The FSDP2 entry of a walk that resumed a ladder: this walk's measurement; else the earlier walks' one,
+    with this walk's outcome as ``latest`` (why it did not measure), unless it did not try and an earlier
+    walk's ``latest`` says more."""
+    if now.get("measured") or not before.get("measured"):
+        return now
+    return {**before, "latest": before["latest"] if _skipped(now) and before.get("latest") else
+            {"reason": now.get("reason", "not run")}}
+
+
+def load_resume(path: str | Path) -> tuple[dict, dict | None]:
+    """What ``benchmarks/capstone.py --resume`` names: a ``ladder-<size>-<N>r.json`` (returns it, None) or a
+    committed reference ``capstone-ladder-<size>-<device>.json`` (returns its ladder and the reference, whose
+    records, note and conditions the resumed walk's reference carries on)."""
+    data = json.loads(Path(path).read_text())
+    if "experiment" not in data:
+        return data, None
+    if not str(data["experiment"]).startswith("capstone-ladder") or "ladder" not in data.get("runs", {}):
+        raise ValueError(f"--resume {path}: a reference of {data['experiment']!r}, not of a capstone ladder; "
+                         "give a runs/capstone/ladder-<size>-<N>r.json or a notebooks/reference/capstone-ladder-*.json")
+    return data["runs"]["ladder"], data
+
+
+def combine_references(earlier: dict, later: dict) -> dict:
+    """One reference for a ladder climbed in several walks: ``later`` (a resumed walk's reference: its ladder
+    holds every walk's candidates; its software and hardware) with ``earlier``'s records added (``later``'s win
+    where names repeat) and both notes and conditions, earlier first. Raises a ValueError where ``later`` did
+    not resume ``earlier`` (another experiment or device, or earlier candidates missing from its ladder)."""
+    if (earlier["experiment"], earlier["device"]) != (later["experiment"], later["device"]):
+        raise ValueError(f"{later['experiment']} on {later['device']} does not continue "
+                         f"{earlier['experiment']} on {earlier['device']}")
+    kept = {c["run"] for c in later["runs"]["ladder"]["candidates"]}
+    missing = [c["run"] for c in earlier["runs"]["ladder"]["candidates"] if c["run"] not in kept]
+    if missing:
+        raise ValueError(f"the later ladder did not resume the earlier one: {len(missing)} earlier candidates are "
+                         f"not in it ({missing[0]}, ...); resume with --resume <the earlier file>")
+    runs = {k: v for k, v in earlier["runs"].items() if k != "ladder"} | later["runs"]
+    before, after = earlier["runs"]["ladder"].get("fsdp2") or {}, later["runs"]["ladder"].get("fsdp2") or {}
+    if _skipped(after.get("latest", {})) and before.get("latest"):  # walks saved before _carry_fsdp2 kept it
+        runs["ladder"] = {**later["runs"]["ladder"], "fsdp2": {**after, "latest": before["latest"]}}
+    return {**later, "runs": runs,
+            "note": "; ".join(x for x in (earlier.get("note"), later.get("note")) if x),
+            "conditions": "; ".join(x for x in (earlier.get("conditions"), later.get("conditions")) if x)}
 
 
 def reference_ladders(size: str = "1.2b") -> list[tuple[str, str, str, str, dict]]:

@@ -5,6 +5,7 @@ and the tables. Its runs are notebook 16's (nbval)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -399,6 +400,62 @@ def test_fsdp2_of_an_earlier_walk_is_set_beside_the_run_that_trained_its_batch()
     assert capstone.fsdp2_line({**ladder, "fsdp2": later["fsdp2"]}).endswith(f"; on the best setting since: {failed}")
     ladder["fsdp2"] = {**fsdp2, "setting": setting(16, 1, False)}  # FSDP2 on the best's batch: the best itself
     assert capstone.fsdp2_partner(ladder)["run"] == "r2" and capstone.fsdp2_line(ladder).startswith("FSDP2 on the best")
+    # a later walk with no time left for FSDP2 keeps the outcome a walk before it measured
+    skipped = {"measured": False, "reason": capstone.BUDGET_SKIP + "about 175 s needed, 164 s left"}
+    after_skip = capstone.Ladder(size="tiny", params=1, world_size=2, device="2 x GPU", baseline=capstone.GPU_BASELINE,
+                                 budget_s=1, previous=later, fsdp2=skipped).to_dict()
+    assert after_skip["fsdp2"]["latest"] == {"reason": failed} and after_skip["fsdp2"]["runs"] == fsdp2["runs"]
+
+
+def _reference(runs: dict, candidates: list[str], note: str, conditions: str, fsdp2: dict | None = None) -> dict:
+    """A capstone reference file's shape: records by run name and the ladder whose candidates name them."""
+    ladder = {"candidates": [{"run": r} for r in candidates], "fsdp2": fsdp2 or {}}
+    return {"experiment": "capstone-ladder-2.7b", "device": "2 x NVIDIA H200", "note": note, "conditions": conditions,
+            "software": {"torch": note}, "runs": {**runs, "ladder": ladder}}
+
+
+def test_a_ladder_climbed_in_several_walks_becomes_one_reference(tmp_path):
+    oom = {"reason": "the FSDP2 launch failed: OutOfMemoryError"}
+    earlier = _reference({"a": {"x": 1}, "b": {"x": 2}}, ["a", "b"], "walk 1", "alone",
+                         fsdp2={"measured": True, "latest": oom})
+    later = _reference({"b": {"x": 3}, "c": {"x": 4}}, ["a", "b", "c"], "walk 2", "beside chapter 13",
+                       fsdp2={"measured": True, "latest": {"reason": capstone.BUDGET_SKIP + "about 9 s needed"}})
+    both = capstone.combine_references(earlier, later)
+    assert both["runs"] == {"a": {"x": 1}, "b": {"x": 3}, "c": {"x": 4}, "ladder": both["runs"]["ladder"]}
+    assert both["runs"]["ladder"]["candidates"] == later["runs"]["ladder"]["candidates"]
+    assert both["note"] == "walk 1; walk 2" and both["conditions"] == "alone; beside chapter 13"
+    assert both["software"] == later["software"]
+    assert both["runs"]["ladder"]["fsdp2"]["latest"] == oom  # walk 2 did not try FSDP2: walk 1's outcome stays
+    with pytest.raises(ValueError, match="did not resume the earlier one: 1 earlier"):
+        capstone.combine_references(later, earlier)
+    with pytest.raises(ValueError, match="does not continue"):
+        capstone.combine_references(earlier, {**later, "device": "4 x NVIDIA H200"})
+
+    # --resume takes a ladder file or a committed reference (whose records the new reference carries on)
+    (tmp_path / "ladder.json").write_text(json.dumps(earlier["runs"]["ladder"]))
+    (tmp_path / "reference.json").write_text(json.dumps(earlier))
+    assert capstone.load_resume(tmp_path / "ladder.json") == (earlier["runs"]["ladder"], None)
+    assert capstone.load_resume(tmp_path / "reference.json") == (earlier["runs"]["ladder"], earlier)
+    (tmp_path / "other.json").write_text(json.dumps({**earlier, "experiment": "zeropp"}))
+    with pytest.raises(ValueError, match="not of a capstone ladder"):
+        capstone.load_resume(tmp_path / "other.json")
+
+
+def test_summary_gives_the_spread_of_the_best_setting_over_every_launch_that_trained_it():
+    best = dataclasses.asdict(dataclasses.replace(capstone.GPU_BASELINE, micro_batch=16))
+    base = {"rung": "batch", "label": "baseline", "run": "r0", "verdict": "baseline", "metric": 400.0, "mfu": 0.40,
+            "setting": dataclasses.asdict(capstone.GPU_BASELINE), "comm_exposed_share": 0.05}
+    kept = {**base, "label": "micro x2", "run": "r1", "verdict": "kept: +24%", "metric": 494.0, "mfu": 0.499,
+            "setting": best, "changes": "micro_batch=16"}
+    again = [{**kept, "label": capstone.AGAIN, "run": f"w{i}", "verdict": "best so far, trained again", "mfu": m}
+             for i, m in enumerate((0.492, 0.5004))]
+    ladder = {"candidates": [base, kept, *again], "best": best, "best_run": "r1", "best_label": "batch: micro x2",
+              "device": "2 x NVIDIA H200", "world_size": 2, "params": 10, "target_mfu": 0.5, "fsdp2": {}}
+    assert capstone.best_repeats(ladder) == [0.499, 0.492, 0.5004]
+    text = capstone.summary(ladder)
+    assert "MFU 49.9% (target 50%: not reached)" in text
+    assert "in all 3 launches that trained it: MFU 49.20% to 50.04%, median 49.90%; 1 of 3 at or above the target" in text
+    assert "launches that trained it" not in capstone.summary({**ladder, "candidates": [base, kept]})
 
 
 def test_memory_failures_after_other_candidates_of_a_launch_from_before_engines_were_released_count_for_little():
@@ -412,3 +469,39 @@ def test_memory_failures_after_other_candidates_of_a_launch_from_before_engines_
     ladder = {"device": "2 x NVIDIA H200", "candidates": [first, later, {**later, "engines_released": True}]}
     rows = capstone.ladder_table(ladder).splitlines()[2:5]
     assert [records.UPPER_BOUND + "memory: earlier" in row for row in rows] == [False, True, False]
+
+
+def _capstone_script():
+    """benchmarks/capstone.py as a module (its name would clash with helpers.capstone on sys.path)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "capstone.py"
+    spec = importlib.util.spec_from_file_location("capstone_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_script_combines_references_and_refuses_a_wrong_resume_before_looking_at_gpus(tmp_path, monkeypatch, capsys):
+    script = _capstone_script()
+    monkeypatch.setattr(script.experiments, "NEW_REFERENCE_DIR", tmp_path / "reference")
+    monkeypatch.setattr(script.environment, "detect", lambda *a: pytest.fail("looked for GPUs before checking --resume"))
+    (tmp_path / "other.json").write_text(json.dumps({"experiment": "zeropp", "runs": {}}))
+    with pytest.raises(SystemExit) as stop:
+        script.main(["--resume", str(tmp_path / "other.json")])
+    assert stop.value.code == 2 and "not of a capstone ladder" in capsys.readouterr().err
+
+    base = {"run": "r0", "verdict": "baseline", "metric": 1.0, "mfu": None, "comm_exposed_share": None}
+    earlier = _reference({"r0": {"x": 1}}, ["r0"], "walk 1", "alone")
+    later = _reference({"r1": {"x": 2}}, ["r0", "r1"], "walk 2", "alone")
+    for data in (earlier, later):  # what summary() reads of the ladder: the baseline is the best
+        data["runs"]["ladder"].update(candidates=[{**base, **c} for c in data["runs"]["ladder"]["candidates"]],
+                                      best_run="r0", device="2 x NVIDIA H200", world_size=2, params=1,
+                                      target_mfu=0.5, margin=0.02)
+    (tmp_path / "a.json").write_text(json.dumps(earlier))
+    (tmp_path / "b.json").write_text(json.dumps(later))
+    assert script.main(["--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    written = json.loads((tmp_path / "reference" / "b.json").read_text())
+    assert set(written["runs"]) == {"r0", "r1", "ladder"} and written["note"] == "walk 1; walk 2"
+    assert script.main(["--combine", str(tmp_path / "b.json"), str(tmp_path / "a.json")]) == 2
