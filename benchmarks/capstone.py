@@ -88,8 +88,12 @@ def combine(earlier: Path, later: Path) -> int:
     ``runs/reference/`` with the later file's name."""
     try:
         data = capstone.combine_references(json.loads(earlier.read_text()), json.loads(later.read_text()))
-    except (OSError, ValueError, KeyError) as error:
-        print(f"--combine: {error!r}", file=sys.stderr)
+    except (OSError, ValueError) as error:
+        print(f"--combine: {error}", file=sys.stderr)
+        return 2
+    except KeyError as error:
+        print(f"--combine: {earlier} or {later} is not a capstone ladder's reference (it has no {error})",
+              file=sys.stderr)
         return 2
     out = experiments.NEW_REFERENCE_DIR / later.name
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -505,3 +505,6 @@ def test_the_script_combines_references_and_refuses_a_wrong_resume_before_lookin
     written = json.loads((tmp_path / "reference" / "b.json").read_text())
     assert set(written["runs"]) == {"r0", "r1", "ladder"} and written["note"] == "walk 1; walk 2"
     assert script.main(["--combine", str(tmp_path / "b.json"), str(tmp_path / "a.json")]) == 2
+    assert "did not resume the earlier one" in capsys.readouterr().err
+    assert script.main(["--combine", str(tmp_path / "other.json"), str(tmp_path / "a.json")]) == 2
+    assert "is not a capstone ladder's reference (it has no 'device')" in capsys.readouterr().err
