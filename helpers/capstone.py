@@ -310,14 +310,19 @@ def _may_train_again(candidate: dict) -> bool:
     failure = candidate.get("failure")
     if not failure or "tokens_per_s" in candidate:
         return False
-    return not re.search(r"out of memory|OutOfMemory", failure) or _memory_maybe_held_by_earlier(candidate)
+    return not _out_of_memory(failure) or _memory_maybe_held_by_earlier(candidate)
+
+
+def _out_of_memory(failure: str | None) -> bool:
+    """Whether a candidate's failure is running out of memory (CUDA's or the host's wording)."""
+    return bool(re.search(r"out of memory|OutOfMemory", failure or ""))
 
 
 def _memory_maybe_held_by_earlier(candidate: dict) -> bool:
     """Whether a stored candidate ran out of memory after earlier candidates of its launch, in a walk from
     before engines were released between runs: those engines may have held the memory."""
-    return (bool(re.search(r"out of memory|OutOfMemory", candidate.get("failure") or ""))
-            and not candidate.get("engines_released") and _launch_index(candidate.get("run", "")) > 0)
+    return (_out_of_memory(candidate.get("failure")) and not candidate.get("engines_released")
+            and _launch_index(candidate.get("run", "")) > 0)
 
 
 def _slug(text: str) -> str:
@@ -844,9 +849,10 @@ def combine_references(earlier: dict, later: dict) -> dict:
         raise ValueError(f"the later ladder did not resume the earlier one: {len(missing)} earlier candidates are "
                          f"not in it ({missing[0]}, ...); resume with --resume <the earlier file>")
     runs = {k: v for k, v in earlier["runs"].items() if k != "ladder"} | later["runs"]
-    before, after = earlier["runs"]["ladder"].get("fsdp2") or {}, later["runs"]["ladder"].get("fsdp2") or {}
-    if _skipped(after.get("latest", {})) and before.get("latest"):  # walks saved before _carry_fsdp2 kept it
-        runs["ladder"] = {**later["runs"]["ladder"], "fsdp2": {**after, "latest": before["latest"]}}
+    after = later["runs"]["ladder"].get("fsdp2") or {}
+    if "latest" in after:  # the later walk did not measure FSDP2: the rule its save applies, for walks saved before it
+        runs["ladder"] = {**later["runs"]["ladder"],
+                          "fsdp2": _carry_fsdp2(earlier["runs"]["ladder"].get("fsdp2") or {}, after["latest"])}
     return {**later, "runs": runs,
             "note": "; ".join(x for x in (earlier.get("note"), later.get("note")) if x),
             "conditions": "; ".join(x for x in (earlier.get("conditions"), later.get("conditions")) if x)}
