@@ -288,3 +288,27 @@ def test_the_ops_wheel_made_for_the_machine_is_installed_and_nothing_is_compiled
     calls.clear()
     device_run.install_ops_wheel("FusedAdamBuilder", {}, tmp_path / "out")
     assert len(calls) == 1  # only the question: the op is left to the just-in-time build, as before
+
+
+def test_the_archive_brings_back_the_checkpoint_chapters_reports_but_no_tensors(tmp_path, monkeypatch):
+    import tarfile
+
+    monkeypatch.setattr(device_run, "ROOT", tmp_path)
+    runs = tmp_path / "runs"
+    kept = ["runs/check-four/10_activation_checkpointing/result.json",
+            "runs/check-four/14_checkpoints/14_checkpoints.ipynb",
+            "runs/checkpoints-resume/summary.json",
+            "runs/checkpoints/mine/latest"]
+    skipped = ["runs/checkpoints/mine/step3/mp_rank_00_model_states.pt",
+               "runs/checkpoints/mine/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    for name in kept + skipped:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}")
+    log = runs / "device_run.log"
+    log.write_text("log")
+    device_run.pack(tmp_path / "out", "check", 0, 1.0, log)
+    with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
+        packed = set(tar.getnames())
+    assert set(kept) <= packed
+    assert not set(skipped) & packed
+    assert "left out of the archive (size): 0 file(s)" in (tmp_path / "out" / "summary.txt").read_text()
