@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -140,28 +141,60 @@ def check_notebooks(python: str, notebooks: list[Path], jobs: int = 1, timeout: 
                                        "--timeout", str(timeout)], cwd=ROOT, env=env, stdout=log,
                                       stderr=subprocess.STDOUT)
 
-    def collect(path: Path, process: subprocess.Popen) -> None:
+    def collect(path: Path, process: subprocess.Popen, stopped: str = "") -> None:
         process.wait()
         result_file = out / path.stem / "result.json"
         result = (json.loads(result_file.read_text()) if result_file.exists()
                   else {"notebook": path.name, "ok": False, "error": f"exited {process.returncode}, see "
                         f"{out / path.stem}.log", "seconds": None})
+        if stopped and not result["ok"] and not result.get("stopped"):  # ended by the same stop, no result of its own
+            result.update(stopped=True, error=f"stopped from outside ({stopped}) before it finished: no verdict")
         results.append(result)
         _say(f"{path.name}: {_verdict(result)} ({result.get('seconds')} s)")
 
-    for batch in (shared, alone):
-        width = max(1, jobs) if batch is shared else 1
-        pending, running = list(batch), []
-        while pending or running:
-            while pending and len(running) < width:
-                running.append(start(pending.pop(0), min(width, len(batch))))
-            for item in list(running):
-                if item[1].poll() is not None:
-                    running.remove(item)
-                    collect(*item)
-            time.sleep(0.5)
+    def on_sigterm(signum, frame):  # a deadline outside (a job's time budget) or `kill`: report, then leave
+        raise _CheckStopped("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    running: list[tuple[Path, subprocess.Popen]] = []
+    try:
+        for batch in (shared, alone):
+            width = max(1, jobs) if batch is shared else 1
+            pending, running = list(batch), []
+            while pending or running:
+                while pending and len(running) < width:
+                    running.append(start(pending.pop(0), min(width, len(batch))))
+                for item in list(running):
+                    if item[1].poll() is not None:
+                        running.remove(item)
+                        collect(*item)
+                time.sleep(0.5)
+    except (_CheckStopped, KeyboardInterrupt) as stop:
+        # Whoever stopped the check usually stopped the executions too (a signal to the process group);
+        # pass it on where not, give them a moment to write their result, and report what is known.
+        why = str(stop) if isinstance(stop, _CheckStopped) else "Ctrl-C"
+        for _, process in running:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 3  # device_run.py, for one, sends SIGKILL 5 s after its SIGTERM
+        for path, process in running:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+            collect(path, process, why)
+        done = {r["notebook"] for r in results}
+        results.extend({"notebook": path.name, "ok": False, "stopped": True, "seconds": None,
+                        "error": f"not started: the check was stopped ({why}) first"}
+                       for path in notebooks if path.name not in done)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     order = {n.name: i for i, n in enumerate(notebooks)}
     return sorted(results, key=lambda r: order.get(r["notebook"], 0))
+
+
+class _CheckStopped(BaseException):
+    """SIGTERM to the check itself: the notebooks still running are reported as stopped, not lost."""
 
 
 def _verdict(result: dict) -> str:

@@ -168,6 +168,35 @@ def test_a_notebook_stopped_from_outside_is_reported_as_stopped_not_failed(tmp_p
     assert course._verdict(result) == "STOPPED"
 
 
+def test_a_check_stopped_by_its_deadline_still_writes_its_report(tmp_path):
+    """device_run.py ends a check at its deadline with SIGTERM to the process group: the report must say
+    which notebook was stopped and which never started, rather than not exist."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    slow, later = tmp_path / "01_slow.ipynb", tmp_path / "02_later.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("import time; time.sleep(120)")]), slow)
+    nbformat.write(new_notebook(cells=[new_code_cell("print('never')")]), later)
+    out = tmp_path / "check"
+    process = subprocess.Popen([sys.executable, "-m", "helpers.course", "check-gpu", "--no-setup", "--jobs", "1",
+                                "--out", str(out), str(slow), str(later)], cwd=REPO_ROOT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (out / "01_slow.log").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(8)  # the kernel is up and in the sleeping cell
+    os.killpg(process.pid, signal.SIGTERM)
+    assert process.wait(30) == 1
+    report = json.loads((out / "report.json").read_text())
+    verdicts = {r["notebook"]: (course._verdict(r), r["error"]) for r in report["notebooks"]}
+    assert verdicts["01_slow.ipynb"][0] == "STOPPED" and "no verdict" in verdicts["01_slow.ipynb"][1]
+    assert verdicts["02_later.ipynb"] == ("STOPPED", "not started: the check was stopped (SIGTERM) first")
+
+
 def test_the_capstone_runs_alone_in_the_check():
     assert notebooks.is_exclusive(REPO_ROOT / "notebooks" / "16_capstone.ipynb")
     assert not any(notebooks.is_exclusive(p) for p in notebooks.course_notebooks() if not p.name.startswith("16"))
