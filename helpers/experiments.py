@@ -1,7 +1,7 @@
-"""The experiments chapters repeat, as single calls: a stage against its baseline, a knob's effect,
-or both in one launch (:func:`stage_chapter_runs`).
+"""The experiments chapters repeat, as single calls: a stage against its baseline and its knobs in one
+launch (:func:`stage_chapter_runs`), a knob's effect (:func:`knob_runs`).
 
-Each function launches real runs through :func:`helpers.launch.run` and returns their records;
+Each function launches real runs through :func:`helpers.launch.sweep` and returns their records;
 the ``*_table`` functions turn records into the plain-text tables the notebooks print.
 """
 
@@ -49,28 +49,16 @@ def _knob_specs(stage: int, settings: Mapping[str, dict], model: str, steps: int
             for name, knobs in settings.items()}
 
 
-def stage_against_baseline(stage: int, model: str = "mlp", steps: int = 4,
-                           precisions: Sequence[str] = ("fp32", "bf16"), also: Sequence[int] = (),
-                           env=None) -> dict[tuple[int, str], records.Record]:
-    """Run ZeRO ``stage`` and stage 0 with the same seed and data in each precision the device supports,
-    all in one launch (:func:`helpers.launch.sweep`).
-
-    ``also`` adds fp32 runs of other stages (to compare with the neighbouring stage). Returns
-    {(stage, precision): record}. Precisions the device refuses are left out (and said so).
-    """
-    specs = _baseline_specs(stage, model, steps, precisions, also, env or environment.detect())
-    results = launch.sweep(list(specs.values()), name=f"zero{stage}-against-baseline")
-    return {key: results[spec.name] for key, spec in specs.items()}
-
-
 def stage_chapter_runs(stage: int, knobs: Mapping[str, dict], model: str = "mlp", steps: int = 4,
                        precisions: Sequence[str] = ("fp32", "bf16"), also: Sequence[int] = (), env=None
                        ) -> tuple[dict[tuple[int, str], records.Record], dict[str, records.Record]]:
-    """What :func:`stage_against_baseline` and :func:`knob_runs` return, trained in ONE launch: a chapter's
-    runs for the price of one launch's start-up (about 10 s on a 2-core CPU, tens of seconds on GPUs).
+    """ZeRO ``stage`` and stage 0 with the same seed and data in each precision the device supports, fp32
+    runs of the ``also`` stages (to compare with the neighbouring stage), and one run per ``knobs`` setting
+    (see :func:`knob_runs`), all in ONE launch (:func:`helpers.launch.sweep`): a chapter's runs for the price
+    of one launch's start-up (about 10 s on a 2-core CPU, tens of seconds on GPUs).
 
-    Returns ``(runs, knob_records)``: {(stage, precision): record} and {setting: record}, the same records
-    the two functions give from launches of their own (each run has its own ``deepspeed.initialize``).
+    Returns ``(runs, knob_records)``: {(stage, precision): record} and {setting: record}, the records each
+    run would get from a launch of its own. Precisions the device refuses are left out (and said so).
     """
     base = _baseline_specs(stage, model, steps, precisions, also, env or environment.detect())
     tuned = _knob_specs(stage, knobs, model, steps)
