@@ -9,6 +9,9 @@
     python benchmarks/capstone.py --size 2.7b --resume notebooks/reference/capstone-ladder-2.7b-2xNVIDIA-H200.json
                                                        # go on from a committed ladder: the new reference
                                                        # keeps its records, note and conditions
+    python benchmarks/capstone.py --size 2.7b --world-size 4 --start micro_batch=16,compile=true --rungs accumulate
+                                                       # a new walk that starts from a setting found elsewhere
+                                                       # (a 2-GPU walk's best, say) instead of the baseline
     python benchmarks/capstone.py --combine EARLIER.json LATER.json
                                                        # one reference from two walks' (LATER resumed EARLIER)
 
@@ -45,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", type=Path, help="an earlier ladder-<size>-<N>r.json or a committed "
                         "capstone-ladder-*.json reference: go on where it stopped (its rungs are not climbed again, "
                         "unless --rungs names them)")
+    parser.add_argument("--start", help="knob=value pairs, comma-separated, applied to the baseline: where a new walk "
+                        "starts (e.g. micro_batch=16,grad_accum=2,compile=true; knobs: the fields of "
+                        "helpers.capstone.Setting)")
     parser.add_argument("--combine", type=Path, nargs=2, metavar=("EARLIER", "LATER"),
                         help="write one reference from two walks' references (LATER's walk resumed EARLIER's) to "
                         "runs/reference/, and train nothing")
@@ -56,8 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as error:
         parser.error(str(error))
 
+    if args.start and args.resume:
+        parser.error("--start and --resume: a resumed walk goes on from its own best setting; give one of them")
     env = environment.detect(args.world_size)
     size = args.size or ("1.2b" if env.is_gpu else "tiny")
+    baseline = capstone.GPU_BASELINE if env.is_gpu else capstone.CPU_BASELINE
+    if args.start:
+        try:
+            baseline = baseline.with_knobs(args.start)
+        except ValueError as error:
+            parser.error(f"--start {error}")
     ladder = capstone.GPU_LADDER if env.is_gpu else capstone.CPU_LADDER
     if args.rungs:
         wanted = args.rungs.split(",")
@@ -68,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     print(env.report(), flush=True)
     print(f"capstone: {size} model ({models.capstone_parameters(size):,} parameters), budget {args.budget:.0f} s, "
           f"rungs: {', '.join(r.name for r in ladder)}", flush=True)
-    result = capstone.walk(size, ladder=ladder, budget_s=args.budget, steps=args.steps, world_size=args.world_size,
-                           resume=resume, climb_again=[r.name for r in ladder] if resume and args.rungs else ())
+    if args.start:
+        print(f"capstone: starting from {baseline.changes_from(capstone.GPU_BASELINE if env.is_gpu else capstone.CPU_BASELINE)}"
+              " instead of the baseline", flush=True)
+    result = capstone.walk(size, ladder=ladder, baseline=baseline, budget_s=args.budget, steps=args.steps,
+                           world_size=args.world_size, resume=resume, climb_again=[r.name for r in ladder] if resume and args.rungs else ())
     data = result.to_dict()
     path, reference = capstone.save(result, note=args.note, earlier=earlier)
     print(capstone.ladder_table(data))

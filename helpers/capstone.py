@@ -101,6 +101,33 @@ class Setting:
     def tokens_per_micro_batch(self) -> int:
         return self.micro_batch * self.seq_len
 
+    def with_knobs(self, text: str) -> "Setting":
+        """This setting with ``"knob=value,knob=value"`` applied (``compile=true``, ``reduce_bucket_size=2e8``,
+        ``overlap_comm=none`` for DeepSpeed's default): where a walk starts when it is not the baseline.
+        Raises ``ValueError`` naming the knob and what it takes."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        changes: dict = {}
+        for pair in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, raw = pair.partition("=")
+            key, raw = key.strip(), raw.strip()
+            if not sep or key not in fields:
+                raise ValueError(f"{pair!r}: write knob=value, with a knob among {', '.join(fields)}")
+            default = getattr(Setting(), key)
+            kind = str if isinstance(default, str) else bool if "bool" in str(fields[key].type) else int
+            if raw.lower() == "none" and "None" in str(fields[key].type):
+                changes[key] = None
+            elif kind is bool and raw.lower() in ("true", "false"):
+                changes[key] = raw.lower() == "true"
+            elif kind is int and re.fullmatch(r"\d+(\.\d+)?(e\d+)?", raw.lower()) and float(raw) == int(float(raw)):
+                changes[key] = int(float(raw))
+            elif kind is str and raw:
+                changes[key] = raw
+            else:
+                wants = {bool: "true or false", int: "a whole number (2e8 is fine)", str: "a word"}[kind]
+                none = " (or none: DeepSpeed's default)" if "None" in str(fields[key].type) else ""
+                raise ValueError(f"{key}={raw!r}: {key} takes {wants}{none}")
+        return dataclasses.replace(self, **changes)
+
 
 def _short(value) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000_000:
@@ -671,6 +698,11 @@ def summary(ladder: dict) -> str:
     unit = "model TFLOP/s per " + ("rank" if ladder["device"].startswith("CPU") else "GPU")
     base_value = sum(c["metric"] for c in base) / len(base)
     lines = [f"{ladder['device']}, {ladder['world_size']} rank(s), {ladder['params']:,} parameters"]
+    usual = CPU_BASELINE if ladder["device"].startswith("CPU") else GPU_BASELINE
+    start = Setting(**ladder["baseline"]) if "baseline" in ladder else usual
+    if start != usual:
+        lines.append(f"the walk started from {start.changes_from(usual)} (--start), not the usual baseline: "
+                     "'baseline' below is that setting")
     if best["verdict"] == "baseline":
         value, mfu = base_value, _mean([c.get("mfu") for c in base])
         lines.append(f"no candidate beat the baseline by more than the {ladder['margin']:.1%} margin: "

@@ -508,3 +508,37 @@ def test_the_script_combines_references_and_refuses_a_wrong_resume_before_lookin
     assert "did not resume the earlier one" in capsys.readouterr().err
     assert script.main(["--combine", str(tmp_path / "other.json"), str(tmp_path / "a.json")]) == 2
     assert "is not a capstone ladder's reference (it has no 'device')" in capsys.readouterr().err
+
+
+def test_a_walk_can_start_from_knobs_given_as_text_and_bad_knobs_are_named():
+    start = capstone.GPU_BASELINE.with_knobs("micro_batch=16, compile=true, reduce_bucket_size=2e8, optimizer=torch")
+    assert (start.micro_batch, start.compile, start.reduce_bucket_size, start.optimizer) == (16, True, 200_000_000, "torch")
+    assert start.with_knobs("reduce_bucket_size=none").reduce_bucket_size is None
+    assert start.changes_from(capstone.GPU_BASELINE) == \
+        "micro_batch=16, reduce_bucket_size=2e8, optimizer=torch, compile=True"
+    for text, named in (("micro=16", "knob=value"), ("compile=yes", "compile takes true or false"),
+                        ("micro_batch=1.5", "micro_batch takes a whole number"), ("stage=none", "stage takes")):
+        with pytest.raises(ValueError, match=named):
+            capstone.GPU_BASELINE.with_knobs(text)
+
+
+def test_the_capstone_script_refuses_a_bad_start_before_anything_runs(capsys):
+    import benchmarks.capstone as script
+
+    with pytest.raises(SystemExit):
+        script.main(["--start", "micro_batch=many"])
+    assert "--start micro_batch='many': micro_batch takes a whole number" in capsys.readouterr().err
+
+
+def test_a_ladder_that_started_elsewhere_says_from_where_in_its_summary():
+    metric = {"metric": 500.0, "mfu": 0.505, "comm_exposed_share": 0.03}
+    ladder = {"device": "4 x NVIDIA H200", "world_size": 4, "params": 2_701_560_320, "margin": 0.02,
+              "target_mfu": 0.5, "best_run": "b0", "best_label": None, "fsdp2": {},
+              "baseline": dataclasses.asdict(capstone.GPU_BASELINE.with_knobs("micro_batch=16,compile=true")),
+              "candidates": [{"run": "b0", "verdict": "baseline", **metric},
+                             {"run": "b1", "verdict": "baseline", **metric}]}
+    text = capstone.summary(ladder)
+    assert "the walk started from micro_batch=16, compile=True (--start)" in text
+    assert "MFU 50.5% (target 50%: reached)" in text
+    ladder["baseline"] = dataclasses.asdict(capstone.GPU_BASELINE)
+    assert "started from" not in capstone.summary(ladder)
