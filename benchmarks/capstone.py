@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--start and --resume: a resumed walk goes on from its own best setting; give one of them")
     env = environment.detect(args.world_size)
     size = args.size or ("1.2b" if env.is_gpu else "tiny")
-    baseline = capstone.GPU_BASELINE if env.is_gpu else capstone.CPU_BASELINE
+    baseline = usual = capstone.GPU_BASELINE if env.is_gpu else capstone.CPU_BASELINE
     if args.start:
         try:
             baseline = baseline.with_knobs(args.start)
@@ -83,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"capstone: {size} model ({models.capstone_parameters(size):,} parameters), budget {args.budget:.0f} s, "
           f"rungs: {', '.join(r.name for r in ladder)}", flush=True)
     if args.start:
-        print(f"capstone: starting from {baseline.changes_from(capstone.GPU_BASELINE if env.is_gpu else capstone.CPU_BASELINE)}"
-              " instead of the baseline", flush=True)
+        print(f"capstone: starting from {baseline.changes_from(usual)} instead of the baseline", flush=True)
     result = capstone.walk(size, ladder=ladder, baseline=baseline, budget_s=args.budget, steps=args.steps,
-                           world_size=args.world_size, resume=resume, climb_again=[r.name for r in ladder] if resume and args.rungs else ())
+                           world_size=args.world_size, resume=resume,
+                           climb_again=[r.name for r in ladder] if resume and args.rungs else ())
     data = result.to_dict()
     path, reference = capstone.save(result, note=args.note, earlier=earlier)
     print(capstone.ladder_table(data))

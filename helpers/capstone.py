@@ -112,9 +112,11 @@ class Setting:
             key, raw = key.strip(), raw.strip()
             if not sep or key not in fields:
                 raise ValueError(f"{pair!r}: write knob=value, with a knob among {', '.join(fields)}")
-            default = getattr(Setting(), key)
-            kind = str if isinstance(default, str) else bool if "bool" in str(fields[key].type) else int
-            if raw.lower() == "none" and "None" in str(fields[key].type):
+            # the annotation, a string here ("bool | None"): its first type, and whether None is allowed
+            annotation = str(fields[key].type)
+            kind = {"int": int, "bool": bool, "str": str}[annotation.split(" |")[0]]
+            nullable = "None" in annotation
+            if raw.lower() == "none" and nullable:
                 changes[key] = None
             elif kind is bool and raw.lower() in ("true", "false"):
                 changes[key] = raw.lower() == "true"
@@ -124,7 +126,7 @@ class Setting:
                 changes[key] = raw
             else:
                 wants = {bool: "true or false", int: "a whole number (2e8 is fine)", str: "a word"}[kind]
-                none = " (or none: DeepSpeed's default)" if "None" in str(fields[key].type) else ""
+                none = " (or none: DeepSpeed's default)" if nullable else ""
                 raise ValueError(f"{key}={raw!r}: {key} takes {wants}{none}")
         return dataclasses.replace(self, **changes)
 
