@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from helpers import compression, experiments, frameworks  # noqa: E402
+from helpers.topics import compression, frameworks  # noqa: E402
+from helpers.core import references
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         by_bytes = frameworks.ordered(frameworks.compare(frameworks.GPU_MODEL, args.steps, frameworks.GPU_OVERRIDES,
                                                          tag="gpu-bytes", progress=False))
-        print(experiments.save_reference("frameworks-bytes", {f"bytes: {k}": r for k, r in by_bytes.items()},
+        print(references.save_reference("frameworks-bytes", {f"bytes: {k}": r for k, r in by_bytes.items()},
                                          "frameworks chapter, one node; bytes only"))
         print(frameworks.gpu_table(by_bytes, {}))
         print(frameworks.profiler_check_table(by_bytes))

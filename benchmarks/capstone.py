@@ -18,7 +18,7 @@
 A resumed walk may run on another machine: its first launch trains the setting kept so far again, beside the
 new candidates, and judges them against that figure rather than the stored one.
 
-Each rung of ``helpers.capstone.GPU_LADDER`` is one launch of its candidates; a candidate is kept when its
+Each rung of ``helpers.topics.capstone.GPU_LADDER`` is one launch of its candidates; a candidate is kept when its
 model TFLOP/s per GPU beats the best so far by more than the noise margin. Writes every candidate's
 record to ``runs/capstone/``, the ladder to ``runs/capstone/ladder-<size>-<N>r.json`` and, on GPUs, the
 reference ``runs/reference/capstone-ladder-<size>-<device>.json`` to commit under ``notebooks/reference/``.
@@ -34,12 +34,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's helpers, from any folder
 
-from helpers import capstone, environment, experiments, models  # noqa: E402
+from helpers.core import environment, references  # noqa: E402
+from helpers.topics import capstone
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=list(models.CAPSTONE_SIZES), help="default: 1.2b on GPUs, tiny on CPU")
+    parser.add_argument("--size", choices=list(capstone.SIZES), help="default: 1.2b on GPUs, tiny on CPU")
     parser.add_argument("--budget", type=float, default=540, help="seconds for the whole ladder (default 540)")
     parser.add_argument("--world-size", type=int, help="ranks (default: every GPU chosen)")
     parser.add_argument("--steps", type=int, help="optimizer steps per candidate (default 8 on GPUs, 5 on CPU)")
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                         "unless --rungs names them)")
     parser.add_argument("--start", help="knob=value pairs, comma-separated, applied to the baseline: where a new walk "
                         "starts (e.g. micro_batch=16,grad_accum=2,compile=true; knobs: the fields of "
-                        "helpers.capstone.Setting)")
+                        "helpers.topics.capstone.Setting)")
     parser.add_argument("--combine", type=Path, nargs=2, metavar=("EARLIER", "LATER"),
                         help="write one reference from two walks' references (LATER's walk resumed EARLIER's) to "
                         "runs/reference/, and train nothing")
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--rungs {unknown}: choose from {', '.join(r.name for r in ladder)}")
         ladder = [r for r in ladder if r.name in wanted]
     print(env.report(), flush=True)
-    print(f"capstone: {size} model ({models.capstone_parameters(size):,} parameters), budget {args.budget:.0f} s, "
+    print(f"capstone: {size} model ({capstone.model_parameters(size):,} parameters), budget {args.budget:.0f} s, "
           f"rungs: {', '.join(r.name for r in ladder)}", flush=True)
     if args.start:
         print(f"capstone: starting from {baseline.changes_from(usual)} instead of the baseline", flush=True)
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def combine(earlier: Path, later: Path) -> int:
-    """``--combine``: :func:`helpers.capstone.combine_references` of two reference files, written under
+    """``--combine``: :func:`helpers.topics.capstone.combine_references` of two reference files, written under
     ``runs/reference/`` with the later file's name."""
     try:
         data = capstone.combine_references(json.loads(earlier.read_text()), json.loads(later.read_text()))
@@ -112,7 +113,7 @@ def combine(earlier: Path, later: Path) -> int:
         print(f"--combine: {earlier} or {later} is not a capstone ladder's reference (it has no {error})",
               file=sys.stderr)
         return 2
-    out = experiments.NEW_REFERENCE_DIR / later.name
+    out = references.NEW_REFERENCE_DIR / later.name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))
     print(capstone.summary(data["runs"]["ladder"]))

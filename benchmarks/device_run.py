@@ -291,7 +291,7 @@ def build_env(machine: dict, env: dict[str, str]) -> dict[str, str]:
 MACHINE_QUERY = """
 import json, sys, torch
 from deepspeed.accelerator import get_accelerator
-from helpers import environment
+from helpers.core import environment
 child, _ = environment.child_env(environment.detect(), 1)
 print(json.dumps({"torch": ".".join(torch.__version__.split(".")[:2]),
                   "cuda": ".".join((torch.version.cuda or "0.0").split(".")[:2]),

@@ -4,7 +4,7 @@
     python benchmarks/reference.py --budget 540 --notebooks 03,04,05 --capstone-budget 0
 
 It executes, one after the other (no two measurements share the GPUs), every chapter notebook that keeps
-GPU results (``experiments.save_reference``; those notebooks save to ``runs/reference/`` when they run on
+GPU results (``references.save_reference``; those notebooks save to ``runs/reference/`` when they run on
 GPUs), then the capstone ladder (``benchmarks/capstone.py``). Each reference file records the device and
 count, ``nvidia-smi topo -m``, the driver, torch/CUDA/NCCL/DeepSpeed versions, the date and these
 conditions. A manifest ``runs/reference/manifest-<device>.json`` lists what ran, how it ended and the files.
@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from helpers import environment, experiments, notebooks  # noqa: E402
+from helpers.core import environment, references  # noqa: E402
+from helpers.tools import notebooks
 
 CONDITIONS = "alone on the machine: benchmarks/reference.py ran one notebook or benchmark at a time"
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if not env.is_gpu and not args.allow_cpu:
         print("no GPU here: GPU references can only be measured on GPUs (--allow-cpu runs the same steps anyway)")
         return 2
-    os.environ[experiments.CONDITIONS_VARIABLE] = CONDITIONS
+    os.environ[references.CONDITIONS_VARIABLE] = CONDITIONS
     chosen = reference_notebooks()
     if args.notebooks:
         wanted = [] if args.notebooks == "none" else args.notebooks.split(",")
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"notebooks: {', '.join(p.name for p in chosen) or 'none'}", flush=True)
 
     done: list[dict] = []
-    out = experiments.NEW_REFERENCE_DIR.parent / "reference-notebooks"
+    out = references.NEW_REFERENCE_DIR.parent / "reference-notebooks"
     for path in chosen:
         left = args.budget - (time.monotonic() - started)
         if left < 60:
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         capstone["why"] = f"{max(0.0, budget):.0f} s left for it (needs 120)"
 
-    folder = experiments.NEW_REFERENCE_DIR
+    folder = references.NEW_REFERENCE_DIR
     folder.mkdir(parents=True, exist_ok=True)
     device = env.device_name.replace(" ", "-")
     manifest = {"device": env.device_name, "hardware": environment.hardware(env), "software": environment.software(),

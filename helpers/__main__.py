@@ -19,9 +19,12 @@ import argparse
 import os
 import sys
 
+# Each command imports what it uses when it runs (each such import says "deferred"): `env` answers in a
+# fraction of a second, without importing torch or DeepSpeed, and no command pays for another's imports.
+
 
 def _env(args: argparse.Namespace) -> int:
-    from helpers import environment
+    from helpers.core import environment  # deferred
 
     env = environment.detect(args.world_size)
     print(env.report())
@@ -36,7 +39,7 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from helpers import configs, environment
+    from helpers.core import configs, environment  # deferred
 
     env = environment.detect()  # a config may be checked for more ranks than this machine has
     world = args.world_size or env.default_world_size
@@ -57,7 +60,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from helpers import configs, launch, records
+    from helpers.core import configs, launch, records  # deferred
 
     hosts = None
     if args.hostfile:
@@ -70,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
               "--exclude needs a hostfile", file=sys.stderr)
         return 2
     if args.gpus:
-        from helpers import environment
+        from helpers.core import environment  # deferred
 
         os.environ[environment.GPUS_VARIABLE] = args.gpus
     try:
@@ -82,22 +85,27 @@ def _run(args: argparse.Namespace) -> int:
     except launch.RunFailed as failure:
         print(failure.explain(traceback_lines=8), file=sys.stderr)
         return 1
-    s = record.summary
-    states = record.states(0)
+    states = record.memory.model_states(0)
     print(f"record: {record.out / 'summary.json'}")
-    print(f"ZeRO-{s['zero_stage']} {s['precision']}, {s['model']['name']} ({s['model']['params']:,} params), "
-          f"{s['world_size']} x {s['device']} ({s['backend']})")
-    print(f"losses (mean over ranks of each step's micro-batch losses): {', '.join(f'{x:.4f}' for x in s['losses'])}")
-    print(f"step time (median): {s['step_time_s']['median'] * 1000:.1f} ms, {s['samples_per_s']:.1f} samples/s")
-    print("model states on rank 0: " + ", ".join(f"{k} {records.format_bytes(v)}" for k, v in states.items() if v))
-    print(f"sent per rank per step (ring): {records.format_bytes(s['comm']['wire_bytes_per_step'])} measured, "
-          f"paper {records.format_bytes(s['theory']['comm_wire_bytes_per_step'])} "
-          f"({'3' if s['zero_stage'] == 3 else '2'}Ψ x (n-1)/n)")
+    print(f"{record.label}, {record.model_name} ({record.params:,} params), {record.world_size} x {record.device} "
+          f"({record.summary['backend']})")
+    print(f"losses (mean over ranks of each step's micro-batch losses): {', '.join(f'{x:.4f}' for x in record.losses)}")
+    print(f"step time (median): {record.timing.median_s * 1000:.1f} ms, {record.timing.samples_per_s:.1f} samples/s")
+    print("model states on rank 0: " + ", ".join(f"{k} {records.format_bytes(v)}" for k, v in states.as_dict().items() if v))
+    if "placement" in record.probes:  # the config offloads: say which bytes live where
+        where = record.memory.placement(0)
+        for side in ("accelerator", "host"):
+            kinds = getattr(where, side).as_dict()
+            print(f"  on the {side} side: {records.format_bytes(sum(kinds.values()))} ("
+                  + (", ".join(f"{k} {records.format_bytes(v)}" for k, v in kinds.items() if v) or "nothing") + ")")
+    print(f"sent per rank per step (ring): {records.format_bytes(record.comm.wire_bytes_per_step)} measured, "
+          f"paper {records.format_bytes(record.theory.comm_wire_bytes_per_step)} "
+          f"({'3' if record.stage == 3 else '2'}Ψ x (n-1)/n)")
     return 0
 
 
 def _multinode(args: argparse.Namespace) -> int:
-    from helpers import multinode
+    from helpers.tools import multinode  # deferred
 
     reason = multinode.missing()
     if reason:
@@ -111,7 +119,7 @@ def _multinode(args: argparse.Namespace) -> int:
 
 
 def _build_ops(args: argparse.Namespace) -> int:
-    from helpers import environment
+    from helpers.core import environment  # deferred
 
     print("Building DeepSpeed's C++ ops once (a few minutes on a 2-core machine; cached afterwards):", flush=True)
     environment.build_ops(only=args.only.split(",") if args.only else None)
@@ -119,26 +127,24 @@ def _build_ops(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from helpers import benchmarks
+    from helpers.tools import benchmarks  # deferred
 
     print(benchmarks.launch_overhead_report(benchmarks.launch_overhead(args.repeats, args.world_size)))
     return 0
 
 
 #: GPU references a command can measure: name -> (module, function, arguments).
-REFERENCES = {"grad-accum-claim": ("helpers.accumulation", "measure_claim", ()),
-              "bandwidth-nvlink": ("helpers.bandwidth", "measure_gpu", ("nvlink",)),
-              "bandwidth-sockets": ("helpers.bandwidth", "measure_gpu", ("sockets",))}
+REFERENCES = {"grad-accum-claim": ("helpers.topics.accumulation:measure_claim", ()),
+              "bandwidth-nvlink": ("helpers.topics.bandwidth:measure_gpu", ("nvlink",)),
+              "bandwidth-sockets": ("helpers.topics.bandwidth:measure_gpu", ("sockets",))}
 
 
 def _reference(args: argparse.Namespace) -> int:
-    import importlib
+    from helpers.core import launch, plan  # deferred
 
-    from helpers import launch
-
-    module, function, arguments = REFERENCES[args.name]
+    function, arguments = REFERENCES[args.name]
     try:
-        _, saved = getattr(importlib.import_module(module), function)(*arguments)
+        _, saved = plan.resolve(function)(*arguments)
     except launch.RunFailed as failure:
         print(failure.explain(traceback_lines=8), file=sys.stderr)
         return 1
@@ -150,13 +156,13 @@ def _reference(args: argparse.Namespace) -> int:
 
 
 def _adopt(args: argparse.Namespace) -> int:
-    from helpers import experiments
+    from helpers.core import references  # deferred
 
     pairs = [a.partition("=") for a in args.runs]
     bad = [a for a, (label, eq, folder) in zip(args.runs, pairs) if not (label and eq and folder)]
     if bad:
         raise ValueError(f"{', '.join(bad)}: give each run as LABEL=RUN_FOLDER, e.g. 'time: ZeRO-3=runs/zeropp-time-0-llama-medium-2r'")
-    path = experiments.adopt_records(args.name, {label: folder for label, _, folder in pairs}, args.note,
+    path = references.adopt_records(args.name, {label: folder for label, _, folder in pairs}, args.note,
                                      args.conditions, args.why, args.machine)
     print(f"saved: {path} (copy it to notebooks/reference/ to make it the course's GPU reference)")
     return 0

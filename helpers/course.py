@@ -122,7 +122,7 @@ def _notebook_is_exclusive(path: Path) -> bool:
 def check_notebooks(python: str, notebooks: list[Path], jobs: int = 1, timeout: float = 900,
                     out: Path | None = None) -> list[dict]:
     """Execute ``notebooks`` (``jobs`` at a time; those that ask to run alone afterwards, one by one),
-    each in its own process with its own run folder; return each one's result (see helpers.notebooks)."""
+    each in its own process with its own run folder; return each one's result (see helpers.tools.notebooks)."""
     out = out or ROOT / "runs" / "check-gpu"
     out.mkdir(parents=True, exist_ok=True)
     shared = [n for n in notebooks if not _notebook_is_exclusive(n)]
@@ -137,7 +137,7 @@ def check_notebooks(python: str, notebooks: list[Path], jobs: int = 1, timeout: 
                                                if together > 1 else "executed by check-gpu, alone")}
         log = open(folder.with_suffix(".log"), "w")
         _say(f"executing {path.name}")
-        return path, subprocess.Popen([python, "-m", "helpers.notebooks", str(path), "--out", str(folder),
+        return path, subprocess.Popen([python, "-m", "helpers.tools.notebooks", str(path), "--out", str(folder),
                                        "--timeout", str(timeout)], cwd=ROOT, env=env, stdout=log,
                                       stderr=subprocess.STDOUT)
 

@@ -1,4 +1,4 @@
-"""helpers.accumulation and helpers.collectives tables and checks, on hand-built records (no launches)."""
+"""helpers.topics.accumulation and helpers.topics.bandwidth tables and checks, on hand-built records (no launches)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import copy
 
 import pytest
 
-from helpers import accumulation, collectives, launch, models, records
+from helpers.core import launch, models, records
+from helpers.topics import accumulation, bandwidth
 from test_records import minimal_summary
 
 AR, AG = "all_reduce", "all_gather_into_tensor"
@@ -19,7 +20,7 @@ def _run(stage: int, accum: int, micro: int, ops: dict, losses=(1.0, 0.75), phas
     s["comm"]["by_op"] = {op: {"count": float(c), "bytes": float(b)} for op, (c, b) in ops.items()}
     s["comm"]["bytes_per_step"] = float(sum(b for _, b in ops.values()))
     if phases is not None:
-        s["probes"] = list(records.DEFAULT_PROBES) + ["micro_steps"]
+        s["probes"] = list(records.LEGACY_PROBES) + ["micro_steps"]
         s["micro_steps"] = {"phases": list(phases), "by_phase": phases, "wall_s_by_phase": {p: 0.01 for p in phases},
                             "comm_s_per_step": 0.0}
     return records.Record(s)
@@ -119,7 +120,7 @@ def test_batch_size_curves_see_the_same_samples_in_fewer_steps_and_restore_threa
     assert "mean loss, last 16 samples" in accumulation.curve_summary(curves, window=16)
 
 
-# --- helpers.collectives ----------------------------------------------------------------------------
+# --- helpers.topics.bandwidth ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, match", [({"ops": ("all_to_all",)}, "ops"), ({"implementations": ("nccl",)}, "implementations"),
                                            ({"sizes": (8,)}, "sizes"), ({"sizes": (2**33,)}, "sizes"),
@@ -127,27 +128,27 @@ def test_batch_size_curves_see_the_same_samples_in_fewer_steps_and_restore_threa
                                            ({"baseline_ops": ("gather",)}, "baseline_ops")])
 def test_a_bad_benchmark_is_refused_before_launch(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        collectives.spec(is_gpu=False, **kwargs)
+        bandwidth.spec(is_gpu=False, **kwargs)
 
 
 def test_benchmark_defaults_depend_on_the_device():
-    cpu = collectives.spec(is_gpu=False).config["collectives"]
-    gpu = collectives.spec(is_gpu=True).config["collectives"]
+    cpu = bandwidth.spec(is_gpu=False).config["collectives"]
+    gpu = bandwidth.spec(is_gpu=True).config["collectives"]
     assert cpu["sizes"][0] == gpu["sizes"][0] == 1024
     assert cpu["sizes"][-1] == 4 * 2**20 and gpu["sizes"][-1] == 2**30
-    assert cpu["baseline_ops"] == ["all_reduce"] and gpu["baseline_ops"] == list(collectives.OPS)
-    spec = collectives.spec("b", is_gpu=False)
-    assert spec.task == collectives.TASK and spec.probes == () and spec.check is False
+    assert cpu["baseline_ops"] == ["all_reduce"] and gpu["baseline_ops"] == list(bandwidth.OPS)
+    spec = bandwidth.spec("b", is_gpu=False)
+    assert spec.task == bandwidth.TASK and spec.probes == () and spec.check is False
 
 
 def _bench(points: list[tuple[str, str, int, float]], world: int = 2) -> dict:
-    from helpers import theory
+    from helpers.core import theory
 
     return {"world_size": world, "device": "cuda", "device_name": "GPU", "backend": "nccl",
             "implementations": sorted({p[0] for p in points}),
             "results": [{"implementation": i, "op": op, "bytes": size, "seconds": t,
                          "busbw": theory.bus_bandwidth(op, size, t, world),
-                         "wire_bytes": collectives.wire_bytes(op, size, world), "interface_bytes_sent": None}
+                         "wire_bytes": bandwidth.wire_bytes(op, size, world), "interface_bytes_sent": None}
                         for i, op, size, t in points]}
 
 
@@ -155,27 +156,28 @@ def test_target_table_says_met_or_missed_at_each_size():
     mib256, gib = 256 * 2**20, 2**30
     bench = _bench([("deepspeed.comm", "all_reduce", mib256, 1.00e-3), ("torch.distributed", "all_reduce", mib256, 0.96e-3),
                     ("deepspeed.comm", "all_reduce", gib, 4.4e-3), ("torch.distributed", "all_reduce", gib, 4.0e-3)])
-    lines = collectives.target_table(bench).splitlines()
+    lines = bandwidth.target_table(bench).splitlines()
     assert lines[2].split()[-1] == "met" and lines[3].split()[-1] == "missed"
-    assert collectives.ratio(bench, "all_reduce", "deepspeed.comm", "torch.distributed", gib) == pytest.approx(4.0 / 4.4)
+    assert bandwidth.ratio(bench, "all_reduce", "deepspeed.comm", "torch.distributed", gib) == pytest.approx(4.0 / 4.4)
     small = _bench([("deepspeed.comm", "all_reduce", 2**20, 1e-4), ("torch.distributed", "all_reduce", 2**20, 1e-4)])
-    assert "not measured" in collectives.target_table(small)
+    assert "not measured" in bandwidth.target_table(small)
 
 
 def test_coverage_and_point_lookup():
     bench = _bench([("deepspeed.comm", "all_gather", 4096, 1e-5), ("deepspeed.comm", "all_gather", 65536, 2e-5)])
-    assert collectives.coverage_table(bench).splitlines()[2].split()[:3] == ["all_gather", "deepspeed.comm", "2"]
-    assert collectives.point(bench, "deepspeed.comm", "all_gather", 60000)["bytes"] == 65536
+    assert bandwidth.coverage_table(bench).splitlines()[2].split()[:3] == ["all_gather", "deepspeed.comm", "2"]
+    assert bandwidth.point(bench, "deepspeed.comm", "all_gather", 60000)["bytes"] == 65536
     with pytest.raises(KeyError, match="torch.distributed"):
-        collectives.point(bench, "torch.distributed", "all_gather", 4096)
-    assert "no interface counters" in collectives.wire_check_table(bench)
+        bandwidth.point(bench, "torch.distributed", "all_gather", 4096)
+    assert "no interface counters" in bandwidth.wire_check_table(bench)
     both = copy.deepcopy(bench)
     both["results"][0]["interface_bytes_sent"] = 4096.0
-    assert collectives.wire_check_table(both, "all_gather").splitlines()[2].split()[-1] == "2.00"  # 4 KiB sent for 2 KiB of ring
+    assert bandwidth.wire_check_table(both, "all_gather").splitlines()[2].split()[-1] == "2.00"  # 4 KiB sent for 2 KiB of ring
 
 
 def test_gpu_reference_commands_refuse_a_machine_without_gpus(capsys):
-    from helpers import __main__ as cli, environment
+    from helpers.core import environment
+    from helpers import __main__ as cli
 
     if environment.detect().is_gpu:
         pytest.skip("this machine has GPUs: the command would measure")

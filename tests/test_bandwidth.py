@@ -1,4 +1,4 @@
-"""helpers.bandwidth: the alpha-beta model recovers known alpha and beta, and predicts what it should (no launches)."""
+"""helpers.topics.bandwidth: the alpha-beta model recovers known alpha and beta, and predicts what it should (no launches)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from helpers import bandwidth, collectives, records, theory
+from helpers.core import records, theory
+from helpers.topics import bandwidth
 
 SIZES = [2.0**k for k in range(10, 31, 2)]  # 1 KiB .. 1 GiB, as the GPU benchmark
 
@@ -67,11 +68,11 @@ def test_collective_names_of_the_comms_logger_map_to_the_four_collectives():
 
 
 def _synthetic_benchmark(world: int, fits: dict[str, tuple[float, float]]) -> dict:
-    """A helpers.collectives summary whose times follow known alpha and beta per collective."""
+    """A helpers.topics.bandwidth summary whose times follow known alpha and beta per collective."""
     results = []
     for op, (alpha, beta) in fits.items():
         for size in (2**k for k in range(10, 23, 2)):
-            wire = collectives.wire_bytes(op, size, world)
+            wire = bandwidth.wire_bytes(op, size, world)
             seconds = alpha + beta * wire
             results.append({"implementation": "deepspeed.comm", "op": op, "bytes": size, "seconds": seconds,
                             "wire_bytes": wire, "busbw": theory.bus_bandwidth(op, size, seconds, world),
@@ -97,11 +98,11 @@ def test_a_model_fitted_on_a_benchmark_predicts_a_steps_collectives_from_logged_
 
 def test_busbw_of_the_benchmark_is_wire_bytes_over_time():
     # nccl-tests' busbw and the model's wire bytes are the same convention, for every collective
-    for op in collectives.OPS:
+    for op in bandwidth.OPS:
         for world in (2, 3, 8):
             size, seconds = 2**20 * world, 1e-3
             assert theory.bus_bandwidth(op, size, seconds, world) == pytest.approx(
-                collectives.wire_bytes(op, size, world) / seconds)
+                bandwidth.wire_bytes(op, size, world) / seconds)
 
 
 def test_a_link_model_is_bandwidth_per_direction_plus_latency():
@@ -120,7 +121,7 @@ def _record_with_phases(accum: int, micro_ops: dict, boundary_ops: dict, step_op
     by_phase[phases[-2]] = dict(boundary_ops)
     by_phase["optimizer step"] = dict(step_ops)
     summary.update(grad_accum=accum, micro_batch=4, train_batch=4 * accum * summary["world_size"], name="synthetic",
-                   probes=list(summary.get("probes", records.DEFAULT_PROBES)) + ["micro_steps"])
+                   probes=list(summary.get("probes", records.LEGACY_PROBES)) + ["micro_steps"])
     summary["micro_steps"] = {"phases": phases, "by_phase": by_phase, "wall_s_by_phase": walls,
                               "comm_s_per_step": sum(r["seconds"] for p in by_phase.values() for r in p.values())}
     return records.Record(summary)

@@ -4,13 +4,13 @@ behind a rate-limited link. Every test below shares that launch."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import bandwidth, collectives, launch, network, records
-from helpers.environment import WORLD_SIZE_VARIABLE
+from helpers.core import launch
+from helpers.topics import bandwidth
+from helpers.core.environment import WORLD_SIZE_VARIABLE
 
 RATE_MBIT = 100
 
@@ -19,7 +19,7 @@ def logger_state(run: dict, position: int, count: int, born: float) -> None:
     """Rank-side task of this test: is DeepSpeed's comms logger on when a run starts?"""
     import deepspeed.comm as dist
 
-    from helpers.train import publish
+    from helpers.core.train import publish
 
     if dist.get_rank() == 0:
         publish(run, position, {"logger_enabled": dist.comms_logger.enabled})
@@ -35,20 +35,20 @@ def swept(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bw")
     logged = ("timing", "comm", "micro_steps")
     specs = {
-        "bench": collectives.spec("bench", sizes=(4096, 2**17), iters=2, warmup=1, is_gpu=False, out=folder / "bench"),
+        "bench": bandwidth.spec("bench", sizes=(4096, 2**17), iters=2, warmup=1, is_gpu=False, out=folder / "bench"),
         "zero2-acc2": launch.RunSpec("zero2", model="mlp", steps=2, probes=logged, out=folder / "z2"),
         "after": launch.RunSpec(config={}, name="after", probes=(), check=False, task="test_bandwidth_runs:logger_state",
                                 out=folder / "after"),
         "zero1-acc2": launch.RunSpec("zero1", model="mlp", steps=2, probes=logged, out=folder / "z1"),
     }
-    ok, why = network.link_support()
+    ok, why = bandwidth.link_support()
     try:
         if ok:
-            specs["rate"] = network.set_rate_spec("rate", RATE_MBIT)
-            specs["slow-bench"] = collectives.spec("slow-bench", sizes=(2**19, 2**21), ops=("all_reduce",),
+            specs["rate"] = bandwidth.set_rate_spec("rate", RATE_MBIT)
+            specs["slow-bench"] = bandwidth.spec("slow-bench", sizes=(2**19, 2**21), ops=("all_reduce",),
                                                    implementations=("deepspeed.comm",), iters=2, warmup=1,
                                                    is_gpu=False, out=folder / "slow-bench")
-            with network.rate_limited_link(2, None) as link:
+            with bandwidth.rate_limited_link(2, None) as link:
                 runs = launch.sweep(specs, name=f"test-bw-{folder.name}", world_size=2, progress=False,
                                     rank_prefix=link.rank_prefix, master_addr=link.master_addr, timeout=300)
             assert not any(Path("/var/run/netns").glob(f"{link.prefix}*"))  # cleaned up
@@ -65,7 +65,7 @@ def test_the_benchmark_measures_every_point_with_nccl_tests_conventions(swept):
     assert bench["task"] == "collectives" and bench["world_size"] == 2 and bench["backend"] == "gloo"
     got = {(r["implementation"], r["op"], r["bytes"]) for r in bench["results"]}
     for size in (4096, 2**17):
-        for op in collectives.OPS:
+        for op in bandwidth.OPS:
             assert ("deepspeed.comm", op, size) in got
         assert ("torch.distributed", "all_reduce", size) in got  # the CPU baseline: all_reduce only
         assert ("torch.distributed", "all_gather", size) not in got
@@ -83,8 +83,8 @@ def test_the_shared_memory_kernel_keeps_its_bytes_off_the_network(swept):
     assert ("deepspeed shm", "all_reduce", 2**17) in {(r["implementation"], r["op"], r["bytes"]) for r in bench["results"]}
     if not ok:
         pytest.skip(f"no namespaces, no interface counters: {why}")
-    gloo = collectives.point(bench, "deepspeed.comm", "all_reduce", 2**17)
-    shm = collectives.point(bench, "deepspeed shm", "all_reduce", 2**17)
+    gloo = bandwidth.point(bench, "deepspeed.comm", "all_reduce", 2**17)
+    shm = bandwidth.point(bench, "deepspeed shm", "all_reduce", 2**17)
     assert 0.95 < gloo["interface_bytes_sent"] / gloo["wire_bytes"] < 1.2  # TCP headers on top of the ring's bytes
     assert abs(shm["interface_bytes_sent"]) < 0.05 * shm["wire_bytes"]
 
@@ -120,6 +120,6 @@ def test_the_rate_limit_is_applied_and_measured(swept):
     assert f"rate {RATE_MBIT}Mbit" in runs["rate"]["tc"]
     model = bandwidth.CommModel.from_benchmark(runs["slow-bench"], ops=("all_reduce",))
     # 100 Mbit/s is 12.5 MB/s per direction: the fitted bandwidth is the link's, not the machine's. The sizes
-    # are 8 and 32 token buckets (network.BURST_BYTES), so the bucket's free burst cannot tilt the fit
+    # are 8 and 32 token buckets (bandwidth.BURST_BYTES), so the bucket's free burst cannot tilt the fit
     # (at 128 and 512 KiB one CI run fitted 15.3 MB/s)
     assert 0.6 * 12.5e6 < model.fits["all_reduce"].bandwidth < 1.2 * 12.5e6

@@ -26,7 +26,7 @@ import urllib.request
 
 import pytest
 
-from helpers import environment
+from helpers.core import environment
 
 #: Not in the README's test command: `python3 -m helpers.course test --system` (and .ci/run) runs it.
 pytestmark = pytest.mark.system

@@ -10,7 +10,9 @@ import json
 import pytest
 import torch
 
-from helpers import capstone, configs, launch, models, performance, records
+from test_records import minimal_summary
+from helpers.core import configs, launch, models, performance, records
+from helpers.topics import capstone
 
 
 # --- model FLOPs, peaks, MFU ---------------------------------------------------------------------
@@ -32,8 +34,8 @@ def test_model_shape_counts_the_untied_embedding_from_the_config():
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
-        untied = LlamaForCausalLM(models.capstone_config("1.2b"))
-        tied_config = models.capstone_config("tiny")
+        untied = LlamaForCausalLM(capstone.model_config("1.2b"))
+        tied_config = capstone.model_config("tiny")
         tied_config.tie_word_embeddings = True
         tied = LlamaForCausalLM(tied_config)
     assert performance.model_shape(untied)["lookup_params"] == 32_000 * 2048 == untied.get_input_embeddings().weight.numel()
@@ -42,9 +44,9 @@ def test_model_shape_counts_the_untied_embedding_from_the_config():
 
 
 def test_the_baseline_model_has_the_issues_shape():
-    assert models.capstone_parameters("1.2b") == 1_244_227_584
-    assert models.capstone_config("1.2b").num_hidden_layers == 22
-    assert models.capstone_config("1.2b", seq_len=4096).max_position_embeddings == 4096
+    assert capstone.model_parameters("1.2b") == 1_244_227_584
+    assert capstone.model_config("1.2b").num_hidden_layers == 22
+    assert capstone.model_config("1.2b", seq_len=4096).max_position_embeddings == 4096
 
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989.5), ("NVIDIA H100 PCIe", 756.0),
@@ -110,7 +112,7 @@ def test_every_rung_proposes_new_settings_and_the_model_takes_their_options():
     for rung in capstone.GPU_LADDER + capstone.CPU_LADDER:
         for label, setting in rung.propose(capstone.GPU_BASELINE):
             assert setting != capstone.GPU_BASELINE, (rung.name, label)
-            models.check_model_options("llama-capstone", setting.model_options("1.2b"))
+            capstone.check_options(capstone.MODEL, setting.model_options("1.2b"))
 
 
 @pytest.mark.parametrize("options, key", [({"size": "7b"}, "size"), ({"seq_len": 0}, "seq_len"),
@@ -118,9 +120,11 @@ def test_every_rung_proposes_new_settings_and_the_model_takes_their_options():
                                           ({"compile": "yes"}, "compile")])
 def test_bad_model_options_name_the_key(options, key):
     with pytest.raises(ValueError, match=key):
-        models.check_model_options("llama-capstone", options)
+        capstone.check_options(capstone.MODEL, options)
     with pytest.raises(ValueError, match="takes no model_options"):
         models.check_model_options("mlp", {"seq_len": 64})
+    with pytest.raises(ValueError, match="builds 'llama-capstone'"):
+        capstone.check_options("mlp", {})
 
 
 def _candidates(*stages):
@@ -201,17 +205,13 @@ def test_summary_says_when_nothing_beat_the_baseline():
     assert "MFU: none" in text
 
 
-class _FakeRecord:
+def _FakeRecord(value: float) -> records.Record:
     """What the ladder reads of a record: throughput, peak memory, comm share, losses."""
-
-    def __init__(self, value: float):
-        self.summary = {"comm_share": {"exposed_share": 0.1, "busy_share": 0.2}}
-        self.losses = [1.0]
-        self._items = {"throughput": {"tflops_per_gpu": value, "tokens_per_s": value * 10, "mfu": None,
-                                      "step_time_s": 1.0}, "memory.peak_bytes_per_rank": [1]}
-
-    def __getitem__(self, key):
-        return self._items[key]
+    summary = minimal_summary()
+    summary.update(losses=[1.0], steps=1, comm_share={"exposed_share": 0.1, "busy_share": 0.2},
+                   throughput={"tflops_per_gpu": value, "tokens_per_s": value * 10, "mfu": None, "step_time_s": 1.0})
+    summary["memory"]["peak_bytes_per_rank"] = [1, 1]
+    return records.Record(summary)
 
 
 def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypatch):
@@ -472,7 +472,7 @@ def test_memory_failures_after_other_candidates_of_a_launch_from_before_engines_
 
 
 def _capstone_script():
-    """benchmarks/capstone.py as a module (its name would clash with helpers.capstone on sys.path)."""
+    """benchmarks/capstone.py as a module (its name would clash with helpers.topics.capstone on sys.path)."""
     import importlib.util
     from pathlib import Path
 
@@ -485,7 +485,7 @@ def _capstone_script():
 
 def test_the_script_combines_references_and_refuses_a_wrong_resume_before_looking_at_gpus(tmp_path, monkeypatch, capsys):
     script = _capstone_script()
-    monkeypatch.setattr(script.experiments, "NEW_REFERENCE_DIR", tmp_path / "reference")
+    monkeypatch.setattr(script.references, "NEW_REFERENCE_DIR", tmp_path / "reference")
     monkeypatch.setattr(script.environment, "detect", lambda *a: pytest.fail("looked for GPUs before checking --resume"))
     (tmp_path / "other.json").write_text(json.dumps({"experiment": "zeropp", "runs": {}}))
     with pytest.raises(SystemExit) as stop:

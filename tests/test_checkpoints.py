@@ -1,16 +1,18 @@
 """Kill a ZeRO-3 run mid-way (SIGKILL on every rank), resume it in fresh processes from its last
 checkpoint, and get the uninterrupted run's losses bit for bit; then read the checkpoint back.
 
-Two launches for the whole module (helpers.checkpoints.crash_and_resume with one stage).
+Two launches for the whole module (helpers.topics.checkpoints.crash_and_resume with one stage).
 """
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 
-from helpers import checkpoints, launch, records, train
-from helpers.environment import WORLD_SIZE_VARIABLE
+from helpers.core import launch, plan, records, train
+from helpers.topics import checkpoints
+from helpers.core.environment import WORLD_SIZE_VARIABLE
 
 STEPS, CRASH_AFTER = 4, 2
 
@@ -57,23 +59,24 @@ def test_zero_to_fp32_gives_a_plain_state_dict_that_reproduces_the_runs_next_los
 
 
 def test_before_training_hook_must_return_a_step_of_the_run(monkeypatch):
-    monkeypatch.setattr(train, "resolve_function", lambda name: (lambda engine, run: 7))
+    monkeypatch.setattr(train, "resolve", lambda name: (lambda engine, run: 7))
+    run = plan.PlannedRun(name="x", out="x", config="x", model="mlp", steps=4, seed=0, probes=[], before_training="x:y")
     with pytest.raises(ValueError, match="steps 0..3"):
-        train.before_training(None, {"before_training": "x:y", "steps": 4})
-    assert train.before_training(None, {"steps": 4}) == 0  # no hook: a fresh run
+        train.before_training(None, run)
+    assert train.before_training(None, dataclasses.replace(run, before_training=None)) == 0  # no hook: a fresh run
 
 
 def test_bad_hooks_and_options_are_refused_before_any_process_starts(monkeypatch):
     monkeypatch.delenv(WORLD_SIZE_VARIABLE, raising=False)
     monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
-    with pytest.raises(ValueError, match="before_training='helpers.checkpoints:nope'"):
-        launch.run("zero3", before_training="helpers.checkpoints:nope", world_size=2)
-    with pytest.raises(ValueError, match="package.module:function"):
+    with pytest.raises(ValueError, match="before_training='helpers.topics.checkpoints:nope'"):
+        launch.run("zero3", before_training="helpers.topics.checkpoints:nope", world_size=2)
+    with pytest.raises(ValueError, match="package.module:name"):
         launch.run("zero3", before_training="resume", world_size=2)
     with pytest.raises(ValueError, match="options"):
         launch.run("zero3", options={"save_dir": object()}, world_size=2)
     with pytest.raises(ValueError, match=r"options\['save_dir'\]"):
-        launch.run("zero3", probes=("checkpoint",), world_size=2)
+        launch.run("zero3", probes=(checkpoints.Checkpoint,), world_size=2)
     with pytest.raises(ValueError, match=r"options\['load_dir'\]='nowhere'"):
-        launch.run("zero3", before_training="helpers.checkpoints:resume", options={"load_dir": "nowhere"},
+        launch.run("zero3", before_training=checkpoints.RESUME, options={"load_dir": "nowhere"},
                    world_size=2)

@@ -1,7 +1,7 @@
 """Every rule of the config checker, each against what DeepSpeed 0.19.8 really does with that config.
 
 Two kinds of evidence, never a belief:
-- DeepSpeed's own parser (``DeepSpeedConfig``, through :func:`helpers.configs.deepspeed_parse`, or
+- DeepSpeed's own parser (``DeepSpeedConfig``, through :func:`helpers.core.configs.deepspeed_parse`, or
   ``DeepSpeedConfig(path)`` for files) refuses or accepts the config;
 - a real 2-rank launch: one sweep trains every config below in the same ranks, recording each
   run's error instead of stopping (``on_error="record"``), about 25 s for all of them.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import configs, environment, launch, records
-from helpers.environment import WORLD_SIZE_VARIABLE
+from helpers.core import configs, environment, launch, records
+from helpers.core.environment import WORLD_SIZE_VARIABLE
 
 BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
@@ -259,7 +259,7 @@ def rank_zero():
         yield
 
 def test_static_loss_scale_ignores_the_dynamic_knobs():
-    from helpers import precision
+    from helpers.topics import precision
 
     section = {"loss_scale": 1024, "initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 1}
     scaler = precision.make_loss_scaler(section)
@@ -279,7 +279,7 @@ def test_stage_0_halves_on_every_overflow_whatever_the_hysteresis(rank_zero):
     from deepspeed.runtime.fp16.loss_scaler import LossScaleConfig
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-    from helpers import precision
+    from helpers.topics import precision
 
     section = {"initial_scale_power": 16, "hysteresis": 2}
     args = precision.fp16_settings(section).dynamic_loss_scale_args()
@@ -296,7 +296,7 @@ def test_stage_0_halves_on_every_overflow_whatever_the_hysteresis(rank_zero):
 
 
 def test_min_loss_scale_above_the_initial_scale_raises_it_at_the_first_overflow(rank_zero):
-    from helpers import precision
+    from helpers.topics import precision
 
     section = {"initial_scale_power": 10, "min_loss_scale": 4096, "hysteresis": 1}
     scaler = precision.make_loss_scaler(section)

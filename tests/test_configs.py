@@ -1,4 +1,4 @@
-"""helpers.configs: loading, merging and the checker's findings, plus `python -m helpers check`."""
+"""helpers.core.configs: loading, merging and the checker's findings, plus `python -m helpers check`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from helpers import configs, environment
-from helpers.environment import REPO_ROOT
+from helpers.core import configs, environment, probes
+from helpers.core.environment import REPO_ROOT
 
 BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
@@ -233,10 +233,10 @@ def test_merged_returns_a_deep_copy():
 
 
 def test_for_run_adds_what_the_probes_need_under_the_config():
-    run = configs.for_run({"steps_per_print": 5, "comms_logger": {"verbose": True}}, probes=("comm",))
+    run = configs.for_run({"steps_per_print": 5, "comms_logger": {"verbose": True}}, probes.config_for(("comm",)))
     assert run["steps_per_print"] == 5
     assert run["comms_logger"]["enabled"] is True and run["comms_logger"]["verbose"] is True
-    assert "comms_logger" not in configs.for_run({}, probes=("timing",))  # no logger unless a probe asks
+    assert "comms_logger" not in configs.for_run({}, probes.config_for(("timing",)))  # no logger unless a probe asks
 
 
 # --- check_or_raise ---------------------------------------------------------------------------

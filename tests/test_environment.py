@@ -1,4 +1,4 @@
-"""helpers.environment: what this (CPU-only, 2-core) machine offers, and the ranks' environment."""
+"""helpers.core.environment: what this (CPU-only, 2-core) machine offers, and the ranks' environment."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import environment
-from helpers.environment import REPO_ROOT, WORLD_SIZE_VARIABLE
+from helpers.core import environment
+from helpers.core.environment import REPO_ROOT, WORLD_SIZE_VARIABLE
 
 
 def _env(device="cpu", cores=2, gpus=0) -> environment.Environment:

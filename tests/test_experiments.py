@@ -1,10 +1,11 @@
-"""helpers.experiments tables (no launches): ratios of one run against others, committed GPU references."""
+"""helpers.topics.zero tables (no launches): ratios of one run against others, committed GPU references."""
 
 from __future__ import annotations
 
 import copy
 
-from helpers import experiments, records
+from helpers.core import records, references
+from helpers.topics import zero
 from test_records import minimal_summary
 
 
@@ -19,7 +20,7 @@ def test_comparison_table_gives_ratios_per_state_and_loss_agreement():
     base = _record()
     half = _record(optimizer=2000, grads=1000)  # Adam states and gradients halved, params kept
     half.summary["losses"] = [1.0, 0.7499]
-    lines = experiments.comparison_table(half, {"stage 0": base}).splitlines()
+    lines = zero.comparison_table(half, {"stage 0": base}).splitlines()
     rows = {line[:25].strip(): line[25:].strip() for line in lines[2:]}
     assert lines[0].endswith("vs stage 0")
     assert rows["Adam states per rank"] == "0.50x"
@@ -29,17 +30,17 @@ def test_comparison_table_gives_ratios_per_state_and_loss_agreement():
     assert rows["model states per rank"] == "0.75x"
     assert rows["collective calls per step"] == "2 vs 2"
     assert rows["losses"] == "differ by more than 1e-06"
-    assert experiments.comparison_table(base, {"itself": copy.deepcopy(base)}).splitlines()[-1].endswith("within 1e-06")
+    assert zero.comparison_table(base, {"itself": copy.deepcopy(base)}).splitlines()[-1].endswith("within 1e-06")
 
 
 def test_every_committed_gpu_reference_loads_and_names_its_device():
     for name in ("zero1-knobs", "zero2-knobs", "zero3-knobs"):
-        found = experiments.reference_runs(name)
+        found = references.reference_runs(name)
         assert found, f"notebooks/reference/{name}-*.json is missing"
         for device, date, note, runs in found:
             assert "x" in device and date and note
             assert all(r.summary["device"] == "cuda" for r in runs.values())
-        assert experiments.reference_report(name).startswith("Measured on ")
+        assert zero.reference_report(name).startswith("Measured on ")
 
 
 def _gpu_folder(tmp_path, name: str, **changes) -> str:
@@ -55,17 +56,17 @@ def _gpu_folder(tmp_path, name: str, **changes) -> str:
 def test_adopted_records_keep_the_gpu_figures_and_say_what_was_not_recorded(tmp_path, monkeypatch):
     import json
 
-    monkeypatch.setattr(experiments, "NEW_REFERENCE_DIR", tmp_path / "out")
-    monkeypatch.delenv(experiments.CONDITIONS_VARIABLE, raising=False)
-    path = experiments.adopt_records("adopted", {"time: a": _gpu_folder(tmp_path, "a")}, "a note", "alone", "stopped")
+    monkeypatch.setattr(references, "NEW_REFERENCE_DIR", tmp_path / "out")
+    monkeypatch.delenv(references.CONDITIONS_VARIABLE, raising=False)
+    path = references.adopt_records("adopted", {"time: a": _gpu_folder(tmp_path, "a")}, "a note", "alone", "stopped")
     payload = json.loads(path.read_text())
     assert path.name == "adopted-2xNVIDIA-H200.json"
     assert payload["software"] == payload["hardware"] == {"recorded": False, "why": "stopped"}
     assert payload["conditions"] == "alone" and payload["runs"]["time: a"]["step_time_s"]["median"] == 0.1
-    assert experiments.CONDITIONS_VARIABLE not in __import__("os").environ  # left as it was
+    assert references.CONDITIONS_VARIABLE not in __import__("os").environ  # left as it was
     machine = tmp_path / "device-environment.json"
     machine.write_text(json.dumps({"software": {"torch": "2.11"}, "hardware": {"gpu_count": 4}}))
-    payload = json.loads(experiments.adopt_records("adopted", {"time: a": _gpu_folder(tmp_path, "b")}, "n", "c",
+    payload = json.loads(references.adopt_records("adopted", {"time: a": _gpu_folder(tmp_path, "b")}, "n", "c",
                                                    "stopped", machine).read_text())
     assert payload["software"] == {"torch": "2.11"} and payload["hardware"] == {"gpu_count": 4, "adopted": "stopped"}
 
@@ -74,13 +75,13 @@ def test_adopting_a_cpu_record_or_a_folder_without_one_is_refused(tmp_path):
     import pytest
 
     with pytest.raises(ValueError, match="no summary.json"):
-        experiments.adopt_records("x", {"a": str(tmp_path)}, "n", "c", "w")
+        references.adopt_records("x", {"a": str(tmp_path)}, "n", "c", "w")
     with pytest.raises(ValueError, match="not measured on GPUs"):
-        experiments.adopt_records("x", {"a": _gpu_folder(tmp_path, "cpu", device="cpu")}, "n", "c", "w")
+        references.adopt_records("x", {"a": _gpu_folder(tmp_path, "cpu", device="cpu")}, "n", "c", "w")
 
 
 def test_reference_reports_state_their_conditions():
-    report = experiments.reference_report("zero1-knobs")
+    report = zero.reference_report("zero1-knobs")
     assert report.splitlines()[1].startswith("Conditions: ")
 
 
@@ -91,7 +92,7 @@ def test_stage_chapter_runs_trains_the_baseline_and_the_knobs_in_one_launch(monk
         launches.append((name, [spec.name for spec in specs], {spec.name: spec.overrides for spec in specs}))
         return {spec.name: f"record of {spec.name}" for spec in specs}
 
-    monkeypatch.setattr(experiments.launch, "sweep", sweep)
+    monkeypatch.setattr(zero.launch, "sweep", sweep)
 
     class Env:  # a device without bf16: the chapter says so and leaves those runs out
         device_name = "a CPU without bf16"
@@ -101,7 +102,7 @@ def test_stage_chapter_runs_trains_the_baseline_and_the_knobs_in_one_launch(monk
             return precision == "fp32"
 
     knobs = {"defaults": {}, "reduce_bucket_size=1e5": {"reduce_bucket_size": 100_000}}
-    runs, tuned = experiments.stage_chapter_runs(2, knobs, also=(1,), env=Env())
+    runs, tuned = zero.stage_chapter_runs(2, knobs, also=(1,), env=Env())
     assert len(launches) == 1, "one launch for the whole chapter"
     name, names, overrides = launches[0]
     assert name == "zero2-chapter"

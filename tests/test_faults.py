@@ -15,11 +15,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import launch
-from helpers.environment import REPO_ROOT
+from helpers.core import launch
+from helpers.core.environment import REPO_ROOT
 
 HANGING_RUN = textwrap.dedent("""
-    from helpers import launch
+    from helpers.core import launch
     launch.run("zero0", model="linear", steps=2, world_size=2, out={out!r}, progress=False, timeout=300,
                faults={{"hang_on_rank": 0}})
 """)
@@ -110,7 +110,7 @@ def test_a_hung_launch_is_ended_at_its_timeout_with_nothing_left(tmp_path):
     assert segments_of(out) == []
     # the error says where the hung rank waited: its stack, printed by faulthandler on the launcher's signal
     assert "Where the ranks waited" in str(caught.value)
-    assert "data_parallel_step" in caught.value.traceback
+    assert "faults.py" in caught.value.traceback and "before_step" in caught.value.traceback
 
 
 def test_a_recording_sweep_keeps_the_runs_that_finished_before_one_hung(tmp_path):
@@ -124,11 +124,11 @@ def test_a_recording_sweep_keeps_the_runs_that_finished_before_one_hung(tmp_path
                 for name in ("first", "hangs", "after")]
     (tmp_path / "first").mkdir()
     (tmp_path / "first" / "summary.json").write_text(json.dumps(minimal_summary()))
-    stacks = 'Stack (most recent call first):\n  File "/x/helpers/train.py", line 119 in data_parallel_step'
+    stacks = 'Stack (most recent call first):\n  File "/x/helpers/core/train.py", line 119 in data_parallel_step'
     found = launch._after_timeout(prepared, {0: [1.0, 3.5], 1: [3.5]}, {0: 2, 1: 1}, 20, "tail", stacks)
     assert found["first"].losses == [1.0, 0.75] and found["first"].wall_s == 2.5
     assert isinstance(found["hangs"], launch.RunFailed) and found["hangs"].error_type == "Timeout"
     assert found["hangs"].message == "not done within the launch's 20 s (1 of 2 steps)"
-    assert "a rank was in data_parallel_step (x/helpers/train.py:119)" in str(found["hangs"])
+    assert "a rank was in data_parallel_step (helpers/core/train.py:119)" in str(found["hangs"])
     assert found["hangs"].traceback == stacks
     assert isinstance(found["after"], launch.RunFailed) and found["after"].error_type == "NotRun"

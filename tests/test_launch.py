@@ -1,4 +1,4 @@
-"""helpers.launch: real 2-rank DeepSpeed runs on CPU (three launches, ~6-30 s each) and the checks before them."""
+"""helpers.core.launch: real 2-rank DeepSpeed runs on CPU (three launches, ~6-30 s each) and the checks before them."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import configs, launch, models, records, theory
-from helpers.environment import WORLD_SIZE_VARIABLE
+from helpers.core import configs, launch, models, records, theory
+from helpers.core.environment import WORLD_SIZE_VARIABLE
 
 
 @pytest.fixture(autouse=True)
@@ -147,7 +147,7 @@ def test_command_starts_helpers_train_on_every_rank(tmp_path):
     argv = launch.command(tmp_path / "plan.json", 2, 12345)
     assert argv[1:4] == ["-u", "-m", "deepspeed.launcher.launch"]
     assert "--master_port=12345" in argv
-    assert argv[argv.index("--module") + 1] == "helpers.train"
+    assert argv[argv.index("--module") + 1] == "helpers.core.train"
     assert argv[argv.index("--plan") + 1] == str(tmp_path / "plan.json")
     cli = launch.command(tmp_path / "plan.json", 2, 12345, launcher="deepspeed")
     assert cli[cli.index("--num_gpus") + 1] == "2"
@@ -210,7 +210,8 @@ import json, os, sys, time, weakref
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                   DS_ACCELERATOR="cpu")
 import deepspeed
-from helpers import configs, train
+from helpers.core import configs, plan, train
+from helpers.topics import capstone
 deepspeed.init_distributed(dist_backend="gloo")
 engines, alive = [], {}
 initialize = deepspeed.initialize
@@ -220,21 +221,22 @@ def remembered(*args, **kwargs):
     return made
 deepspeed.initialize = remembered
 # each ZeRO stage on the MLP, then ZeRO-3 on the capstone's tiny model through engine.compile()
-cases = [(str(stage), stage, "mlp", {}) for stage in range(4)]
-cases.append(("3 compiled", 3, "llama-capstone", {"size": "tiny", "compile": True}))
-for name, stage, model, options in cases:
+cases = [(str(stage), stage, "mlp", {}, {}) for stage in range(4)]
+cases.append(("3 compiled", 3, capstone.MODEL, {"size": "tiny", "compile": True},
+              {"builder": capstone.BUILDER, "trainer": capstone.TRAINER}))
+for name, stage, model, options, named in cases:
     out = os.path.join(sys.argv[1], name.replace(" ", "-"))
     os.makedirs(out)
     with open(os.path.join(out, "ds_config.json"), "w") as f:
         json.dump(configs.load(f"zero{stage}"), f)
-    run = {"name": name, "out": out, "config": os.path.join(out, "ds_config.json"), "model": model,
-           "steps": 2, "seed": 0, "probes": ["peak_memory"], "client_optimizer": False, "on_error": "raise",
-           "faults": {}, "task": "train", "model_options": options, "options": {}, "before_training": None,
-           "plan": os.path.join(out, "plan.json")}
+    run = plan.PlannedRun(name=name, out=out, config=os.path.join(out, "ds_config.json"), model=model, steps=2,
+                          seed=0, probes=["peak_memory"], model_options=options, plan=os.path.join(out, "plan.json"),
+                          **named)
     train.train_run(run, 0, 1, time.time())
     alive[name] = engines[-1]() is not None
 # PyTorch's own engines (chapter 15, the capstone's FSDP2 runs), trained by the same kind of task
-from helpers import models, pytorch_train
+from helpers.core import models
+from helpers.topics import frameworks
 built = []
 build = models.build
 def remembered_model(*args, **kwargs):
@@ -247,12 +249,12 @@ for strategy in ("ddp", "fsdp2"):
     os.makedirs(out)
     with open(os.path.join(out, "ds_config.json"), "w") as f:
         json.dump(configs.load("zero0"), f)
-    run = {"name": strategy, "out": out, "config": os.path.join(out, "ds_config.json"), "model": "mlp", "steps": 2,
-           "seed": 0, "probes": ["peak_memory"], "on_error": "raise", "faults": {}, "model_options": {},
-           "options": {"strategy": strategy}, "before_training": None, "plan": os.path.join(out, "plan.json")}
-    with open(run["plan"], "w") as f:
+    run = plan.PlannedRun(name=strategy, out=out, config=os.path.join(out, "ds_config.json"), model="mlp", steps=2,
+                          seed=0, probes=["peak_memory"], options={"strategy": strategy},
+                          plan=os.path.join(out, "plan.json"))
+    with open(run.plan, "w") as f:
         json.dump({"launcher": "torchrun"}, f)
-    pytorch_train.train_run(run, 0, 1, time.time())
+    frameworks.train_run(run, 0, 1, time.time())
     alive[strategy] = built[-1]() is not None  # the model its engine wrapped
 print("ALIVE " + json.dumps(alive))
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import multinode
+from helpers.tools import multinode
 
 #: Not in the README's test command: `python3 -m helpers.course test --system` (and .ci/run) runs it.
 pytestmark = pytest.mark.system

@@ -8,8 +8,9 @@ import math
 
 import pytest
 
-from helpers import configs, launch, models, offload, precision, records, theory
-from helpers.environment import WORLD_SIZE_VARIABLE
+from helpers.core import configs, launch, models, records, references, theory
+from helpers.topics import offload, precision
+from helpers.core.environment import WORLD_SIZE_VARIABLE
 
 PSI = 1_000_000
 
@@ -68,10 +69,10 @@ def test_the_zero_offload_headline_from_the_formulas():
 
 
 def test_traffic_and_step_cost():
-    traffic = theory.offload_traffic_bytes(PSI, 4, "optimizer", "fp16")
+    traffic = offload.offload_traffic_bytes(PSI, 4, "optimizer", "fp16")
     assert traffic == {"to_host": 4 * PSI / 4, "to_accelerator": 2 * PSI / 4}
-    assert theory.offload_traffic_bytes(PSI, 4, "optimizer+params")["to_accelerator"] == 2 * 2 * PSI / 4
-    cost = theory.offload_step_cost_s(PSI, 4, "optimizer", 1e9, 2e9, 2e-9, 1e-10)
+    assert offload.offload_traffic_bytes(PSI, 4, "optimizer+params")["to_accelerator"] == 2 * 2 * PSI / 4
+    cost = offload.offload_step_cost_s(PSI, 4, "optimizer", 1e9, 2e9, 2e-9, 1e-10)
     assert cost["copies_s"] == pytest.approx(1e6 / 1e9 + 0.5e6 / 2e9)
     assert cost["adam_s"] == pytest.approx(PSI / 4 * (2e-9 - 1e-10))
 
@@ -111,13 +112,15 @@ def test_a_bad_fp16_setting_fails_before_launch_naming_it():
         precision.demo_config({"loss_scale_window": 0})
 
 
-@pytest.mark.parametrize("faults, match", [({"loss_spike_at_step": 0}, "from 1 to 3"),
-                                           ({"loss_spike_at_step": [2, 9]}, "from 1 to 3"),
-                                           ({"loss_spike": 2}, "not course faults")])
-def test_bad_faults_fail_before_any_process_starts(monkeypatch, faults, match):
+@pytest.mark.parametrize("options, faults, match", [({"loss_spike_at_step": 0}, None, "from 1 to 3"),
+                                                    ({"loss_spike_at_step": [2, 9]}, None, "from 1 to 3"),
+                                                    (None, None, "loss_spike_at_step"),
+                                                    ({"loss_spike_at_step": 2}, {"loss_spike": 2}, "not course faults")])
+def test_bad_spikes_and_faults_fail_before_any_process_starts(monkeypatch, options, faults, match):
     monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(ValueError, match=match):
-        launch.run("zero2", steps=3, world_size=2, faults=faults)
+        launch.run("zero2", steps=3, world_size=2, probes=("timing", precision.LossSpike), options=options,
+                   faults=faults)
 
 
 def test_step_ranges_read_as_a_learner_writes_them():
@@ -134,7 +137,7 @@ def swept(tmp_path_factory):
     os.environ.pop(WORLD_SIZE_VARIABLE, None)
     folder = tmp_path_factory.mktemp("offload-precision")
     bf16 = {"bf16": {"enabled": True}}
-    probes = ("timing", "model_states", "placement", "peak_memory", "loss_scale")
+    probes = ("timing", "model_states", "placement", "peak_memory", precision.LossScale)
     specs = {
         "stage 2": launch.RunSpec("zero2", model="mlp", steps=3, overrides=bf16, probes=probes, out=folder / "s2"),
         "stage 2 offload": launch.RunSpec("zero2", model="mlp", steps=3, probes=probes, out=folder / "s2o",
@@ -142,14 +145,13 @@ def swept(tmp_path_factory):
         "stage 3 offload": launch.RunSpec("zero3", model="mlp", steps=3, probes=probes, out=folder / "s3o",
                                           overrides=configs.merged(bf16, offload.offloaded(
                                               offload_optimizer=offload.CPU, offload_param=offload.CPU))),
-        "spiked": launch.RunSpec("zero2", model="mlp", steps=3, overrides=bf16, probes=probes, out=folder / "spiked",
-                                 faults={"loss_spike_at_step": 2}),
+        "spiked": launch.RunSpec("zero2", model="mlp", steps=3, overrides=bf16, probes=probes + (precision.LossSpike,),
+                                 out=folder / "spiked", **precision.spike(2)),
         "demo": launch.RunSpec(precision.demo_config({"initial_scale_power": 16}), model="mlp", steps=4, check=False,
-                               task="helpers.precision:scaler_demo", faults={"loss_spike_at_step": 2},
-                               out=folder / "demo"),
+                               task=precision.SCALER_DEMO, **precision.spike(2), out=folder / "demo"),
         "demo at the floor": launch.RunSpec(precision.demo_config({"hysteresis": 1, "min_loss_scale": 65536}),
-                                            model="mlp", steps=4, check=False, task="helpers.precision:scaler_demo",
-                                            faults={"loss_spike_at_step": 2}, out=folder / "floor"),
+                                            model="mlp", steps=4, check=False, task=precision.SCALER_DEMO,
+                                            **precision.spike(2), out=folder / "floor"),
     }
     return launch.sweep(specs, name=f"offload-precision-{folder.name}", world_size=2, progress=False)
 
@@ -223,9 +225,8 @@ def test_committed_gpu_results_are_shown_beside_the_learners(swept, tmp_path, mo
     records (relabelled as GPU results) through every report the chapters print."""
     import json
 
-    from helpers import experiments
 
-    monkeypatch.setattr(experiments, "REFERENCE_DIR", tmp_path)
+    monkeypatch.setattr(references, "REFERENCE_DIR", tmp_path)
     bench = {"name": "adam-benchmark", "task": "benchmark", "device": "cuda", "transfers": None,
              "adam": offload.adam_benchmark(numel=4096, repeats=1)}
 

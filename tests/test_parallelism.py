@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import activations, launch, models, pipeline, records, theory
-from helpers.environment import WORLD_SIZE_VARIABLE
+from helpers.core import launch, models, records
+from helpers.topics import activations, pipeline, tensor_parallel
+from helpers.core.environment import WORLD_SIZE_VARIABLE
 
 
 @pytest.fixture(autouse=True)
@@ -20,9 +21,10 @@ def _two_ranks(monkeypatch):
 
 def test_llama_names_parse_into_size_and_variant():
     assert models.llama_parts("llama-long-ckpt") == ("llama-long", "-ckpt")
-    assert models.llama_parts("llama-gpu-pipe") == ("llama-gpu", "-pipe")
     assert models.llama_parts("llama") == ("llama", "")
-    assert models.trainer_of("llama-pipe") == "pipeline" and models.trainer_of("llama-ckpt") == "data_parallel"
+    assert pipeline.base_model("llama-gpu-pipe") == "llama-gpu" and models.shape_of("llama-gpu-pipe").hidden == 1024
+    with pytest.raises(ValueError, match="e.g. 'llama-pipe'"):
+        pipeline.check_options("llama-ckpt-pipe", {})
     assert models.seq_len_of("llama-long") == 512 and models.seq_len_of("gpt2") == models.LM_SEQ_LEN
     assert models.make_batch("llama-long", [0, 1]).inputs.shape == (2, 512)
     with pytest.raises(ValueError, match="llama-huge"):
@@ -46,7 +48,7 @@ def test_the_stages_in_sequence_are_the_model():
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("micro_batches", [1, 2, 3, 4, 8])
 def test_deepspeeds_schedule_idles_as_the_bubble_formula_says(stages, micro_batches):
-    assert pipeline.schedule_bubble(stages, micro_batches) == pytest.approx(theory.bubble_fraction(stages, micro_batches))
+    assert pipeline.schedule_bubble(stages, micro_batches) == pytest.approx(pipeline.bubble_fraction(stages, micro_batches))
     grid = pipeline.schedule_grid(stages, micro_batches)
     for row in grid:  # every micro-batch goes forward, then backward, once per stage
         assert sorted(c for c in row if c) == sorted([f"F{m}" for m in range(micro_batches)]
@@ -63,17 +65,19 @@ def test_saved_tensor_counter_matches_the_formula_in_process(name, checkpointed)
     models.loss_of(model, name, batch).backward()
     counter.stop()
     found = counter.summary()
-    expected = theory.activation_bytes_per_layer(4, 64, 64, 4, 172, checkpointed=checkpointed)["total"]
+    expected = activations.activation_bytes_per_layer(4, 64, 64, 4, 172, checkpointed=checkpointed)["total"]
     assert found["per_layer"][1] == expected
-    assert found["per_layer"][0] == expected + (0 if checkpointed else theory.rotary_bytes(64, 16))
+    assert found["per_layer"][0] == expected + (0 if checkpointed else activations.rotary_bytes(64, 16))
     floats = sum(elements * 4 for dtype, elements in found["outside_blocks"] if dtype == "float32")
-    assert floats == theory.activation_bytes_outside_layers(4, 64, 64, 256)
+    assert floats == activations.activation_bytes_outside_layers(4, 64, 64, 256)
 
 
 def test_the_pipeline_probe_on_a_model_that_is_no_pipeline_stops_before_any_process_starts(monkeypatch):
     monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
-    with pytest.raises(ValueError, match="probe 'pipeline' measures pipeline training.*'llama-pipe'"):
-        launch.run("zero1", model="llama", probes=("pipeline",))
+    with pytest.raises(ValueError, match="probe 'pipeline' measures training by helpers.topics.pipeline:train_step"):
+        launch.run("zero1", model="llama", probes=(pipeline.PipelineTimeline,))
+    with pytest.raises(ValueError, match="a pipeline model is a LLaMA-style model's name"):
+        launch.run("zero1", model="llama", builder=pipeline.BUILDER, trainer=pipeline.TRAINER)
 
 
 # --- one launch -------------------------------------------------------------------------------
@@ -88,13 +92,13 @@ def swept(tmp_path_factory):
                         overrides={"gradient_accumulation_steps": 1})  # 4 x 1 x 2 ranks = 8 samples
     specs = {
         "dp-before": dp,
-        "pipe": launch.RunSpec("zero1", model="llama-pipe", steps=STEPS,
-                               probes=("model_states", "comm", "pipeline", "activations"),
+        "pipe": launch.RunSpec("zero1", model="llama-pipe", steps=STEPS, builder=pipeline.BUILDER, trainer=pipeline.TRAINER,
+                               probes=("model_states", "comm", pipeline.PipelineTimeline, activations.Activations),
                                overrides={"gradient_accumulation_steps": 2}),  # 4 x 2 micro-batches = 8
-        "tp": launch.RunSpec("zero0", model="llama", steps=STEPS, probes=("model_states", "comm", "param_shards"),
+        "tp": launch.RunSpec("zero0", model="llama", steps=STEPS, probes=("model_states", "comm", tensor_parallel.ParamShards),
                              overrides={"tensor_parallel": {"autotp_size": 2}, "train_micro_batch_size_per_gpu": 8,
                                         "gradient_accumulation_steps": 1}),
-        "dsckpt": launch.RunSpec("zero0", model="llama-dsckpt", steps=STEPS, probes=("activations",),
+        "dsckpt": launch.RunSpec("zero0", model="llama-dsckpt", steps=STEPS, probes=(activations.Activations,),
                                  overrides={"gradient_accumulation_steps": 1}),
         "dp-after": dp,
     }
@@ -124,10 +128,10 @@ def test_pipeline_record(swept):
     assert pipe.states(0)["params"] + pipe.states(1)["params"] == dp.states(0)["params"]
     # one activation out and one gradient back per micro-batch, b·s·h fp32 each
     for op in ("send", "recv"):
-        assert pipe.comm_ops()[op] == {"count": 2, "bytes": 2 * theory.pipeline_p2p_bytes(4, 64, 64)}
+        assert pipe.comm_ops()[op] == {"count": 2, "bytes": 2 * pipeline.pipeline_p2p_bytes(4, 64, 64)}
     # 1F1B: stage 0 holds 2 micro-batches when its first backward starts, stage 1 one
     saved = [r["per_layer"][0] for r in pipe.summary["activations"]["per_rank"]]
-    one = theory.activation_bytes_per_layer(4, 64, 64, 4, 172)["total"] + theory.rotary_bytes(64, 16)
+    one = activations.activation_bytes_per_layer(4, 64, 64, 4, 172)["total"] + activations.rotary_bytes(64, 16)
     assert saved == [2 * one, one]
     section = pipe.summary["pipeline"]
     assert section["stages"] == 2 and section["micro_batches"] == 2
@@ -140,7 +144,7 @@ def test_pipeline_record(swept):
 def test_autotp_record(swept):
     tp = swept["tp"]
     assert (tp["train_batch"], tp["data_parallel_size"], tp["deepspeed_train_batch"]) == (8, 1, 16)
-    expected = theory.tensor_parallel_collectives(2, 8, 64, 64, 256, 2)
+    expected = tensor_parallel.tensor_parallel_collectives(2, 8, 64, 64, 256, 2)
     for (op, where), (count, size) in expected.items():  # one micro-step per optimizer step here
         assert tp.summary["comm"]["by_caller"][op][where] == {"count": count, "bytes": count * size}
     shards = tp.summary["param_shards"]["per_rank"]

@@ -1,11 +1,11 @@
-"""What the calculator computes, in helpers.theory and helpers.models: offload placement, the paper's
+"""What the calculator computes, in helpers.core.theory and helpers.core.models: offload placement, the paper's
 collectives of a step, predicted communication time, LLaMA-style parameter counts."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers import models, theory
+from helpers.core import models, theory
 
 PSI = 1_000_000
 KEYS = ("params", "grads", "optimizer", "master")
@@ -112,7 +112,7 @@ def test_predicted_time_is_ring_bytes_over_the_link():
 
 
 def test_the_calculator_and_the_fitted_models_share_one_time_formula():
-    from helpers import bandwidth
+    from helpers.topics import bandwidth
     cluster = theory.Cluster(gpus_per_node=4, nodes=2, link_bytes_per_s=50e9)
     assert bandwidth.AlphaBeta is theory.AlphaBeta and cluster.link == theory.AlphaBeta(0.0, 1 / 50e9)
     wire = theory.ring_bytes("all_gather", 3e9, 8)

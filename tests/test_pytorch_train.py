@@ -7,18 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from helpers import launch, models, pytorch_train, records
-from helpers.environment import WORLD_SIZE_VARIABLE
+from helpers.core import launch, models, records
+from helpers.topics import frameworks
+from helpers.core.environment import WORLD_SIZE_VARIABLE
 
 STEPS = 3
-PROBES = ("timing", "model_states", "torch_comm")
+PROBES = ("timing", "model_states", frameworks.TorchComm)
 
 
 @pytest.fixture(scope="module")
 def torch_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("torchrun")
     specs = {s: launch.RunSpec("zero0", model="mlp", steps=STEPS, probes=PROBES, out=folder / s,
-                               task="helpers.pytorch_train:train_run", options={"strategy": s})
+                               task=frameworks.TASK, options={"strategy": s})
              for s in ("ddp", "fsdp2")}
     return launch.sweep(specs, name=f"test-torchrun-{folder.name}", world_size=2, launcher="torchrun", progress=False)
 
@@ -27,7 +28,7 @@ def test_torchrun_runs_come_back_as_records_of_their_strategy(torch_runs):
     for strategy, record in torch_runs.items():
         assert isinstance(record, records.Record)
         assert record.summary["launcher"] == "torchrun" and record.summary["backend"] == "gloo"
-        assert record.label == f"{pytorch_train.STRATEGIES[strategy].label} fp32"
+        assert record.label == f"{frameworks.STRATEGIES[strategy].label} fp32"
     command = Path(torch_runs["ddp"]["launch"]["plan"]).parent / "command.txt"
     assert "torch.distributed.run" in command.read_text()
 
@@ -83,7 +84,7 @@ def test_collectives_from_profile_counts_nested_ops_once_and_sizes_them_like_the
         FakeEvent("c10d::allreduce_", 400, 10, [[[1000], [24]], []], ["TensorList", ""]),  # a bucket: no dtype
         FakeEvent("c10d::_reduce_scatter_base_", 500, 10, [[50], [100]], ["float", "float"]),
     ]
-    found = pytorch_train.collectives_from_profile(events, fallback_dtype_bytes=4)
+    found = frameworks.collectives_from_profile(events, fallback_dtype_bytes=4)
     assert found["all_gather_into_tensor | [Caller Func: FSDP::all_gather]"] == {200: {"count": 1}}  # shard, bf16
     assert found["all_reduce | [Caller Func: aten::linalg_vector_norm]"] == {16: {"count": 1}}
     assert found["all_reduce"] == {4096: {"count": 1}}  # 1024 elements at the fallback width
@@ -108,11 +109,11 @@ def test_a_list_op_takes_its_size_and_dtype_from_its_backends_event_in_issue_ord
         OldTorchEvent("c10d::allreduce_", 700, 20, [[], [], []], ["TensorList", "", ""]),
         OldTorchEvent("gloo:all_reduce", 900, 5, [[1]], ["double"], thread=7),
     ]
-    found = pytorch_train.collectives_from_profile(events, fallback_dtype_bytes=4)
+    found = frameworks.collectives_from_profile(events, fallback_dtype_bytes=4)
     assert found["all_reduce"] == {6000: {"count": 1}, 8: {"count": 1}}
     assert found["reduce_scatter_tensor"] == {400: {"count": 1}}
     # an op whose backend event fell outside the profile: nothing paired, the fallback width
-    cut = pytorch_train.collectives_from_profile(events + [FakeEvent("c10d::allreduce_", 950, 5, [[[10]]], ["TensorList"])], 4)
+    cut = frameworks.collectives_from_profile(events + [FakeEvent("c10d::allreduce_", 950, 5, [[[10]]], ["TensorList"])], 4)
     assert cut["all_reduce"] == {0: {"count": 2}, 40: {"count": 1}}
 
 
@@ -121,13 +122,14 @@ def test_an_unknown_strategy_is_refused_before_any_process_starts(bad, monkeypat
     monkeypatch.delenv(WORLD_SIZE_VARIABLE, raising=False)
     monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(ValueError, match=r"options\['strategy'\]"):
-        launch.sweep({"x": launch.RunSpec("zero0", task="helpers.pytorch_train:train_run",
+        launch.sweep({"x": launch.RunSpec("zero0", task=frameworks.TASK,
                                           options={"strategy": bad} if bad else None)},
                      world_size=2, launcher="torchrun")
 
 
 def test_a_collective_counted_without_sizes_is_not_shown_as_zero_bytes():
-    from helpers import frameworks, records
+    from helpers.core import records
+    from helpers.topics import frameworks
     from test_records import minimal_summary
 
     summary = minimal_summary()
@@ -148,6 +150,6 @@ def test_a_profile_of_many_steps_is_read_in_one_pass():
         events += [FakeEvent("aten::mm", base + 10 + j * 20, 10, [], []) for j in range(30)]
         events.append(FakeEvent("c10d::_allgather_base_", base + 700, 50, [[8], [4]], ["float", "float"]))
     started = time.monotonic()
-    found = pytorch_train.collectives_from_profile(events, fallback_dtype_bytes=4)
+    found = frameworks.collectives_from_profile(events, fallback_dtype_bytes=4)
     assert time.monotonic() - started < 5
     assert found == {"all_gather_into_tensor | [Caller Func: backward: X]": {16: {"count": 2_000}}}

@@ -1,4 +1,4 @@
-"""helpers.records (summary.json schema, tables) and helpers.communication (comms-logger folding)."""
+"""helpers.core.records (summary.json schema, accessors, tables) and helpers.core.communication (comms-logger folding)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import json
 
 import pytest
 
-from helpers import communication, records, theory
+from helpers.core import communication, records, theory
 
 PSI = 1000
 STATES = {"params": 4000, "grads": 2000, "optimizer": 4000, "master": 2000, "buffers": 512}
 
 
 def minimal_summary() -> dict:
-    """A hand-built summary.json with every REQUIRED_KEY, consistent: 2 ranks, ZeRO-2, fp32, 2 steps."""
+    """A hand-built summary.json with every core key and the default probes' sections, consistent: 2 ranks,
+    ZeRO-2, fp32, 2 steps (written before runs declared their probes' keys: no ``probe_keys``)."""
     return {
         "world_size": 2, "backend": "gloo", "device": "cpu", "zero_stage": 2, "precision": "fp32",
         "micro_batch": 4, "grad_accum": 1, "train_batch": 8, "steps": 2,
@@ -50,7 +51,7 @@ def test_validate_names_every_missing_key():
     assert "missing world_size" not in message
 
 
-@pytest.mark.parametrize("key", records.REQUIRED_KEYS)
+@pytest.mark.parametrize("key", records.CORE_KEYS)
 def test_validate_rejects_each_missing_required_key(key):
     summary = minimal_summary()
     *parents, last = key.split(".")
@@ -60,6 +61,40 @@ def test_validate_rejects_each_missing_required_key(key):
     del node[last]
     with pytest.raises(ValueError, match=f"missing {key}"):
         records.validate(summary)
+
+
+def test_validate_requires_the_keys_each_probe_declared():
+    summary = minimal_summary()
+    summary["probes"] = ["timing", "toy"]
+    summary["probe_keys"] = {"timing": ["step_time_s.median"], "toy": ["toy.seen"]}
+    with pytest.raises(ValueError, match="missing toy.seen"):
+        records.validate(summary)
+    summary["toy"] = {"seen": 3}
+    records.validate(summary)
+
+
+def test_accessors_read_the_record_by_name():
+    r = records.Record(minimal_summary())
+    assert r.memory.model_states(rank=1).grads == STATES["grads"]
+    assert r.memory.model_states(0).total == sum(STATES[k] for k in records.MODEL_STATE_KEYS)
+    assert r.memory.peak() == 11 and r.memory.peak(rank=0) == 10
+    assert r.comm.wire_bytes_per_step == 6000.0 and r.comm.calls_per_step == 2.0
+    assert r.timing.median_s == 0.1 and r.timing.samples_per_s == 80.0
+    assert r.theory.model_states.optimizer == theory.model_state_bytes(PSI, 2, 2, "fp32")["optimizer"]
+    assert (r.world_size, r.stage, r.precision, r.model_name, r.params) == (2, 2, "fp32", "mlp", PSI)
+
+
+def test_a_figure_no_probe_measured_says_which_probe_would_have():
+    summary = minimal_summary()
+    summary["probes"] = ["timing"]
+    del summary["memory"], summary["comm"]
+    r = records.Record(summary)
+    with pytest.raises(records.NotMeasured, match="did not use the 'model_states' probe .*it used timing"):
+        r.memory.model_states(0)
+    with pytest.raises(records.NotMeasured, match="'comm' probe"):
+        r.comm.wire_bytes_per_step
+    with pytest.raises(records.NotMeasured, match="'activations' probe"):
+        r.section("activations")
 
 
 @pytest.mark.parametrize("change, problem", [
@@ -103,6 +138,7 @@ def test_record_round_trips_through_load(tmp_path):
 
 def test_load_refuses_an_invalid_summary(tmp_path):
     summary = minimal_summary()
+    summary["probes"], summary["probe_keys"] = ["comm"], {"comm": ["comm.by_op", "comm.bytes_per_step"]}
     del summary["comm"]
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ValueError, match="missing comm.by_op"):
@@ -241,14 +277,14 @@ def test_per_step_divides_every_figure():
 
 
 def test_a_ratio_over_nothing_says_why_instead_of_dividing_by_zero():
-    from helpers import records
+    from helpers.core import records
 
     assert records.format_ratio(3.0, 2.0, suffix="x") == "1.50x"
     assert records.format_ratio(3.0, 0.0) == "- (one rank sends nothing)"
 
 
 def test_a_gpu_peak_measured_after_other_runs_of_its_launch_before_engines_were_released_is_an_upper_bound():
-    from helpers import records
+    from helpers.core import records
 
     run = {"device": "cuda", "launch": {"position": 2, "of": 3}, "memory": {"peak_bytes_per_rank": [2**30, 3 * 2**30]}}
     assert records.format_peak(run) == records.UPPER_BOUND + "3 GiB" and records.format_peak(run, 0).endswith(" 1 GiB")

@@ -1,11 +1,11 @@
-"""helpers.launch.sweep: several runs in the ranks of one launch give the records their own launches give."""
+"""helpers.core.launch.sweep: several runs in the ranks of one launch give the records their own launches give."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers import launch, records
-from helpers.environment import WORLD_SIZE_VARIABLE
+from helpers.core import launch, records
+from helpers.core.environment import WORLD_SIZE_VARIABLE
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +67,7 @@ def test_a_sweep_refuses_two_runs_of_one_name(tmp_path, monkeypatch):
 
 
 def test_a_bad_config_anywhere_in_a_sweep_stops_it_before_any_process_starts(tmp_path, monkeypatch):
-    from helpers import configs
+    from helpers.core import configs
 
     monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(configs.ConfigError, match="second"):

@@ -1,10 +1,11 @@
-"""helpers.theory: the ZeRO paper's memory and communication formulas, checked by hand."""
+"""helpers.core.theory: the ZeRO paper's memory and communication formulas, checked by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers import theory
+from helpers.core import theory
+from helpers.topics import activations, pipeline, tensor_parallel
 
 PSI = 1_000_000  # divisible by every world size used below, so the halvings are exact
 STATE_KEYS = ("params", "grads", "optimizer", "master")
@@ -220,66 +221,66 @@ LLAMA = dict(batch=4, seq=64, hidden=64, heads=4, intermediate=172)
 
 def test_activation_bytes_per_layer_fp32_terms():
     bsh, bsi, ass, bs = 4 * 64 * 64, 4 * 64 * 172, 4 * 64 * 64 * 4, 4 * 64
-    got = theory.activation_bytes_per_layer(**LLAMA)
+    got = activations.activation_bytes_per_layer(**LLAMA)
     assert got == {"b·s·h": 40 * bsh, "b·s·i": 16 * bsi, "a·s²·b": 4 * ass, "b·s": 8 * bs,
                    "total": 40 * bsh + 16 * bsi + 4 * ass + 8 * bs}
     assert got["total"] == 1_624_064  # what the activations probe measures for layer 1 (notebook 10)
 
 
 def test_activation_bytes_per_layer_half_precision_keeps_fp32_copies():
-    got = theory.activation_bytes_per_layer(**LLAMA, precision="bf16")
+    got = activations.activation_bytes_per_layer(**LLAMA, precision="bf16")
     # 8 bf16 + 2 fp32 b·s·h; 4 bf16 b·s·i; softmax in fp32 and cast back; two fp32 1/rms
     assert got["b·s·h"] == (8 * 2 + 2 * 4) * 4 * 64 * 64
     assert got["a·s²·b"] == (2 + 4) * 4 * 64 * 64 * 4
     assert got["total"] == 1_140_736
-    assert theory.activation_bytes_per_layer(**LLAMA, precision="fp16") == got
+    assert activations.activation_bytes_per_layer(**LLAMA, precision="fp16") == got
 
 
 @pytest.mark.parametrize("precision, width", [("fp32", 4), ("bf16", 2)])
 def test_a_checkpointed_layer_keeps_only_its_input(precision, width):
-    got = theory.activation_bytes_per_layer(**LLAMA, precision=precision, checkpointed=True)
+    got = activations.activation_bytes_per_layer(**LLAMA, precision=precision, checkpointed=True)
     assert got["total"] == got["b·s·h"] == 4 * 64 * 64 * width
 
 
 def test_activation_bytes_scale_linearly_in_batch_and_quadratically_in_attention():
-    one = theory.activation_bytes_per_layer(1, 128, 64, 4, 172)
-    four = theory.activation_bytes_per_layer(4, 128, 64, 4, 172)
+    one = activations.activation_bytes_per_layer(1, 128, 64, 4, 172)
+    four = activations.activation_bytes_per_layer(4, 128, 64, 4, 172)
     assert four["total"] == 4 * one["total"]
-    longer = theory.activation_bytes_per_layer(1, 256, 64, 4, 172)
+    longer = activations.activation_bytes_per_layer(1, 256, 64, 4, 172)
     assert longer["a·s²·b"] == 4 * one["a·s²·b"] and longer["b·s·h"] == 2 * one["b·s·h"]
 
 
 def test_whole_model_activations_add_layers_rotary_and_the_head():
-    per_layer = theory.activation_bytes_per_layer(**LLAMA)["total"]
+    per_layer = activations.activation_bytes_per_layer(**LLAMA)["total"]
     outside = 4 * (3 * 4 * 64 * 64 + 4 * 64 + 4 * 64 * 256 + 1)  # final norm, 1/rms, log-softmax, loss
-    assert theory.activation_bytes_outside_layers(4, 64, 64, 256) == outside
-    assert theory.rotary_bytes(64, 16) == 2 * 64 * 16 * 4
-    assert theory.activation_bytes(2, **LLAMA, vocab=256) == 2 * per_layer + 2 * 64 * 16 * 4 + outside
-    assert theory.activation_bytes(2, **LLAMA, vocab=256, checkpointed=True) == 2 * 4 * 64 * 64 * 4 + outside
+    assert activations.activation_bytes_outside_layers(4, 64, 64, 256) == outside
+    assert activations.rotary_bytes(64, 16) == 2 * 64 * 16 * 4
+    assert activations.activation_bytes(2, **LLAMA, vocab=256) == 2 * per_layer + 2 * 64 * 16 * 4 + outside
+    assert activations.activation_bytes(2, **LLAMA, vocab=256, checkpointed=True) == 2 * 4 * 64 * 64 * 4 + outside
 
 
 @pytest.mark.parametrize("stages, micro_batches, expected", [(1, 4, 0.0), (2, 1, 0.5), (2, 4, 0.2), (4, 4, 3 / 7),
                                                              (8, 16, 7 / 23)])
 def test_bubble_fraction(stages, micro_batches, expected):
-    assert theory.bubble_fraction(stages, micro_batches) == pytest.approx(expected)
+    assert pipeline.bubble_fraction(stages, micro_batches) == pytest.approx(expected)
 
 
 def test_bubble_fraction_refuses_nonsense():
     with pytest.raises(ValueError, match="micro_batches=0"):
-        theory.bubble_fraction(2, 0)
+        pipeline.bubble_fraction(2, 0)
 
 
 def test_pipeline_sends_one_activation_per_micro_batch():
-    assert theory.pipeline_p2p_bytes(4, 64, 64) == 65_536
-    assert theory.pipeline_p2p_bytes(4, 64, 64, "bf16") == 32_768
+    assert pipeline.pipeline_p2p_bytes(4, 64, 64) == 65_536
+    assert pipeline.pipeline_p2p_bytes(4, 64, 64, "bf16") == 32_768
 
 
 def test_tensor_parallel_collectives_per_micro_step():
-    got = theory.tensor_parallel_collectives(layers=2, batch=8, seq=64, hidden=64, vocab=256, tp=2)
+    got = tensor_parallel.tensor_parallel_collectives(layers=2, batch=8, seq=64, hidden=64, vocab=256, tp=2)
     assert got == {("all_reduce", "forward"): (4, 131_072), ("all_gather_into_tensor", "forward"): (1, 262_144),
                    ("all_reduce", "backward"): (11, 131_072)}
     # on 2 ranks an all-reduce sends its size once, an all-gather its shard once
-    assert theory.tensor_parallel_wire_bytes(2, 8, 64, 64, 256, 2) == 15 * 131_072 + 262_144
+    assert tensor_parallel.tensor_parallel_wire_bytes(2, 8, 64, 64, 256, 2) == 15 * 131_072 + 262_144
 
 
 def test_zero3_wire_bytes_grow_with_parameters_not_tokens():

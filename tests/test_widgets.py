@@ -1,4 +1,4 @@
-"""helpers.widgets driven through their callbacks, as a learner's clicks drive them: set a control, read
+"""helpers.topics.widgets's widgets driven through their callbacks, as a learner's clicks drive them: set a control, read
 the config, the checker's findings and the calculator's figures; one real launch for the live view,
 the launch hook and "my runs"."""
 
@@ -10,8 +10,9 @@ import json
 
 import pytest
 
-from helpers import configs, environment, launch, models, records, theory, widgets
-from helpers.environment import WORLD_SIZE_VARIABLE
+from helpers.core import configs, environment, launch, models, records, theory
+from helpers.topics import widgets
+from helpers.core.environment import WORLD_SIZE_VARIABLE
 
 
 @pytest.fixture(autouse=True)
@@ -218,13 +219,12 @@ def test_calculator_table_marks_the_builders_row():
 
 def test_lab_links_the_builders_setting_to_the_calculators_row(cpu_env, tmp_path, monkeypatch):
     monkeypatch.setattr(widgets, "MY_CONFIGS", tmp_path)
-    lab = widgets.ConfigLab(widgets.ConfigBuilder(env=cpu_env), widgets.Calculator(),
-                            widgets.MyRuns(folder=tmp_path))
-    assert lab.calculator.marked == (2, False, False)
-    lab.builder.set(stage=3, offload_optimizer="cpu", offload_param="cpu")
-    assert lab.calculator.marked == (3, True, True)
-    lab.builder.set(stage=2)  # parameters are not offloaded below stage 3: the row says so
-    assert lab.calculator.marked == (2, True, False)
+    the_lab = widgets.ConfigLab(widgets.ConfigBuilder(env=cpu_env), widgets.Calculator(), widgets.MyRuns(folder=tmp_path))
+    assert the_lab.calculator.marked == (2, False, False)
+    the_lab.builder.set(stage=3, offload_optimizer="cpu", offload_param="cpu")
+    assert the_lab.calculator.marked == (3, True, True)
+    the_lab.builder.set(stage=2)  # parameters are not offloaded below stage 3: the row says so
+    assert the_lab.calculator.marked == (2, True, False)
 
 
 def test_offload_calculator_for_the_offload_chapter():
@@ -252,17 +252,17 @@ def launched(tmp_path_factory):
         (folder / "runs" / "not-a-record").mkdir()
         (folder / "runs" / "not-a-record" / "summary.json").write_text('{"result": 1}')
         events = []
-        lab = widgets.ConfigLab(widgets.ConfigBuilder(name="widget-test", model="linear", steps=3),
+        the_lab = widgets.ConfigLab(widgets.ConfigBuilder(name="widget-test", model="linear", steps=3),
                                 widgets.Calculator(), widgets.MyRuns(folder=folder / "runs"))
-        lab.builder.set(stage=1)
-        lab.builder.live.on_event = lambda event, seen=lab.builder.live.on_event: (events.append(event), seen(event))
-        lab.builder.launch_button.click()
-        yield lab, events, folder
+        the_lab.builder.set(stage=1)
+        the_lab.builder.live.on_event = lambda event, seen=the_lab.builder.live.on_event: (events.append(event), seen(event))
+        the_lab.builder.launch_button.click()
+        yield the_lab, events, folder
 
 
 def test_the_launch_hook_reports_every_step_with_the_records_loss(launched):
     lab, events, _ = launched
-    record = lab.builder.last_record
+    record = widgets.builder.last_record
     assert isinstance(record, records.Record) and record.stage == 1
     assert [e["event"] for e in events] == ["run_start", "step", "step", "step", "done"]
     assert {e["name"] for e in events} == {"widget-test"} and events[0]["steps"] == 3
@@ -272,17 +272,17 @@ def test_the_launch_hook_reports_every_step_with_the_records_loss(launched):
 
 def test_the_live_view_ends_with_the_record(launched):
     lab, _, folder = launched
-    live = lab.builder.live
+    live = widgets.builder.live
     assert (live.bar.value, live.bar.max, live.bar.bar_style) == (3, 3, "success")
-    assert live.losses["widget-test"] == lab.builder.last_record.losses
+    assert live.losses["widget-test"] == widgets.builder.last_record.losses
     assert live.plot.value[:4] == b"\x89PNG"
     assert "widget-test-linear-2r" in live.record_view.value and "states/rank" in live.record_view.value
-    assert configs.load(folder / "my_configs" / "widget-test.json") == lab.builder.config
+    assert configs.load(folder / "my_configs" / "widget-test.json") == widgets.builder.config
 
 
 def test_my_runs_lists_the_new_record_and_skips_what_is_not_one(launched):
     lab, _, folder = launched
-    runs = lab.runs
+    runs = widgets.runs
     assert list(runs.runs) == ["widget-test-linear-2r"] and list(runs.skipped) == ["not-a-record"]
     assert runs.choice.value == ("widget-test-linear-2r",)
     assert "widget-test-linear-2r" in runs.table_view.value

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import course, environment, experiments, launch, notebooks
-from helpers.environment import REPO_ROOT
+from helpers.core import environment, launch, references
+from helpers.tools import notebooks
+from helpers import course
+from helpers.core.environment import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import device_run  # noqa: E402
@@ -154,7 +156,7 @@ def test_a_notebook_stopped_from_outside_is_reported_as_stopped_not_failed(tmp_p
                            outputs=[nbformat.v4.new_output("stream", text="stored on another machine\n")])
     nbformat.write(new_notebook(cells=[new_code_cell("x = 1"), new_code_cell("import time; time.sleep(120)"), stored]),
                    slow)
-    process = subprocess.Popen([sys.executable, "-m", "helpers.notebooks", str(slow), "--out", str(tmp_path / "out")],
+    process = subprocess.Popen([sys.executable, "-m", "helpers.tools.notebooks", str(slow), "--out", str(tmp_path / "out")],
                                cwd=REPO_ROOT)
     time.sleep(8)  # the kernel is up and in the second cell (a job's deadline comes as SIGTERM)
     process.send_signal(signal.SIGTERM)
@@ -228,10 +230,10 @@ def test_reference_script_runs_the_chapters_that_keep_gpu_results():
 
 
 def test_references_carry_hardware_and_conditions(tmp_path, monkeypatch):
-    monkeypatch.setattr(experiments, "NEW_REFERENCE_DIR", tmp_path)
+    monkeypatch.setattr(references, "NEW_REFERENCE_DIR", tmp_path)
     monkeypatch.setattr(environment, "hardware", lambda env=None: {"interconnect": "GPU0 X NV18"})
-    monkeypatch.setenv(experiments.CONDITIONS_VARIABLE, "alone")
-    path = experiments.save_reference("demo", {"a": {"device": "cuda", "world_size": 2, "device_name": "NVIDIA H100"}})
+    monkeypatch.setenv(references.CONDITIONS_VARIABLE, "alone")
+    path = references.save_reference("demo", {"a": {"device": "cuda", "world_size": 2, "device_name": "NVIDIA H100"}})
     payload = json.loads(path.read_text())
     assert path.name == "demo-2xNVIDIA-H100.json"
     assert payload["hardware"]["interconnect"] == "GPU0 X NV18" and payload["conditions"] == "alone"

@@ -1,4 +1,4 @@
-"""helpers.theory's ZeRO++ accounting (arXiv 2306.10209) and latency-bandwidth model, checked by hand."""
+"""helpers.core.theory's ZeRO++ accounting (arXiv 2306.10209) and latency-bandwidth model, checked by hand."""
 
 from __future__ import annotations
 
@@ -6,14 +6,15 @@ import dataclasses
 
 import pytest
 
-from helpers import theory
+from helpers.core import theory
+from helpers.topics import compression
 
 PSI = 1_000_000
 M = 2 * PSI  # the model in 16-bit bytes
 
 
 def _across(**flags) -> float:
-    return theory.zeropp_cross_node_bytes(PSI, **flags)
+    return compression.zeropp_cross_node_bytes(PSI, **flags)
 
 
 def test_zero3_moves_three_models_across_nodes_and_zeropp_three_quarters_of_one():
@@ -33,21 +34,21 @@ def test_each_switch_alone(flags, expected):
 
 
 def test_on_one_node_nothing_crosses_and_only_qwz_changes_the_bytes():
-    plain = theory.zeropp_volume(PSI, nodes=1)
+    plain = compression.zeropp_volume(PSI, nodes=1)
     assert all(v["inter"] == 0 for v in plain.values())
     assert sum(v["intra"] for v in plain.values()) == 3 * M
     # hpZ's node-local group is the node; qgZ falls back to the reduce-scatter (DeepSpeed's stage3.py)
-    assert theory.zeropp_volume(PSI, hpz=True, qgz=True, nodes=1) == plain
-    halved = theory.zeropp_volume(PSI, qwz=True, nodes=1)
+    assert compression.zeropp_volume(PSI, hpz=True, qgz=True, nodes=1) == plain
+    halved = compression.zeropp_volume(PSI, qwz=True, nodes=1)
     assert sum(v["intra"] for v in halved.values()) == 2 * M
 
 
 def test_hpz_and_qgz_keep_part_of_their_traffic_inside_the_node():
-    v = theory.zeropp_volume(PSI, qwz=True, hpz=True, qgz=True, nodes=4)
+    v = compression.zeropp_volume(PSI, qwz=True, hpz=True, qgz=True, nodes=4)
     assert v["backward all-gather"] == {"inter": 0.0, "intra": 0.5 * M}
     assert v["gradient reduce-scatter"] == {"inter": 0.25 * M, "intra": 0.25 * M}
     with pytest.raises(ValueError, match="nodes"):
-        theory.zeropp_volume(PSI, nodes=0)
+        compression.zeropp_volume(PSI, nodes=0)
 
 
 def test_link_costs_latency_per_call_plus_bytes_over_bandwidth():
@@ -59,26 +60,27 @@ def test_link_costs_latency_per_call_plus_bytes_over_bandwidth():
 def test_comm_seconds_by_hand():
     intra, inter = theory.AlphaBeta.link(100e9, 0.0), theory.AlphaBeta.link(10e9, 0.0)
     # two nodes, plain ZeRO-3: 3M across at 10 GB/s
-    assert theory.zeropp_comm_seconds(PSI, 1, 2, intra=intra, inter=inter) == pytest.approx(3 * M / 10e9)
+    assert compression.zeropp_comm_seconds(PSI, 1, 2, intra=intra, inter=inter) == pytest.approx(3 * M / 10e9)
     # ZeRO++: 0.75M across, 0.5M (quantized secondary gather) + 0.25M (first qgZ hop) inside
-    assert theory.zeropp_comm_seconds(PSI, 1, 2, True, True, True, intra=intra, inter=inter) == pytest.approx(
+    assert compression.zeropp_comm_seconds(PSI, 1, 2, True, True, True, intra=intra, inter=inter) == pytest.approx(
         0.75 * M / 10e9 + 0.75 * M / 100e9)
     # latency: one per phase, link and layer
     lat = theory.AlphaBeta.link(1e30, 1e-3)
-    assert theory.zeropp_comm_seconds(PSI, 10, 2, intra=lat, inter=lat) == pytest.approx(3 * 10 * 1e-3)
+    assert compression.zeropp_comm_seconds(PSI, 10, 2, intra=lat, inter=lat) == pytest.approx(3 * 10 * 1e-3)
 
 
 def test_step_prediction_gain_grows_as_the_network_slows():
     slow, fast = theory.AlphaBeta.link(1e9, 2e-5), theory.AlphaBeta.link(100e9, 2e-5)
-    p_slow = theory.zeropp_step_prediction(7e9, 32, 8192, 2, 400e12, inter=slow)
-    p_fast = theory.zeropp_step_prediction(7e9, 32, 8192, 2, 400e12, inter=fast)
+    p_slow = compression.zeropp_step_prediction(7e9, 32, 8192, 2, 400e12, inter=slow)
+    p_fast = compression.zeropp_step_prediction(7e9, 32, 8192, 2, 400e12, inter=fast)
     assert p_slow["compute_s"] == pytest.approx(6 * 7e9 * 8192 / 400e12)
     assert 1 < p_fast["speedup"] < p_slow["speedup"] < 4
     assert p_slow["speedup"] == pytest.approx(p_slow["zero3_s"] / p_slow["zeropp_s"])
 
 
 def test_gpu_table_shows_timing_only_references_and_failures():
-    from helpers import compression, launch, records
+    from helpers.core import launch, records
+    from helpers.topics import compression
     from test_records import minimal_summary
 
     def timed(median: float) -> records.Record:
@@ -93,7 +95,8 @@ def test_gpu_table_shows_timing_only_references_and_failures():
 
 
 def test_a_hung_logger_run_shows_every_ranks_innermost_frame_and_a_finished_one_its_cross_check():
-    from helpers import compression, launch, records
+    from helpers.core import launch, records
+    from helpers.topics import compression
     from test_records import minimal_summary
 
     stacks = "\n".join([
@@ -118,7 +121,8 @@ def test_a_hung_logger_run_shows_every_ranks_innermost_frame_and_a_finished_one_
 
 
 def test_gpu_runs_time_every_setting_in_one_launch_and_give_the_bytes_and_logger_runs_fewer_steps(monkeypatch):
-    from helpers import compression, environment, launch, records
+    from helpers.core import environment, launch, records
+    from helpers.topics import compression
 
     gpus = environment.detect(2)
     monkeypatch.setattr(compression.environment, "detect", lambda world_size=None: dataclasses.replace(

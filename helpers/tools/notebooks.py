@@ -1,0 +1,141 @@
+"""Execute the course's notebooks top to bottom, outside Jupyter, and say which cell failed.
+
+This is the instructor's check of a GPU box (``python3 -m helpers.course check-gpu``) and the way
+``benchmarks/reference.py`` runs the chapters that save GPU references. A notebook's stored outputs are
+the CPU's, so nothing is compared: a notebook passes when no cell raises (nbval's ``--nbval-lax`` judges
+the same way). The executed copy, with this machine's outputs, is written beside a JSON result.
+
+    python -m helpers.tools.notebooks notebooks/03_zero1_optimizer_states.ipynb --out runs/check/03 [--timeout 900]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from helpers.core.environment import REPO_ROOT
+
+NOTEBOOK_DIR = REPO_ROOT / "notebooks"
+#: The kernel the notebooks run in: this very Python, whatever kernels Jupyter has installed elsewhere.
+KERNEL_NAME = "course-python"
+
+
+def course_notebooks() -> list[Path]:
+    """Every chapter notebook, in order (``notebooks/NN_*.ipynb``)."""
+    return sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+
+
+def is_exclusive(path: Path) -> bool:
+    """Whether a notebook asks to run alone on the machine (notebook metadata ``course.exclusive``: the
+    capstone, which fills the GPUs' memory)."""
+    metadata = json.loads(Path(path).read_text()).get("metadata", {})
+    return bool(metadata.get("course", {}).get("exclusive"))
+
+
+def _kernel_dir() -> str:
+    """A Jupyter data folder holding one kernel spec that starts this Python's ipykernel."""
+    folder = Path(tempfile.mkdtemp(prefix="course-kernel-"))
+    spec = folder / "kernels" / KERNEL_NAME
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "course (this Python)", "language": "python"}))
+    return str(folder)
+
+
+class _Stopped(BaseException):
+    """SIGTERM from outside while a notebook executes (BaseException: no cell's ``except Exception`` eats it)."""
+
+
+def execute(path: Path, out_dir: Path, timeout: float = 900) -> dict:
+    """Run every cell of ``path`` in a fresh kernel (cell timeout ``timeout`` s); write the executed
+    notebook and ``result.json`` into ``out_dir``; return the result: ``ok``, seconds, and for a failure
+    the cell number, its first source line and the error; ``stopped`` when SIGTERM ended the execution
+    (a deadline outside it: no verdict on the notebook)."""
+    import nbformat  # deferred: only the GPU check needs it
+    from nbclient import NotebookClient
+
+    path, out_dir = Path(path).resolve(), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    notebook = nbformat.read(path, as_version=4)
+    for cell in notebook.cells:  # the stored (CPU) outputs go: a cell not reached shows nothing, not stale figures
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+            cell.metadata.pop("execution", None)
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [_kernel_dir(), os.environ.get("JUPYTER_PATH")]))
+    client = NotebookClient(notebook, timeout=max(1, int(timeout)), kernel_name=KERNEL_NAME, allow_errors=False,
+                            resources={"metadata": {"path": str(path.parent)}})
+    started = time.monotonic()
+    result: dict = {"notebook": path.name, "ok": True}
+
+    received: list[str] = []
+
+    def stop(signum, frame):  # a deadline outside (a job's time budget) ended this execution
+        received.append(signal.Signals(signum).name)
+        raise _Stopped(received[0])
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    # starting the kernel sets SIGTERM back to its default (jupyter_client): take it again before each cell
+    client.on_cell_start = lambda **_: signal.signal(signal.SIGTERM, stop)
+    try:
+        client.execute()
+    except BaseException as error:
+        if not received and not isinstance(error, Exception):
+            raise  # Ctrl-C and the like: not a notebook's failure
+        result.update(_failure(notebook, error, received, time.monotonic() - started))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    result["seconds"] = round(time.monotonic() - started, 1)
+    nbformat.write(notebook, out_dir / path.name)
+    (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _failure(notebook, error: BaseException, received: list[str], seconds: float) -> dict:
+    """What ended an execution early: a signal from outside (whatever it broke on the way out), an error
+    cell or a cell's timeout, or a kernel that died or did not start."""
+    from nbclient.exceptions import (  # deferred: only the GPU check needs it
+        CellExecutionError,
+        CellTimeoutError,
+    )
+
+    started_cells = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and c.get("execution_count")]
+    if received:
+        return {"ok": False, "stopped": True, "cell": max(started_cells, default=None),
+                "error": f"stopped from outside ({received[0]}) after {seconds:.0f} s, before the notebook "
+                         "finished: no verdict"}
+    if isinstance(error, (CellExecutionError, CellTimeoutError)):
+        result: dict = {"ok": False}
+        failed = next((i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and any(
+            o.get("output_type") == "error" for o in c.get("outputs", []))), None)
+        if failed is None:  # a timeout leaves no error output: the last cell that started
+            failed = max(started_cells, default=None)
+        result["cell"] = failed
+        if failed is not None:
+            result["cell_source"] = notebook.cells[failed].source.splitlines()[:3]
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()  # IPython's colours
+        result["error"] = text.splitlines()[-1][:500] if text else type(error).__name__
+        return result
+    return {"ok": False, "cell": None, "error": f"{type(error).__name__}: {error}"[:500]}  # the kernel died
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("notebook", type=Path)
+    parser.add_argument("--out", type=Path, required=True, help="folder for the executed copy and result.json")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one cell may take")
+    args = parser.parse_args(argv)
+    result = execute(args.notebook, args.out, args.timeout)
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

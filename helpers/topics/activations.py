@@ -1,0 +1,529 @@
+"""Activation memory: the bytes a forward pass keeps for its backward, counted tensor by tensor.
+
+The ``activations`` probe watches the forward of the first micro-step of a run (on a pipeline stage:
+every forward before its first backward) through ``torch.autograd.graph.saved_tensors_hooks``: each
+tensor autograd saves for backward passes through its pack hook. Each block of memory (storage) is
+counted once, however many views of it are saved; parameters are not activations and are left out.
+Activation checkpointing changes what is saved:
+
+- torch's ``torch.utils.checkpoint`` (what transformers' ``activation_checkpointing_enable`` uses,
+  non-reentrant by default) saves a checkpointed layer's inputs through the same hooks;
+- DeepSpeed's ``deepspeed.checkpointing.checkpoint`` keeps them as plain attributes of its autograd
+  function (``ctx.deepspeed_saved_tensors``), which no hook sees: the probe reads those from the
+  layer output's ``grad_fn`` when the layer returns (with ``cpu_checkpointing``, also the host copies,
+  beside the tensor or in DeepSpeed's offload engine, where they are when the backward starts).
+
+Each saved block is attributed to the decoder layer whose forward was running when it was first
+saved (a layer's input is first saved by that layer), or to ``outside`` (embedding, final norm, LM
+head, loss). Tensors a checkpointed layer's closure holds for its replay (the rotary cos/sin and the
+causal mask, shared by all layers) are not saved tensors and are not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from helpers.core import launch, models, plots, records, references, theory
+from helpers.core.probes import Probe, RunContext
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a model, in order (modules whose class name ends in ``DecoderLayer``)."""
+    return [m for m in module.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def _held_by_function(grad_fn: Any) -> tuple[list[torch.Tensor], list[int]]:
+    """Floating-point tensors a custom autograd function keeps as plain attributes of its ctx (DeepSpeed's
+    checkpoint keeps the layer inputs there), not through ``save_for_backward``; and the ids under which
+    DeepSpeed's asynchronous offload engine holds the ones it took away (``cpu_checkpointing`` on a GPU)."""
+    found: list[torch.Tensor] = []
+    offloaded: list[int] = []
+    for value in getattr(grad_fn, "__dict__", {}).values():
+        items = value if isinstance(value, (tuple, list)) else [value]
+        for t in items:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                found.append(t)
+                # cpu_checkpointing (blocking copy) empties the tensor and keeps a host copy beside it
+                if isinstance(getattr(t, "saved_data", None), torch.Tensor):
+                    found.append(t.saved_data)
+                if isinstance(getattr(t, "ds_offload_id", None), int):
+                    offloaded.append(t.ds_offload_id)
+    return found, offloaded
+
+
+def _offload_engine_holds(token: int) -> list[torch.Tensor]:
+    """What DeepSpeed's activation offload engine holds for ``token`` now: the tensor kept on the device
+    (the newest), the device source of a copy in flight, the host copy."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    engine = getattr(checkpointing, "_cpu_offload_engine", None)
+    held = []
+    for store in ("_keep_last", "_fwd_stash", "_tracker"):
+        value = getattr(engine, store, {}).get(token)
+        first = value[0] if isinstance(value, tuple) else value
+        if isinstance(first, torch.Tensor):
+            held.append(first)
+    return held
+
+
+class SavedTensorCounter:
+    """Counts the storages saved for backward while active (``start`` ... ``stop``), per decoder layer.
+
+    Saves after the first unpack (the backward has begun: recomputation of checkpointed layers) are
+    not counted: they are transient, freed layer by layer.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.params = {_storage(p)[0] for p in model.parameters()}
+        self.layers = decoder_layers(model)
+        self.saved: dict[int, dict] = {}  # storage pointer -> {bytes, where, dtype, shape}
+        self.where: str = "outside"
+        self.backward_started = False
+        self.offloaded: list[tuple[int, str]] = []  # (offload engine id, layer)
+        self.handles: list = []
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _note(self, t: torch.Tensor, where: str) -> None:
+        if isinstance(t, torch.nn.Parameter):
+            return
+        ptr, nbytes = _storage(t)
+        if ptr in self.params or ptr in self.saved or nbytes == 0:
+            return
+        self.saved[ptr] = {"bytes": nbytes, "where": where, "dtype": str(t.dtype).removeprefix("torch."),
+                           "elements": nbytes // t.element_size(), "device": t.device.type}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.backward_started:
+            self._note(t, self.where)
+        return t
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.backward_started:  # the forward is over: see where offloaded inputs ended up
+            for token, where in self.offloaded:
+                for held in _offload_engine_holds(token):
+                    self._note(held, where)
+        self.backward_started = True
+        return t
+
+    def start(self) -> None:
+        for index, layer in enumerate(self.layers):
+            self.handles.append(layer.register_forward_pre_hook(
+                lambda module, args, index=index: setattr(self, "where", f"layer {index}")))
+            self.handles.append(layer.register_forward_hook(lambda module, args, output, index=index:
+                                                            self._after_layer(output, index)))
+        self.hooks.__enter__()
+
+    def _after_layer(self, output: Any, index: int) -> None:
+        first = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(first, torch.Tensor) and first.grad_fn is not None and not self.backward_started:
+            tensors, offloaded = _held_by_function(first.grad_fn)
+            for t in tensors:
+                self._note(t, f"layer {index}")
+            self.offloaded += [(token, f"layer {index}") for token in offloaded]
+        self.where = "outside"
+
+    def stop(self) -> None:
+        self.hooks.__exit__(None, None, None)
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def summary(self) -> dict:
+        """Bytes per decoder layer, outside the layers, in total and per device type (``cpu`` holds the
+        host copies of ``cpu_checkpointing``); and [dtype, elements] of each saved block of layer 0 and
+        outside the layers."""
+        per_layer = [0] * len(self.layers)
+        outside = 0
+        for entry in self.saved.values():
+            if entry["where"] == "outside":
+                outside += entry["bytes"]
+            else:
+                per_layer[int(entry["where"].split()[1])] += entry["bytes"]
+        by_device: dict[str, int] = {}
+        for entry in self.saved.values():
+            by_device[entry["device"]] = by_device.get(entry["device"], 0) + entry["bytes"]
+        return {"per_layer": per_layer, "outside": outside, "total": sum(per_layer) + outside, "by_device": by_device,
+                "layer0_blocks": sorted([[e["dtype"], e["elements"]] for e in self.saved.values()
+                                         if e["where"] == "layer 0"], key=lambda b: (-b[1], b[0])),
+                "outside_blocks": sorted([[e["dtype"], e["elements"]] for e in self.saved.values()
+                                          if e["where"] == "outside"], key=lambda b: (-b[1], b[0]))}
+
+
+class Activations(Probe):
+    """Bytes saved for backward during the forward of the first micro-step (see the module docstring),
+    per decoder layer and outside the layers, on each rank. On a GPU also the bytes the allocator holds
+    when the last step starts (model states and buffers: the floor the activations come on top of; the
+    ``peak_memory`` probe gives the peak). Section: ``activations``.
+    """
+
+    name = "activations"
+    keys = ("activations.per_rank",)
+
+    def start(self, ctx: RunContext) -> None:
+        self.counter: SavedTensorCounter | None = None
+        self.result: dict = {}
+
+    def before_step(self, ctx: RunContext, step: int) -> None:
+        if ctx.device_type == "cuda":
+            torch.cuda.synchronize()
+            self.result["allocated_at_step_start"] = int(torch.cuda.memory_allocated())
+        if step == 0:
+            self.counter = SavedTensorCounter(ctx.engine.module)
+            self.counter.start()
+
+    def after_backward(self, ctx: RunContext, step: int, micro_step: int) -> None:
+        if self.counter is not None:
+            self.counter.stop()
+            self.result.update(self.counter.summary())
+            self.counter = None
+
+    def finish(self, ctx: RunContext) -> dict:
+        return self.result
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        return {"activations": {"per_rank": ranks,
+                                "measured_at": "forward of micro-step 1 of step 1 (until its backward starts)"}}
+
+
+# --- the chapter's experiment and tables (notebooks/10_activation_checkpointing.ipynb) --------------
+
+#: Every setting of DeepSpeed's ``activation_checkpointing`` config block, switched on.
+CONFIG_BLOCK = {"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
+                                             "contiguous_memory_optimization": True, "number_checkpoints": 2,
+                                             "synchronize_checkpoint_boundary": True, "profile": True}}
+#: The block with only ``cpu_checkpointing`` (keep the checkpoints in host memory).
+CPU_CHECKPOINTING = {"activation_checkpointing": {"cpu_checkpointing": True}}
+PROBES = ("timing", "model_states", "peak_memory", Activations)
+#: Run name -> what it is, as the tables print it.
+LABELS = {"plain": "no checkpointing", "transformers": "transformers (torch.utils.checkpoint)",
+          "deepspeed": "deepspeed.checkpointing", "block-only": "config block, plain model",
+          "deepspeed-cpu": "deepspeed.checkpointing + cpu_checkpointing",
+          "long": "512 tokens, no checkpointing", "long-transformers": "512 tokens, transformers"}
+
+
+def checkpointing_runs(size: str = "llama", long: str | None = "llama-long", steps: int = 3,
+                       micro_batch: int = 4, long_steps: int = 2) -> dict:
+    """One launch: the LLaMA-style model ``size`` without checkpointing, with transformers' and with
+    DeepSpeed's, with the config block alone, with DeepSpeed's checkpoint configured from the block
+    (``cpu_checkpointing``: may fail, recorded), and the ``long`` model without and with checkpointing.
+    Returns {run name: Record or RunFailed} (names: :data:`LABELS`)."""
+
+    batch = {"train_micro_batch_size_per_gpu": micro_batch}
+
+    def spec(model: str, overrides: dict | None = None, runs: int = steps, **kw) -> launch.RunSpec:
+        return launch.RunSpec("zero0", model=model, steps=runs, probes=PROBES, overrides={**batch, **(overrides or {})},
+                              **kw)
+
+    specs = {"plain": spec(size), "transformers": spec(f"{size}-ckpt"), "deepspeed": spec(f"{size}-dsckpt"),
+             "block-only": spec(size, CONFIG_BLOCK),
+             "deepspeed-cpu": spec(f"{size}-dsckpt", CPU_CHECKPOINTING, on_error="record")}
+    if long:
+        specs.update({"long": spec(long, runs=long_steps), "long-transformers": spec(f"{long}-ckpt", runs=long_steps)})
+    return launch.sweep(specs, name=f"activation-checkpointing-{size}")
+
+
+def measured(record: records.Record, rank: int = 0) -> dict:
+    """What the ``activations`` probe measured on ``rank``: ``total`` bytes saved for backward, ``per_layer``,
+    ``outside`` (the layers' neighbours), and on a GPU ``allocated_at_step_start``."""
+    return record.section("activations")["per_rank"][rank]
+
+
+def saved_bytes(record: records.Record, rank: int = 0) -> int:
+    """Bytes ``rank`` saved for backward in the forward of one micro-batch (the ``activations`` probe)."""
+    return measured(record, rank)["total"]
+
+
+def _shape(record: records.Record) -> models.LlamaShape:
+    return models.shape_of(record.model_name)
+
+
+def layer_formula(record, layer: int) -> float:
+    """The formula's bytes for decoder ``layer`` of ``record``'s model, batch and precision (the rotary
+    cos/sin are first saved by layer 0)."""
+
+    shape, precision = _shape(record), record["precision"]
+    checkpointed = models.llama_parts(record.model_name)[1] in ("-ckpt", "-dsckpt")
+    per_layer = activation_bytes_per_layer(record["micro_batch"], shape.seq, shape.hidden, shape.heads,
+                                                  shape.intermediate, precision, checkpointed)["total"]
+    rotary = rotary_bytes(shape.seq, shape.hidden // shape.heads, precision)
+    return per_layer + (rotary if layer == 0 and not checkpointed else 0)
+
+
+def layer_table(runs: dict, names) -> str:
+    """Per run and decoder layer: bytes saved for backward (rank 0), the formula, their ratio."""
+
+    rows = []
+    for name in names:
+        r = runs[name]
+        for layer, saved in enumerate(measured(r)["per_layer"]):
+            formula = layer_formula(r, layer)
+            rows.append([LABELS.get(name, name), layer, f"{saved:,}", f"{formula:,.0f}", f"{saved / formula:.3f}"])
+    return records.format_table(rows, ["run", "layer", "saved bytes", "formula bytes", "measured/formula"])
+
+
+def _term_of(elements: int, record) -> str:
+    shape, b = _shape(record), record["micro_batch"]
+    s, h, a, i = shape.seq, shape.hidden, shape.heads, shape.intermediate
+    names = {b * s * h: "b·s·h", b * s * i: "b·s·i", a * s * s * b: "a·s²·b", b * s: "b·s", s * (h // a): "s·d (rotary)"}
+    return names.get(elements, f"{elements} elements")
+
+
+def terms_table(record) -> str:
+    """The blocks decoder layer 0 saved (rank 0), grouped by the formula's terms: how many of which dtype,
+    their bytes, and the formula's bytes for that term."""
+
+    shape = _shape(record)
+    formula = activation_bytes_per_layer(record["micro_batch"], shape.seq, shape.hidden, shape.heads,
+                                                shape.intermediate, record["precision"])
+    formula["s·d (rotary)"] = rotary_bytes(shape.seq, shape.hidden // shape.heads, record["precision"])
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}
+    groups: dict[str, dict[str, list[int]]] = {}  # term -> dtype -> [tensors, bytes]
+    for dtype, elements in measured(record)["layer0_blocks"]:
+        count = groups.setdefault(_term_of(elements, record), {}).setdefault(dtype, [0, 0])
+        count[0] += 1
+        count[1] += elements * width[dtype]
+    rows = [[term, " + ".join(f"{n} x {dtype}" for dtype, (n, _) in by_dtype.items()),
+             f"{sum(b for _, b in by_dtype.values()):,}", f"{formula.get(term, 0):,.0f}"]
+            for term, by_dtype in groups.items()]
+    return records.format_table(rows, ["term", "tensors saved", "bytes", "formula bytes"])
+
+
+def totals_table(runs: dict, names) -> str:
+    """Per run: bytes saved per decoder layer (the last), outside the layers, in total, against the first run."""
+
+    base = measured(runs[names[0]])["total"]
+    rows = []
+    for name in names:
+        m = measured(runs[name])
+        rows.append([LABELS.get(name, name), f"{m['per_layer'][-1]:,}", f"{m['outside']:,}", f"{m['total']:,}",
+                     f"{m['total'] / base:.3f}"])
+    return records.format_table(rows, ["run", "per layer", "outside layers", "total", f"vs {LABELS.get(names[0], names[0])}"])
+
+
+def time_table(runs: dict, names) -> str:
+    """Median step time per run and against the first: the price of recomputation (print it in a cell
+    nbval does not compare). On a GPU also the allocator's peak; a CPU's peak resident set only grows
+    from run to run of a sweep, so it is left out there."""
+
+    base = runs[names[0]].timing.median_s
+    gpu = runs[names[0]]["device"] == "cuda"
+    rows = [[LABELS.get(n, n), f"{runs[n].timing.median_s * 1000:.1f}", f"{runs[n].timing.median_s / base:.2f}x",
+             *([records.format_peak(runs[n], 0)] if gpu else [])] for n in names]
+    return records.format_table(rows, ["run", "step ms", f"vs {LABELS.get(names[0], names[0])}",
+                                       *(["peak (torch.cuda.max_memory_allocated)"] if gpu else [])])
+
+
+def model_state_bytes_fp32(psi: int) -> int:
+    """Model states of fp32 training with Adam at ZeRO-0: 4 (weights) + 4 (gradients) + 8 (moments) bytes
+    a parameter."""
+    return 16 * psi
+
+
+def states_against_activations(runs: dict, names) -> str:
+    """Per run: model states (measured, rank 0) and activations saved (measured), their ratio, and the
+    formulas' ratio (16Ψ against :func:`activation_bytes`)."""
+
+    rows = []
+    for name in names:
+        r = runs[name]
+        shape = _shape(r)
+        states = r.model_state_bytes(0)
+        saved = saved_bytes(r)
+        formula = activation_bytes(shape.layers, r["micro_batch"], shape.seq, shape.hidden, shape.heads,
+                                   shape.intermediate, models.LM_VOCAB, r["precision"])
+        rows.append([LABELS.get(name, name), shape.seq, f"{states:,}", f"{saved:,}", f"{saved / states:.2f}",
+                     f"{formula / model_state_bytes_fp32(r.params):.2f}"])
+    return records.format_table(rows, ["run", "tokens", "model states", "activations", "activations/states",
+                                       "formula ratio"])
+
+
+def crossover_sequence(layers: int, hidden: int, heads: int, intermediate: int, vocab: int, psi: int,
+                       batch: int = 1, precision: str = "bf16", bytes_per_param: int = 16) -> int:
+    """The shortest sequence (in tokens) at which one micro-batch's activations (formula) exceed the model
+    states (``bytes_per_param`` x Ψ: 16 for Adam in fp32 or in mixed precision)."""
+
+    seq = 1
+    while activation_bytes(layers, batch, seq, hidden, heads, intermediate, vocab, precision) < bytes_per_param * psi:
+        seq += 1
+    return seq
+
+
+def block_report(runs: dict) -> str:
+    """What the config block did: the plain model with every setting on against no block, and DeepSpeed's
+    checkpoint configured from ``cpu_checkpointing`` (bytes per device, or DeepSpeed's error)."""
+    plain, block = measured(runs["plain"]), measured(runs["block-only"])
+    same = block["per_layer"] == plain["per_layer"] and block["total"] == plain["total"]
+    lines = [f"plain model, config block with every setting on: {block['total']:,} bytes saved, "
+             f"{'the same as' if same else 'different from'} no block ({plain['total']:,})"]
+    cpu = runs["deepspeed-cpu"]
+    if isinstance(cpu, Exception):
+        lines.append(f"deepspeed.checkpointing configured with cpu_checkpointing: {cpu}")
+    else:
+        by_device = measured(cpu)["by_device"]
+        lines.append("deepspeed.checkpointing configured with cpu_checkpointing: saved bytes by device "
+                     + ", ".join(f"{d}: {n:,}" for d, n in sorted(by_device.items())))
+    return "\n".join(lines)
+
+
+def llama_7b_shape() -> dict:
+    """LLaMA-7B's sizes (the source article's model), for the formulas."""
+    return {"layers": 32, "hidden": 4096, "heads": 32, "intermediate": 11008, "vocab": 32000}
+
+
+def crossover_table(course_batch: int = 4, at_seq: int = 4096) -> str:
+    """The sequence length at which one micro-batch's activations (formula) pass the model states, for the
+    course's model (fp32, its micro-batch) and LLaMA-7B (bf16, micro-batch 1), and the activations at
+    ``at_seq`` tokens; model states 16 bytes a parameter (Adam at ZeRO-0, fp32 or mixed precision)."""
+
+    rows = []
+    course = models.shape_of("llama")
+    psi = models.count_parameters(models.build("llama"))
+    big = llama_7b_shape()
+    psi_7b = models.llama_7b_parameters()
+    for label, shape, p, batch, precision in (
+            ("course llama", dict(layers=course.layers, hidden=course.hidden, heads=course.heads,
+                                  intermediate=course.intermediate, vocab=models.LM_VOCAB), psi, course_batch, "fp32"),
+            ("LLaMA-7B", big, psi_7b, 1, "bf16")):
+        seq = crossover_sequence(psi=p, batch=batch, precision=precision, **shape)
+        at = activation_bytes(shape["layers"], batch, at_seq, shape["hidden"], shape["heads"],
+                                     shape["intermediate"], shape["vocab"], precision)
+        rows.append([label, f"{p:,}", precision, batch, records.format_bytes(16 * p), seq, records.format_bytes(at)])
+    return records.format_table(rows, ["model", "parameters", "precision", "micro-batch", "model states (16 B/param)",
+                                       "activations pass them at (tokens)", f"activations at {at_seq:,} tokens"])
+
+
+def activation_curves(course_batch: int = 4, seqs=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)) -> dict:
+    """label -> (sequence lengths, activation bytes by formula, model-state bytes) for
+    :func:`helpers.topics.activations.activations_vs_sequence`: the course's model and LLaMA-7B."""
+
+    course = models.shape_of("llama")
+    psi = models.count_parameters(models.build("llama"))
+    big = llama_7b_shape()
+    psi_7b = models.llama_7b_parameters()
+    return {
+        f"course llama, fp32, b={course_batch}": (list(seqs), [activation_bytes(
+            course.layers, course_batch, s, course.hidden, course.heads, course.intermediate, models.LM_VOCAB, "fp32")
+            for s in seqs], 16 * psi),
+        "LLaMA-7B, bf16, b=1": (list(seqs), [activation_bytes(
+            big["layers"], 1, s, big["hidden"], big["heads"], big["intermediate"], big["vocab"], "bf16")
+            for s in seqs], 16 * psi_7b),
+    }
+
+
+def gpu_table(runs: dict) -> str:
+    """GPU results: per run, bytes saved for backward (on the GPU and in host memory), the allocator's view
+    (allocated when the last step starts, the run's peak), step time and its ratio to the first run."""
+
+    names = [n for n, r in runs.items() if not isinstance(r, Exception)]
+    base = runs[names[0]].timing.median_s
+    rows = []
+    for name in names:
+        r = runs[name]
+        m = measured(r)
+        rows.append([LABELS.get(name, name), records.format_bytes(m["by_device"].get("cuda", 0)),
+                     records.format_bytes(m["by_device"].get("cpu", 0)),
+                     records.format_bytes(m.get("allocated_at_step_start", 0)),
+                     records.format_peak(r, 0),
+                     f"{r.timing.median_s * 1000:.1f}", f"{r.timing.median_s / base:.2f}x"])
+    return records.format_table(rows, ["run", "saved on GPU", "saved in host memory", "allocated at step start",
+                                       f"peak ({runs[names[0]]['memory']['peak_source']})", "step ms", "time vs first"])
+
+
+def reference_report(name: str = "activation-checkpointing") -> str:
+    """Every committed GPU result of this chapter, labelled with its device, or a plain statement that none is."""
+
+    return references.references_report(name, gpu_table)
+
+
+# --- figures ----------------------------------------------------------------------------------------
+
+def activations_vs_sequence(curves: Mapping[str, tuple[Sequence[int], Sequence[float], float]],
+                            measured: Mapping[str, tuple[int, float]] | None = None,
+                            title: str = "Activations of one micro-batch against model states"):
+    """Per model: activation bytes (formula) against sequence length, and its model states as a flat line.
+
+    ``curves``: label -> (sequence lengths, activation bytes, model-state bytes); ``measured``: label ->
+    (sequence length, measured activation bytes), drawn as points.
+    """
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, (seqs, values, states)) in enumerate(curves.items()):
+        colour = colours[i % len(colours)]
+        ax.plot(seqs, [v / 2**30 for v in values], color=colour, label=f"{label}: activations (formula)")
+        ax.axhline(states / 2**30, color=colour, linestyle="--", linewidth=1, label=f"{label}: model states")
+    for label, (seq, value) in (measured or {}).items():
+        ax.plot([seq], [value / 2**30], "ko", markersize=5)
+        ax.annotate(label, (seq, value / 2**30), textcoords="offset points", xytext=(5, -10), fontsize=7)
+    ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)", ylabel="GiB", title=title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+# --- formulas ---------------------------------------------------------------------------------------
+
+def activation_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, intermediate: int,
+                               precision: str = "fp32", checkpointed: bool = False) -> dict[str, float]:
+    """Bytes one LLaMA decoder layer (transformers' eager attention) keeps for backward, term by term.
+
+    Without checkpointing, per layer, in elements (fp32 training):
+    - ``10·b·s·h``: each of the two RMSNorms keeps its input, the normalized input and the weighted
+      output (6); attention keeps the rotated queries, the transposed keys, the values and its output
+      before ``o_proj`` (4);
+    - ``4·b·s·i``: the MLP keeps ``gate_proj``'s output, its SiLU, ``up_proj``'s output and their product;
+    - ``a·s²·b``: the softmax probabilities (no dropout, so no mask);
+    - ``2·b·s``: each RMSNorm's 1/rms per token.
+
+    In bf16 the norms compute in fp32 (they keep an fp32 copy of their input and fp32 1/rms) and the
+    softmax runs in fp32 and is cast back to bf16 (both copies are kept): 24·b·s·h + 8·b·s·i + 6·a·s²·b
+    + 8·b·s bytes. With checkpointing a layer keeps only its input, b·s·h elements. The rotary cos and
+    sin (:func:`rotary_bytes`) are shared by all layers. Keys: the four terms and ``total``.
+    """
+    theory.bytes_per_element(precision)  # a clear error for an unknown precision
+    bsh, bsi, ass, bs = batch * seq * hidden, batch * seq * intermediate, heads * seq * seq * batch, batch * seq
+    width = theory.BYTES_PER_ELEMENT[precision]
+    if checkpointed:
+        terms = {"b·s·h": width * bsh, "b·s·i": 0, "a·s²·b": 0, "b·s": 0}
+    elif precision == "fp32":
+        terms = {"b·s·h": 4 * 10 * bsh, "b·s·i": 4 * 4 * bsi, "a·s²·b": 4 * ass, "b·s": 4 * 2 * bs}
+    else:  # half precision: what the half tensors keep, plus the fp32 copies of norms and softmax
+        terms = {"b·s·h": 2 * 8 * bsh + 4 * 2 * bsh, "b·s·i": 2 * 4 * bsi, "a·s²·b": (2 + 4) * ass, "b·s": 4 * 2 * bs}
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def rotary_bytes(seq: int, head_dim: int, precision: str = "fp32") -> float:
+    """The rotary embedding's cos and sin (s x head_dim each), computed once and used by every layer."""
+    theory.bytes_per_element(precision)  # a clear error for an unknown precision
+    return 2 * seq * head_dim * theory.BYTES_PER_ELEMENT[precision]
+
+
+def activation_bytes_outside_layers(batch: int, seq: int, hidden: int, vocab: int, precision: str = "fp32") -> float:
+    """Floating-point bytes kept for backward outside the decoder layers: the final RMSNorm (as in a layer:
+    3·b·s·h, with an fp32 copy in bf16, and b·s fp32), the log-softmax of the fp32 logits (b·s·V, fp32)
+    and the loss. The token ids and targets (int64) come on top."""
+    theory.bytes_per_element(precision)  # a clear error for an unknown precision
+    bsh, bs = batch * seq * hidden, batch * seq
+    norm = 4 * 3 * bsh if precision == "fp32" else 2 * 2 * bsh + 4 * bsh
+    return norm + 4 * bs + 4 * bs * vocab + 4
+
+
+def activation_bytes(layers: int, batch: int, seq: int, hidden: int, heads: int, intermediate: int, vocab: int,
+                     precision: str = "fp32", checkpointed: bool = False) -> float:
+    """Floating-point bytes a whole LLaMA-style model saves for backward in one micro-batch's forward: L
+    layers, the rotary cos/sin and the part outside the layers. Checkpointed layers save neither their
+    insides nor the cos/sin (their replay closures hold those, 2·s·head_dim elements, uncounted here)."""
+    per_layer = activation_bytes_per_layer(batch, seq, hidden, heads, intermediate, precision, checkpointed)["total"]
+    rotary = 0 if checkpointed else rotary_bytes(seq, hidden // heads, precision)
+    return layers * per_layer + rotary + activation_bytes_outside_layers(batch, seq, hidden, vocab, precision)

@@ -1,0 +1,1203 @@
+"""Chapter 09: collective bandwidth, measured and modelled, in three parts.
+
+1. The collectives benchmark (:func:`spec`, :func:`benchmark`), run by the ranks of a launch.
+2. Slower links on one machine (:func:`rate_limited_link`, :func:`nccl_over_sockets`).
+3. The latency-bandwidth model fitted to what part 1 measured (:func:`fit`, :class:`CommModel`).
+
+--- 1. The collectives benchmark ---
+
+A microbenchmark of the collectives ZeRO uses, run by the ranks of a launch (chapter 09).
+
+:func:`spec` makes the :class:`helpers.core.launch.RunSpec` of a benchmark (``task=TASK``),
+so it runs under DeepSpeed's launcher beside training runs of the same sweep and writes a
+``summary.json`` into its own run folder. On every rank, for each message size and collective, each
+implementation is called ``warmup`` times, then ``iters`` times in turn with the others (so drift of
+the machine hits all alike), each call timed alone: a barrier, the call, the device synchronized.
+
+Implementations:
+
+- ``deepspeed.comm``: what DeepSpeed's engine calls (``all_reduce``, ``all_gather_into_tensor``,
+  ``reduce_scatter_tensor``, ``broadcast``), with its comms logger off.
+- ``torch.distributed``: the same collectives called on torch directly (gloo or NCCL).
+- ``deepspeed shm`` (CPU only, all_reduce only): ``deepspeed.comm.inference_all_reduce``, DeepSpeed's
+  shared-memory kernel (see :mod:`helpers.topics.bandwidth` for when it exists).
+
+Conventions are nccl-tests' (``doc/PERFORMANCE.md``): the message size S is the whole tensor (for
+all_gather, the gathered result); algbw = S / t; busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n
+for all_gather and reduce_scatter, x 1 for broadcast (:func:`helpers.core.theory.bus_bandwidth`). The bytes
+one rank sends, ``wire_bytes`` (:func:`helpers.core.theory.wire_bytes`), are busbw x t: the size the
+latency-bandwidth model of :mod:`helpers.topics.bandwidth` is fitted on. Inside a course network namespace
+(:mod:`helpers.topics.bandwidth`) each rank also counts the bytes its network interfaces really sent.
+
+--- 2. Slower links ---
+
+Slower networks on one machine, for real: the links a run's collectives travel, and how to constrain them.
+
+Two ways, both confined to this machine and undone when their ``with`` block ends:
+
+- :func:`rate_limited_link` (CPU ranks, gloo): every rank in a network namespace of its own, the
+  namespaces joined by virtual Ethernet (``veth``) cables to one bridge, each rank's cable limited to a
+  rate by a token-bucket filter (``tc ... tbf``), like a node's network card. Only addresses inside
+  these namespaces are used; nothing reaches the host's own network. Needs root (``CAP_NET_ADMIN`` and
+  ``CAP_SYS_ADMIN``) and ``ip``/``tc`` (iproute2); :func:`link_support` says whether, and why not.
+- :func:`nccl_over_sockets` (GPU ranks, NCCL): NCCL kept off NVLink/PCIe peer-to-peer and shared
+  memory, so its traffic goes through TCP sockets on the loopback interface; the environment is
+  restored afterwards.
+
+What DeepSpeed does on CPU, for the record (0.19.8, ``deepspeed/comm/torch.py`` and
+``csrc/cpu/comm/shm_interface.cpp``): training collectives (``deepspeed.comm.all_reduce``,
+``all_gather_into_tensor``, ...) always go to ``torch.distributed``, i.e. gloo over TCP sockets, even
+between two processes on one machine. DeepSpeed's shared-memory kernel serves only
+``deepspeed.comm.inference_all_reduce``; it is set up when the ``LOCAL_SIZE`` variable that DeepSpeed's
+launcher gives each rank equals the world size, and used when the ``deepspeed_shm_comm`` op loaded
+(``torch.ops.deepspeed.inference_all_reduce_`` exists) and the processor has the kernel's instructions.
+:mod:`helpers.topics.bandwidth` measures both paths and, inside these namespaces, the bytes each puts on
+the wire.
+
+--- 3. The latency-bandwidth model ---
+
+The latency-bandwidth (alpha-beta) model of communication, fitted to measured collectives (chapter 09).
+
+One call of a collective that makes each rank send ``w`` bytes takes
+
+    t(w) = alpha + beta * w
+
+``alpha`` (seconds) is what every call costs whatever its size (software, synchronisation, the
+network's latency); ``1 / beta`` (bytes/s) is the bandwidth the bytes flow at. ``w`` is the ring's
+wire bytes per rank (:func:`helpers.core.theory.wire_bytes`): 2(n-1)/n S for all_reduce, (n-1)/n S for
+all_gather and reduce_scatter, S for broadcast, so ``1 / beta`` is nccl-tests' bus bandwidth of large
+messages, and a link of B bytes/s per direction has ``beta = 1 / B``.
+
+:func:`fit` recovers alpha and beta from (bytes, seconds) points; :class:`CommModel` holds one fit per
+collective (from :mod:`helpers.topics.bandwidth`' benchmark) and predicts the communication seconds of a
+training step from the collectives DeepSpeed's comms logger recorded for it. :func:`profile` and
+:func:`extrapolate` split a measured step into computation and communication, phase by phase
+(the ``micro_steps`` probe), so :func:`what_if` can predict step time on other links and at other
+accumulation settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed
+import torch.distributed as tdist
+
+from helpers.core import environment, launch, plots, records, references, theory
+from helpers.core.plan import PlannedRun, emit, publish, reference_of
+from helpers.topics import accumulation
+
+# === 1. the collectives benchmark, run by the ranks ================================================
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+IMPLEMENTATIONS = ("deepspeed.comm", "torch.distributed", "deepspeed shm")
+#: Message sizes (bytes): 1 KiB to 1 GiB on GPUs, 1 KiB to 4 MiB on CPU, by factors of 4.
+GPU_SIZES = tuple(2**k for k in range(10, 31, 2))
+CPU_SIZES = tuple(2**k for k in range(10, 23, 2))
+DTYPES = ("float32", "bfloat16")
+MAX_BYTES = 2**32  # 4 GiB: larger messages are refused before launch
+LINK_CALLS = 2  # calls whose bytes on the network are counted, per point (course namespaces only)
+
+
+def default_sizes(is_gpu: bool) -> tuple[int, ...]:
+    return GPU_SIZES if is_gpu else CPU_SIZES
+
+
+def spec(name: str = "collectives", sizes: Sequence[int] | None = None, ops: Sequence[str] = OPS,
+         implementations: Sequence[str] | None = None, iters: int | None = None, warmup: int | None = None,
+         dtype: str = "float32", is_gpu: bool | None = None, baseline_ops: Sequence[str] | None = None,
+         out: str | Path | None = None):
+    """The RunSpec of one benchmark (checked here, before any process starts).
+
+    Defaults depend on the device (``is_gpu``, else :func:`helpers.core.environment.detect`): sizes
+    :data:`GPU_SIZES` or :data:`CPU_SIZES`, 20 timed calls per point on GPUs and 5 on CPU, a quarter
+    of that (at least 1) as warm-up, every implementation that applies. ``baseline_ops``: the collectives
+    also measured with ``torch.distributed`` (default: all on GPUs; all_reduce on CPU, where both are gloo
+    and the shared-memory kernel is the comparison that matters). ``out``: the run folder (default
+    ``runs/<name>``).
+    """
+
+    if is_gpu is None:
+        is_gpu = environment.detect().is_gpu
+    sizes = tuple(default_sizes(is_gpu) if sizes is None else sizes)
+    implementations = tuple(IMPLEMENTATIONS if implementations is None else implementations)
+    iters = (20 if is_gpu else 5) if iters is None else iters
+    warmup = max(1, iters // 4) if warmup is None else warmup
+    baseline_ops = tuple((OPS if is_gpu else ("all_reduce",)) if baseline_ops is None else baseline_ops)
+    bad_ops = [op for op in ops if op not in OPS]
+    if bad_ops or not ops:
+        raise ValueError(f"ops={list(ops)!r}: choose from {', '.join(OPS)}")
+    bad = [i for i in implementations if i not in IMPLEMENTATIONS]
+    if bad or not implementations:
+        raise ValueError(f"implementations={list(implementations)!r}: choose from {', '.join(IMPLEMENTATIONS)}")
+    if not sizes or any(not isinstance(s, int) or not 64 <= s <= MAX_BYTES for s in sizes):
+        raise ValueError(f"sizes={list(sizes)!r}: message sizes are whole bytes from 64 to {MAX_BYTES} (4 GiB)")
+    if not isinstance(iters, int) or iters < 1 or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"iters={iters!r}, warmup={warmup!r}: at least 1 timed call, 0 or more warm-up calls")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
+    if any(op not in OPS for op in baseline_ops):
+        raise ValueError(f"baseline_ops={list(baseline_ops)!r}: choose from {', '.join(OPS)}")
+    settings = {"sizes": list(sizes), "ops": list(ops), "implementations": list(implementations), "iters": iters,
+                "warmup": warmup, "dtype": dtype, "baseline_ops": list(baseline_ops)}
+    return launch.RunSpec(config={"collectives": settings}, name=name, steps=len(sizes), probes=(), check=False,
+                          task=TASK, out=out or launch.RUNS_DIR / name)
+
+
+# --- rank side ----------------------------------------------------------------------------------
+
+def _interface_bytes() -> int | None:
+    """Bytes this process's network namespace has sent on all its interfaces, inside a course namespace only
+    (elsewhere other programs share the counters)."""
+    if not os.environ.get("COURSE_NETNS"):
+        return None
+    return sum(int(p.read_text()) for p in Path("/sys/class/net").glob("*/statistics/tx_bytes"))
+
+
+def shm_status(world_size: int) -> dict:
+    """Whether DeepSpeed's shared-memory all-reduce can run in this rank, and what decided it."""
+    # deferred: on the ranks only; the module's ``cdb`` is the backend in use now
+    from deepspeed.comm import comm as ds_comm
+
+    local_size = os.environ.get("LOCAL_SIZE")
+    has_op = hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")
+    level = getattr(ds_comm.cdb, "shm_vector_kernel_level", 0)
+    maps = Path("/proc/self/maps").read_text()
+    segments = len({line.split()[-1] for line in maps.splitlines() if "deepspeed_allreduce_buffer" in line})
+    reasons = []
+    if not has_op:
+        reasons.append("the deepspeed_shm_comm op is not loaded (not a CPU accelerator, or it did not build)")
+    if local_size != str(world_size):
+        reasons.append(f"LOCAL_SIZE={local_size} is not the world size {world_size}: no segments were set up")
+    if level < 1:
+        reasons.append("this processor lacks the kernel's instructions (AVX2 for fp32)")
+    return {"available": not reasons, "why_not": "; ".join(reasons), "local_size": local_size,
+            "op_loaded": has_op, "kernel_level": level, "segments_mapped": segments}
+
+
+def benchmark(run: PlannedRun, position: int, count: int, born: float) -> None:
+    """Rank-side task: time every (size, collective, implementation) of the plan; rank 0 publishes the table."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    settings = run.read_config()["collectives"]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if torch.cuda.is_available():  # deepspeed.initialize picks each rank's GPU; a task before it must do so itself
+        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device(get_accelerator().current_device_name())
+    on_gpu = device.type == "cuda"
+    dtype = getattr(torch, settings["dtype"])
+    width = torch.empty((), dtype=dtype).element_size()
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    shm = shm_status(world) if not on_gpu else {"available": False, "why_not": "GPU ranks use NCCL"}
+    logger_was = dist.comms_logger.enabled
+    dist.comms_logger.enabled = False  # a training run before this one in the sweep may have turned it on
+
+    def aligned(fn) -> float:
+        """One call, every rank starting together: a barrier (raw torch, not a call being measured), then the
+        call, timed to the end of its work on the device. DeepSpeed's shared-memory kernel spin-waits on its
+        peers' flags, and a rank racing into the next call has deadlocked it before (DeepSpeed PR #4048 fixed
+        one such case; a launch of this benchmark with back-to-back calls once hung here), so no call,
+        warm-up included, goes without the barrier."""
+        tdist.barrier()
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    def calls(op: str, elements: int) -> dict:
+        """implementation -> a function making one call of ``op`` on ``elements`` elements (whole message)."""
+        shard = elements // world
+        if op == "all_reduce":
+            x = torch.ones(elements, dtype=dtype, device=device)
+            found = {"deepspeed.comm": lambda: dist.all_reduce(x), "torch.distributed": lambda: tdist.all_reduce(x)}
+            if shm["available"]:
+                found["deepspeed shm"] = lambda: dist.inference_all_reduce(x)
+            return found
+        if op == "all_gather":
+            out = torch.empty(shard * world, dtype=dtype, device=device)
+            inp = torch.ones(shard, dtype=dtype, device=device)
+            return {"deepspeed.comm": lambda: dist.all_gather_into_tensor(out, inp),
+                    "torch.distributed": lambda: tdist.all_gather_into_tensor(out, inp)}
+        if op == "reduce_scatter":
+            inp = torch.ones(shard * world, dtype=dtype, device=device)
+            out = torch.empty(shard, dtype=dtype, device=device)
+            return {"deepspeed.comm": lambda: dist.reduce_scatter_tensor(out, inp),
+                    "torch.distributed": lambda: tdist.reduce_scatter_tensor(out, inp)}
+        x = torch.ones(elements, dtype=dtype, device=device)
+        return {"deepspeed.comm": lambda: dist.broadcast(x, 0), "torch.distributed": lambda: tdist.broadcast(x, 0)}
+
+    results = []
+    try:
+        for index, size in enumerate(settings["sizes"]):
+            elements = max(world, size // width // world * world)  # a whole shard per rank
+            message = elements * width
+            for op in settings["ops"]:
+                found = calls(op, elements)
+                chosen = {name: fn for name, fn in found.items() if name in settings["implementations"]
+                          and (name == "deepspeed.comm" or op in settings["baseline_ops"])}
+                for fn in chosen.values():
+                    for _ in range(settings["warmup"]):
+                        aligned(fn)
+                times: dict[str, list[float]] = {name: [] for name in chosen}
+                for _ in range(settings["iters"]):
+                    for name, fn in chosen.items():
+                        times[name].append(aligned(fn))
+                sent: dict[str, float | None] = {name: None for name in chosen}
+                if _interface_bytes() is not None:  # bytes on the wire, where the counters are ours alone
+                    barriers = _interface_bytes()
+                    for _ in range(LINK_CALLS):
+                        aligned(lambda: None)
+                    barriers = _interface_bytes() - barriers
+                    for name, fn in chosen.items():
+                        before = _interface_bytes()
+                        for _ in range(LINK_CALLS):
+                            aligned(fn)
+                        sent[name] = (_interface_bytes() - before - barriers) / LINK_CALLS
+                for name, measured in times.items():
+                    seconds = statistics.median(measured)
+                    results.append({"implementation": name, "op": op, "bytes": message, "elements": elements,
+                                    "seconds": seconds, "times": measured,
+                                    "algbw": message / seconds,
+                                    "busbw": theory.bus_bandwidth(op, message, seconds, world),
+                                    "wire_bytes": wire_bytes(op, message, world),
+                                    "interface_bytes_sent": sent[name]})
+                del found, chosen
+            emit("step", run=position, rank=rank, step=index + 1, steps=len(settings["sizes"]), loss=None)
+    finally:
+        dist.comms_logger.enabled = logger_was
+    if rank == 0:
+        publish(run, position, {
+            "name": run.name, "task": "collectives", "world_size": world, "backend": tdist.get_backend(),
+            "device": device.type, "device_name": torch.cuda.get_device_name(0) if on_gpu else "cpu",
+            "dtype": settings["dtype"], "iters": settings["iters"], "warmup": settings["warmup"],
+            "implementations": sorted({r["implementation"] for r in results}),
+            "shm": shm, "namespace": os.environ.get("COURSE_NETNS"), "results": results})
+
+
+#: How a run names the benchmark task (:func:`spec` makes its RunSpec).
+TASK = reference_of(benchmark)
+
+
+# --- reading results ----------------------------------------------------------------------------
+
+def wire_bytes(op: str, message_bytes: float, world_size: int) -> float:
+    """Bytes one rank sends for a collective on a message of ``message_bytes`` (nccl-tests' S) on a ring:
+    busbw x time. Same as :func:`helpers.core.theory.wire_bytes` of the size DeepSpeed's comms logger records
+    (the logger records each rank's shard for all_gather)."""
+    logged = message_bytes / world_size if op.startswith("all_gather") else message_bytes
+    return theory.wire_bytes(op, logged, world_size)
+
+
+def rows(result: dict, implementation: str | None = None, op: str | None = None) -> list[dict]:
+    """The measured points of a benchmark summary, optionally of one implementation and collective."""
+    return [r for r in result["results"] if (implementation is None or r["implementation"] == implementation)
+            and (op is None or r["op"] == op)]
+
+
+def point(result: dict, implementation: str, op: str, size: int) -> dict:
+    """The measured point nearest ``size`` bytes (sizes are rounded to whole shards)."""
+    found = rows(result, implementation, op)
+    if not found:
+        raise KeyError(f"no {op} measured with {implementation} (measured: {sorted(result['implementations'])})")
+    return min(found, key=lambda r: abs(r["bytes"] - size))
+
+
+def coverage_table(result: dict) -> str:
+    """Which collective was measured with which implementation, at how many sizes: deterministic (nbval checks it)."""
+    table = []
+    for op in dict.fromkeys(r["op"] for r in result["results"]):
+        sizes = sorted({r["bytes"] for r in rows(result, op=op)})
+        impls = ", ".join(i for i in IMPLEMENTATIONS if rows(result, i, op))
+        table.append([op, impls, f"{len(sizes)}", f"{records.format_bytes(sizes[0])} .. {records.format_bytes(sizes[-1])}"])
+    return records.format_table(table, ["collective", "implementations", "sizes", "range"])
+
+
+def bandwidth_table(result: dict, op: str, implementations: Sequence[str] | None = None) -> str:
+    """Per message size: time, algbw and busbw (GB/s = 1e9 bytes/s) of each implementation of ``op``."""
+    impls = [i for i in (implementations or IMPLEMENTATIONS) if rows(result, i, op)]
+    sizes = sorted({r["bytes"] for r in rows(result, op=op)})
+    table = []
+    for size in sizes:
+        row = [records.format_bytes(size)]
+        for impl in impls:
+            p = point(result, impl, op, size)
+            row += [f"{p['seconds'] * 1e6:,.0f}", f"{p['algbw'] / 1e9:.3g}", f"{p['busbw'] / 1e9:.3g}"]
+        table.append(row)
+    headers = ["size"] + [f"{i} {h}" for i in impls for h in ("us", "algbw", "busbw")]
+    return f"{op} on {result['world_size']} ranks ({result['device_name']}, {result['backend']}):\n" + \
+        records.format_table(table, headers)
+
+
+def ratio(result: dict, op: str, subject: str, baseline: str, size: int) -> float:
+    """busbw of ``subject`` over ``baseline`` for ``op`` at the measured size nearest ``size``."""
+    return point(result, subject, op, size)["busbw"] / point(result, baseline, op, size)["busbw"]
+
+
+def target_table(result: dict, sizes: Sequence[int] = (256 * 2**20, 2**30), op: str = "all_reduce",
+                 subject: str = "deepspeed.comm", baseline: str = "torch.distributed", threshold: float = 0.95) -> str:
+    """The course's GPU target: ``subject``'s busbw at least ``threshold`` of ``baseline``'s at ``sizes``."""
+    table = []
+    for size in sizes:
+        measured = [r["bytes"] for r in rows(result, subject, op)]
+        if not measured or max(measured) < size / 2:
+            table.append([records.format_bytes(size), "-", "-", "-", "not measured (sizes stop at "
+                          f"{records.format_bytes(max(measured or [0]))})"])
+            continue
+        a, b = point(result, subject, op, size), point(result, baseline, op, size)
+        r = a["busbw"] / b["busbw"]
+        table.append([records.format_bytes(a["bytes"]), f"{a['busbw'] / 1e9:.1f}", f"{b['busbw'] / 1e9:.1f}",
+                      f"{r:.3f}", "met" if r >= threshold else "missed"])
+    return records.format_table(table, ["size", f"{subject} busbw GB/s", f"{baseline} busbw GB/s", "ratio",
+                                        f"target >= {threshold:.2f}"])
+
+
+def wire_check_table(result: dict, op: str = "all_reduce") -> str:
+    """Inside a course namespace: bytes each implementation put on the network per call, against the ring's
+    wire bytes. TCP adds headers and acknowledgements; a shared-memory path puts (almost) nothing there."""
+    table = []
+    for impl in IMPLEMENTATIONS:
+        for r in rows(result, impl, op):
+            if r["interface_bytes_sent"] is None:
+                continue
+            table.append([impl, records.format_bytes(r["bytes"]), f"{r['wire_bytes']:,.0f}",
+                          f"{r['interface_bytes_sent']:,.0f}", f"{r['interface_bytes_sent'] / r['wire_bytes']:.2f}"])
+    if not table:
+        return "(no interface counters: the ranks did not run in course namespaces)"
+    return records.format_table(table, ["implementation", "message", "ring wire bytes", "sent on the link",
+                                        "sent / wire"])
+
+
+def shm_report(result: dict) -> str:
+    """What decided DeepSpeed's shared-memory all-reduce in the benchmark's ranks (deterministic on a CPU)."""
+    shm = result["shm"]
+    if result["device"] != "cpu":
+        return f"DeepSpeed's shared-memory all-reduce: not for {result['device']} ranks ({shm['why_not']})"
+    lines = [f"LOCAL_SIZE given by DeepSpeed's launcher: {shm['local_size']} (world size {result['world_size']})",
+             f"deepspeed_shm_comm op loaded: {'yes' if shm['op_loaded'] else 'no'}",
+             f"shared-memory segments mapped by rank 0: {shm['segments_mapped']}",
+             f"inference_all_reduce takes the shared-memory kernel: {'yes' if shm['available'] else 'no: ' + shm['why_not']}"]
+    return "\n".join(lines)
+
+
+# === 2. slower links on one machine ================================================================
+
+#: Names of the course's namespaces: ``crs<pid>h`` (the bridge) and ``crs<pid>r<rank>``.
+PREFIX = "crs"
+_NAME = re.compile(rf"^{PREFIX}(\d+)(h|r\d+)$")
+#: The namespaces' private subnet (only ever configured inside them).
+SUBNET = "10.213.0"
+INTERFACE = "eth0"  # each rank's cable, inside its namespace
+MAX_RANKS = 200
+
+#: NCCL's settings that keep it off NVLink, PCIe peer-to-peer, shared memory and InfiniBand.
+NCCL_SOCKETS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket",
+                "NCCL_SOCKET_IFNAME": "lo"}
+#: NCCL says which transport each channel uses at this log level (``... via P2P/IPC``, ``via NET/Socket/0``).
+NCCL_SHOW_TRANSPORT = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
+
+
+class NotPermitted(RuntimeError):
+    """This machine does not let the course build namespaces or shape traffic (the message says why)."""
+
+
+def _run(argv: list[str]) -> str:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if result.returncode:
+        raise NotPermitted(f"`{' '.join(argv)}` failed: {(result.stderr or result.stdout).strip()}")
+    return result.stdout
+
+
+#: Set to 1 to keep the course from building namespaces even where it could (the slow-link parts skip).
+OFF_SWITCH = "COURSE_NO_NAMESPACES"
+
+
+def link_support() -> tuple[bool, str]:
+    """Whether :func:`rate_limited_link` can run here, and why not: the off switch, tools, privileges, and a
+    test namespace with a bridge and a rate limit, created and deleted."""
+    if os.environ.get(OFF_SWITCH) == "1":
+        return False, f"turned off by {OFF_SWITCH}=1"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return False, f"`{tool}` (iproute2) is not installed"
+    if os.geteuid() != 0:
+        return False, "network namespaces and traffic shaping need root (CAP_NET_ADMIN, CAP_SYS_ADMIN)"
+    probe = f"{PREFIX}{os.getpid()}h"
+    try:
+        _run(["ip", "netns", "add", probe])
+        _run(["ip", "-n", probe, "link", "add", "br0", "type", "bridge"])
+        _run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "br0", "root", "tbf", "rate", "1mbit",
+              "burst", "32kb", "latency", "50ms"])
+    except NotPermitted as refused:
+        return False, str(refused)
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return True, "root, iproute2, namespaces, bridges and tbf all work here"
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Delete the course's namespaces whose creating process is gone (a killed kernel), and name them."""
+    try:
+        listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    stale = []
+    for line in listing.splitlines():
+        name = line.split()[0] if line.split() else ""
+        match = _NAME.match(name)
+        if match and not Path(f"/proc/{match.group(1)}").exists():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+            stale.append(name)
+    return stale
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A rate-limited network between ranks, each in its own namespace (see :func:`rate_limited_link`)."""
+
+    prefix: str  # rank r lives in namespace f"{prefix}r{r}"
+    world_size: int
+    rate_mbit: float | None  # per rank and direction; None: the virtual cable's own speed
+
+    @property
+    def master_addr(self) -> str:
+        """Rank 0's address: where the others find its TCP store."""
+        return f"{SUBNET}.1"
+
+    def namespace(self, rank: int) -> str:
+        return f"{self.prefix}r{rank}"
+
+    @property
+    def rank_prefix(self) -> list[str]:
+        """The command DeepSpeed's launcher starts each rank through: it enters the namespace of rank
+        ``$LOCAL_RANK`` and tells gloo and NCCL to use the rank's cable (``helpers.core.launch`` appends the
+        rank's own command)."""
+        script = ('ns="$0r$LOCAL_RANK"; exec ip netns exec "$ns" env COURSE_NETNS="$ns" '
+                  f'GLOO_SOCKET_IFNAME={INTERFACE} NCCL_SOCKET_IFNAME={INTERFACE} "$@"')
+        return ["sh", "-c", script, self.prefix]
+
+    def describe(self) -> str:
+        rate = f"{self.rate_mbit:g} Mbit/s" if self.rate_mbit else "unlimited"
+        return (f"{self.world_size} ranks, one network namespace each ({self.prefix}r0..r{self.world_size - 1}), "
+                f"veth cables to a bridge, {rate} per rank and direction")
+
+
+#: Token-bucket size: one 64 KiB segment, the largest the kernel hands a virtual cable at once (GSO).
+#: A larger bucket lets whole small messages pass at the cable's own speed (measured: a 256 KiB
+#: all-reduce at 2.5x the set rate with a 500 KB bucket); a smaller one stalls on those segments.
+BURST_BYTES = 64 * 1024
+
+
+def shaping_command(rate_mbit: float | None) -> list[str]:
+    """``tc`` arguments after ``tc qdisc replace dev IF root``: a token-bucket filter of ``rate_mbit`` with a
+    bucket of :data:`BURST_BYTES` and a queue of at most 200 ms (nothing for ``None``: no limit)."""
+    if rate_mbit is None:
+        return []
+    return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(BURST_BYTES), "latency", "200ms"]
+
+
+def _check_rate(rate_mbit: float | None) -> None:
+    if rate_mbit is not None and (isinstance(rate_mbit, bool) or not isinstance(rate_mbit, (int, float))
+                                  or not 0.1 <= rate_mbit <= 100_000):
+        raise ValueError(f"rate_mbit={rate_mbit!r}: give a rate between 0.1 and 100000 Mbit/s, or None for no limit")
+
+
+@contextlib.contextmanager
+def rate_limited_link(world_size: int, rate_mbit: float | None) -> Iterator[Link]:
+    """Namespaces for ``world_size`` ranks joined through a bridge, each rank's cable shaped to ``rate_mbit``
+    (its sending side: like a network card); all of it deleted when the block ends, whatever happens.
+
+    Raises :class:`NotPermitted` (with the reason) where the machine does not allow it, before creating
+    anything, and ValueError for a bad rate. Pass ``link.rank_prefix`` and ``link.master_addr`` to
+    :func:`helpers.core.launch.sweep`.
+    """
+    if not isinstance(world_size, int) or not 2 <= world_size <= MAX_RANKS:
+        raise ValueError(f"world_size={world_size!r}: a link joins 2 to {MAX_RANKS} ranks")
+    _check_rate(rate_mbit)
+    ok, why = link_support()
+    if not ok:
+        raise NotPermitted(why)
+    remove_stale_namespaces()
+    link = Link(f"{PREFIX}{os.getpid()}", world_size, rate_mbit)
+    hub = f"{link.prefix}h"
+    created = []
+    try:
+        _run(["ip", "netns", "add", hub])
+        created.append(hub)
+        _run(["ip", "-n", hub, "link", "add", "br0", "type", "bridge"])
+        _run(["ip", "-n", hub, "link", "set", "br0", "up"])
+        for rank in range(world_size):
+            ns = link.namespace(rank)
+            _run(["ip", "netns", "add", ns])
+            created.append(ns)
+            _run(["ip", "-n", hub, "link", "add", f"p{rank}", "type", "veth", "peer", "name", INTERFACE, "netns", ns])
+            _run(["ip", "-n", hub, "link", "set", f"p{rank}", "master", "br0"])
+            _run(["ip", "-n", hub, "link", "set", f"p{rank}", "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{SUBNET}.{rank + 1}/24", "dev", INTERFACE])
+            _run(["ip", "-n", ns, "link", "set", INTERFACE, "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            shaping = shaping_command(rate_mbit)
+            if shaping:
+                _run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", INTERFACE, "root", *shaping])
+        yield link
+    finally:
+        for ns in reversed(created):  # a namespace takes its cables and their shaping with it
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def set_rate(run: PlannedRun, position: int, count: int, born: float) -> None:
+    """Rank-side task (``RunSpec(task=SET_RATE)``): reshape this rank's own cable to the
+    plan's ``link.rate_mbit`` between two runs of one launch, then publish what
+    ``tc`` now says. Only inside a course namespace (``COURSE_NETNS``); refused elsewhere."""
+
+    namespace = os.environ.get("COURSE_NETNS", "")
+    if not _NAME.match(namespace):
+        raise RuntimeError("set_rate runs only in ranks placed in a course namespace (rate_limited_link)")
+    import deepspeed.comm as dist  # deferred: DeepSpeed is imported after the course has chosen its accelerator
+
+    wanted = run.read_config()["link"]
+    shaping = shaping_command(wanted.get("rate_mbit"))
+    if shaping:
+        _run(["tc", "qdisc", "replace", "dev", INTERFACE, "root", *shaping])
+    else:
+        subprocess.run(["tc", "qdisc", "del", "dev", INTERFACE, "root"], capture_output=True, timeout=30)
+    shown = _run(["tc", "qdisc", "show", "dev", INTERFACE]).strip()
+    torch.distributed.barrier()
+    if dist.get_rank() == 0:
+        publish(run, position, {"name": run.name, "task": "set_rate", "namespace": namespace, "tc": shown,
+                                **wanted})
+
+
+#: How a run names the task.
+SET_RATE = reference_of(set_rate)
+
+
+def set_rate_spec(name: str, rate_mbit: float | None):
+    """A :class:`helpers.core.launch.RunSpec` for :func:`set_rate` (checked before anything starts)."""
+
+    _check_rate(rate_mbit)
+    return launch.RunSpec(config={"link": {"rate_mbit": rate_mbit}}, name=name, steps=1, probes=(), check=False,
+                          task=SET_RATE, out=launch.RUNS_DIR / name)
+
+
+@contextlib.contextmanager
+def nccl_over_sockets(show_transport: bool = True) -> Iterator[dict[str, str]]:
+    """Within the block, runs started by :mod:`helpers.core.launch` keep NCCL off NVLink, peer-to-peer and shared
+    memory (:data:`NCCL_SOCKETS`), so collectives go through TCP sockets on this machine's loopback; with
+    ``show_transport`` NCCL also logs the transport of each channel (see :func:`nccl_transports`).
+    The previous environment is restored when the block ends."""
+    settings = {**NCCL_SOCKETS, **(NCCL_SHOW_TRANSPORT if show_transport else {})}
+    with environment_set(settings):
+        yield settings
+
+
+@contextlib.contextmanager
+def environment_set(settings: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the block (runs launched inside inherit them), then restore them."""
+    before = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+_TRANSPORT = re.compile(r"via (\S+)")
+
+
+def nccl_transports(launch_log: str | Path) -> dict[str, int]:
+    """Transport -> channels, from NCCL's ``Channel xx/yy : a[a] -> b[b] via P2P/CUMEM`` lines in a launch's log
+    (written when ``NCCL_DEBUG=INFO``): what NCCL really used."""
+    found: dict[str, int] = {}
+    for line in Path(launch_log).read_text(errors="replace").splitlines():
+        if "Channel" in line and " via " in line:
+            match = _TRANSPORT.search(line)
+            if match:
+                found[match.group(1)] = found.get(match.group(1), 0) + 1
+    return found
+
+
+# === 3. the latency-bandwidth model ================================================================
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+GBIT = 1e9 / 8  # bytes/s in one gigabit per second
+
+#: What-if links: bytes/s per direction. Network cards at their nominal line rate; NVLink 4 (H100/H200):
+#: 18 links of 25 GB/s each way, 450 GB/s per direction.
+LINKS = {"10 Gb/s": 10 * GBIT, "25 Gb/s": 25 * GBIT, "100 Gb/s": 100 * GBIT, "400 Gb/s": 400 * GBIT,
+         "NVLink 4": 450e9}
+
+
+def collective_of(op: str) -> str:
+    """The collective an op name of DeepSpeed's comms logger is: ``all_gather_into_tensor`` -> ``all_gather``."""
+    if op.startswith(("all_reduce", "inference_all_reduce")):
+        return "all_reduce"
+    for name in ("all_gather", "reduce_scatter", "broadcast"):
+        if op.startswith(name):
+            return name
+    raise KeyError(f"op {op!r}: the model knows {', '.join(COLLECTIVES)} (and their DeepSpeed variants)")
+
+
+#: The model itself lives in :mod:`helpers.core.theory`, beside every other formula that turns bytes into seconds.
+AlphaBeta = theory.AlphaBeta
+
+
+def fit(wire_bytes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
+    """Least-squares alpha and beta (both >= 0) on *relative* error, so a 1 KiB point counts as much as a 1 GiB one:
+    minimise sum(((alpha + beta x_i) - t_i) / t_i)^2. Needs two or more points of different sizes."""
+    x, t = [float(v) for v in wire_bytes], [float(v) for v in seconds]
+    if len(x) != len(t):
+        raise ValueError(f"{len(x)} sizes but {len(t)} times")
+    if len(set(x)) < 2:
+        raise ValueError("fitting alpha and beta needs measurements at two or more different sizes")
+    if any(v <= 0 for v in t) or any(v < 0 for v in x):
+        raise ValueError("times must be positive and sizes non-negative")
+    # Weighted normal equations of rows (1/t_i, x_i/t_i) against 1.
+    s11 = sum(1 / v**2 for v in t)
+    s12 = sum(a / v**2 for a, v in zip(x, t))
+    s22 = sum(a * a / v**2 for a, v in zip(x, t))
+    r1 = sum(1 / v for v in t)
+    r2 = sum(a / v for a, v in zip(x, t))
+    det = s11 * s22 - s12 * s12
+    alpha = (r1 * s22 - r2 * s12) / det
+    beta = (s11 * r2 - s12 * r1) / det
+    if alpha < 0:  # bandwidth only: the line through the origin
+        alpha, beta = 0.0, r2 / s22
+    if beta < 0:  # latency only
+        alpha, beta = r1 / s11, 0.0
+    return AlphaBeta(alpha, beta)
+
+
+def relative_errors(model: AlphaBeta, wire_bytes: Sequence[float], seconds: Sequence[float]) -> list[float]:
+    """(predicted - measured) / measured at each point."""
+    return [(model.seconds(x) - t) / t for x, t in zip(wire_bytes, seconds)]
+
+
+@dataclasses.dataclass
+class CommModel:
+    """One :class:`AlphaBeta` per collective, for ``world_size`` ranks; ``source`` says where it came from."""
+
+    fits: dict[str, AlphaBeta]
+    world_size: int
+    source: str = ""
+
+    def fit_for(self, op: str) -> AlphaBeta:
+        name = collective_of(op)
+        if name not in self.fits:
+            raise KeyError(f"no fit for {name} (fitted: {', '.join(self.fits)}); benchmark it too")
+        return self.fits[name]
+
+    def seconds(self, op: str, logged_bytes: float, calls: float = 1.0) -> float:
+        """Predicted seconds of ``calls`` calls of ``op`` whose sizes, as DeepSpeed's comms logger records them,
+        add up to ``logged_bytes``."""
+        return self.fit_for(op).seconds(theory.wire_bytes(op, logged_bytes, self.world_size), calls)
+
+    def predict(self, by_op: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+        """op -> predicted seconds, for a table of op -> {count, bytes} (a record's ``comm.by_op``)."""
+        return {op: self.seconds(op, row["bytes"], row["count"]) for op, row in by_op.items()}
+
+    def predict_total(self, by_op: Mapping[str, Mapping[str, float]]) -> float:
+        return sum(self.predict(by_op).values())
+
+    @classmethod
+    def from_benchmark(cls, result: dict, implementation: str = "deepspeed.comm",
+                       ops: Sequence[str] | None = None) -> "CommModel":
+        """Fit every collective ``implementation`` was measured with in a :mod:`helpers.topics.bandwidth` summary."""
+
+
+        fits = {}
+        for op in ops or COLLECTIVES:
+            points = rows(result, implementation, op)
+            if len({p["wire_bytes"] for p in points}) >= 2:
+                fits[op] = fit([p["wire_bytes"] for p in points], [p["seconds"] for p in points])
+        if not fits:
+            raise ValueError(f"no collective measured at two sizes with {implementation}")
+        where = f"{result['world_size']} x {result['device_name']}" + (" in course namespaces"
+                                                                       if result.get("namespace") else "")
+        return cls(fits, result["world_size"], f"{implementation} benchmark, {where}")
+
+    @classmethod
+    def for_link(cls, bandwidth: float, alpha: float, world_size: int, name: str = "") -> "CommModel":
+        """Every collective on a link of ``bandwidth`` bytes/s per direction and ``alpha`` seconds per call."""
+        fits = {op: AlphaBeta(alpha, 1.0 / bandwidth) for op in COLLECTIVES}
+        return cls(fits, world_size, name or f"{bandwidth / 1e9:.3g} GB/s link, alpha {alpha * 1e6:.0f} us")
+
+
+def fit_table(model: CommModel, result: dict | None = None, implementation: str = "deepspeed.comm") -> str:
+    """alpha, 1/beta and the half-bandwidth message of each fitted collective, with the fit's worst relative
+    error over the benchmark's points when ``result`` is given."""
+
+
+    table = []
+    for op, ab in model.fits.items():
+        row = [op, f"{ab.alpha * 1e6:,.1f}", f"{ab.bandwidth / 1e9:.3g}", records.format_bytes(ab.half_bandwidth_bytes)]
+        if result is not None:
+            points = rows(result, implementation, op)
+            errors = relative_errors(ab, [p["wire_bytes"] for p in points], [p["seconds"] for p in points])
+            row.append(f"{max(abs(e) for e in errors):.0%}")
+        table.append(row)
+    headers = ["collective", "alpha us", "1/beta GB/s", "alpha/beta"] + (["worst fit error"] if result else [])
+    return records.format_table(table, headers)
+
+
+# --- a training step, split into computation and communication ---------------------------------
+
+@dataclasses.dataclass
+class StepProfile:
+    """One optimizer step: collectives (op -> count, logged bytes) and the seconds spent outside them."""
+
+    name: str
+    stage: int
+    accum: int
+    micro_batch: int
+    world_size: int
+    compute_s: float  # measured step time minus measured collective time
+    by_op: dict[str, dict[str, float]]
+    measured_step_s: float | None = None
+    measured_comm_s: float | None = None
+
+    @property
+    def samples(self) -> int:
+        return self.micro_batch * self.accum * self.world_size
+
+
+def _phase_ops(record: records.Record, phase: str) -> dict[str, dict[str, float]]:
+    return {op: {"count": row["count"], "bytes": row["bytes"]}
+            for op, row in record["micro_steps"]["by_phase"].get(phase, {}).items()}
+
+
+def _phase_comm(record: records.Record, phase: str) -> float:
+    return sum(row["seconds"] for row in record["micro_steps"]["by_phase"].get(phase, {}).values())
+
+
+def _add(total: dict, ops: Mapping[str, Mapping[str, float]], times: float = 1.0) -> dict:
+    for op, row in ops.items():
+        target = total.setdefault(op, {"count": 0.0, "bytes": 0.0})
+        target["count"] += row["count"] * times
+        target["bytes"] += row["bytes"] * times
+    return total
+
+
+def profile(record: records.Record) -> StepProfile:
+    """A measured run (probes ``timing`` and ``micro_steps``) as computation + collectives of one step.
+
+    Computation is the sum over phases of wall time minus collective time (rank 0), so the two add up
+    to the step as the probe timed it."""
+    s = record.summary
+    ms = record["micro_steps"]
+    by_op: dict = {}
+    for phase in ms["phases"]:
+        _add(by_op, _phase_ops(record, phase))
+    comm = sum(_phase_comm(record, p) for p in ms["phases"])
+    compute = sum(ms["wall_s_by_phase"].values()) - comm
+    return StepProfile(s["name"], s["zero_stage"], s["grad_accum"], s["micro_batch"], s["world_size"],
+                       max(compute, 0.0), by_op, sum(ms["wall_s_by_phase"].values()), comm)
+
+
+def extrapolate(record: records.Record, accum: int) -> StepProfile:
+    """The step of ``record``'s configuration at another accumulation ``accum``, same micro batch (so the
+    global batch grows with it), built from its measured phases: the first micro-step stands for every
+    micro-step off the accumulation boundary, the last for the one on it, the optimizer step as it was.
+    Needs a run with accumulation 2 or more (one micro-step off the boundary)."""
+    ms = record["micro_steps"]
+    if record["grad_accum"] < 2:
+        raise ValueError(f"{record.summary['name']}: accumulation {record['grad_accum']} has no micro-step off "
+                         "the boundary to extrapolate from; measure with accumulation 2 or more")
+    if not isinstance(accum, int) or accum < 1:
+        raise ValueError(f"accum={accum!r}: a whole number of micro-steps, 1 or more")
+    off, last, step = "micro-step 1", ms["phases"][-2], ms["phases"][-1]
+    wall = ms["wall_s_by_phase"]
+    by_op = _add(_add(_add({}, _phase_ops(record, off), accum - 1), _phase_ops(record, last)), _phase_ops(record, step))
+    compute = ((accum - 1) * (wall[off] - _phase_comm(record, off)) + wall[last] - _phase_comm(record, last)
+               + wall[step] - _phase_comm(record, step))
+    s = record.summary
+    return StepProfile(f"{s['name']} at accumulation {accum}", s["zero_stage"], accum, s["micro_batch"],
+                       s["world_size"], max(compute, 0.0), by_op)
+
+
+def predict_step(profile_: StepProfile, model: CommModel, overlap: bool = False) -> dict[str, float]:
+    """Predicted ``comm_s``, ``step_s`` (computation + communication, or the larger of the two when the
+    communication ``overlap``\\ s computation perfectly), ``comm_share`` and ``samples_per_s``."""
+    comm = model.predict_total(profile_.by_op)
+    step = max(profile_.compute_s, comm) if overlap else profile_.compute_s + comm
+    return {"comm_s": comm, "step_s": step, "comm_share": comm / (profile_.compute_s + comm),
+            "samples_per_s": profile_.samples / step}
+
+
+def what_if(profiles: Sequence[StepProfile], alpha: float, links: Mapping[str, float] = LINKS) -> list[dict]:
+    """For every profile and link (bytes/s per direction): the predicted step on that link, serial."""
+    found = []
+    for p in profiles:
+        for link, bandwidth in links.items():
+            model = CommModel.for_link(bandwidth, alpha, p.world_size, link)
+            found.append({"profile": p, "link": link, "bandwidth": bandwidth, **predict_step(p, model)})
+    return found
+
+
+def what_if_table(rows: Sequence[dict]) -> str:
+    """Step time (ms), communication share and samples/s per stage, accumulation and link."""
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    profiles = list(dict.fromkeys(id(r["profile"]) for r in rows))
+    by = {(id(r["profile"]), r["link"]): r for r in rows}
+    table = []
+    for pid in profiles:
+        p = next(r["profile"] for r in rows if id(r["profile"]) == pid)
+        cells = [f"ZeRO-{p.stage}", f"{p.accum}", f"{p.samples}"]
+        for link in links:
+            r = by[(pid, link)]
+            cells.append(f"{r['step_s'] * 1e3:,.1f} ms ({r['comm_share']:.0%})")
+        table.append(cells)
+    return records.format_table(table, ["stage", "accum", "batch"] + [f"{link}: step (comm)" for link in links])
+
+
+def comparison_rows(runs: Mapping[str, records.Record], model: CommModel) -> list[dict]:
+    """Per run: collectives per step, measured collective seconds (``micro_steps``) and the model's prediction
+    from the bytes the comms logger recorded (``comm.by_op``)."""
+    found = []
+    for name, r in runs.items():
+        measured = r.section("micro_steps")["comm_s_per_step"]
+        predicted = model.predict_total(r.comm_ops())
+        found.append({"name": name, "stage": r.stage, "accum": r["grad_accum"],
+                      "calls": sum(row["count"] for row in r.comm_ops().values()),
+                      "bytes": r.comm.bytes_per_step, "measured_s": measured, "predicted_s": predicted,
+                      "error": (predicted - measured) / measured if measured else math.nan})
+    return found
+
+
+def comparison_table(rows: Sequence[dict], tolerance: float | None = None) -> str:
+    """Measured against predicted communication seconds per step, with the relative error (and, with a
+    ``tolerance``, whether the prediction is within it)."""
+    table = [[r["name"], f"{r['calls']:g}", f"{r['bytes']:,.0f}", f"{r['measured_s'] * 1e3:.2f}",
+              f"{r['predicted_s'] * 1e3:.2f}", f"{r['error']:+.0%}"]
+             + ([("yes" if abs(r["error"]) <= tolerance else "no")] if tolerance is not None else []) for r in rows]
+    return records.format_table(table, ["run", "calls/step", "logged bytes/step", "measured ms", "predicted ms",
+                                        "error"] + ([f"within {tolerance:.0%}"] if tolerance is not None else []))
+
+
+# --- chapter 09's runs: the model against measurements, on a fast and a slow link ----------------
+
+#: The slow link of chapter 09 on CPU ranks, per rank and direction: slow enough that a 2 MB gradient
+#: all-reduce (42 ms) outweighs the small model's computation, fast enough to keep the notebook short.
+SLOW_RATE_MBIT = 400
+
+
+def stage_specs(prefix: str = "", model: str = "mlp", precision: str = "fp32", micro_batch: int = 4, steps: int = 3,
+                stages: Sequence[int] = (0, 1, 2, 3), extra: Sequence[tuple[int, int]] = ((1, 1), (2, 1)),
+                overlap_stage: int | None = 2, accum: int = 4) -> dict:
+    """RunSpecs of one link's training runs (micro batch fixed): every stage at accumulation ``accum``, the
+    ``extra`` (stage, accumulation) pairs, all with the ``comm`` and ``micro_steps`` probes; and
+    ``overlap_stage`` at ``accum`` with ``overlap_comm`` off and on, timed without the comms logger."""
+
+    logged = ("timing", "comm", "micro_steps")
+    specs = {}
+    for stage, a in [(s, accum) for s in stages] + list(extra):
+        specs[f"{prefix}zero{stage}-acc{a}"] = launch.RunSpec(
+            f"zero{stage}", model=model, steps=steps, probes=logged,
+            overrides=accumulation.overrides(micro_batch, a, precision))
+    if overlap_stage is not None:
+        for flag in (False, True):
+            o = accumulation.overrides(micro_batch, accum, precision)
+            o["zero_optimization"] = {"overlap_comm": flag}
+            specs[f"{prefix}zero{overlap_stage}-acc{accum}-overlap-{'on' if flag else 'off'}"] = launch.RunSpec(
+                f"zero{overlap_stage}", model=model, steps=steps, probes=("timing",), overrides=o)
+    return specs
+
+
+SLOW = "slow-"  # name prefix of the runs on the slow link
+
+
+def logged_runs(runs: Mapping[str, object], slow: bool = False) -> dict[str, records.Record]:
+    """The training runs of a sweep that carry the ``micro_steps`` probe, on the fast link (or the slow one),
+    by name (without the slow prefix)."""
+    return {name.removeprefix(SLOW): r for name, r in runs.items() if name.startswith(SLOW) == slow
+            and isinstance(r, records.Record) and "micro_steps" in r.probes}
+
+
+def run_chapter(model: str = "mlp", precision: str = "fp32", micro_batch: int = 4, steps: int = 3,
+                rate_mbit: float = SLOW_RATE_MBIT, env=None, timeout: float = 600) -> tuple[dict, str]:
+    """Chapter 09's measurements in ONE launch: the collective benchmark and the training runs of
+    :func:`stage_specs`; where the machine allows it (CPU ranks, :func:`helpers.topics.bandwidth.link_support`), with
+    every rank in its own network namespace, then, after the link is cut to ``rate_mbit``, a smaller
+    benchmark (``slow-collectives``) and the same runs of stages 1 and 2 named ``slow-...``.
+    Returns {name: record or benchmark summary} and a sentence saying which links were used. The launch's
+    own files go to ``runs/bandwidth-<model>/``; it is stopped after ``timeout`` seconds."""
+
+    env = env or environment.detect()
+    world = env.default_world_size
+    specs = {"collectives": spec(is_gpu=env.is_gpu, out=launch.RUNS_DIR / f"collectives-{model}")}
+    specs.update(stage_specs(model=model, precision=precision, micro_batch=micro_batch, steps=steps))
+    ok, why = (False, "GPU ranks use NCCL: see nccl_over_sockets") if env.is_gpu else link_support()
+    if not ok or world < 2:
+        runs = launch.sweep(specs, name=f"bandwidth-{model}", timeout=timeout)
+        return runs, f"one link only (the ranks' loopback): no slow link here, because {why if world > 1 else 'one rank'}"
+    specs[f"{SLOW}rate"] = set_rate_spec(f"{SLOW}rate", rate_mbit)
+    specs[f"{SLOW}collectives"] = spec(f"{SLOW}collectives", sizes=(2**14, 2**18, 2**21),
+                                                  ops=("all_reduce", "all_gather"), implementations=("deepspeed.comm",),
+                                                  iters=3, warmup=1, is_gpu=False,
+                                                  out=launch.RUNS_DIR / f"{SLOW}collectives-{model}")
+    specs.update(stage_specs(SLOW, model=model, precision=precision, micro_batch=micro_batch, steps=steps,
+                             stages=(1, 2)))
+    with rate_limited_link(world, None) as link:
+        runs = launch.sweep(specs, name=f"bandwidth-{model}", timeout=timeout, rank_prefix=link.rank_prefix,
+                            master_addr=link.master_addr)
+    return runs, (f"{link.describe()}; then cut to {rate_mbit:g} Mbit/s per rank and direction for the "
+                  f"'{SLOW}' runs")
+
+
+def slow_link_rows(fast: Mapping[str, object], slow: Mapping[str, object], link_model: CommModel,
+                   nominal: CommModel | None = None, prefix: str = SLOW) -> list[dict]:
+    """Per configuration run on both links: measured step time on each, and the slow link's step predicted from
+    the fast run (its computation, measured) plus the slow link's communication (``link_model``, fitted on
+    the slow link; ``nominal``: from the link's set rate alone). Timed-only runs (``overlap_comm`` off/on)
+    borrow computation and collectives from the logged run of the same stage and accumulation; for them
+    the prediction is a range, from no overlap to perfect overlap."""
+    found = []
+    for name, s_run in slow.items():
+        if not name.startswith(prefix) or not isinstance(s_run, records.Record):
+            continue
+        key = name[len(prefix):]
+        f_run = fast.get(key)
+        if not isinstance(f_run, records.Record):
+            continue
+        timed_only = "micro_steps" not in s_run.probes
+        base = f_run if not timed_only else fast.get(key.split("-overlap")[0])
+        if not isinstance(base, records.Record) or "micro_steps" not in base.probes:
+            continue
+        p = profile(base)
+        serial = predict_step(p, link_model)
+        row = {"name": key, "stage": s_run.stage, "accum": s_run["grad_accum"], "batch": s_run["train_batch"],
+               "fast_s": f_run.timing.median_s, "slow_s": s_run.timing.median_s,
+               "predicted_s": serial["step_s"], "comm_s": serial["comm_s"], "compute_s": p.compute_s,
+               "overlap_bound_s": predict_step(p, link_model, overlap=True)["step_s"] if timed_only else None,
+               "nominal_s": predict_step(p, nominal)["step_s"] if nominal else None}
+        found.append(row)
+    return found
+
+
+def slow_link_table(rows: Sequence[dict]) -> str:
+    """Measured step times on both links beside the model's prediction for the slow one (ms), and samples/s."""
+    table = []
+    for r in rows:
+        predicted = f"{r['predicted_s'] * 1e3:,.0f}"
+        if r["overlap_bound_s"] is not None:
+            predicted = f"{r['overlap_bound_s'] * 1e3:,.0f} .. {predicted}"
+        table.append([r["name"], f"{r['batch']}", f"{r['fast_s'] * 1e3:,.1f}", f"{r['slow_s'] * 1e3:,.0f}", predicted,
+                      "-" if r["nominal_s"] is None else f"{r['nominal_s'] * 1e3:,.0f}",
+                      f"{r['batch'] / r['fast_s']:,.0f}", f"{r['batch'] / r['slow_s']:,.0f}"])
+    return records.format_table(table, ["run", "batch", "fast link ms", "slow link ms", "predicted ms",
+                                        "from set rate ms", "samples/s fast", "samples/s slow"])
+
+
+#: The GPU-scale runs of chapter 09 (``python -m helpers reference bandwidth-nvlink|bandwidth-sockets``).
+GPU_MODEL = {"model": "llama-265m", "precision": "bf16", "micro_batch": 4, "steps": 3}
+
+
+def measure_gpu(transport: str = "nvlink") -> tuple[dict, object]:
+    """GPU machines only: chapter 09 at GPU scale, saved with :func:`helpers.core.references.save_reference`.
+
+    ``"nvlink"``: :func:`run_chapter` with :data:`GPU_MODEL` over NCCL's default transports (the
+    benchmark from 1 KiB to 1 GiB, ``deepspeed.comm`` beside ``torch.distributed``), saved as
+    ``bandwidth-nvlink``. ``"sockets"``: with NCCL kept off NVLink, peer-to-peer and shared memory
+    (:func:`helpers.topics.bandwidth.nccl_over_sockets`, restored after), a benchmark up to 256 MiB and the runs of
+    stages 1 and 2 named ``slow-...``, saved as ``bandwidth-sockets`` with the transports NCCL's log names.
+    Returns the runs and the file written."""
+
+    if transport not in ("nvlink", "sockets"):
+        raise ValueError(f"transport={transport!r}: choose 'nvlink' or 'sockets'")
+    if not environment.detect().is_gpu:
+        raise RuntimeError("chapter 09's GPU-scale runs need GPUs")
+    m = GPU_MODEL
+    if transport == "nvlink":
+        runs, _ = run_chapter(model=m["model"], precision=m["precision"], micro_batch=m["micro_batch"], steps=m["steps"],
+                              timeout=3600)
+        note = (f"benchmark 1 KiB-1 GiB and {m['model']} {m['precision']} runs (micro batch {m['micro_batch']}), "
+                "NCCL's default transports")
+        return runs, references.save_reference("bandwidth-nvlink", runs, note=note)
+
+    name = "bandwidth-sockets"
+    with nccl_over_sockets() as settings:
+        specs = {f"{SLOW}collectives": spec(f"{SLOW}collectives", sizes=GPU_SIZES[:-1], iters=5,
+                                                       out=launch.RUNS_DIR / f"{SLOW}collectives-{m['model']}")}
+        specs.update(stage_specs(SLOW, model=m["model"], precision=m["precision"], micro_batch=m["micro_batch"],
+                                 steps=m["steps"], stages=(1, 2)))
+        runs = launch.sweep(specs, name=name, timeout=3600)
+    transports = nccl_transports(launch.RUNS_DIR / name / "launch.log")
+    note = (f"NCCL over sockets ({', '.join(f'{k}={v}' for k, v in settings.items())}); channels by transport in "
+            f"NCCL's log: {transports or 'none logged'}")
+    return runs, references.save_reference(name, runs, note=note)
+
+
+def extrapolation_check(runs: Mapping[str, records.Record], source_accum: int = 4, target_accum: int = 1) -> str:
+    """For each stage measured at both accumulations: do the collectives :func:`extrapolate` predicts from the
+    ``source_accum`` run equal, call for call and byte for byte, those measured at ``target_accum``?"""
+    table = []
+    by_key = {(r.stage, r["grad_accum"]): r for r in runs.values()}
+    for (stage, accum), source in sorted(by_key.items()):
+        target = by_key.get((stage, target_accum))
+        if accum != source_accum or target is None:
+            continue
+        predicted = extrapolate(source, target_accum).by_op
+        measured = {op: {"count": row["count"], "bytes": row["bytes"]} for op, row in target.comm_ops().items()}
+        same = {op: (round(v["count"], 6), round(v["bytes"])) for op, v in predicted.items()} == \
+               {op: (round(v["count"], 6), round(v["bytes"])) for op, v in measured.items()}
+        table.append([f"ZeRO-{stage}", f"{source_accum} -> {target_accum}",
+                      " ".join(f"{op.split('_into')[0]}:{v['count']:g}" for op, v in sorted(predicted.items())),
+                      "yes" if same else "no"])
+    return records.format_table(table, ["stage", "extrapolated", "collectives per step", "equal to the measured run"])
+
+
+def reference_report(name: str = "bandwidth-nvlink", sockets: str = "bandwidth-sockets",
+                     prediction_tolerance: float = 0.25) -> str:
+    """Committed GPU results of chapter 09, each labelled with its device: the all_reduce target against raw
+    torch.distributed, the fitted model, measured against predicted collective time per stage, the what-if
+    from the GPU runs, and the runs over NCCL sockets; or a plain statement that none are committed yet."""
+
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, "run this notebook on a GPU machine to measure them.")
+    over_sockets = {device: runs for device, _, _, runs in references.reference_runs(sockets)}
+    parts = []
+    for device, date, note, runs in found:
+        bench = runs["collectives"]
+        model = CommModel.from_benchmark(bench)
+        fast = logged_runs(runs)
+        parts += [f"Measured on {device}, {date} ({note}):",
+                  "all_reduce bus bandwidth, deepspeed.comm against torch.distributed:", target_table(bench),
+                  "alpha-beta fits (deepspeed.comm):", fit_table(model, bench),
+                  "collective time per optimizer step, measured and predicted:",
+                  comparison_table(comparison_rows(fast, model), prediction_tolerance)]
+        accum4 = [r for r in fast.values() if r["grad_accum"] >= 2 and r.stage in (0, 1, 2, 3)]
+        profiles = [extrapolate(r, a) for r in sorted(accum4, key=lambda r: r.stage) for a in (1, 4)]
+        if profiles:
+            parts += ["what-if from these runs (serial, alpha as fitted for all_reduce):",
+                      what_if_table(what_if(profiles, model.fits["all_reduce"].alpha))]
+        socket_runs = over_sockets.get(device)
+        if socket_runs and f"{SLOW}collectives" in socket_runs:
+            slow_model = CommModel.from_benchmark(socket_runs[f"{SLOW}collectives"])
+            parts += ["NCCL over sockets instead of NVLink:", fit_table(slow_model, socket_runs[f"{SLOW}collectives"]),
+                      slow_link_table(slow_link_rows(runs, socket_runs, slow_model))]
+        parts.append("")
+    return "\n".join(parts)
+
+
+# --- figures ----------------------------------------------------------------------------------------
+
+def bus_bandwidth(result: dict, title: str | None = None):
+    """Bus bandwidth against message size, one panel per collective, one line per implementation
+    (a :mod:`helpers.topics.bandwidth` summary)."""
+    plt = plots.pyplot()
+
+    ops = list(dict.fromkeys(r["op"] for r in result["results"]))
+    fig, axes = plt.subplots(1, len(ops), figsize=(3.2 * len(ops), 3.2), sharey=True, squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for impl in IMPLEMENTATIONS:
+            points = sorted((p["bytes"], p["busbw"]) for p in rows(result, impl, op))
+            if points:
+                ax.plot([b for b, _ in points], [w / 1e9 for _, w in points], marker="o", markersize=3, label=impl)
+        ax.set(xscale="log", yscale="log", xlabel="message bytes", title=op)
+    axes[0][0].set_ylabel("bus bandwidth GB/s")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title or f"Collectives on {result['world_size']} ranks ({result['device_name']}, {result['backend']})")
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def alpha_beta(result: dict, model, implementation: str = "deepspeed.comm", title: str | None = None):
+    """Measured seconds per call against wire bytes per rank (points) and the fitted t = alpha + beta w (lines)."""
+    plt = plots.pyplot()
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (op, fit) in enumerate(model.fits.items()):
+        points = sorted((p["wire_bytes"], p["seconds"]) for p in rows(result, implementation, op))
+        xs = [x for x, _ in points]
+        ax.plot(xs, [t * 1e6 for _, t in points], "o", color=colours[i % len(colours)], markersize=4, label=f"{op} measured")
+        ax.plot(xs, [fit.seconds(x) * 1e6 for x in xs], "-", color=colours[i % len(colours)], linewidth=1,
+                label=f"{op} fit: {fit.describe()}")
+    ax.set(xscale="log", yscale="log", xlabel="wire bytes per rank", ylabel="microseconds per call",
+           title=title or f"alpha-beta fits ({model.source})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def measured_vs_predicted(rows: Sequence[dict], title: str = "Collective time per optimizer step"):
+    """Bars: measured and predicted collective seconds per step, run by run (:func:`helpers.topics.bandwidth.comparison_rows`)."""
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(rows), 3.6))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["measured_s"] * 1e3 for r in rows], 0.38, label="measured")
+    ax.bar([x + 0.2 for x in xs], [r["predicted_s"] * 1e3 for r in rows], 0.38, label="alpha-beta model", hatch="//")
+    ax.set_xticks(list(xs), [r["name"] for r in rows], fontsize=8, rotation=20)
+    ax.set(ylabel="ms per optimizer step", title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def what_if_figure(rows: Sequence[dict], title: str = "Predicted step time by link"):
+    """Two panels against link bandwidth (log): predicted time per sample, and communication's share of the step;
+    one line per (stage, accumulation) profile (:func:`helpers.topics.bandwidth.what_if`)."""
+    plt = plots.pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    profiles = list(dict.fromkeys(id(r["profile"]) for r in rows))
+    for pid in profiles:
+        mine = [r for r in rows if id(r["profile"]) == pid]
+        p = mine[0]["profile"]
+        style = "-" if p.accum == 1 else "--"
+        label = f"ZeRO-{p.stage}, accum {p.accum}"
+        gbits = [r["bandwidth"] * 8 / 1e9 for r in mine]
+        left.plot(gbits, [r["step_s"] / p.samples * 1e3 for r in mine], style, marker="o", markersize=3, label=label)
+        right.plot(gbits, [r["comm_share"] * 100 for r in mine], style, marker="o", markersize=3, label=label)
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_xlabel("link Gbit/s per direction")
+    left.set(ylabel="ms per sample", yscale="log", title="time per sample")
+    right.set(ylabel="% of the step", ylim=(0, 100), title="communication share")
+    right.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def slow_link(rows: Sequence[dict], title: str = "Step time on a fast and a slow link"):
+    """Bars per run: measured step time on the fast link and on the slow one, and the model's prediction for
+    the slow one (:func:`helpers.topics.bandwidth.slow_link_rows`); a range for the timed-only overlap runs."""
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(rows), 3.8))
+    xs = list(range(len(rows)))
+    ax.bar([x - 0.27 for x in xs], [r["fast_s"] * 1e3 for r in rows], 0.26, label="fast link, measured")
+    ax.bar(xs, [r["slow_s"] * 1e3 for r in rows], 0.26, label="slow link, measured")
+    ax.bar([x + 0.27 for x in xs], [r["predicted_s"] * 1e3 for r in rows], 0.26, hatch="//",
+           label="slow link, predicted (no overlap)")
+    lows = [(x, r["overlap_bound_s"]) for x, r in zip(xs, rows) if r["overlap_bound_s"] is not None]
+    if lows:
+        ax.plot([x + 0.27 for x, _ in lows], [v * 1e3 for _, v in lows], "kv", label="predicted, perfect overlap")
+    ax.set_xticks(xs, [r["name"] for r in rows], fontsize=7, rotation=20)
+    ax.set(ylabel="ms per optimizer step", title=title)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+

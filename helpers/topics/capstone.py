@@ -1,0 +1,1054 @@
+"""The capstone: train a LLaMA-style model as fast as the box allows, one measured step at a time.
+
+A :class:`Setting` is one complete way to train the model (ZeRO stage, micro batch and accumulation,
+buckets and overlap, activation checkpointing, optimizer kernel, ``engine.compile()``, sequence length).
+A :class:`Rung` is one family of knobs: from the best setting so far it proposes candidates, and all of
+them train one after the other in ONE launch (:func:`helpers.core.launch.sweep`). :func:`walk` climbs the
+ladder: a candidate is kept when its model TFLOP/s per GPU beats the best so far by more than the noise
+margin (measured: the first rung trains the baseline twice), and dropped otherwise, with the reason. It
+stops starting rungs when the time budget would run out, and says which it skipped.
+
+Every figure comes from the candidates' records (probes ``throughput``, ``comm_share``, ``peak_memory``;
+formulas in :mod:`helpers.core.performance`). ``benchmarks/capstone.py`` runs the same ladder without Jupyter.
+
+FSDP2: :func:`fsdp2_run` is the hook where PyTorch FSDP2's run of the best setting plugs in (the DDP/FSDP2
+helpers are built with the chapter comparing DeepSpeed with PyTorch); until then it says so and measures
+nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Collection, Sequence
+
+import torch
+
+from helpers.core import environment, launch, models, plots, records, references
+from helpers.core.plan import PlannedRun, reference_of
+from helpers.core.probes import Probe, RunContext
+from helpers.topics import frameworks
+
+#: The probes every candidate runs with (no comms logger: it synchronizes every collective, which would
+#: hide the overlap being tuned).
+PROBES = ("timing", "throughput", "peak_memory", "comm_share")
+#: A candidate must beat the best so far by at least this much (or twice the baseline's own spread).
+MIN_MARGIN = 0.02
+#: The issue's target: model FLOPs utilization per GPU with ZeRO-2 or ZeRO-3 on 2 or more GPUs.
+TARGET_MFU = 0.50
+#: How a skipped rung's or FSDP2's reason begins when no time was left to try it.
+BUDGET_SKIP = "time budget: "
+#: What :func:`walk` sets for the ranks unless already set: fewer, larger CUDA allocator segments (a
+#: candidate that ran out of memory leaves less fragmentation to the next), and a rank stuck in a
+#: collective after another rank failed gives up after 5 minutes instead of DeepSpeed's 10.
+RANK_ENVIRONMENT = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "DEEPSPEED_TIMEOUT": "5"}
+
+
+# --- the capstone's model -------------------------------------------------------------------------
+
+#: The model's name in records, and the course data set it trains on (windows of the text corpus).
+MODEL = "llama-capstone"
+DATA = "llama"
+#: Shapes of the capstone model: hidden size, MLP size, layers, attention heads, vocabulary. "1.2b" is the
+#: issue's baseline (hidden 2048, 22 layers: 1,244,227,584 parameters); heads of 128 dimensions, as LLaMA's.
+SIZES = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 256},
+    "1.2b": {"hidden_size": 2048, "intermediate_size": 5504, "num_hidden_layers": 22, "num_attention_heads": 16,
+             "vocab_size": 32000},
+    "2.7b": {"hidden_size": 2560, "intermediate_size": 6912, "num_hidden_layers": 32, "num_attention_heads": 20,
+             "vocab_size": 32000},
+}
+#: The model's options (a run's ``model_options``) and their defaults (seq_len None: 64 for "tiny", else 2048).
+OPTIONS = {"size": "tiny", "seq_len": None, "attention": "sdpa", "checkpointing": False, "compile": False}
+ATTENTION_KERNELS = ("sdpa", "eager")
+
+
+def full_options(options: dict | None = None) -> dict:
+    """The capstone model's options with defaults filled in."""
+    full = {**OPTIONS, **(options or {})}
+    if full["seq_len"] is None:
+        full["seq_len"] = models.LM_SEQ_LEN if full["size"] == "tiny" else 2048
+    return full
+
+
+def check_options(name: str, options: dict) -> None:
+    """Raise a ValueError naming the key and the choices when ``options`` do not fit the capstone model
+    (the launcher calls it before any process starts)."""
+    if name != MODEL:
+        raise ValueError(f"model {name!r}: the capstone's builder builds {MODEL!r}")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"model_options {unknown}: {MODEL} takes {', '.join(OPTIONS)}")
+    full = full_options(options)
+    if full["size"] not in SIZES:
+        raise ValueError(f"model_options size={full['size']!r}: choose one of {', '.join(SIZES)}")
+    if not isinstance(full["seq_len"], int) or full["seq_len"] < 2:
+        raise ValueError(f"model_options seq_len={full['seq_len']!r}: a whole number of tokens, at least 2")
+    if full["attention"] not in ATTENTION_KERNELS:
+        raise ValueError(f"model_options attention={full['attention']!r}: choose one of {', '.join(ATTENTION_KERNELS)}")
+    for key in ("checkpointing", "compile"):
+        if not isinstance(full[key], bool):
+            raise ValueError(f"model_options {key}={full[key]!r}: true or false")
+
+
+def model_config(size: str = "tiny", seq_len: int | None = None, attention: str = "sdpa"):
+    """The ``transformers`` config of the capstone model: :data:`SIZES` [size], untied embeddings,
+    ``max_position_embeddings`` = the sequence length it trains on."""
+    from transformers import (
+        LlamaConfig,  # deferred: slow, and the ranks of most chapters need none
+    )
+
+    full = full_options({"size": size, "seq_len": seq_len, "attention": attention})
+    return LlamaConfig(**SIZES[size], num_key_value_heads=SIZES[size]["num_attention_heads"],
+                       max_position_embeddings=full["seq_len"], tie_word_embeddings=False, use_cache=False,
+                       attn_implementation=attention)
+
+
+@functools.lru_cache(maxsize=None)
+def model_parameters(size: str) -> int:
+    """Parameters of the capstone model of ``size``, counted on PyTorch's meta device (no memory)."""
+    from transformers import LlamaForCausalLM  # deferred: as above
+
+    with torch.device("meta"):
+        return models.count_parameters(LlamaForCausalLM(model_config(size)))
+
+
+def build_model(name: str, seed: int = 0, config: dict | None = None, **options) -> torch.nn.Module:
+    """The capstone model (a run's ``builder``), built on this rank's GPU where there is one (a 1.24B model
+    initialises in a fraction of a second there, in many seconds on a CPU). ``options``: :data:`OPTIONS`
+    (``compile`` is applied by :func:`train_step`)."""
+    from transformers import LlamaForCausalLM  # deferred: as above
+
+    check_options(name, options)
+    full = full_options(options)
+    model_conf = model_config(full["size"], full["seq_len"], full["attention"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
+    torch.manual_seed(seed)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = LlamaForCausalLM(model_conf)
+    if full["checkpointing"]:
+        # transformers' switch: torch.utils.checkpoint around each decoder layer, without re-entrance
+        # (activation_checkpointing_enable since transformers 5; gradient_checkpointing_enable before)
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
+build_model.check_options = check_options  # the launcher checks a run's model options with it
+build_model.data = DATA  # what a torchrun task trains this model on (helpers.topics.frameworks)
+
+
+def train_step(ctx: RunContext, run: PlannedRun, step: int, probes: list[Probe]) -> list[float]:
+    """One optimizer step of the capstone model (a run's ``trainer``): ``grad_accum`` micro-steps of
+    forward, ``engine.backward``, ``engine.step`` on windows of the text corpus ``seq_len`` tokens long;
+    ``engine.compile()`` first when the run's options ask for it (its compilation lands in the first,
+    warm-up, step). Losses are read once per step, not per micro-step, so the host never waits for the
+    device mid-step."""
+    engine = ctx.engine
+    options = full_options(run.model_options)
+    if step == 0 and options["compile"] and not engine.is_compiled:
+        engine.compile()
+    losses = []
+    for micro_step in range(ctx.grad_accum):
+        indices = models.sample_indices(step, micro_step, ctx.rank, ctx.world_size, ctx.micro_batch, ctx.grad_accum)
+        batch = models.make_batch(DATA, indices, run.seed, seq_len=options["seq_len"]).to(engine.device)
+        loss = models.loss_of(engine, DATA, batch)
+        engine.backward(loss)
+        for probe in probes:
+            probe.after_backward(ctx, step, micro_step)
+        engine.step()
+        losses.append(loss.detach())
+    return [loss.item() for loss in losses]
+
+
+#: How a run names them (:class:`helpers.core.launch.RunSpec`).
+BUILDER, TRAINER = reference_of(build_model), reference_of(train_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One way to train the capstone model. ``None`` leaves a knob at DeepSpeed's default."""
+
+    stage: int = 2
+    micro_batch: int = 8
+    grad_accum: int = 2
+    seq_len: int = 2048
+    precision: str = "bf16"
+    overlap_comm: bool | None = None
+    contiguous_gradients: bool | None = None
+    reduce_bucket_size: int | None = None
+    allgather_bucket_size: int | None = None  # stages 1-2
+    prefetch_bucket_size: int | None = None  # stage 3
+    checkpointing: bool = False
+    optimizer: str = "fused"  # "fused": DeepSpeed's FusedAdam (AdamW mode); "torch": torch.optim.AdamW
+    compile: bool = False
+    attention: str = "sdpa"
+
+    def config(self, world_size: int) -> dict:
+        """The full DeepSpeed config of this setting on ``world_size`` ranks."""
+        zero: dict = {"stage": self.stage}
+        knobs = {"overlap_comm": self.overlap_comm, "contiguous_gradients": self.contiguous_gradients,
+                 "reduce_bucket_size": self.reduce_bucket_size}
+        if self.stage in (1, 2):
+            knobs["allgather_bucket_size"] = self.allgather_bucket_size
+        if self.stage == 3:
+            knobs["stage3_prefetch_bucket_size"] = self.prefetch_bucket_size
+        zero.update({k: v for k, v in knobs.items() if v is not None})
+        params: dict = {"lr": 1e-4, "weight_decay": 0.01}
+        if self.optimizer == "torch":
+            params["torch_adam"] = True
+        config = {
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "gradient_accumulation_steps": self.grad_accum,
+            "train_batch_size": self.micro_batch * self.grad_accum * world_size,
+            "optimizer": {"type": "AdamW", "params": params},
+            "gradient_clipping": 1.0,
+            "zero_optimization": zero,
+            "steps_per_print": 1_000_000,
+        }
+        if self.precision in ("bf16", "fp16"):
+            config[self.precision] = {"enabled": True}
+        return config
+
+    def model_options(self, size: str) -> dict:
+        return {"size": size, "seq_len": self.seq_len, "attention": self.attention,
+                "checkpointing": self.checkpointing, "compile": self.compile}
+
+    def changes_from(self, other: "Setting") -> str:
+        """What differs from ``other``, as ``knob=value`` pairs ("same" when nothing does)."""
+        diffs = [f"{f.name}={_short(getattr(self, f.name))}" for f in dataclasses.fields(self)
+                 if getattr(self, f.name) != getattr(other, f.name)]
+        return ", ".join(diffs) or "same"
+
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    def with_knobs(self, text: str) -> "Setting":
+        """This setting with ``"knob=value,knob=value"`` applied (``compile=true``, ``reduce_bucket_size=2e8``,
+        ``overlap_comm=none`` for DeepSpeed's default): where a walk starts when it is not the baseline.
+        Raises ``ValueError`` naming the knob and what it takes."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        changes: dict = {}
+        for pair in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, raw = pair.partition("=")
+            key, raw = key.strip(), raw.strip()
+            if not sep or key not in fields:
+                raise ValueError(f"{pair!r}: write knob=value, with a knob among {', '.join(fields)}")
+            # the annotation, a string here ("bool | None"): its first type, and whether None is allowed
+            annotation = str(fields[key].type)
+            kind = {"int": int, "bool": bool, "str": str}[annotation.split(" |")[0]]
+            nullable = "None" in annotation
+            if raw.lower() == "none" and nullable:
+                changes[key] = None
+            elif kind is bool and raw.lower() in ("true", "false"):
+                changes[key] = raw.lower() == "true"
+            elif kind is int and re.fullmatch(r"\d+(\.\d+)?(e\d+)?", raw.lower()) and float(raw) == int(float(raw)):
+                changes[key] = int(float(raw))
+            elif kind is str and raw:
+                changes[key] = raw
+            else:
+                wants = {bool: "true or false", int: "a whole number (2e8 is fine)", str: "a word"}[kind]
+                none = " (or none: DeepSpeed's default)" if nullable else ""
+                raise ValueError(f"{key}={raw!r}: {key} takes {wants}{none}")
+        return dataclasses.replace(self, **changes)
+
+
+def _short(value) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000_000:
+        return f"{value:.0e}".replace("e+0", "e")
+    return str(value)
+
+
+#: Where the ladder starts on GPUs: the issue's measured baseline (1.24B, sequence 2048, bf16, SDPA,
+#: ZeRO-2, micro batch 8 x accumulation 2, DeepSpeed's defaults otherwise).
+GPU_BASELINE = Setting()
+#: Where it starts on CPU ranks: the tiny model, in fp32 (bf16 is emulated, slowly, on most CPUs), with
+#: torch's AdamW (DeepSpeed's FusedAdam is a compiled op on CPUs too, and loading it costs each launch seconds).
+CPU_BASELINE = Setting(micro_batch=4, grad_accum=2, seq_len=64, precision="fp32", optimizer="torch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rung:
+    """One family of knobs: ``propose(best)`` gives (label, candidate) pairs; ``eligible`` says which
+    settings may be kept (the target asks for ZeRO-2 or ZeRO-3)."""
+
+    name: str
+    what: str
+    propose: Callable[[Setting], list[tuple[str, Setting]]]
+    eligible: Callable[[Setting], bool] = lambda s: s.stage in (2, 3)
+
+
+def _batch(s: Setting) -> list[tuple[str, Setting]]:
+    found = []
+    if s.grad_accum >= 2:
+        found.append(("micro x2, accumulation /2", dataclasses.replace(s, micro_batch=s.micro_batch * 2,
+                                                                         grad_accum=s.grad_accum // 2)))
+    if s.micro_batch >= 2:
+        found.append(("micro /2, accumulation x2", dataclasses.replace(s, micro_batch=s.micro_batch // 2,
+                                                                         grad_accum=s.grad_accum * 2)))
+    found.append(("accumulation x2", dataclasses.replace(s, grad_accum=s.grad_accum * 2)))
+    return found
+
+
+def _overlap(s: Setting) -> list[tuple[str, Setting]]:
+    if s.stage == 3:
+        return [("prefetch bucket 2e8", dataclasses.replace(s, prefetch_bucket_size=200_000_000)),
+                ("reduce bucket 2e8", dataclasses.replace(s, reduce_bucket_size=200_000_000))]
+    return [("overlap_comm", dataclasses.replace(s, overlap_comm=True)),
+            ("overlap_comm, buckets 2e8", dataclasses.replace(s, overlap_comm=True, reduce_bucket_size=200_000_000,
+                                                              allgather_bucket_size=200_000_000))]
+
+
+def _checkpointing(s: Setting) -> list[tuple[str, Setting]]:
+    on = dataclasses.replace(s, checkpointing=True)
+    found = [("checkpointing, micro x2", dataclasses.replace(on, micro_batch=s.micro_batch * 2))]
+    if s.grad_accum >= 2:
+        found.append(("checkpointing, micro x2, accumulation /2",
+                      dataclasses.replace(on, micro_batch=s.micro_batch * 2, grad_accum=s.grad_accum // 2)))
+    return found
+
+
+#: The GPU ladder, in the order it is climbed: the knobs that usually pay most come first, so a short
+#: budget spends itself on them (the stage rung shares the baseline's launch).
+GPU_LADDER: list[Rung] = [
+    Rung("stage", "ZeRO stage (stage 1 is measured for comparison; the target asks for 2 or 3)",
+         lambda s: [("ZeRO-3", dataclasses.replace(s, stage=3)), ("ZeRO-1", dataclasses.replace(s, stage=1))]),
+    Rung("batch", "micro batch and gradient accumulation", _batch),
+    Rung("overlap", "communication overlap and bucket sizes", _overlap),
+    Rung("compile", "torch.compile through engine.compile()",
+         lambda s: [("engine.compile()", dataclasses.replace(s, compile=True))] if not s.compile else []),
+    Rung("rebatch", "micro batch and accumulation again, from what was kept above (compiled kernels move the "
+         "balance between compute, the optimizer step and memory)", _batch),
+    Rung("sequence", "sequence length x2 at the same tokens per micro-batch",
+         lambda s: [("sequence x2, micro /2", dataclasses.replace(s, seq_len=s.seq_len * 2,
+                                                                  micro_batch=max(1, s.micro_batch // 2)))]),
+    Rung("checkpointing", "activation checkpointing, spending the memory it frees on a larger micro batch",
+         _checkpointing),
+    Rung("fused", "fused optimizer kernel: DeepSpeed's FusedAdam against torch.optim.AdamW (foreach)",
+         lambda s: [("torch AdamW", dataclasses.replace(s, optimizer="torch" if s.optimizer == "fused" else "fused"))]),
+    Rung("accumulate", "longer accumulation at the kept micro batch: the optimizer step is paid once per step, so "
+         "it weighs less per token (the global batch grows: a real run weighs that against convergence)",
+         lambda s: [(f"accumulation x{k}", dataclasses.replace(s, grad_accum=s.grad_accum * k)) for k in (2, 4)]),
+]
+
+#: On CPU ranks the notebook climbs one rung in one launch: the baseline (twice) and one candidate from
+#: each of three knob families, so the learner sees the rule at work within the notebook's time.
+CPU_LADDER: list[Rung] = [
+    Rung("cpu", "one candidate per knob family, in one launch",
+         lambda s: [("ZeRO-3", dataclasses.replace(s, stage=3)),
+                    ("accumulation x2", dataclasses.replace(s, grad_accum=s.grad_accum * 2)),
+                    ("checkpointing", dataclasses.replace(s, checkpointing=True))]),
+]
+
+
+# --- what each candidate measured -------------------------------------------------------------
+
+def metric(record: records.Record) -> float:
+    """The number the ladder ranks by: model TFLOP/s per GPU (tokens/s where no FLOPs are known)."""
+    section = record["throughput"]
+    return section["tflops_per_gpu"] if section["tflops_per_gpu"] is not None else section["tokens_per_s"]
+
+
+def measurements(record: records.Record) -> dict:
+    """The figures a ladder row shows, from one candidate's record."""
+    t, share = record["throughput"], record.summary.get("comm_share", {})
+    return {"tokens_per_s": t["tokens_per_s"], "tflops_per_gpu": t["tflops_per_gpu"], "mfu": t["mfu"],
+            "step_time_s": t["step_time_s"], "peak_bytes": record.memory.peak(),
+            "peak_upper_bound": records.peak_may_include_earlier_runs(record),
+            "comm_exposed_share": share.get("exposed_share"), "comm_busy_share": share.get("busy_share"),
+            "losses": record.losses, "metric": metric(record)}
+
+
+# --- the ladder ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Candidate:
+    rung: str
+    label: str
+    setting: Setting
+    run_name: str
+    record: records.Record | None = None
+    failure: str | None = None
+    verdict: str = ""
+    note: str = ""  # how it was trained, where that differs from its rung's one launch
+
+
+@dataclasses.dataclass
+class Ladder:
+    """What :func:`walk` did: every candidate with its verdict, the best setting and why it stopped."""
+
+    size: str
+    params: int
+    world_size: int
+    device: str
+    baseline: Setting
+    budget_s: float
+    candidates: list[Candidate] = dataclasses.field(default_factory=list)
+    rungs: list[dict] = dataclasses.field(default_factory=list)
+    best: Setting | None = None
+    best_label: str = "baseline"
+    margin: float = MIN_MARGIN
+    spread: float | None = None
+    seconds: float = 0.0
+    fsdp2: dict = dataclasses.field(default_factory=dict)
+    previous: dict | None = None  # the ladder this walk resumed (Ladder.to_dict() of an earlier walk)
+    # (seconds, candidates, compiled) of every launch, earlier walks' first: what budget estimates start from
+    launches: list[tuple[float, int, bool]] = dataclasses.field(default_factory=list)
+    name: str = "capstone"  # runs/<name>/ holds every candidate's record
+
+    def best_candidate(self) -> Candidate | None:
+        kept = [c for c in self.candidates if c.verdict.startswith(("kept", "baseline"))]
+        return kept[-1] if kept else None
+
+    def best_run(self) -> str | None:
+        kept = [c for c in self.candidates if c.verdict.startswith("kept")]
+        if kept:
+            return kept[-1].run_name
+        if self.previous is not None:
+            return self.previous["best_run"]
+        best = self.best_candidate()
+        return best.run_name if best else None
+
+    def to_dict(self) -> dict:
+        """Plain data (settings, verdicts, each candidate's figures), for ladder.json and the references."""
+        before = self.previous or {"candidates": [], "rungs": [], "budget_s": 0, "seconds": 0}
+        climbed_now = {r["rung"] for r in self.rungs}
+        before_rungs = [r for r in before["rungs"] if r["ran"] or r["rung"] not in climbed_now]
+        return {"size": self.size, "params": self.params, "world_size": self.world_size, "device": self.device,
+                "baseline": dataclasses.asdict(self.baseline), "budget_s": before["budget_s"] + self.budget_s,
+                "seconds": before["seconds"] + self.seconds, "margin": self.margin, "spread": self.spread,
+                "rungs": before_rungs + self.rungs, "walks": 1 + before.get("walks", 0),
+                "best": dataclasses.asdict(self.best) if self.best else None, "best_label": self.best_label,
+                "best_run": self.best_run(), "target_mfu": TARGET_MFU, "launches": [list(x) for x in self.launches],
+                "fsdp2": _carry_fsdp2(before.get("fsdp2") or {}, self.fsdp2),
+                "candidates": before["candidates"] + [
+                    {"rung": c.rung, "label": c.label, "run": c.run_name, "verdict": c.verdict, "engines_released": True,
+                     "changes": c.setting.changes_from(self.baseline), "failure": c.failure,
+                     "setting": dataclasses.asdict(c.setting), **({"note": c.note} if c.note else {}),
+                     **(measurements(c.record) if c.record else {})}
+                    for c in self.candidates]}
+
+
+def _may_train_again(candidate: dict) -> bool:
+    """Whether a stored candidate (``Ladder.to_dict()``) failed for a reason that may not be its setting's,
+    so a resumed walk may propose it again: another reason than running out of memory (the machine, or what
+    failed before it in the same launch), or running out of memory after earlier candidates of its launch in
+    a walk from before engines were released between runs (they may have held the memory)."""
+    failure = candidate.get("failure")
+    if not failure or "tokens_per_s" in candidate:
+        return False
+    return not _out_of_memory(failure) or _memory_maybe_held_by_earlier(candidate)
+
+
+def _out_of_memory(failure: str | None) -> bool:
+    """Whether a candidate's failure is running out of memory (CUDA's or the host's wording)."""
+    return bool(re.search(r"out of memory|OutOfMemory", failure or ""))
+
+
+def _memory_maybe_held_by_earlier(candidate: dict) -> bool:
+    """Whether a stored candidate ran out of memory after earlier candidates of its launch, in a walk from
+    before engines were released between runs: those engines may have held the memory."""
+    return (_out_of_memory(candidate.get("failure")) and not candidate.get("engines_released")
+            and _launch_index(candidate.get("run", "")) > 0)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+#: Label of the kept setting trained again in a resumed walk's first launch.
+AGAIN = "best so far, again"
+
+#: How much longer a candidate takes when it compiles, where no compiled launch has been timed yet.
+COMPILE_FACTOR = 2.5
+
+
+def _estimate(history: list[tuple[float, int, bool]], count: int, compiles: bool, is_gpu: bool) -> float:
+    """Seconds a launch of ``count`` candidates should take, from earlier launches (wall, candidates,
+    compiled): the slowest candidate of earlier launches of the same kind, else of any kind scaled by
+    :data:`COMPILE_FACTOR` for a compiled launch, else a first guess."""
+    same = [wall / runs for wall, runs, compiled in history if compiled == compiles]
+    if same:
+        return max(same) * count
+    if history:
+        return max(wall / runs for wall, runs, _ in history) * count * (COMPILE_FACTOR if compiles else 1.0)
+    return ((60 + 30 * count) if is_gpu else (10 + 5 * count)) * (COMPILE_FACTOR if compiles else 1.0)
+
+
+def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], size: str, steps: int,
+                 world: int, name: str, timeout: float, prefix: str = "") -> list[Candidate]:
+    """Train ``pairs`` in one launch; a candidate that fails (out of memory, say) is recorded, not fatal.
+
+    A failure can leave the ranks unfit for what follows in the same processes (on 2 x H200 a compiled
+    candidate that ran out of memory was followed by an NCCL error in the next one), so the candidates that
+    fail after another failed are trained again in one more launch, and their ``note`` says so. Run names
+    start with ``prefix`` (a resumed walk's number), so no walk overwrites another's records."""
+    folder = launch.RUNS_DIR / name
+    candidates, specs = [], []
+    for i, (label, setting) in enumerate(pairs):
+        run_name = f"{prefix}{rung_index}-{rung.name}-{i}-{_slug(label)}"
+        candidates.append(Candidate(rung.name, label, setting, run_name))
+        specs.append(launch.RunSpec(setting.config(world), model=MODEL, steps=steps, name=run_name,
+                                    out=folder / run_name, probes=PROBES, on_error="record",
+                                    model_options=setting.model_options(size), builder=BUILDER, trainer=TRAINER))
+    # the retried ones together: each compiled candidate alone would pay the compile's start again
+    results, again = launch.sweep_retrying(specs, name=f"{name}/{prefix}{rung_index}-{rung.name}", world_size=world,
+                                           timeout_each=timeout / len(specs), together=True)
+    # the launch's first failure: the one candidate that failed and was not trained again
+    first = next((c.label for c in candidates if c.run_name not in again
+                  and not isinstance(results.get(c.run_name), records.Record)), None)
+    for c in candidates:
+        result = results.get(c.run_name)
+        if isinstance(result, records.Record):
+            c.record = result
+        else:
+            c.failure = str(result).splitlines()[0][:160] if result is not None else "did not run"
+        if c.run_name in again:
+            c.note = f"trained again in one more launch: it failed after {first!r} failed in the rung's launch"
+    return candidates
+
+
+def decide(measured: list[tuple[Candidate, float | None]], best_value: float, margin: float,
+           rung: Rung) -> Candidate | None:
+    """Give each candidate of a rung its verdict from its number (None: it failed) against the best so
+    far, and return the one to keep: the fastest eligible candidate whose gain exceeds ``margin``, or None."""
+    winner, winner_value = None, best_value
+    for c, value in measured:
+        if value is None:
+            c.verdict = f"failed: {c.failure}"
+            continue
+        gain = value / best_value - 1
+        if not rung.eligible(c.setting):
+            c.verdict = f"not eligible ({gain:+.1%}): {rung.what}"
+        elif gain <= margin:
+            c.verdict = f"dropped: {gain:+.1%}, not above the {margin:.1%} margin"
+        else:
+            c.verdict = f"better: {gain:+.1%}"
+            if value > winner_value:
+                winner, winner_value = c, value
+    for c, _ in measured:
+        if c.verdict.startswith("better"):
+            gain = c.verdict[len("better: "):]
+            c.verdict = f"kept: {gain}" if c is winner else f"dropped: {gain}, another candidate of this rung did better"
+    return winner
+
+
+def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Setting | None = None,
+         budget_s: float = 300, steps: int | None = None, world_size: int | None = None,
+         name: str = "capstone", resume: dict | None = None, climb_again: Collection[str] = ()) -> Ladder:
+    """Climb ``ladder`` from ``baseline`` with the capstone model of ``size`` within ``budget_s`` seconds.
+
+    Defaults: on GPUs the 1.24B model would be ``size="1.2b"`` with :data:`GPU_LADDER` from
+    :data:`GPU_BASELINE`; on CPU ranks :data:`CPU_LADDER` from :data:`CPU_BASELINE`. Each rung is one
+    launch; the first also trains the baseline twice, which sets the noise margin. A walk that goes on
+    from the ladder ``resume`` skips the rungs it climbed, except those named in ``climb_again`` (proposed anew from
+    the best so far; a setting measured before is not trained again). Sets
+    :data:`RANK_ENVIRONMENT` in this process (unless set) for the ranks. Returns the :class:`Ladder`; every
+    candidate's record is in ``runs/<name>/``.
+    """
+    for key, value in RANK_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    env = environment.detect(world_size)
+    world = env.default_world_size
+    ladder = list(ladder if ladder is not None else (GPU_LADDER if env.is_gpu else CPU_LADDER))
+    baseline = baseline or (GPU_BASELINE if env.is_gpu else CPU_BASELINE)
+    if not env.supports(baseline.precision):
+        raise ValueError(f"baseline precision {baseline.precision}: not supported on {env.device_name}")
+    steps = steps or (8 if env.is_gpu else 5)
+    started = time.monotonic()
+    result = Ladder(size=size, params=model_parameters(size), world_size=world, device=env.device_name,
+                    baseline=baseline, budget_s=budget_s, name=name)
+    best, best_value, seen = None, None, set()
+    history = result.launches  # (seconds, candidates, compiled) of each launch
+    done: set[str] = set()
+    if resume is not None:
+        if (resume["size"], resume["world_size"]) != (size, world):
+            raise ValueError(f"resume: that ladder trained size {resume['size']} on {resume['world_size']} ranks, "
+                             f"not {size} on {world}")
+        result.previous, result.baseline = resume, Setting(**resume["baseline"])
+        result.margin, result.spread = resume["margin"], resume["spread"]
+        result.best_label = resume["best_label"]
+        best = Setting(**resume["best"])
+        rows = {c["run"]: c for c in resume["candidates"]}
+        base = [c["metric"] for c in resume["candidates"] if c["verdict"] == "baseline"]
+        best_value = (sum(base) / len(base)) if rows[resume["best_run"]]["verdict"] == "baseline" \
+            else rows[resume["best_run"]]["metric"]
+        # a setting that ran out of memory will again; one that failed otherwise (an NCCL error after another
+        # candidate's failure, a hang) may train on another try
+        seen = {Setting(**c["setting"]) for c in resume["candidates"] if not _may_train_again(c)}
+        done = {r["rung"] for r in resume["rungs"] if r["ran"]} - set(climb_again)
+        # the earlier walks' launches: a resumed walk's first estimate need not be a guess
+        history.extend((float(seconds), int(n), bool(compiled))
+                       for seconds, n, compiled in resume.get("launches", []))
+    # a resumed walk may run on another machine, or the same one another day: its first launch trains the
+    # kept setting again beside the new candidates, and they are judged against that figure
+    again = resume is not None
+    # a resumed walk's run names carry its number: rung indices restart in every walk
+    prefix = f"w{resume.get('walks', 1) + 1}-" if resume is not None else ""
+    for index, rung in enumerate(ladder):
+        if rung.name in done:
+            continue
+        current = best or baseline
+        pairs = [(label, s) for label, s in rung.propose(current) if s not in seen and env.supports(s.precision)]
+        if not pairs:
+            result.rungs.append({"rung": rung.name, "what": rung.what, "ran": False, "why": "nothing new to try"})
+            continue
+        if best is None:
+            pairs = [("baseline", baseline), ("baseline, again", baseline)] + pairs
+        elif again:
+            pairs = [(AGAIN, best)] + pairs
+        left = budget_s - (time.monotonic() - started)
+        estimate = _estimate(history, len(pairs), any(s.compile for _, s in pairs), env.is_gpu)
+        reduced = best is None and estimate > left
+        if reduced:  # the baseline is measured whatever the budget
+            result.rungs.append({"rung": rung.name, "what": rung.what, "ran": False,
+                                 "why": f"{BUDGET_SKIP}about {estimate:.0f} s needed, {max(0, left):.0f} s left; "
+                                        "the baseline alone was measured"})
+            pairs = pairs[:2]
+            estimate = _estimate(history, 2, False, env.is_gpu)
+        elif estimate > left:
+            result.rungs.append({"rung": rung.name, "what": rung.what, "ran": False,
+                                 "why": f"{BUDGET_SKIP}about {estimate:.0f} s needed, {max(0, left):.0f} s left"})
+            continue
+        launched = time.monotonic()
+        # the budget decides which rungs start; a started launch gets room (a loaded machine is slow)
+        found = _launch_rung(index, rung, pairs, size, steps, world, name, timeout=max(300.0, min(left, 3 * estimate)),
+                             prefix=prefix)
+        history.append((time.monotonic() - launched, len(pairs), any(s.compile for _, s in pairs)))
+        seen.update(s for _, s in pairs)
+        if best is None:
+            base = [c for c in found[:2] if c.record is not None]
+            if not base:
+                reason = found[0].failure or "no record"
+                raise launch.RunFailed(f"the baseline did not train: {reason}")
+            values = [metric(c.record) for c in base]
+            best, best_value = baseline, sum(values) / len(values)
+            if len(values) == 2:
+                result.spread = abs(values[0] - values[1]) / best_value
+                result.margin = max(MIN_MARGIN, 2 * result.spread)
+            for c in found[:2]:
+                c.verdict = "baseline" if c.record else f"failed: {c.failure}"
+            found_rest = found[2:]
+        elif again:
+            first, found_rest, again = found[0], found[1:], False
+            if first.record is not None:
+                best_value = metric(first.record)
+                first.verdict = "best so far, trained again: the candidates below are judged against it"
+            else:
+                first.verdict = f"failed: {first.failure}; the candidates are judged against the earlier figure"
+        else:
+            found_rest = found
+        winner = decide([(c, metric(c.record) if c.record else None) for c in found_rest], best_value,
+                        result.margin, rung)
+        if winner is not None:
+            best, best_value, result.best_label = winner.setting, metric(winner.record), f"{rung.name}: {winner.label}"
+        result.candidates.extend(found)
+        if not reduced:
+            result.rungs.append({"rung": rung.name, "what": rung.what, "ran": True, "candidates": len(found),
+                                 "kept": winner.label if winner else None})
+    result.best = best
+    left = budget_s - (time.monotonic() - started)
+    estimate = _estimate(history, len(FSDP2_STRATEGIES), False, env.is_gpu)
+    if estimate > left:
+        result.fsdp2 = {"measured": False,
+                        "reason": f"{BUDGET_SKIP}about {estimate:.0f} s needed, {max(0, left):.0f} s left"}
+    else:
+        result.fsdp2 = fsdp2_run(best or baseline, size, steps, world, name, timeout=max(300.0, 3 * estimate))
+    result.seconds = time.monotonic() - started
+    return result
+
+
+#: PyTorch's strategies the capstone sets beside DeepSpeed's best (:data:`helpers.topics.frameworks.STRATEGIES`):
+#: FSDP2 with ZeRO-3's sharding, and with ZeRO-2's traffic (layers stay gathered until their backward).
+FSDP2_STRATEGIES = ("fsdp2", "fsdp2-grad-op")
+
+
+def fsdp2_run(setting: Setting, size: str, steps: int, world_size: int, name: str = "capstone",
+              timeout: float = 600.0) -> dict:
+    """PyTorch FSDP2 on the ladder's best setting, the alternative a user would weigh: the capstone model
+    trained under ``torchrun`` by :func:`helpers.topics.frameworks.train_run` with each of
+    :data:`FSDP2_STRATEGIES`, at the same micro batch, accumulation, sequence length, precision and
+    activation checkpointing as ``setting``, with the same probes, in one launch.
+
+    What differs, and the figures say so: FSDP2 runs eagerly (``setting.compile`` is not applied: DeepSpeed's
+    ``engine.compile()`` has no FSDP2 counterpart in the course's PyTorch loop) and steps
+    ``torch.optim.AdamW``. Returns ``{"measured": True, "runs": {strategy label: measurements}, "mfu": the
+    best MFU, "eager": True}`` or ``{"measured": False, "reason": ...}``.
+    """
+
+    plain = dataclasses.replace(setting, compile=False)
+    folder = launch.RUNS_DIR / name
+    specs = {f"fsdp2-{strategy}": launch.RunSpec(
+        plain.config(world_size), model=MODEL, steps=steps, name=f"fsdp2-{strategy}",
+        out=folder / f"fsdp2-{strategy}", probes=PROBES, model_options=plain.model_options(size),
+        builder=BUILDER, task=frameworks.TASK, options={"strategy": strategy}) for strategy in FSDP2_STRATEGIES}
+    try:
+        found = launch.sweep(specs, name=f"{name}/fsdp2", world_size=world_size, launcher="torchrun",
+                             timeout=timeout)
+    except launch.RunFailed as failure:
+        return {"measured": False, "reason": f"the FSDP2 launch failed: {str(failure).splitlines()[0][:200]}"}
+    runs = {frameworks.STRATEGIES[s].label: measurements(found[f"fsdp2-{s}"]) for s in FSDP2_STRATEGIES}
+    mfus = [r["mfu"] for r in runs.values() if r["mfu"] is not None]
+    return {"measured": True, "eager": True, "setting": dataclasses.asdict(plain), "runs": runs,
+            "mfu": max(mfus) if mfus else None, "metric": max(r["metric"] for r in runs.values())}
+
+
+# --- tables ---------------------------------------------------------------------------------------
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _launch_index(run_name: str) -> int:
+    """A candidate's place in its rung's launch, from its run name (``[w<walk>-]<launch>-<rung>-<i>-<label>``)."""
+    match = re.search(r"\d+-[a-z]+-(\d+)-", run_name)
+    return int(match.group(1)) if match else 0
+
+
+def _peak(figures: dict) -> str:
+    """A candidate's peak memory, marked where it may include earlier candidates of its launch."""
+    return records.format_bytes_bound(figures["peak_bytes"], bool(figures.get("peak_upper_bound")))
+
+
+def ladder_table(ladder: dict) -> str:
+    """Every candidate of a ladder (``Ladder.to_dict()``, live or from a committed reference): what it
+    changed from the baseline, its figures and its verdict."""
+    rows = []
+    for c in ladder["candidates"]:
+        verdict = c["verdict"] + (f" ({c['note']})" if c.get("note") else "")
+        if c.get("failure") and "tokens_per_s" not in c:
+            if _memory_maybe_held_by_earlier(c):
+                verdict = f"{records.UPPER_BOUND}memory: earlier candidates of its launch may have held some; " + verdict
+            rows.append([c["rung"], c["label"], "-", "-", "-", "-", "-", verdict])
+            continue
+        tflops = "-" if c["tflops_per_gpu"] is None else f"{c['tflops_per_gpu']:.4g}"
+        rows.append([c["rung"], c["label"], f"{c['tokens_per_s']:,.0f}", tflops, _pct(c["mfu"]),
+                     _peak(c), _pct(c["comm_exposed_share"]), verdict])
+    per = "rank" if ladder["device"].startswith("CPU") else "GPU"
+    return records.format_table(rows, ["rung", "candidate", "tokens/s", f"TFLOP/s/{per}", "MFU", "peak mem",
+                                       "comm exposed", "verdict"])
+
+
+def fsdp2_table(ladder: dict) -> str:
+    """DeepSpeed's baseline and best beside FSDP2's runs of the best setting: tokens/s, model TFLOP/s, MFU,
+    peak memory (FSDP2 eager; see :func:`fsdp2_run`)."""
+    best = {c["run"]: c for c in ladder["candidates"]}.get(ladder.get("best_run"))
+    entries = [(f"DeepSpeed {c['label']}", c) for c in ladder["candidates"]
+               if c["verdict"] == "baseline" and "tokens_per_s" in c]
+    if best is not None and best["verdict"] != "baseline":
+        entries.append((f"DeepSpeed best: {best['label']}", best))
+    partner = fsdp2_partner(ladder)
+    if partner is not None and partner is not best and partner["verdict"] != "baseline":
+        entries.append((f"DeepSpeed, FSDP2's batch: {partner['label']}", partner))
+    fsdp2 = ladder.get("fsdp2") or {}
+    entries += [(f"{label}, eager", r) for label, r in (fsdp2.get("runs") or {}).items()]
+    rows = [[name, f"{r['tokens_per_s']:,.0f}", "-" if r["tflops_per_gpu"] is None else f"{r['tflops_per_gpu']:.4g}",
+             _pct(r["mfu"]), _peak(r)] for name, r in entries if r]
+    per = "rank" if ladder["device"].startswith("CPU") else "GPU"
+    return records.format_table(rows, ["run", "tokens/s", f"TFLOP/s/{per}", "MFU", "peak mem"])
+
+
+def rungs_table(ladder: dict) -> str:
+    """Each rung: what it tunes, whether it ran (or why not) and what it kept."""
+    rows = [[r["rung"], r["what"], "ran" if r["ran"] else f"skipped: {r['why']}", r.get("kept") or "-"]
+            for r in ladder["rungs"]]
+    return records.format_table(rows, ["rung", "tunes", "outcome", "kept"])
+
+
+def shortfall(ladder: dict) -> str:
+    """What stands between the ladder's best candidate and the MFU target, from its own figures: the share of
+    its step that was exposed communication bounds what hiding communication could still give
+    (MFU / (1 - exposed share)); the rest of the gap is time the GPU spent below its peak while computing."""
+    best = next(c for c in ladder["candidates"] if c["run"] == ladder["best_run"])
+    rows = [c for c in ladder["candidates"] if c["verdict"] == "baseline"] if best["verdict"] == "baseline" else [best]
+    target = ladder["target_mfu"]
+    if any(r.get("mfu") is None or r.get("comm_exposed_share") is None for r in rows):
+        return "no MFU or no communication share for this device: nothing to bound"
+    # the baseline's figures are the mean of its two runs, as in summary()
+    mfu, exposed = (sum(r[k] for r in rows) / len(rows) for k in ("mfu", "comm_exposed_share"))
+    if mfu >= target:
+        return f"the target is reached: {mfu:.1%} MFU against {target:.0%}"
+    bound = mfu / (1 - exposed)
+    line = (f"best {mfu:.1%} MFU with {exposed:.1%} of its step exposed communication: hiding all of it would give "
+            f"at most {bound:.1%}")
+    if bound < target:
+        return line + (f", still {100 * (target - bound):.1f} points short of {target:.0%}. The rest is compute below the GPU's peak "
+                       "(the kernels between the matrix products, attention, the optimizer step), not communication.")
+    # measured overlap candidates that were dropped: hiding was tried and did not pay on this setting
+    tried = [(c["label"], m.group(1)) for c in ladder["candidates"]
+             if c.get("rung") == "overlap" and "tokens_per_s" in c and c["verdict"].startswith("dropped")
+             and (m := re.search(r"([+-]\d+(?:\.\d+)?%)", c["verdict"]))]
+    if tried:
+        return line + (f", enough for {target:.0%} on paper; but the overlap rung did not hide it here ("
+                       + ", ".join(f"{label} {gain}" for label, gain in tried)
+                       + "): communication that the ladder's knobs could not hide is what stands in the way.")
+    return line + f", enough for {target:.0%}: the communication left is what stands in the way."
+
+
+def summary(ladder: dict) -> str:
+    """The best setting against the baseline and the target, in words and numbers from the ladder."""
+    rows = {c["run"]: c for c in ladder["candidates"]}
+    base = [c for c in ladder["candidates"] if c["verdict"] == "baseline"]
+    best = rows.get(ladder["best_run"])
+    if not base or best is None:
+        return "The ladder has no measured baseline."
+    unit = "model TFLOP/s per " + ("rank" if ladder["device"].startswith("CPU") else "GPU")
+    base_value = sum(c["metric"] for c in base) / len(base)
+    lines = [f"{ladder['device']}, {ladder['world_size']} rank(s), {ladder['params']:,} parameters"]
+    usual = CPU_BASELINE if ladder["device"].startswith("CPU") else GPU_BASELINE
+    start = Setting(**ladder["baseline"]) if "baseline" in ladder else usual
+    if start != usual:
+        lines.append(f"the walk started from {start.changes_from(usual)} (--start), not the usual baseline: "
+                     "'baseline' below is that setting")
+    if best["verdict"] == "baseline":
+        value, mfu = base_value, _mean([c.get("mfu") for c in base])
+        lines.append(f"no candidate beat the baseline by more than the {ladder['margin']:.1%} margin: "
+                     f"{unit} {value:.3g} (mean of its two runs)")
+    else:
+        value, mfu = best["metric"], best.get("mfu")
+        lines.append(f"best: {ladder['best_label']} ({best['changes']})")
+        lines.append(f"{unit} {value:.3g}, {value / base_value:.2f}x the baseline's {base_value:.3g}")
+    if mfu is not None:
+        verdict = "reached" if mfu >= ladder["target_mfu"] else "not reached"
+        lines.append(f"MFU {mfu:.1%} (target {ladder['target_mfu']:.0%}: {verdict}); "
+                     f"exposed communication {_pct(best['comm_exposed_share'])} of a step")
+    else:
+        lines.append("MFU: none (no dense bf16 peak for this device)")
+    again = best_repeats(ladder)
+    if len(again) > 1 and mfu is not None:
+        reached = sum(m >= ladder["target_mfu"] for m in again)
+        lines.append(f"the best setting in all {len(again)} launches that trained it: MFU {min(again):.2%} to "
+                     f"{max(again):.2%}, median {statistics.median(again):.2%}; {reached} of {len(again)} at or "
+                     f"above the target")
+    lines.append(fsdp2_line(ladder))
+    return "\n".join(lines)
+
+
+def best_repeats(ladder: dict) -> list[float]:
+    """The MFU of every measured candidate that trained the best setting, in walk order: the run that kept it and
+    each "best so far, again" of later launches (the spread between machines and launches)."""
+    best = ladder.get("best")
+    return [c["mfu"] for c in ladder["candidates"]
+            if best and c.get("setting") == best and c.get("mfu") is not None and c["verdict"] != "baseline"]
+
+
+def fsdp2_line(ladder: dict) -> str:
+    """What PyTorch FSDP2 reached on the best setting (eager), beside DeepSpeed's best, or why it did not run."""
+    fsdp2 = ladder.get("fsdp2") or {}
+    if not fsdp2.get("measured"):
+        return "FSDP2: " + fsdp2.get("reason", "not run")
+    parts = []
+    for label, r in fsdp2["runs"].items():
+        figure = f"{r['mfu']:.1%} MFU" if r.get("mfu") is not None else f"{r['tokens_per_s']:,.0f} tokens/s"
+        parts.append(f"{label} {figure}")
+    best, setting = ladder.get("best") or {}, fsdp2["setting"]
+    earlier = bool(best) and _samples(best) != _samples(setting)
+    on = (f"an earlier best setting (micro batch {setting['micro_batch']} x accumulation {setting['grad_accum']}, "
+          "measured before a resumed walk changed the batch)" if earlier else "the best setting")
+    latest = f"; on the best setting since: {fsdp2['latest']['reason']}" if earlier and "latest" in fsdp2 else ""
+    return (f"FSDP2 on {on}, eager, torch.optim.AdamW: " + "; ".join(parts)
+            + (" (DeepSpeed's best above was compiled)" if best.get("compile") else "") + latest)
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def same_math(ladder: dict) -> str:
+    """Candidates that train the same samples in the same precision as the baseline (same micro batch x
+    accumulation and sequence length): their losses must agree with the baseline's, within the precision's
+    tolerance (:data:`helpers.core.records.LOSS_TOLERANCE`), since stage, buckets, overlap, checkpointing and
+    compilation change where and when the work happens, not the arithmetic."""
+    rows = [c for c in ladder["candidates"] if "losses" in c]
+    base = next((c for c in rows if c["verdict"] == "baseline"), None)
+    if base is None:
+        return "No baseline was measured."
+
+    def batch(c: dict) -> tuple:
+        s = c["setting"]
+        return s["micro_batch"] * s["grad_accum"], s["seq_len"], s["precision"]
+
+    table = [[c["label"], c["changes"], records.loss_agreement(c["losses"], base["losses"], c["setting"]["precision"])]
+             for c in rows if c is not base and batch(c) == batch(base)]
+    return records.format_table(table, ["candidate", "changed from the baseline", "losses vs the baseline"])
+
+
+def _samples(setting: dict) -> tuple:
+    """What decides the losses a setting trains: micro batch, accumulation, sequence length, precision."""
+    return setting["micro_batch"], setting["grad_accum"], setting["seq_len"], setting["precision"]
+
+
+def fsdp2_partner(ladder: dict) -> dict | None:
+    """The DeepSpeed candidate FSDP2's runs are set beside: the ladder's best when FSDP2 trained its micro batch,
+    accumulation, sequence length and precision, else (FSDP2 measured in an earlier walk of a resumed
+    ladder) the last kept or baseline candidate that trained those; None when none did or FSDP2 did not run."""
+    fsdp2 = ladder.get("fsdp2") or {}
+    if not fsdp2.get("measured"):
+        return None
+
+    rows = {c["run"]: c for c in ladder["candidates"]}
+    best = rows.get(ladder.get("best_run"))
+    if best is not None and _samples(best["setting"]) == _samples(fsdp2["setting"]):
+        return best
+    return next((c for c in reversed(ladder["candidates"]) if c["verdict"].startswith(("kept", "baseline"))
+                 and _samples(c["setting"]) == _samples(fsdp2["setting"])), None)
+
+
+def fsdp2_same_math(ladder: dict) -> str:
+    """FSDP2's runs against the DeepSpeed run whose samples, precision and checkpointing they trained
+    (:func:`fsdp2_partner`: DeepSpeed's best, normally): another framework sums the same numbers in another
+    order, so the losses must agree within :data:`helpers.core.records.REORDERED_TOLERANCE`; or why FSDP2 did not run."""
+    fsdp2 = ladder.get("fsdp2") or {}
+    if not fsdp2.get("measured"):
+        return "FSDP2 did not run: " + fsdp2.get("reason", "not run")
+    partner = fsdp2_partner(ladder)
+    if partner is None or "losses" not in partner:
+        return "No DeepSpeed run here trained FSDP2's samples with its losses kept: no comparison"
+    tolerance = records.REORDERED_TOLERANCE[fsdp2["setting"]["precision"]]
+    table = [[label, f"{len(r['losses'])} steps", records.loss_agreement(r["losses"], partner["losses"], tolerance=tolerance)]
+             for label, r in fsdp2["runs"].items()]
+    against = "DeepSpeed's best" if partner["run"] == ladder.get("best_run") else f"DeepSpeed's {partner['label']}"
+    return records.format_table(table, ["PyTorch run (torchrun)", "trained", f"losses vs {against}"])
+
+
+def save(ladder: Ladder, note: str = "", earlier: dict | None = None) -> tuple[Path, Path | None]:
+    """Write ``runs/<name>/ladder.json``; on GPUs also keep the ladder and its records as the reference
+    ``capstone-ladder`` (:func:`helpers.core.references.save_reference`), carrying on ``earlier``, the reference
+    a resumed walk started from (:func:`load_resume`, :func:`combine_references`). Returns both paths."""
+
+    data = ladder.to_dict()
+    folder = launch.RUNS_DIR / "capstone"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"ladder-{ladder.size}-{ladder.world_size}r.json"
+    path.write_text(json.dumps(data, indent=1))
+    runs = {}
+    for row in (ladder.previous or {}).get("candidates", []):  # a resumed walk: the earlier records, if here
+        try:
+            runs[row["run"]] = records.load(launch.RUNS_DIR / ladder.name / row["run"])
+        except (OSError, ValueError):
+            pass
+    runs.update({c.run_name: c.record for c in ladder.candidates if c.record is not None})
+    reference = references.save_reference(f"capstone-ladder-{ladder.size}", {**runs, "ladder": data}, note) if runs else None
+    if reference is not None and earlier is not None:
+        reference.write_text(json.dumps(combine_references(earlier, json.loads(reference.read_text())), indent=1))
+    return path, reference
+
+
+def _skipped(fsdp2: dict) -> bool:
+    """FSDP2 was not tried in that walk: no time was left for it."""
+    return not fsdp2.get("measured") and fsdp2.get("reason", "").startswith(BUDGET_SKIP)
+
+
+def _carry_fsdp2(before: dict, now: dict) -> dict:
+    """The FSDP2 entry of a walk that resumed a ladder: this walk's measurement; else the earlier walks' one,
+    with this walk's outcome as ``latest`` (why it did not measure), unless it did not try and an earlier
+    walk's ``latest`` says more."""
+    if now.get("measured") or not before.get("measured"):
+        return now
+    return {**before, "latest": before["latest"] if _skipped(now) and before.get("latest") else
+            {"reason": now.get("reason", "not run")}}
+
+
+def load_resume(path: str | Path) -> tuple[dict, dict | None]:
+    """What ``benchmarks/capstone.py --resume`` names: a ``ladder-<size>-<N>r.json`` (returns it, None) or a
+    committed reference ``capstone-ladder-<size>-<device>.json`` (returns its ladder and the reference, whose
+    records, note and conditions the resumed walk's reference carries on)."""
+    data = json.loads(Path(path).read_text())
+    if "experiment" not in data:
+        return data, None
+    if not str(data["experiment"]).startswith("capstone-ladder") or "ladder" not in data.get("runs", {}):
+        raise ValueError(f"--resume {path}: a reference of {data['experiment']!r}, not of a capstone ladder; "
+                         "give a runs/capstone/ladder-<size>-<N>r.json or a notebooks/reference/capstone-ladder-*.json")
+    return data["runs"]["ladder"], data
+
+
+def combine_references(earlier: dict, later: dict) -> dict:
+    """One reference for a ladder climbed in several walks: ``later`` (a resumed walk's reference: its ladder
+    holds every walk's candidates; its software and hardware) with ``earlier``'s records added (``later``'s win
+    where names repeat) and both notes and conditions, earlier first. Raises a ValueError where ``later`` did
+    not resume ``earlier`` (another experiment or device, or earlier candidates missing from its ladder)."""
+    if (earlier["experiment"], earlier["device"]) != (later["experiment"], later["device"]):
+        raise ValueError(f"{later['experiment']} on {later['device']} does not continue "
+                         f"{earlier['experiment']} on {earlier['device']}")
+    kept = {c["run"] for c in later["runs"]["ladder"]["candidates"]}
+    missing = [c["run"] for c in earlier["runs"]["ladder"]["candidates"] if c["run"] not in kept]
+    if missing:
+        raise ValueError(f"the later ladder did not resume the earlier one: {len(missing)} earlier candidates are "
+                         f"not in it ({missing[0]}, ...); resume with --resume <the earlier file>")
+    runs = {k: v for k, v in earlier["runs"].items() if k != "ladder"} | later["runs"]
+    after = later["runs"]["ladder"].get("fsdp2") or {}
+    if "latest" in after:  # the later walk did not measure FSDP2: the rule its save applies, for walks saved before it
+        runs["ladder"] = {**later["runs"]["ladder"],
+                          "fsdp2": _carry_fsdp2(earlier["runs"]["ladder"].get("fsdp2") or {}, after["latest"])}
+    return {**later, "runs": runs,
+            "note": "; ".join(x for x in (earlier.get("note"), later.get("note")) if x),
+            "conditions": "; ".join(x for x in (earlier.get("conditions"), later.get("conditions")) if x)}
+
+
+def reference_ladders(size: str = "1.2b") -> list[tuple[str, str, str, str, dict]]:
+    """Committed GPU ladders of ``size``: (device, date, note, conditions, ladder dict), oldest file name first."""
+
+    name = f"capstone-ladder-{size}"
+    return [(device, date, note, conditions, _mark_peaks(runs["ladder"], runs)) for (device, date, note, runs), conditions
+            in zip(references.reference_runs(name), references.reference_conditions(name)) if "ladder" in runs]
+
+
+def _mark_peaks(ladder: dict, runs: dict) -> dict:
+    """A committed ladder with each candidate's ``peak_upper_bound`` read from its record beside it (ladders
+    saved before that flag existed lack it)."""
+    def marked(figures: dict, record) -> dict:
+        known = isinstance(record, records.Record) and "peak_bytes" in figures
+        return {**figures, "peak_upper_bound": records.peak_may_include_earlier_runs(record)} if known else figures
+
+    # FSDP2's runs keep no record in a reference: the second of their one launch (FSDP2_STRATEGIES) is marked
+    gpu, fsdp2 = not ladder["device"].startswith("CPU"), ladder.get("fsdp2") or {}
+    fsdp2_runs = {label: r if not r or "peak_upper_bound" in r else {**r, "peak_upper_bound": gpu and i > 0}
+                  for i, (label, r) in enumerate((fsdp2.get("runs") or {}).items())}
+    return {**ladder, "candidates": [marked(c, runs.get(c.get("run"))) for c in ladder["candidates"]],
+            **({"fsdp2": {**fsdp2, "runs": fsdp2_runs}} if fsdp2_runs else {})}
+
+
+# --- figures ----------------------------------------------------------------------------------------
+
+def ladder(ladder: dict, title: str | None = None):
+    """One bar per candidate of a capstone ladder (``Ladder.to_dict()``): its model TFLOP/s per GPU (or
+    tokens/s), coloured by verdict, with the baseline's mean as a line and, where the device has a known
+    peak, the MFU target as a second line."""
+    plt = plots.pyplot()
+    rows = [c for c in ladder["candidates"] if "metric" in c]
+    colours = {"baseline": "#8C8C8C", "kept": "#55A868", "dropped": "#C44E52", "not eligible": "#DD8452"}
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * max(1, len(rows)), 3.8))
+    values = [c["metric"] for c in rows]
+    ax.bar(range(len(rows)), values, color=[next((v for k, v in colours.items() if c["verdict"].startswith(k)),
+                                                  "#4C72B0") for c in rows])
+    ax.set_xticks(range(len(rows)), [f"{c['rung']}: {c['label']}" for c in rows], rotation=45, ha="right",
+                  fontsize=7)
+    uses_flops = bool(rows) and rows[0].get("tflops_per_gpu") is not None
+    per = "rank" if ladder["device"].startswith("CPU") else "GPU"
+    ax.set_ylabel(f"model TFLOP/s per {per}" if uses_flops else "tokens/s")
+    base = [c["metric"] for c in rows if c["verdict"] == "baseline"]
+    if base:
+        ax.axhline(sum(base) / len(base), color="#8C8C8C", linestyle="--", linewidth=1, label="baseline (mean)")
+    peak_rows = [c for c in rows if c.get("mfu")]
+    if uses_flops and peak_rows:
+        peak = peak_rows[0]["tflops_per_gpu"] / peak_rows[0]["mfu"]
+        ax.axhline(ladder["target_mfu"] * peak, color="#4C72B0", linestyle=":", linewidth=1,
+                   label=f"{ladder['target_mfu']:.0%} MFU target")
+    if base:
+        ax.legend(fontsize=8)
+    ax.set_title(title or f"Capstone ladder: {ladder['device']}, {ladder['world_size']} rank(s)", fontsize=10)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

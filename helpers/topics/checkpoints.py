@@ -1,0 +1,497 @@
+"""Checkpoints: save during training, crash, resume, and read what a sharded checkpoint holds.
+
+On the ranks (no change to the training loop, see :mod:`helpers.core.train`):
+
+- the ``checkpoint`` probe saves with ``engine.save_checkpoint`` after every ``save_every``-th optimizer
+  step into ``options["save_dir"]``, tagged ``step<k>``;
+- :func:`resume` is a ``before_training`` hook: it loads ``options["load_dir"]`` (tag
+  ``options["load_tag"]``, default the ``latest`` file) with ``engine.load_checkpoint`` and returns the
+  step training continues from;
+- ``faults={"kill_after_step": k}`` (:mod:`helpers.core.faults`) ends every rank with SIGKILL after
+  step k: a crash, with nothing but the files on disk left behind.
+
+In the notebook's process: :func:`files_per_rank` lists what each rank wrote and what is inside,
+:func:`consolidate` turns a sharded checkpoint into one plain PyTorch state dict with DeepSpeed's
+``zero_to_fp32``, :func:`to_universal` converts it with ``ds_to_universal`` for another number of ranks,
+and :func:`crash_and_resume` runs the chapter's experiment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import re
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from helpers.core import launch, models, plots, records
+from helpers.core.plan import PlannedRun, reference_of
+from helpers.core.probes import Probe, RunContext
+from helpers.core.environment import REPO_ROOT, quiet_deepspeed_import
+
+#: Where the chapter's checkpoints go (under ``runs/``, which git ignores).
+CHECKPOINT_DIR = REPO_ROOT / "runs" / "checkpoints"
+#: What every checkpoint carries for ``ds_to_universal``: DeepSpeed reads this key of the client state
+#: at stages 1-2 (an empty dict: no tensor or pipeline parallelism to describe).
+UNIVERSAL_INFO = {"universal_checkpoint_info": {}}
+
+
+def tag_of(step: int) -> str:
+    """The tag of the checkpoint saved after ``step`` optimizer steps."""
+    return f"step{step}"
+
+
+# --- on the ranks ----------------------------------------------------------------------------
+
+class Checkpoint(Probe):
+    """Save a checkpoint after every ``save_every``-th optimizer step (``options``: ``save_dir``,
+    ``save_every`` = 1). Every rank calls ``engine.save_checkpoint``, as DeepSpeed requires: each writes
+    its own shard. Section: ``checkpoint`` (folder, tags saved, seconds each save took on rank 0).
+    """
+
+    name = "checkpoint"
+    keys = ("checkpoint.tags", "checkpoint.save_s")
+
+    @classmethod
+    def check_options(cls, options: dict, steps: int = 0) -> None:
+        if not options.get("save_dir"):
+            raise ValueError("options['save_dir']: the checkpoint probe needs a folder to save into, "
+                             "e.g. options={'save_dir': 'runs/checkpoints/mine'}")
+        every = options.get("save_every", 1)
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"options['save_every']={every!r}: save after every N-th step, N a whole number >= 1")
+
+    def start(self, ctx: RunContext) -> None:
+        self.check_options(ctx.options, ctx.steps)
+        self.every = int(ctx.options.get("save_every", 1))
+        self.tags: list[str] = []
+        self.seconds: list[float] = []
+
+    def after_step(self, ctx: RunContext, step: int) -> None:
+        if (step + 1) % self.every:
+            return
+        started = time.perf_counter()
+        ctx.engine.save_checkpoint(ctx.options["save_dir"], tag=tag_of(step + 1), client_state=UNIVERSAL_INFO)
+        self.seconds.append(time.perf_counter() - started)
+        self.tags.append(tag_of(step + 1))
+
+    def finish(self, ctx: RunContext) -> dict:
+        return {"tags": self.tags, "seconds": self.seconds}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        return {"checkpoint": {"save_dir": ctx.options["save_dir"], "tags": ranks[0]["tags"],
+                               "save_s": ranks[0]["seconds"]}}
+
+
+def save_seconds(record: records.Record) -> list[float]:
+    """Seconds each ``save_checkpoint`` of a run took on rank 0 (the checkpoint probe)."""
+    return record.section("checkpoint")["save_s"]
+
+
+def resume(engine, run: PlannedRun) -> int:
+    """``before_training`` hook: load the checkpoint ``options["load_dir"]`` (tag ``options["load_tag"]``,
+    else the one its ``latest`` file names) into the freshly initialized engine, model, optimizer and
+    ZeRO partitions included, and return the optimizer steps it had taken: the step to continue from.
+
+    With ``"checkpoint": {"load_universal": true}`` in the config, DeepSpeed reads a universal
+    checkpoint (:func:`to_universal`) and re-partitions it for this run's number of ranks.
+    """
+    options = run.options
+    _check_resume_options(options)
+    path, _ = engine.load_checkpoint(options["load_dir"], tag=options.get("load_tag"))
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint loaded from {options['load_dir']} (tag {options.get('load_tag')})")
+    return int(engine.global_steps)
+
+
+def _check_resume_options(options: dict) -> None:
+    if not options.get("load_dir"):
+        raise ValueError("options['load_dir']: the resume hook needs the checkpoint folder to load, "
+                         "e.g. options={'load_dir': 'runs/checkpoints/zero3', 'load_tag': 'step3'}")
+    if not Path(options["load_dir"]).is_dir():
+        raise ValueError(f"options['load_dir']={options['load_dir']!r}: no such folder; give the save_dir of the "
+                         "run whose checkpoint to resume")
+
+
+resume.check_options = _check_resume_options  # the launcher checks the options before any process starts
+#: How a run names the hook (``RunSpec(before_training=RESUME)``).
+RESUME = reference_of(resume)
+
+
+# --- in the notebook: what is on disk ---------------------------------------------------------
+
+#: File name -> (what it holds, which rank wrote it), for DeepSpeed 0.19's checkpoint layout.
+_FILE_KINDS = (
+    (re.compile(r"^zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$"), "optimizer shard"),
+    (re.compile(r"^zero_pp_rank_(\d+)_mp_rank_\d+_model_states\.pt$"), "model shard"),
+    (re.compile(r"^mp_rank_\d+_model_states\.pt$"), "model"),
+)
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of every tensor inside a (nested) checkpoint object, each storage counted once."""
+
+    seen: dict[int, int] = {}
+
+    def walk(value) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(obj)
+    return sum(seen.values())
+
+
+#: Where DeepSpeed 0.19 keeps each model state inside its checkpoint files -> the course's name for it
+#: (the keys of helpers.core.memory.model_states).
+_STATE_KEYS = {
+    ("module",): "params",  # the model's state dict (full weights at stages 0-2; empty at stage 3)
+    ("optimizer",): "optimizer",  # stage 0: the optimizer's own state dict (Adam's moments)
+    ("optimizer_state_dict", "base_optimizer_state"): "optimizer",  # stages 1-2: Adam's moments of the shard
+    ("optimizer_state_dict", "single_partition_of_fp32_groups"): "master",  # stages 1-2: fp32 weights of the shard
+    ("optimizer_state_dict", "optimizer_state_dict"): "optimizer",  # stage 3
+    ("optimizer_state_dict", "fp32_flat_groups"): "master",  # stage 3
+}
+
+
+def _contents(state: dict) -> dict[str, int]:
+    """Tensor bytes of each model state a checkpoint file holds (keys as in :data:`_STATE_KEYS`)."""
+    found: dict[str, int] = {}
+    for path, name in _STATE_KEYS.items():
+        value = state
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        n = _tensor_bytes(value) if value is not None else 0
+        if n:
+            found[name] = found.get(name, 0) + n
+    return found
+
+
+def files_per_rank(folder: str | Path) -> list[dict]:
+    """What a checkpoint folder (one tag) holds: per file, the rank that wrote it, its kind, its bytes
+    on disk, and the tensor bytes of each model state inside it (read back with ``torch.load``)."""
+
+    rows = []
+    for path in sorted(Path(folder).glob("*.pt")):
+        kind, rank = "other", 0
+        for pattern, name in _FILE_KINDS:
+            match = pattern.match(path.name)
+            if match:
+                kind, rank = name, int(match.group(1)) if match.groups() else 0
+                break
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        rows.append({"file": path.name, "rank": rank, "kind": kind, "bytes": path.stat().st_size,
+                     "contents": _contents(state)})
+    return rows
+
+
+def files_table(folder: str | Path) -> str:
+    """One row per file of a checkpoint folder: the rank that wrote it, what it is, its bytes on disk,
+    and the tensor bytes of each model state inside."""
+    rows = []
+    for row in files_per_rank(folder):
+        inside = ", ".join(f"{key} {n:,}" for key, n in row["contents"].items()) or "(no tensor data: names and shapes)"
+        rows.append([row["file"], row["rank"], row["kind"], f"{row['bytes']:,}", inside])
+    return records.format_table(rows, ["file", "rank", "holds", "bytes on disk", "tensor bytes inside"])
+
+
+def consolidate(checkpoint_dir: str | Path, tag: str | None = None) -> dict:
+    """One fp32 PyTorch state dict from a sharded ZeRO checkpoint: DeepSpeed's ``zero_to_fp32``
+    (``get_fp32_state_dict_from_zero_checkpoint``, the function behind the ``zero_to_fp32.py`` script
+    DeepSpeed copies into every checkpoint folder). Runs in this process; no ranks needed."""
+
+    quiet_deepspeed_import()
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints progress lines
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+
+
+def to_universal(checkpoint_dir: str | Path, tag: str) -> str:
+    """Convert checkpoint ``tag`` of ``checkpoint_dir`` into a universal checkpoint (DeepSpeed's
+    ``python -m deepspeed.checkpoint.ds_to_universal``, called in this process with one worker) saved as
+    tag ``<tag>_universal`` beside it; return that tag. A universal checkpoint stores each parameter
+    and its optimizer states whole, so a run with another number of ranks can partition them anew."""
+
+    quiet_deepspeed_import()
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.checkpoint import ds_to_universal
+
+    out_tag = f"{tag}_universal"
+    output = Path(checkpoint_dir) / out_tag
+    shutil.rmtree(output, ignore_errors=True)
+    args = argparse.Namespace(input_folder=str(Path(checkpoint_dir) / tag), output_folder=str(output),
+                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                              inject_missing_state=False)
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints every step
+        ds_to_universal.main(args)
+    return out_tag
+
+
+def loss_of_state_dict(state_dict: dict, model: str, step: int, world_size: int, micro_batch: int,
+                       grad_accum: int, seed: int = 0) -> float:
+    """The loss a run records for optimizer step ``step`` (0-based), computed by the plain PyTorch model
+    (no DeepSpeed) with ``state_dict`` loaded: the mean of the micro-batch losses of every rank on the
+    samples that step trains on (:func:`helpers.core.models.sample_indices`)."""
+    net = models.build(model, seed)
+    net.load_state_dict(state_dict, strict=True)  # every key, every shape: the unwrapped model itself
+    losses = []
+    with torch.no_grad():
+        for micro in range(grad_accum):
+            for rank in range(world_size):
+                indices = models.sample_indices(step, micro, rank, world_size, micro_batch, grad_accum)
+                losses.append(models.loss_of(net, model, models.make_batch(model, indices, seed)).item())
+    return statistics.fmean(losses)
+
+
+# --- the chapter's experiment -------------------------------------------------------------------
+
+@dataclasses.dataclass
+class CrashAndResume:
+    """Records of a crash-and-resume experiment (see :func:`crash_and_resume`)."""
+
+    uninterrupted: dict[int, records.Record]  # stage -> the run that trained every step
+    crashed: launch.RunFailed  # the launch that was killed
+    crashed_out: Path  # the killed run's folder (its checkpoints are in folder / "zero3-crash")
+    resumed: dict[int, records.Record]  # stage -> the run resumed in fresh processes
+    folder: Path
+    steps: int
+    crash_after: int
+
+    def checkpoint_dir(self, stage: int) -> Path:
+        """Where the checkpoints each stage resumed from are."""
+        return self.folder / ("zero3-crash" if stage == 3 else f"zero{stage}")
+
+
+def crash_and_resume(stages: Sequence[int] = (0, 1, 2, 3), model: str = "mlp", steps: int = 6,
+                     crash_after: int = 3, folder: Path = CHECKPOINT_DIR, world_size: int | None = None,
+                     progress: bool = True) -> CrashAndResume:
+    """The chapter's experiment, in two launches of the same ranks:
+
+    1. every stage trains ``steps`` steps uninterrupted, saving a checkpoint after each; then a ZeRO-3
+       run, saving the same way, is killed (SIGKILL on every rank) after ``crash_after`` steps. The
+       launch dies with it: nothing but the files on disk survive.
+    2. fresh processes resume each stage from its checkpoint of step ``crash_after`` (ZeRO-3 from the
+       killed run's last one) and train to ``steps``.
+
+    Returns the records; the losses of steps ``crash_after+1..steps`` can then be compared.
+    """
+
+    folder = Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    probes = ("timing", "model_states", Checkpoint)
+    first = {f"zero{s}": launch.RunSpec(f"zero{s}", model=model, steps=steps, probes=probes, out=folder / f"run-zero{s}",
+                                         options={"save_dir": str(folder / f"zero{s}")}) for s in stages}
+    first["zero3-crash"] = launch.RunSpec("zero3", model=model, steps=steps, probes=probes,
+                                          out=folder / "run-zero3-crash", faults={"kill_after_step": crash_after},
+                                          options={"save_dir": str(folder / "zero3-crash")})
+    try:
+        launch.sweep(first, name="checkpoints-crash", world_size=world_size, progress=progress)
+    except launch.RunFailed as failure:
+        crashed = failure
+    else:
+        raise AssertionError("the launch with a kill_after_step fault was expected to die")
+    uninterrupted = {s: records.load(folder / f"run-zero{s}") for s in stages}
+    result = CrashAndResume(uninterrupted, crashed, folder / "run-zero3-crash", {}, folder, steps, crash_after)
+    second = {f"zero{s}-resumed": launch.RunSpec(
+        f"zero{s}", model=model, steps=steps, probes=("timing", "model_states"), out=folder / f"run-zero{s}-resumed",
+        before_training=RESUME,
+        options={"load_dir": str(result.checkpoint_dir(s)), "load_tag": tag_of(crash_after)}) for s in stages}
+    resumed = launch.sweep(second, name="checkpoints-resume", world_size=world_size, progress=progress)
+    result.resumed = {s: resumed[f"zero{s}-resumed"] for s in stages}
+    return result
+
+
+def crash_report(failure) -> str:
+    """What the killed launch left in its log: DeepSpeed's launcher naming the rank that died and its
+    return code (-9: SIGKILL), with the timestamps sanitized away."""
+    lines = [line.strip() for line in failure.log_tail.splitlines() if "return code" in line or "Killing" in line]
+    lines = [re.sub(r"^\[[^\]]*\]\s*", "", line) for line in lines]
+    lines = [re.sub(r"\[.*?helpers\.train.*?\]", "[... helpers.core.train ...]", line) for line in lines]
+    lines = [re.sub(r"subprocess \d+", "subprocess PID", line) for line in lines]
+    return "\n".join(dict.fromkeys(lines)) or failure.log_tail
+
+
+def resume_table(result: CrashAndResume) -> str:
+    """Per stage: the steps compared and whether the resumed run's losses equal the uninterrupted run's
+    bit for bit (``identical``), else within which tolerance (:func:`helpers.core.records.loss_agreement`)."""
+    rows = []
+    for stage, resumed in result.resumed.items():
+        whole = result.uninterrupted[stage].losses[result.crash_after:]
+        same = "identical" if whole == resumed.losses else records.loss_agreement(whole, resumed.losses)
+        rows.append([f"ZeRO-{stage}", f"{result.crash_after + 1}-{result.steps}",
+                     f"from {tag_of(result.crash_after)}", resumed["first_step"], same])
+    return records.format_table(rows, ["stage", "steps compared", "resumed", "first step (0-based)",
+                                       "resumed vs uninterrupted losses"])
+
+
+def losses_side_by_side(result: CrashAndResume, digits: int = 6) -> str:
+    """The uninterrupted and resumed losses themselves (digits depend on the processor: an ignored cell)."""
+    rows = []
+    for stage, resumed in result.resumed.items():
+        whole = result.uninterrupted[stage].losses
+        rows.append([f"ZeRO-{stage}", " ".join(f"{x:.{digits}f}" for x in whole),
+                     " " * (digits + 3) * result.crash_after + " ".join(f"{x:.{digits}f}" for x in resumed.losses)])
+    return records.format_table(rows, ["stage", "uninterrupted losses", "resumed losses"])
+
+
+def universal_resume(result: CrashAndResume, stages: Sequence[int], world_size: int,
+                     progress: bool = True) -> dict[int, records.Record]:
+    """Resume each of ``stages`` from the crash experiment's step-``crash_after`` checkpoint on ``world_size``
+    ranks (one launch) through a universal checkpoint: convert it (:func:`to_universal`), then train with
+    ``"checkpoint": {"load_universal": true}``. The global batch stays the same: gradient accumulation
+    grows as the ranks shrink (micro-batch x accumulation x ranks is unchanged)."""
+
+    specs = {}
+    for stage in stages:
+        source = result.uninterrupted[stage].summary
+        total = source["grad_accum"] * source["world_size"]
+        if total % world_size:
+            raise ValueError(f"world_size={world_size}: {total} micro-batches per step cannot be split evenly; "
+                             f"use a divisor of {total}")
+        directory = result.checkpoint_dir(stage)
+        universal_tag = to_universal(directory, tag_of(result.crash_after))
+        specs[f"zero{stage}-universal-{world_size}r"] = launch.RunSpec(
+            f"zero{stage}", model=source["model"]["name"], steps=result.steps,
+            out=result.folder / f"run-zero{stage}-universal",
+            overrides={"gradient_accumulation_steps": total // world_size, "checkpoint": {"load_universal": True}},
+            probes=("timing", "model_states"), before_training=RESUME,
+            options={"load_dir": str(directory), "load_tag": universal_tag})
+    runs = launch.sweep(specs, name="checkpoints-universal", world_size=world_size, progress=progress)
+    return {stage: runs[f"zero{stage}-universal-{world_size}r"] for stage in stages}
+
+
+def universal_table(result: CrashAndResume, universal: Mapping[int, records.Record]) -> str:
+    """Per stage: saved on N ranks, resumed on M through a universal checkpoint; do the losses agree with
+    the uninterrupted run's (within fp32's tolerance: M ranks add the micro-batches in another order)?"""
+    rows = []
+    for stage, run in universal.items():
+        whole = result.uninterrupted[stage]
+        rows.append([f"ZeRO-{stage}", whole["world_size"], run["world_size"],
+                     f"{run['micro_batch']} x {run['grad_accum']} x {run['world_size']} = {run['train_batch']}",
+                     f"{result.crash_after + 1}-{result.steps}",
+                     records.loss_agreement(whole.losses[result.crash_after:], run.losses)])
+    return records.format_table(rows, ["stage", "saved on ranks", "resumed on ranks", "micro x accum x ranks",
+                                       "steps", "losses vs uninterrupted"])
+
+
+def saved_by_rank(folder: str | Path, world_size: int) -> dict[int, dict[str, int]]:
+    """Per rank: files and bytes it wrote into one checkpoint folder, and the tensor bytes of each
+    model state among them (``params``, ``optimizer``, ``master``)."""
+    found = {rank: {"files": 0, "bytes": 0, "params": 0, "optimizer": 0, "master": 0} for rank in range(world_size)}
+    for row in files_per_rank(folder):
+        mine = found[row["rank"]]
+        mine["files"] += 1
+        mine["bytes"] += row["bytes"]
+        for key, n in row["contents"].items():
+            mine[key] += n
+    return found
+
+
+def stages_table(result: CrashAndResume) -> str:
+    """Per stage and rank: what it wrote for one checkpoint (files, bytes, and the tensor bytes of
+    weights, Adam's states and the fp32 master copy inside), beside the model states it held while
+    training (the model_states probe of the uninterrupted run). Gradients are never saved."""
+    rows = []
+    for stage in result.resumed:
+        record = result.uninterrupted[stage]
+        held = [record.memory.model_states(rank).as_dict() for rank in range(record.world_size)]
+        saved = saved_by_rank(result.checkpoint_dir(stage) / tag_of(result.crash_after), len(held))
+        for rank, states in enumerate(held):
+            disk = saved[rank]
+            if all(disk[k] == states[k] for k in ("optimizer", "master")):
+                same = "yes: its own shard"
+            elif stage == 0 and rank > 0 and not disk["bytes"]:
+                same = "none: a replica of rank 0's"
+            else:
+                same = "differs"
+
+            rows.append([f"ZeRO-{stage}", rank, disk["files"], f"{disk['bytes']:,}", f"{disk['params']:,}",
+                         f"{disk['optimizer']:,}", f"{disk['master']:,}",
+                         f"{states['params']:,} / {states['optimizer']:,} / {states['master']:,}",
+                         same])
+    return records.format_table(rows, ["stage", "rank", "files", "bytes on disk", "weights saved", "Adam saved",
+                                       "master saved", "held: params / Adam / master",
+                                       "Adam+master on disk = held?"])
+
+
+def on_disk_table(result: CrashAndResume) -> str:
+    """What each stage's runs of the crashed launch left: the checkpoint tags in its folder, the tag its
+    ``latest`` file names, and whether the run wrote its record (a killed run never does)."""
+    rows = []
+    folders = [result.folder / f"zero{s}" for s in result.resumed] + [result.folder / "zero3-crash"]
+    for directory in folders:
+        run_dir = result.folder / f"run-{directory.name}"
+        tags = sorted((p.name for p in directory.glob("step*") if p.is_dir() and p.name[4:].isdigit()),
+                      key=lambda t: int(t[4:]))
+        latest = (directory / "latest").read_text().strip() if (directory / "latest").exists() else "-"
+        rows.append([directory.name, " ".join(tags), latest,
+                     "yes" if (run_dir / "summary.json").exists() else "no (killed)"])
+    return records.format_table(rows, ["run", "checkpoints on disk", "latest", "record written"])
+
+
+def consolidation_table(result: CrashAndResume, stages: Sequence[int] = (1, 2, 3)) -> str:
+    """Per stage: ``zero_to_fp32`` on the step-``crash_after`` checkpoint (:func:`consolidate`) gives a plain
+    state dict; it loads strictly into the unwrapped model (``models.build``), whose loss on the next step's
+    samples is compared with the loss the run recorded for that step (:func:`loss_of_state_dict`)."""
+
+    rows = []
+    for stage in stages:
+        run = result.uninterrupted[stage]
+        state = consolidate(result.checkpoint_dir(stage), tag_of(result.crash_after))
+        plain = models.count_parameters(models.build(run.model_name, run.summary["seed"]))
+        loss = loss_of_state_dict(state, run.model_name, result.crash_after, run.world_size,
+                                  run.micro_batch, run.grad_accum, run.summary["seed"])
+        rows.append([f"ZeRO-{stage}", len(state), f"{sum(t.numel() for t in state.values()):,}", f"{plain:,}",
+                     ", ".join(sorted({str(t.dtype).removeprefix('torch.') for t in state.values()})),
+                     records.loss_agreement([loss], [run.losses[result.crash_after]])])
+    return records.format_table(rows, ["checkpoint", "tensors", "elements", "model's parameters", "dtype",
+                                       f"plain model's step-{result.crash_after + 1} loss vs the run's"])
+
+
+def universal_layout(directory: str | Path, tag: str, parameter: str) -> str:
+    """The files of one parameter in a universal checkpoint: its fp32 weights and each optimizer state,
+    whole (not partitioned), with their shapes."""
+
+    folder = Path(directory) / tag / "zero" / parameter
+    rows = []
+    for path in sorted(folder.glob("*.pt")):
+        value = torch.load(path, map_location="cpu", weights_only=False)
+        tensor = value.get("param") if isinstance(value, dict) else value
+        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else "-"
+        rows.append([f"{tag}/zero/{parameter}/{path.name}", str(shape)])
+    return records.format_table(rows, ["file", "shape"])
+
+
+# --- figures ----------------------------------------------------------------------------------------
+
+def resumed_losses(uninterrupted: Mapping[str, Sequence[float]], resumed: Mapping[str, Sequence[float]],
+                   first_step: int, title: str = "Uninterrupted and resumed runs"):
+    """Each uninterrupted run's losses (lines) with its resumed run's (markers, from step first_step + 1)."""
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for i, (name, losses) in enumerate(uninterrupted.items()):
+        line, = ax.plot(range(1, len(losses) + 1), losses, "-", alpha=0.6, label=f"{name} uninterrupted")
+        again = resumed[name]
+        ax.plot(range(first_step + 1, first_step + len(again) + 1), again, "o", color=line.get_color(),
+                markersize=9 - 2 * i, markerfacecolor="none", label=f"{name} resumed")
+    ax.axvline(first_step + 0.5, color="grey", linestyle=":", linewidth=1)
+    ax.set(xlabel="optimizer step", ylabel="loss", title=title)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

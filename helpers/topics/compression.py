@@ -1,0 +1,533 @@
+"""Compressed communication in DeepSpeed 0.19.8: ZeRO++ and what was removed, as chapter 13 runs it.
+
+- :func:`cpu_attempts`: one launch that asks CPU ranks for each ZeRO++ part, the 16-bit gradient
+  reduction every backend has (``communication_data_type``), and the removed 1-bit optimizers, each
+  with ``on_error="record"``: the real error, or a run whose collectives can be compared with plain ZeRO-3.
+- :func:`gpu_runs`: on GPUs, ZeRO-3 against each ZeRO++ part: step time (every setting in one launch), bytes
+  per collective (the PyTorch profiler, one launch), and the comms logger on ZeRO-3 as a cross-check.
+- :func:`deepspeed_source`: the lines of DeepSpeed's installed code that decide what applies on one node.
+- :func:`prediction_table`: the cross-node gain from :func:`helpers.topics.compression.zeropp_step_prediction`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from helpers.core import (
+    configs,
+    environment,
+    launch,
+    plots,
+    records,
+    references,
+    theory,
+)
+from helpers.topics import frameworks
+
+#: The model's assumptions, stated as parameters, not measurements. The bandwidth chapter's measured
+#: fits (helpers/topics/bandwidth.py) are the same class: pass one of them instead of these defaults.
+#: Inside a node: NVLink-class, 300 GB/s bus bandwidth for large messages, 10 µs a call. Across nodes:
+#: one 100 Gb/s NIC per GPU (12.5 GB/s), 20 µs a call: a commodity cluster, where ZeRO++ is meant to help.
+DEFAULT_INTRA_NODE = theory.AlphaBeta.link(bandwidth=300e9, latency=10e-6)
+DEFAULT_INTER_NODE = theory.AlphaBeta.link(bandwidth=12.5e9, latency=20e-6)
+
+
+def zeropp_settings(ranks_per_node: int) -> dict[str, dict]:
+    """Setting name -> ``zero_optimization`` overrides on top of ``ds_configs/zero3.json``: plain ZeRO-3,
+    each ZeRO++ switch alone, all three. hpZ's secondary group gets the size of one node (every rank here)."""
+    return {
+        "ZeRO-3": {},
+        "qwZ (quantized weights)": {"zero_quantized_weights": True},
+        "hpZ (node-local partition)": {"zero_hpz_partition_size": ranks_per_node},
+        "qgZ (quantized gradients)": {"zero_quantized_gradients": True},
+        "ZeRO++ (all three)": {"zero_quantized_weights": True, "zero_hpz_partition_size": ranks_per_node,
+                               "zero_quantized_gradients": True},
+    }
+
+
+#: The optimizers DeepSpeed 0.19.8 removed (PR #8490, issue #8489), as their configs named them.
+REMOVED_OPTIMIZERS = {"1-bit Adam": "OneBitAdam", "0/1 Adam": "ZeroOneAdam", "1-bit LAMB": "OneBitLamb"}
+#: 16-bit gradient reduction: a top-level key every stage and backend honours.
+HALF_GRADIENTS = {"communication_data_type": "bf16"}
+
+
+def cpu_attempts(model: str = "mlp", steps: int = 3, world_size: int | None = None,
+                 progress: bool = True) -> dict[str, records.Record | launch.RunFailed]:
+    """One launch: each ZeRO++ setting, 16-bit gradient reduction, and each removed optimizer, every one
+    with ``on_error="record"`` (its real error comes back as a :class:`helpers.core.launch.RunFailed`). The
+    removed optimizers skip the course's checker (``check=False``) so that DeepSpeed itself answers."""
+    env = environment.detect(world_size)
+    specs: dict[str, launch.RunSpec] = {}
+    for name, knobs in zeropp_settings(env.default_world_size).items():
+        specs[name] = launch.RunSpec("zero3", model=model, steps=steps, on_error="record",
+                                     overrides={"zero_optimization": knobs} if knobs else None)
+    specs["16-bit gradients (communication_data_type)"] = launch.RunSpec(
+        "zero3", model=model, steps=steps, on_error="record", overrides=HALF_GRADIENTS)
+    for name, kind in REMOVED_OPTIMIZERS.items():
+        specs[name] = launch.RunSpec("zero0", model=model, steps=steps, on_error="record", check=False,
+                                     overrides={"optimizer": {"type": kind, "params": {"lr": 1e-3}}})
+    return launch.sweep(specs, name="zeropp-cpu", world_size=world_size, progress=progress)
+
+
+def _ops(record: records.Record) -> dict[str, tuple[float, float]]:
+    return {op: (row["count"], row["bytes"]) for op, row in record.comm_ops().items()}
+
+
+def outcome_table(results: Mapping[str, records.Record | launch.RunFailed], baseline: str = "ZeRO-3") -> str:
+    """Per setting: did it run, and if so did its collectives (count and bytes per step, by op) differ from
+    plain ZeRO-3's, and its losses? A failure shows DeepSpeed's exception and message."""
+    base = results[baseline]
+    rows = []
+    for name, result in results.items():
+        if isinstance(result, launch.RunFailed):
+            rows.append([name, f"refused: {result.error_type}", result.message.splitlines()[0]])
+            continue
+        if name == baseline:
+            rows.append([name, "ran", "the baseline"])
+            continue
+        changed = [f"{op} {records.format_bytes(base_row[1])} -> {records.format_bytes(row[1])}"
+                   for op, row in _ops(result).items() for base_row in [_ops(base).get(op, (0, 0))]
+                   if row != base_row]
+        # gradients reduced in 16 bits round like bf16 training: judge them by bf16's tolerance
+        precision = result.summary["config"].get("communication_data_type") or result.summary["precision"]
+        losses = records.loss_agreement(base.losses, result.losses, precision)
+        same = records.loss_agreement(base.losses, result.losses, "fp32", 0.0) == "within 0e+00"
+        detail = ("collectives and losses identical to ZeRO-3: a no-op here" if not changed and same
+                  else f"{'; '.join(changed) or 'same collectives'} per step; losses {losses} of ZeRO-3's")
+        rows.append([name, "ran", detail])
+    return records.format_table(rows, ["setting", "on these ranks", "what happened"])
+
+
+def checker_findings(kinds: Sequence[str] = tuple(REMOVED_OPTIMIZERS.values()), world_size: int = 2) -> str:
+    """What the course's config checker says about each removed optimizer, before any process starts."""
+    lines = []
+    for kind in kinds:
+        config = configs.merged(configs.load("zero0"), {"optimizer": {"type": kind, "params": {"lr": 1e-3}}})
+        for finding in configs.check(config, world_size):
+            if finding.key.startswith("optimizer"):
+                lines.append(str(finding))
+    return "\n".join(lines)
+
+
+def supported_optimizers() -> list[str]:
+    """The optimizer types DeepSpeed 0.19.8 builds from a config (``DEEPSPEED_OPTIMIZERS``)."""
+    environment.quiet_deepspeed_import()
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    return list(DEEPSPEED_OPTIMIZERS)
+
+
+def removed_config_keys() -> dict[str, str]:
+    """Config keys DeepSpeed 0.19.8 refuses because their feature was removed, with its own message."""
+    environment.quiet_deepspeed_import()
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.config import (
+        _REMOVED_TOP_LEVEL_CONFIG_KEYS,
+        _REMOVED_ZERO_CONFIG_KEYS,
+    )
+
+    found = dict(_REMOVED_TOP_LEVEL_CONFIG_KEYS)
+    found.update({f"zero_optimization.{k}": v for k, v in _REMOVED_ZERO_CONFIG_KEYS.items()})
+    return found
+
+
+def removed_features_issue() -> str:
+    """The issue DeepSpeed 0.19.8's messages about removed features point to."""
+    environment.quiet_deepspeed_import()
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.config import _REMOVED_FEATURES_ISSUE
+
+    return _REMOVED_FEATURES_ISSUE
+
+
+def deepspeed_source(relative: str, patterns: Sequence[str], context: int = 0) -> str:
+    """Lines of DeepSpeed's installed source ``relative`` (e.g. ``runtime/zero/stage3.py``) that match any
+    of ``patterns`` (regular expressions), with ``context`` lines after each, numbered as in the file."""
+    environment.quiet_deepspeed_import()
+    import deepspeed  # deferred: DeepSpeed is imported after the course has chosen its accelerator
+
+    path = Path(deepspeed.__file__).parent / relative
+    lines = path.read_text().splitlines()
+    shown: dict[int, str] = {}
+    for i, line in enumerate(lines):
+        if any(re.search(p, line) for p in patterns):
+            for j in range(i, min(len(lines), i + 1 + context)):
+                shown[j] = lines[j]
+    body = "\n".join(f"{j + 1:5d}  {text}" for j, text in sorted(shown.items()))
+    return f"deepspeed/{relative} (deepspeed {deepspeed.__version__}):\n{body}"
+
+
+# --- on GPUs ----------------------------------------------------------------------------------
+
+#: The GPU runs' model and shape: LLaMA-style, 85M parameters, bf16; layers released after use, as a model
+#: too large to keep gathered would be (else DeepSpeed keeps them and backward gathers nothing).
+GPU_MODEL = "llama-medium"
+GPU_OVERRIDES = {"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1,
+                 "zero_optimization": {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}}
+
+
+#: DeepSpeed's own ZeRO-3 defaults for what :data:`GPU_OVERRIDES` and ``ds_configs/zero3.json`` set to 0
+#: (``gpu_runs(zero_knobs=DEEPSPEED_DEFAULTS)`` measures the settings with these instead).
+DEEPSPEED_DEFAULTS = {"stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+                      "stage3_param_persistence_threshold": 100_000}
+
+
+#: The bytes pass counts collectives with the PyTorch profiler (``torch_comm``), which only watches the
+#: ops as they are issued: DeepSpeed's comms logger synchronizes the device after every collective, and
+#: with ZeRO++ on GPUs a launch with it did not finish (see :data:`LOGGER_CHECKS`).
+BYTES_PROBES = ("model_states", "peak_memory", frameworks.TorchComm)
+#: Steps of a bytes run: one to warm up, then the profiled ones (bytes are per step). The profiler records
+#: every CPU op of those steps with its shapes, read in Python when the run ends: on 4 x H200 the bytes
+#: launch of five 12-step runs took 147 s for about 26 s of training, and 74 s with 4 steps each (chapter
+#: 13's check, 2026-11-27).
+BYTES_STEPS = 4
+#: The comms logger and the profiler on the same run: section ``comm`` from the logger, ``comm_profiler``
+#: from the profiler, so the two methods can be compared (``frameworks.profiler_check_table``).
+LOGGER_PROBES = ("comm", frameworks.TorchComm)
+#: Settings also run with the comms logger, in one launch after the bytes pass: plain ZeRO-3, the
+#: cross-check of the profiler's bytes. Not qwZ: on 4 x H200 its logger run (3 steps, then 2) had printed
+#: the logger's summary, its all-gathers timed at 5.0 s each on average against ZeRO-3's 0.35-0.77 s, but
+#: had not ended when the calls' deadlines came, 91 s after it started in the first (2026-11-27); the committed
+#: 2026-11-26 reference shows where its ranks were when its 60 s ran out.
+LOGGER_CHECKS = ("ZeRO-3",)
+LOGGER_SUFFIX = ", comms logger"
+#: Steps of a comms-logger run: one to warm up, one logged. The logger waits for the device after every
+#: collective, so on 2 x H200 plain ZeRO-3 took about 3 s a step with it, 0.6 s with the profiler alone (the
+#: launch logs of chapter 13 on GPUs); the bytes it checks are per step.
+LOGGER_STEPS = 2
+#: A comms-logger run's time-out, in multiples of the other passes' (``gpu_runs(timeout=...)``): on 4 x H200,
+#: with 3 steps, plain ZeRO-3 with the logger took 53 s of its launch (start-up included), and qwZ (its
+#: logged all-gathers 5 s each on average, against ZeRO-3's 0.8 s) had printed its comms summary but not
+#: finished after 67 s (see :data:`LOGGER_CHECKS` for the later tries).
+LOGGER_TIMEOUT_FACTOR = 2
+#: :func:`gpu_runs`' passes, in the order they run.
+PASSES = ("time", "bytes", "logger")
+
+
+def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = True, timeout: float = 60,
+             zero_knobs: Mapping | None = None, tag: str = "zeropp", passes: Sequence[str] = PASSES,
+             bytes_steps: int = BYTES_STEPS, logger_steps: int = LOGGER_STEPS
+             ) -> tuple[dict[str, records.Record | launch.RunFailed], dict[str, records.Record | launch.RunFailed]]:
+    """On GPUs, three passes over plain ZeRO-3 and every ZeRO++ setting, each launch given ``timeout``
+    seconds a run (a run that fails or hangs comes back as its :class:`helpers.core.launch.RunFailed`; for a
+    hang its ranks' stacks say where):
+    1. time: every setting timed, one after another in one launch, with no probe that synchronizes the
+       device (:func:`helpers.core.launch.sweep_retrying`: a setting that fails after another failed is timed
+       again in a launch of its own, so a failure costs only itself);
+    2. bytes: the settings that trained, together in one launch, at most ``bytes_steps`` steps each, their
+       collectives counted by the PyTorch profiler (:data:`BYTES_PROBES`);
+    3. logger: each of :data:`LOGGER_CHECKS` that trained, with DeepSpeed's comms logger, in one launch (as
+       in 1), at most ``logger_steps`` steps and :data:`LOGGER_TIMEOUT_FACTOR` times ``timeout`` each (named
+       ``"<setting>, comms logger"``).
+
+    ``zero_knobs`` go into every setting's ``zero_optimization`` (e.g. :data:`DEEPSPEED_DEFAULTS`).
+    ``passes`` picks some of ``"time"``, ``"bytes"``, ``"logger"`` (without ``"time"`` every setting is tried).
+    Returns ({setting: record of pass 2 or 3}, {setting: record of pass 1}); a setting that failed to
+    train comes back as its failure in both."""
+    unknown = sorted(set(passes) - set(PASSES))
+    if unknown:
+        raise ValueError(f"passes {unknown}: choose from {', '.join(PASSES)}")
+    env = environment.detect(world_size)
+    settings = zeropp_settings(env.default_world_size)
+
+    def spec(name: str, purpose: str, probes: tuple[str, ...], n_steps: int = steps) -> launch.RunSpec:
+        index = list(settings).index(name)
+        return launch.RunSpec("zero3", model=GPU_MODEL, steps=n_steps, probes=probes, name=f"{tag}-{purpose}-{index}",
+                              on_error="record", overrides=configs.merged(
+                                  GPU_OVERRIDES, {"zero_optimization": {**(zero_knobs or {}), **settings[name]}}))
+
+    def each(names: Sequence[str], purpose: str, probes: tuple[str, ...], n_steps: int = steps,
+             seconds: float = timeout) -> dict[str, records.Record | launch.RunFailed]:
+        specs = {name: spec(name, purpose, probes, n_steps) for name in names}
+        if not specs:
+            return {}
+        found, _ = launch.sweep_retrying(list(specs.values()), name=f"{tag}-gpu-{purpose}", world_size=world_size,
+                                         timeout_each=seconds, progress=progress)
+        return {name: found[one.name] for name, one in specs.items()}
+
+    by_time = each(list(settings), "time", ("timing", "peak_memory")) if "time" in passes else {}
+    trained = [name for name in settings if not isinstance(by_time.get(name), launch.RunFailed)]
+    counted = ({name: spec(name, "bytes", BYTES_PROBES, min(steps, bytes_steps)) for name in trained}
+               if "bytes" in passes else {})
+    found = launch.sweep(list(counted.values()), name=f"{tag}-gpu-bytes", world_size=world_size,
+                         progress=progress, timeout=timeout * len(counted)) if counted else {}
+    by_bytes = {name: found[counted[name].name] if name in counted else by_time[name]
+                for name in settings if name in counted or name in by_time}
+    checks = [n for n in LOGGER_CHECKS if n in trained and "logger" in passes]
+    by_bytes.update({name + LOGGER_SUFFIX: record for name, record in
+                     each(checks, "logger", LOGGER_PROBES, min(steps, logger_steps),
+                          timeout * LOGGER_TIMEOUT_FACTOR).items()})
+    return by_bytes, by_time
+
+
+def logger_check_table(by_bytes: Mapping[str, records.Record]) -> str:
+    """The comms-logger runs beside the profiler: per collective, calls and bytes per step by each method
+    on the same run (``comm`` and ``comm_profiler``); a logger run that failed says where each of its
+    ranks' threads was (the innermost frame in DeepSpeed's or the course's code)."""
+
+    rows, done = [], {}
+    for key, result in by_bytes.items():  # every logger run of this measurement (older ones had more)
+        if not key.endswith(LOGGER_SUFFIX):
+            continue
+        name = key[:-len(LOGGER_SUFFIX)]
+        if _failure(result):
+            where = result.get("where", []) if isinstance(result, dict) else _where(result)
+            # per stack (a rank's thread), its innermost frame in DeepSpeed's or the course's code, else its
+            # innermost frame; an exception: its last line
+            heads = [i for i, line in enumerate(where) if "most recent call first" in line]
+            stacks = [where[i + 1:j] for i, j in zip(heads, heads[1:] + [len(where)])]
+            frames = [next((f for f in stack if "/deepspeed/" in f or "/helpers/" in f), stack[0]).strip()
+                      for stack in stacks if stack]
+            for i, frame in enumerate(frames or where[-1:]):
+                rows.append([name if i == 0 else "", f"failed: {_failure(result)}" if i == 0 else "",
+                             re.sub(r'File "(?:[^"]*/)?([^"/]+)", line (\d+) in (\S+)', r"\3 (\1:\2)", frame)])
+        else:
+            done[name] = result if isinstance(result, records.Record) else records.Record(result)
+    table = records.format_table(rows, ["setting", "with the comms logger", "where each stack was"]) if rows else ""
+    return "\n\n".join(t for t in (frameworks.profiler_check_table(done) if done else "", table) if t)
+
+
+def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record] | None = None,
+              baseline: str = "ZeRO-3") -> str:
+    """Per setting: each collective's calls and bytes per step and the total against plain ZeRO-3's (the
+    comms-logger runs), then the median step time against ZeRO-3's and the peak memory per rank (the timing
+    runs). A side that was not measured or failed says so in its columns."""
+    by_time = by_time or {}
+    names = list(dict.fromkeys([*by_time, *by_bytes]))
+    base = by_bytes.get(baseline)
+    base_bytes = base.comm.bytes_per_step if base is not None and not _failure(base) else None
+    base_time = by_time.get(baseline)
+    rows = []
+    for name in names:
+        record, timed = by_bytes.get(name), by_time.get(name)
+        if record is None:
+            row = [name, "not measured", "-", "-"]
+        elif _failure(record):
+            row = [name, f"failed: {_failure(record)}", "-", "-"]
+        else:
+            ops = " ".join(f"{op}:{r['count']:g}x{records.format_bytes(r['bytes'] / max(r['count'], 1))}"
+                           for op, r in record.comm_ops().items())
+            row = [name, ops, records.format_bytes(record.comm.bytes_per_step),
+                   records.format_ratio(record.comm.bytes_per_step, base_bytes or 0, none="-")]
+        if by_time:
+            if timed is None and name.endswith(LOGGER_SUFFIX):  # measured bytes only
+                row += ["-", "-", "-"]
+            elif timed is None or _failure(timed):
+                row += [f"failed: {_failure(timed)}" if timed is not None else "not measured", "-", "-"]
+            else:
+                t = timed.timing.median_s
+                t0 = base_time.timing.median_s if base_time is not None and not _failure(base_time) else None
+                row += [f"{t * 1000:.1f}", records.format_ratio(t, t0 or 0, none="-"),
+                        records.format_peak(timed)]
+        rows.append(row)
+    headers = ["setting", "collectives per step: calls x bytes per call", "bytes/step", "vs ZeRO-3"]
+    if by_time:
+        headers += ["step ms", "vs ZeRO-3", "peak/rank"]
+    return records.format_table(rows, headers)
+
+
+def _failure(result) -> str:
+    """A failed run's error in a line (a RunFailed, or its saved form in a reference file), else ""."""
+    if isinstance(result, launch.RunFailed):
+        return f"{result.error_type}: {result.message}".splitlines()[0]
+    if isinstance(result, dict) and "error_type" in result:
+        return f"{result['error_type']}: {result['message']}".splitlines()[0]
+    return ""
+
+
+def reference_report(name: str = "zeropp") -> str:
+    """The committed GPU results of this chapter, each labelled with its device, date and note."""
+    return references.bytes_and_time_report(
+        name, both_tables, how="run this notebook on a machine with 2 or more NVIDIA GPUs to measure them.")
+
+
+def both_tables(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record] | None = None) -> str:
+    """:func:`gpu_table`, then :func:`logger_check_table` where there were comms-logger runs."""
+    check = logger_check_table(by_bytes)
+    return gpu_table(by_bytes, by_time) + (f"\n\nThe comms logger beside the profiler:\n{check}" if check else "")
+
+
+def _where(failure: launch.RunFailed, frames: int = 14) -> list[str]:
+    """Where a failed run was: for a hang, every rank's stack (its header and ``frames`` innermost frames
+    each: a deadlock shows in how the ranks' stacks differ); for an exception, its last frames."""
+    lines = failure.traceback.strip().splitlines()
+    if failure.error_type == "Timeout":
+        heads = [i for i, line in enumerate(lines) if "most recent call first" in line] or [0]
+        return [line for i in heads for line in lines[i:i + frames + 1]]
+    return lines[-12:]
+
+
+def save_gpu_reference(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record],
+                       note: str, name: str = "zeropp") -> Path | None:
+    """Keep both GPU passes as one reference file (``runs/reference/<name>-<N>x<GPU>.json``)."""
+    def kept(result):  # a failure is kept as its error, so the committed file says what failed
+        if isinstance(result, launch.RunFailed):
+            return {"error_type": result.error_type, "message": result.message, "device": "cuda",
+                    "where": _where(result)}
+        return result
+
+    runs = {f"bytes: {k}": kept(r) for k, r in by_bytes.items()} | {f"time: {k}": kept(r) for k, r in by_time.items()}
+    ordered = dict(sorted(runs.items(), key=lambda item: isinstance(item[1], dict)))  # a record first (its device)
+    return references.save_reference(name, ordered, note)
+
+
+# --- across nodes: the latency-bandwidth model ------------------------------------------------
+
+def volume_table(psi: float) -> str:
+    """The paper's accounting for ``psi`` 16-bit parameters, in units of the model M = 2Ψ bytes: what
+    crosses nodes per GPU and step for each setting, and what one node moves (nothing crosses)."""
+    m = 2.0 * psi
+    rows = []
+    for name, (qwz, hpz, qgz) in {"ZeRO-3": (False, False, False), "qwZ": (True, False, False),
+                                  "hpZ": (False, True, False), "qgZ": (False, False, True),
+                                  "ZeRO++ (all three)": (True, True, True)}.items():
+        across = zeropp_volume(psi, qwz, hpz, qgz, nodes=2)
+        one = zeropp_volume(psi, qwz, hpz, qgz, nodes=1)
+        rows.append([name, *(f"{across[p]['inter'] / m:g}M" for p in ZEROPP_PHASES),
+                     f"{sum(v['inter'] for v in across.values()) / m:g}M",
+                     f"{sum(v['intra'] for v in one.values()) / m:g}M"])
+    return records.format_table(rows, ["setting", *(f"{p} (across)" for p in ZEROPP_PHASES),
+                                       "across nodes", "one node, in total"])
+
+
+def prediction_table(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float,
+                     inter_gbit: Sequence[float] = (100, 200, 400, 800),
+                     intra: theory.AlphaBeta = DEFAULT_INTRA_NODE,
+                     inter: theory.AlphaBeta = DEFAULT_INTER_NODE) -> str:
+    """Predicted milliseconds per micro-step of ZeRO-3 and ZeRO++ (:func:`helpers.topics.compression.zeropp_step_prediction`)
+    on one node, then on two or more nodes joined at each of ``inter_gbit`` Gbit/s per GPU (``inter``'s
+    latency); the assumptions are printed above the table."""
+    rows = []
+    cases = [("1 node", 1, inter)] + [(f"2+ nodes, {g:g} Gb/s per GPU", 2, theory.AlphaBeta.link(g * 1e9 / 8, inter.alpha))
+                                      for g in inter_gbit]
+    for label, nodes, link in cases:
+        p = zeropp_step_prediction(psi, layers, tokens_per_gpu, nodes, flops_per_s, intra, link)
+        rows.append([label, f"{p['compute_s'] * 1e3:.0f}", f"{p['zero3_s'] * 1e3:.0f}", f"{p['zeropp_s'] * 1e3:.0f}",
+                     f"{p['speedup']:.2f}x"])
+    header = (f"assumed: inside a node {intra.bandwidth / 1e9:g} GB/s and {intra.alpha * 1e6:g} µs a call; "
+              f"across nodes {inter.alpha * 1e6:g} µs a call; compute {flops_per_s / 1e12:g} TFLOP/s per GPU; "
+              "no overlap of communication with compute")
+    return header + "\n" + records.format_table(rows, ["where", "compute ms", "ZeRO-3 ms", "ZeRO++ ms",
+                                                       "predicted speed-up"])
+
+
+def where_it_failed(failure: launch.RunFailed | records.Record, frames: int = 3) -> str:
+    """The last ``frames`` frames of a rank's traceback, with paths cut to the package (``deepspeed/...``),
+    so the text is the same on every machine with the same DeepSpeed. A run that did not fail (quantized
+    weights on a GPU) says so instead."""
+    if isinstance(failure, records.Record):
+        return f"{failure.summary['name']}: no failure on {failure.summary['device_name']}: it trained"
+    found = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.+)', failure.traceback)
+    lines = []
+    for path, line, function, code in found[-frames:]:
+        short = re.sub(r"^.*?/(deepspeed|torch|helpers)/", r"\1/", path)
+        lines.append(f"{short}:{line} in {function}: {code.strip()}")
+    return "\n".join(lines + [f"{failure.error_type}: {failure.message}"])
+
+
+# --- figures ----------------------------------------------------------------------------------------
+
+def zeropp_volumes(psi: float, title: str = "What crosses nodes per GPU and step (paper's accounting)"):
+    """Stacked bars, one per setting: cross-node bytes of each ZeRO-3 phase in units of M = 2Ψ
+    (:func:`helpers.topics.compression.zeropp_volume` on two or more nodes)."""
+    plt = plots.pyplot()
+    settings = {"ZeRO-3": (False, False, False), "qwZ": (True, False, False), "hpZ": (False, True, False),
+                "qgZ": (False, False, True), "ZeRO++": (True, True, True)}
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, flags in enumerate(settings.values()):
+        volume = zeropp_volume(psi, *flags, nodes=2)
+        bottom = 0.0
+        for j, phase in enumerate(ZEROPP_PHASES):
+            value = volume[phase]["inter"] / (2 * psi)
+            ax.bar(i, value, 0.6, bottom=bottom, color=colours[j], label=phase if i == 0 else None)
+            bottom += value
+        ax.text(i, bottom + 0.05, f"{bottom:g}M", ha="center", fontsize=8)
+    ax.set_xticks(range(len(settings)), list(settings))
+    ax.set(ylabel="model sizes M (2Ψ bytes)", title=title, ylim=(0, 3.5))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def zeropp_speedup(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float,
+                   gbits: Sequence[float] = (25, 50, 100, 200, 400, 800, 1600, 3200)):
+    """Predicted ZeRO++ speed-up over ZeRO-3 on two or more nodes against the network bandwidth per GPU
+    (:func:`helpers.topics.compression.zeropp_step_prediction`, the default links' latencies)."""
+    plt = plots.pyplot()
+    speedups = [zeropp_step_prediction(psi, layers, tokens_per_gpu, 2, flops_per_s,
+                                              inter=theory.AlphaBeta.link(g * 1e9 / 8, DEFAULT_INTER_NODE.alpha))
+                ["speedup"] for g in gbits]
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    ax.plot(gbits, speedups, marker="o")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set(xscale="log", xlabel="network bandwidth between nodes, Gbit/s per GPU", ylabel="ZeRO++ / ZeRO-3 speed",
+           title="Predicted gain of ZeRO++ across nodes")
+    ax.set_xticks(list(gbits), [f"{g:g}" for g in gbits])
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+# --- formulas ---------------------------------------------------------------------------------------
+
+ZEROPP_PHASES = ("forward all-gather", "backward all-gather", "gradient reduce-scatter")
+
+
+def zeropp_volume(psi: float, qwz: bool = False, hpz: bool = False, qgz: bool = False,
+                  nodes: int = 2) -> dict[str, dict[str, float]]:
+    """Bytes per GPU and optimizer step (one micro-step) of each ZeRO-3 phase, split into what crosses
+    nodes (``"inter"``) and what stays inside a node (``"intra"``), for a model of ``psi`` parameters in
+    16-bit. The paper's accounting: each phase moves the whole model M = 2Ψ bytes per GPU (its ring
+    factor (n-1)/n taken as 1). ``nodes=1``: everything is intra-node, and only qwZ changes anything.
+    """
+    if nodes < 1:
+        raise ValueError(f"nodes={nodes}: at least one node")
+    m = 2.0 * psi  # the model in 16-bit
+    gather = 0.5 * m if qwz else m
+    where = "inter" if nodes > 1 else "intra"
+    volume = {phase: {"inter": 0.0, "intra": 0.0} for phase in ZEROPP_PHASES}
+    volume["forward all-gather"][where] += gather
+    # hpZ: backward gathers from the node-local secondary partition (quantized too when qwZ is on)
+    volume["backward all-gather"]["intra" if hpz else where] += gather
+    if qgz and nodes > 1:
+        volume["gradient reduce-scatter"]["intra"] += 0.25 * m  # int4, first hop inside the node
+        volume["gradient reduce-scatter"]["inter"] += 0.25 * m  # int4, second hop across nodes
+    else:
+        volume["gradient reduce-scatter"][where] += m  # DeepSpeed's fallback on one node: plain reduce-scatter
+    return volume
+
+
+def zeropp_cross_node_bytes(psi: float, qwz: bool = False, hpz: bool = False, qgz: bool = False) -> float:
+    """Bytes per GPU and step that cross nodes (two or more nodes): 3M for ZeRO-3, 0.75M with all three."""
+    return sum(v["inter"] for v in zeropp_volume(psi, qwz, hpz, qgz, nodes=2).values())
+
+
+def zeropp_comm_seconds(psi: float, layers: int, nodes: int, qwz: bool = False, hpz: bool = False,
+                        qgz: bool = False, intra: theory.AlphaBeta = DEFAULT_INTRA_NODE,
+                        inter: theory.AlphaBeta = DEFAULT_INTER_NODE) -> float:
+    """Predicted communication seconds per GPU and micro-step of ZeRO-3 (with the ZeRO++ parts chosen) for
+    ``psi`` 16-bit parameters in ``layers`` gathered units, on ``nodes`` nodes: bytes from
+    :func:`zeropp_volume` at each link's bandwidth, plus one latency per collective call and link
+    (3 phases x ``layers`` calls; qgZ's two hops). Assumes no overlap with compute (an upper bound)."""
+    total = 0.0
+    for phase, v in zeropp_volume(psi, qwz, hpz, qgz, nodes).items():
+        for link, nbytes in ((intra, v["intra"]), (inter, v["inter"])):
+            if nbytes:
+                total += link.seconds(nbytes, calls=layers)
+    return total
+
+
+def zeropp_step_prediction(psi: float, layers: int, tokens_per_gpu: int, nodes: int, flops_per_s: float,
+                           intra: theory.AlphaBeta = DEFAULT_INTRA_NODE, inter: theory.AlphaBeta = DEFAULT_INTER_NODE) -> dict[str, float]:
+    """Predicted seconds per micro-step of plain ZeRO-3 and full ZeRO++ (qwZ + hpZ + qgZ): compute
+    (6Ψ FLOPs a token at ``flops_per_s`` achieved per GPU) plus communication (:func:`zeropp_comm_seconds`),
+    without overlap; and the speed-up. Quantization kernels' own time is left out (small on GPUs)."""
+    compute = 6 * psi * tokens_per_gpu / flops_per_s
+    zero3 = compute + zeropp_comm_seconds(psi, layers, nodes, intra=intra, inter=inter)
+    zeropp = compute + zeropp_comm_seconds(psi, layers, nodes, True, True, True, intra=intra, inter=inter)
+    return {"compute_s": compute, "zero3_s": zero3, "zeropp_s": zeropp, "speedup": zero3 / zeropp}

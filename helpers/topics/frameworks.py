@@ -1,0 +1,688 @@
+"""Chapter 15: DeepSpeed beside PyTorch's own DDP and FSDP2, in two parts.
+
+1. The ranks' side (:func:`train_run`): PyTorch's strategies trained under torchrun, with the course's loop and record.
+2. The notebook's side: the runs and the tables that compare them with ZeRO.
+
+--- 1. PyTorch's strategies on the ranks ---
+
+PyTorch's own data parallelism on the course's ranks: DDP and FSDP2, recorded like DeepSpeed's runs.
+
+A run of this module is a task of the plan (``RunSpec(task=TASK)``, :func:`train_run`), started by
+``torchrun`` as PyTorch users start their scripts (``launcher="torchrun"`` in :mod:`helpers.core.launch`).
+It reads the same DeepSpeed config file as the DeepSpeed runs beside it, for the same hyperparameters:
+micro-batch, gradient accumulation, AdamW's ``lr`` and ``weight_decay``, ``gradient_clipping``, bf16.
+``options={"strategy": ...}`` picks one of :data:`STRATEGIES`:
+
+- ``ddp``: ``DistributedDataParallel``: every rank holds everything; gradients are all-reduced in
+  buckets once per optimizer step (``no_sync()`` on the other micro-steps, the DDP idiom).
+- ``fsdp2``: ``fully_shard`` on every layer and the root, ``reshard_after_forward=True``: parameters,
+  gradients and Adam's states sharded (ZeRO-3's partitioning); each layer is gathered for forward, freed,
+  gathered again for backward; gradients reduce-scattered after every backward.
+- ``fsdp2-grad-op``: the same with ``reshard_after_forward=False``: a layer gathered in forward stays
+  whole until its backward, so backward gathers nothing (FSDP1's SHARD_GRAD_OP, ZeRO-2's traffic), at the
+  price of holding unsharded parameters between forward and backward.
+
+The training loop and the record are :func:`helpers.core.train.train_and_record`, the DeepSpeed runs' own;
+the probes ``timing``, ``model_states``, ``peak_memory`` and ``timeline`` work unchanged (an adapter gives
+them what they read from a DeepSpeed engine). DeepSpeed's comms logger cannot see PyTorch's collectives,
+so the ``torch_comm`` probe measures them with the PyTorch profiler instead (see :class:`TorchComm`).
+
+--- 2. The comparison ---
+
+DeepSpeed beside PyTorch's own DDP and FSDP2 (chapter 15): the same model, data, seed and
+hyperparameters, each framework launched its own way, every run with the same record.
+
+- :func:`compare`: two launches: PyTorch's strategies under ``torchrun`` (part 1) and
+  DeepSpeed's ZeRO stages under DeepSpeed's launcher. PyTorch's collectives are measured with the PyTorch
+  profiler (the ``torch_comm`` probe); DeepSpeed's with its comms logger and, as a cross-check of the
+  profiler method, with the profiler too.
+- tables of model states, collectives, losses and step time; the "which to pick" table.
+- :func:`gpu_compare`: on GPUs, the same comparison at a size where time means something.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import re
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.profiler import ProfilerActivity, profile
+
+from helpers.core import (
+    communication,
+    launch,
+    models,
+    plots,
+    probes,
+    records,
+    references,
+    theory,
+    train,
+)
+from helpers.core.plan import PlannedRun, reference_of, resolve
+from helpers.core.probes import Probe, RunContext
+
+# === 1. PyTorch's strategies, trained by the ranks =================================================
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One of PyTorch's ways to train data-parallel."""
+
+    label: str  # the record's "strategy" (tables show it instead of "ZeRO-N")
+    zero_stage: int  # the ZeRO stage whose model states per rank it holds between steps
+    comm_stage: int  # the ZeRO stage whose communication volume it has (the paper's 2Ψ or 3Ψ)
+    reshard_after_forward: bool | None  # FSDP2's setting; None for DDP
+
+
+STRATEGIES = {
+    "ddp": Strategy("DDP", 0, 0, None),
+    "fsdp2": Strategy("FSDP2 full", 3, 3, True),
+    "fsdp2-grad-op": Strategy("FSDP2 grad-op", 3, 2, False),
+}
+
+
+@dataclasses.dataclass
+class TorchEngine:
+    """What the course's probes read from a DeepSpeed engine, for a PyTorch model: ``module`` (whose
+    parameters hold the model's weights), ``optimizer``, ``device``; and DDP's bucket bytes, which DDP
+    keeps in C++ where no Python tensor shows them (``helpers.core.memory.model_states`` reads them here)."""
+
+    module: Any
+    optimizer: Any
+    device: Any
+    wrapped: Any  # the DDP or FSDP2 module that runs forward
+    strategy: str
+
+    def buffer_bytes(self) -> int:
+        """Bytes of DDP's gradient buckets (DDP's own logging data, ``bucket_sizes``); 0 for FSDP2, whose
+        gather and reduce buffers live only during each collective."""
+        if self.strategy != "ddp":
+            return 0
+        sizes = str(self.wrapped._get_ddp_logging_data().get("bucket_sizes", ""))
+        return sum(int(s) for s in sizes.split(",") if s.strip())
+
+
+def shard_units(model) -> list:
+    """The modules FSDP2 shards as units (each gathered and freed as one): every transformer block of the
+    LLaMA-style model, every ``nn.Linear`` of a ``Sequential``; the root is sharded on top of them."""
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "layers"):
+        return list(inner.layers)
+    if isinstance(model, torch.nn.Sequential):
+        return [m for m in model if isinstance(m, torch.nn.Linear)]
+    return []
+
+
+def _wrap(model, strategy: str, device, precision: str):
+    """The model wrapped by ``strategy`` (see :data:`STRATEGIES`)."""
+    if strategy == "ddp":
+        ids = [device.index] if device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids), model
+    # deferred: about a second to import, which only FSDP2's ranks should pay
+
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+              if precision == "bf16" else MixedPrecisionPolicy())
+    reshard = STRATEGIES[strategy].reshard_after_forward
+    for unit in shard_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    return model, model
+
+
+def _data(run: PlannedRun) -> str:
+    """The course data set the run's model trains on: its builder's ``data`` (the capstone's model trains on
+    the LLaMA models' text), else the model's own."""
+    return getattr(resolve(run.builder), "data", run.model)
+
+
+def torch_step(ctx: RunContext, run: PlannedRun, step: int, probes: list[Probe]) -> list[float]:
+    """One optimizer step the way PyTorch scripts write it: ``grad_accum`` micro-steps of forward and
+    ``(loss / grad_accum).backward()`` (DDP skips its all-reduce on all but the last, ``no_sync()``),
+    then ``clip_grad_norm_``, ``optimizer.step()``, ``zero_grad()``. Returns this rank's micro-batch losses."""
+    engine, name, seed = ctx.engine, _data(run), run.seed
+    autocast = (torch.autocast(engine.device.type, dtype=torch.bfloat16)
+                if ctx.precision == "bf16" and engine.strategy == "ddp" else nullcontext())
+    losses = []
+    for micro_step in range(ctx.grad_accum):
+        last = micro_step == ctx.grad_accum - 1
+        indices = models.sample_indices(step, micro_step, ctx.rank, ctx.world_size, ctx.micro_batch, ctx.grad_accum)
+        batch = models.make_batch(name, indices, seed, run.model_options.get("seq_len")).to(engine.device)
+        sync = engine.wrapped.no_sync() if engine.strategy == "ddp" and not last else nullcontext()
+        with sync:
+            with autocast:
+                loss = models.loss_of(engine.wrapped, name, batch)
+            (loss / ctx.grad_accum).backward()
+        for probe in probes:
+            probe.after_backward(ctx, step, micro_step)
+        losses.append(loss.item())
+    clip = ctx.config.get("gradient_clipping", 0)
+    if clip:
+        torch.nn.utils.clip_grad_norm_(engine.wrapped.parameters(), clip)
+    engine.optimizer.step()
+    engine.optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
+    """Task: train one run with PyTorch's ``options["strategy"]`` on this rank and write its record (rank 0)."""
+    dist = torch.distributed
+    run_started = time.time()
+    _check_strategy(run.options)
+    strategy = run.options["strategy"]
+    config = run.read_config()
+    if config.get("fp16", {}).get("enabled"):
+        raise ValueError("fp16: this comparison trains in fp32 or bf16 (set bf16.enabled or neither)")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    precision = train.precision_of(config)
+    model = resolve(run.builder)(run.model, run.seed, config, **run.model_options).to(device)
+    psi = models.count_parameters(model)
+    wrapped, module = _wrap(model, strategy, device, precision)
+    params = config.get("optimizer", {}).get("params", {})
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=params.get("lr", 1e-3),
+                                  weight_decay=params.get("weight_decay", 0.01))
+    engine = TorchEngine(module=module, optimizer=optimizer, device=device, wrapped=wrapped, strategy=strategy)
+    micro = config["train_micro_batch_size_per_gpu"]
+    accum = config.get("gradient_accumulation_steps", 1)
+    chosen = STRATEGIES[strategy]
+    ctx = None  # holds the engine: dropped with it at teardown
+    try:
+        ctx = RunContext(
+            engine=engine, rank=rank, world_size=world, device_type=device.type, precision=precision,
+            stage=chosen.zero_stage, micro_batch=micro, grad_accum=accum, steps=run.steps, params=psi, born=born,
+            run_started=run_started, config=config, faults=run.faults, first_step=0, options=run.options,
+            dp_rank=rank, dp_size=world)
+        volume = theory.comm_bytes_per_step(psi, chosen.comm_stage, "fp32" if strategy == "ddp" else precision)
+        train.train_and_record(ctx, run, position, count, torch_step, {
+            "framework": f"torch {torch.__version__}",
+            "strategy": chosen.label,
+            "launcher": _launcher_of(run),
+            "optimizer": "torch.optim.AdamW",
+            "basic_optimizer": "AdamW",
+            "theory": {
+                # PyTorch keeps fp32 parameters and gradients between steps, in bf16 runs too (autocast or
+                # FSDP2's mixed-precision policy cast them for compute and communication only)
+                "model_states_bytes_per_rank": theory.model_state_bytes(psi, chosen.zero_stage, world, "fp32"),
+                "comm_bytes_per_step": volume,
+                "comm_wire_bytes_per_step": volume * theory.ring_factor(world),
+            },
+        })
+    finally:
+        del engine, optimizer, wrapped, module, model, ctx  # all of them before the collection (train.train_run)
+        gc.collect()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _launcher_of(run: PlannedRun) -> str:
+    """The launcher that started this run's ranks, as its plan says (``torchrun`` for PyTorch's strategies)."""
+    with open(run.plan) as f:
+        return json.load(f).get("launcher", "launch")
+
+
+def _check_strategy(options: dict) -> None:
+    strategy = options.get("strategy")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"options['strategy']={strategy!r}: choose one of {', '.join(STRATEGIES)}, "
+                         "e.g. options={'strategy': 'ddp'}")
+
+
+train_run.check_options = _check_strategy  # the launcher checks the options before any process starts
+#: How a run names this task (``RunSpec(task=TASK, options={"strategy": ...})``).
+TASK = reference_of(train_run)
+
+
+# --- measuring PyTorch's collectives -----------------------------------------------------------
+
+#: Collective ops as the PyTorch profiler names them -> the name DeepSpeed's comms logger gives the
+#: same collective (so tables of both frameworks line up). ``_c10d_functional`` ops are DTensor's.
+COLLECTIVES = {
+    "c10d::allreduce_": "all_reduce", "_c10d_functional::all_reduce": "all_reduce",
+    "c10d::_allgather_base_": "all_gather_into_tensor",
+    "_c10d_functional::all_gather_into_tensor": "all_gather_into_tensor", "c10d::allgather_": "all_gather",
+    "c10d::_reduce_scatter_base_": "reduce_scatter_tensor",
+    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter_tensor", "c10d::reduce_scatter_": "reduce_scatter",
+    "c10d::broadcast_": "broadcast", "_c10d_functional::broadcast": "broadcast",
+    "c10d::alltoall_base_": "all_to_all_single", "c10d::barrier": "barrier",
+}
+#: Bytes per element of the dtype names the profiler records.
+DTYPE_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4,
+               "signed char": 1, "unsigned char": 1, "bool": 1, "short int": 2}
+#: Which of a collective's tensors is the message DeepSpeed's logger records: the whole tensor for
+#: all_reduce and reduce_scatter (their input), each rank's own shard for all_gather (its input too).
+_MESSAGE_ARGUMENT = {"c10d::_allgather_base_": 1, "c10d::_reduce_scatter_base_": 1}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _caller(event, enclosing: list) -> str:
+    """The code that issued a collective: the tightest enclosing profiler range that is not the
+    collective machinery itself (FSDP2's ``FSDP::all_gather``, DDP's autograd hook, an aten op of DTensor)."""
+    for outer in sorted(enclosing, key=lambda e: e.duration_ns()):
+        name = outer.name()
+        if name == "PythonSubclass" or name in COLLECTIVES:
+            continue
+        name = re.sub(r"\s*\(\d+\)$", "", name)  # FSDP2 numbers its parameter groups
+        name = re.sub(r" for \d+$", "", name)
+        return name.replace("autograd::engine::evaluate_function: ", "backward: ")
+    return ""
+
+
+def _shapes(event) -> list:
+    """An event's input shapes, a list of tensors as a list of shapes where this torch records them."""
+    return event.structured_input_shapes() if hasattr(event, "structured_input_shapes") else event.shapes()
+
+
+#: The events a communication backend records for the work it runs (``nccl:all_reduce``, ``gloo:broadcast``).
+_BACKEND_EVENT = re.compile(r"(nccl|gloo|mpi|ucc|xccl):")
+#: The c10d ops that take a list of tensors -> the name their backend gives its own event (``nccl:<name>``).
+_BACKEND_NAMES = {"c10d::allreduce_": "all_reduce", "c10d::broadcast_": "broadcast", "c10d::allgather_": "all_gather",
+                  "c10d::reduce_scatter_": "reduce_scatter"}
+
+
+def _backend_events(events) -> dict[int, Any]:
+    """Each list-taking c10d op (by ``id``) -> the event its backend recorded for it (``gloo:all_reduce``,
+    ``nccl:all_reduce``: one tensor, with shape and dtype). Every ``c10d::`` op makes one backend event,
+    in the order the ops were issued (gloo starts them on a thread of its own after the op returned, and
+    names them by what it runs: a reduce-scatter is a ``gloo:all_reduce``), so the i-th op pairs with the
+    i-th event. Nothing is paired where the counts differ (an op cut by the profile's window) or where a
+    list op's partner has another name."""
+    def by_start(name_matches) -> list:
+        return sorted((e for e in events if name_matches(e.name())), key=lambda e: e.start_ns())
+
+    ops = by_start(lambda n: n.startswith("c10d::"))
+    own = by_start(lambda n: _BACKEND_EVENT.match(n) is not None)
+    pairs = [(op, event) for op, event in zip(ops, own) if op.name() in _BACKEND_NAMES]
+    if len(ops) != len(own) or any(event.name().split(":", 1)[1] != _BACKEND_NAMES[op.name()] for op, event in pairs):
+        return {}
+    return {id(op): event for op, event in pairs}
+
+
+def _collectives_in_context(events: list) -> list[tuple[Any, list]]:
+    """Every collective op of a profile with the events of its thread that enclose it, outermost first.
+    One pass per thread over its events in start order, keeping a stack of those still open (a thread's
+    ranges nest), so a profile of a whole model's steps (10^5-10^6 events) takes seconds. A backend's
+    events are left out: NCCL ends them when the work completes, not where the op returns."""
+    threads: dict[int, list] = {}
+    for e in events:
+        if not _BACKEND_EVENT.match(e.name()):
+            threads.setdefault(e.start_thread_id(), []).append(e)
+    found = []
+    for chain in threads.values():
+        chain.sort(key=lambda e: (e.start_ns(), -e.duration_ns()))
+        stack: list = []
+        for e in chain:
+            end = e.start_ns() + e.duration_ns()
+            while stack and stack[-1].start_ns() + stack[-1].duration_ns() < end:
+                stack.pop()  # ended before this event did: encloses neither it nor anything after it
+            if e.name() in COLLECTIVES:
+                found.append((e, list(stack)))
+            if e.duration_ns() > 0:
+                stack.append(e)
+    return sorted(found, key=lambda pair: pair[0].start_ns())
+
+
+def collectives_from_profile(events, fallback_dtype_bytes: int) -> dict:
+    """Every collective of a profile as DeepSpeed's ``log_summary`` shapes it: {"op | [Caller Func: x]":
+    {message bytes: {"count": n}}}, so :func:`helpers.core.communication.record_section` folds both alike.
+
+    ``events`` are the profiler's kineto events. A collective that runs inside another (DTensor's
+    functional all_reduce calls ``c10d::allreduce_``) is counted once, as the outer one. The profiler
+    records no dtype for an op that takes a list of tensors (``c10d::allreduce_``, DDP's buckets), and a
+    torch without ``structured_input_shapes`` (2.11) no shape either: such an op takes its dtype (and
+    then its shape) from its backend's own event (:func:`_backend_events`); with none paired, its width
+    is ``fallback_dtype_bytes``, that of the gradients that DDP buckets.
+    """
+    events = list(events)
+    backend = _backend_events(events)
+    summary: dict[str, dict[int, dict[str, int]]] = {}
+    for e, enclosing in _collectives_in_context(events):
+        if any(o.name() in COLLECTIVES for o in enclosing):
+            continue  # the inner half of a functional collective
+        argument = _MESSAGE_ARGUMENT.get(e.name(), 0)
+        shape, dtype = _shapes(e)[argument], e.dtypes()[argument]
+        if dtype == "TensorList":
+            numel, width = sum(_numel(s) for s in shape if isinstance(s, (list, tuple))), fallback_dtype_bytes
+            inner = backend.get(id(e))
+            if inner is not None and _shapes(inner):  # (a 0-dim tensor's shape is [])
+                numel = numel or _numel(_shapes(inner)[0])
+                width = DTYPE_BYTES.get(inner.dtypes()[0], fallback_dtype_bytes)
+        else:
+            numel, width = _numel(shape), DTYPE_BYTES.get(dtype, fallback_dtype_bytes)
+        caller = _caller(e, enclosing)
+        key = f"{COLLECTIVES[e.name()]} | [Caller Func: {caller}]" if caller else COLLECTIVES[e.name()]
+        row = summary.setdefault(key, {}).setdefault(numel * width, {"count": 0})
+        row["count"] += 1
+    return summary
+
+
+class TorchComm(Probe):
+    """Every collective of steps 2..S of a run that DeepSpeed's comms logger cannot see (PyTorch DDP,
+    FSDP2), from the PyTorch profiler (``record_shapes=True``): each ``c10d`` op with its tensors' shapes
+    and dtypes, whoever issued it (DDP's C++ reducer, FSDP2, DTensor). Bytes follow the comms logger's
+    convention; the section is the ``comm`` section the ``comm`` probe writes (:mod:`helpers.core.communication`).
+
+    In a run that also has the ``comm`` probe (a DeepSpeed run), the section is ``comm_profiler`` instead,
+    so the two measurements of the same collectives can be compared.
+    """
+
+    name = "torch_comm"
+    keys = ("comm.by_op", "comm.bytes_per_step", "comm.wire_bytes_per_step")
+
+    def start(self, ctx: RunContext) -> None:
+        self.profiler = None
+        self.steps = max(1, ctx.steps - ctx.first_step - 1)
+
+    def before_step(self, ctx: RunContext, step: int) -> None:
+        if step == ctx.first_step + 1 or (ctx.steps - ctx.first_step == 1 and step == ctx.first_step):
+
+            ctx.synchronize()
+            self.profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+            self.profiler.__enter__()  # the first step warms up: measure the steady state
+
+    def finish(self, ctx: RunContext) -> dict:
+        if self.profiler is None:
+            return {"summary": {}}
+        ctx.synchronize()
+        self.profiler.__exit__(None, None, None)
+        width = 2 if ctx.precision == "bf16" and getattr(ctx.engine, "strategy", "") != "ddp" else 4
+        events = self.profiler.profiler.kineto_results.events()
+        return {"summary": collectives_from_profile(events, width)}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        summary = {key: {str(size): row for size, row in sizes.items()} for key, sizes in ranks[0]["summary"].items()}
+        section = communication.record_section(summary, ctx.world_size, self.steps)
+        section["source"] = "PyTorch profiler (c10d ops, record_shapes)"
+        logger_on = ctx.config.get("comms_logger", {}).get("enabled", False)
+        return {"comm_profiler" if logger_on else "comm": section}
+
+
+# === 2. the comparison with ZeRO ===================================================================
+
+#: PyTorch strategies (:data:`STRATEGIES`), in the order tables show them.
+PYTORCH = ("ddp", "fsdp2-grad-op", "fsdp2")
+STAGES = (0, 1, 2, 3)
+#: The probes of a PyTorch run: the DeepSpeed runs' own, with the profiler in place of the comms logger.
+TORCH_PROBES = ("timing", "model_states", "peak_memory", TorchComm, "timeline")
+#: DeepSpeed runs keep the comms logger and add the profiler (its section: ``comm_profiler``).
+DEEPSPEED_PROBES = probes.DEFAULT + (TorchComm,)
+
+
+def _label(record: records.Record) -> str:
+    return record.summary.get("strategy") or f"ZeRO-{record.stage}"
+
+
+def compare(model: str = "mlp", steps: int = 4, overrides: dict | None = None, world_size: int | None = None,
+            timing_only: bool = False, progress: bool = True, tag: str = "") -> dict[str, records.Record]:
+    """Train ``model`` with DDP, FSDP2 (both reshard settings) and ZeRO 0-3 from ``ds_configs/zero<N>.json``
+    (the PyTorch runs read ``zero0.json`` for the same hyperparameters), ``overrides`` applied to all; two
+    launches. ``timing_only`` leaves out the probes that measure communication (they slow a step).
+    Returns {label: record}, labels such as ``"DDP"``, ``"FSDP2 full"``, ``"ZeRO-2"``."""
+    torch_probes = ("timing", "peak_memory") if timing_only else TORCH_PROBES
+    ds_probes = ("timing", "peak_memory") if timing_only else DEEPSPEED_PROBES
+    suffix = f"-{tag}" if tag else ""
+    torch_specs = {f"torch-{s}{suffix}": launch.RunSpec("zero0", model=model, steps=steps, overrides=overrides,
+                                                        probes=torch_probes, task=TASK,
+                                                        options={"strategy": s}) for s in PYTORCH}
+    ds_specs = {f"deepspeed-zero{s}{suffix}": launch.RunSpec(f"zero{s}", model=model, steps=steps,
+                                                             overrides=overrides, probes=ds_probes) for s in STAGES}
+    runs = dict(launch.sweep(torch_specs, name=f"frameworks-torchrun{suffix}", world_size=world_size,
+                             launcher="torchrun", progress=progress))
+    runs.update(launch.sweep(ds_specs, name=f"frameworks-deepspeed{suffix}", world_size=world_size, progress=progress))
+    return {_label(r): r for r in runs.values()}
+
+
+def ddp_first_bucket_bytes() -> int:
+    """The cap of DDP's first gradient bucket in this torch (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``):
+    kept small so that the first all-reduce starts early in backward."""
+    return torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def launchers_table(runs: Mapping[str, records.Record]) -> str:
+    """How each run was started: the launcher command of its launch (``command.txt``) and the backend."""
+    rows = []
+    for name, record in runs.items():
+        command = (Path(record["launch"]["plan"]).parent / "command.txt").read_text().split()
+        module = command[command.index("-m") + 1] if "-m" in command else command[0]
+        rows.append([name, f"python -m {module}", record.summary["backend"], record.summary["world_size"]])
+    return records.format_table(rows, ["run", "launched with", "backend", "ranks"])
+
+
+def losses_table(runs: Mapping[str, records.Record], baseline: str = "DDP") -> str:
+    """Every run's losses against ``baseline``'s, within the precision's tolerance (no digits: checked)."""
+    base = runs[baseline]
+    rows = [[name, r.summary["precision"], f"{len(r.losses)} steps",
+             "-" if name == baseline else records.loss_agreement(base.losses, r.losses, r.summary["precision"])]
+            for name, r in runs.items()]
+    return records.format_table(rows, ["run", "precision", "compared", f"losses vs {baseline}"])
+
+
+def losses_digits(runs: Mapping[str, records.Record], digits: int = 6) -> str:
+    """The losses themselves (their digits depend on the processor: print in an ignored cell)."""
+    rows = [[name, " ".join(f"{x:.{digits}f}" for x in r.losses)] for name, r in runs.items()]
+    return records.format_table(rows, ["run", "losses"])
+
+
+def states_table(runs: Mapping[str, records.Record], rank: int = 0) -> str:
+    """Measured bytes per rank: parameters, gradients, Adam's states, fp32 master copy (the model states),
+    communication buffers, and the model states against DDP's."""
+    base = None
+    rows = []
+    for name, r in runs.items():
+        states = r.states(rank)
+        total = r.model_state_bytes(rank)
+        base = base or total
+        rows.append([name, *(f"{states[k]:,}" for k in records.STATE_KEYS), f"{total:,}", f"{total / base:.2f}"])
+    first = next(iter(runs))
+    return records.format_table(rows, ["run", "params", "grads", "Adam", "master", "buffers", "model states",
+                                       f"vs {first}"])
+
+
+def comm_table(runs: Mapping[str, records.Record]) -> str:
+    """Per run and collective: calls and bytes per optimizer step and the code that issued them (DeepSpeed's
+    function, or PyTorch's FSDP/DDP range), then the totals: bytes per step, and what one rank sends on a
+    ring (wire bytes)."""
+    rows = []
+    for name, r in runs.items():
+        comm = r.summary["comm"]
+        for op, callers in comm["by_caller"].items():
+            for caller, row in callers.items():
+                rows.append([name, op, caller or "-", f"{row['count']:g}", f"{row['bytes']:,.0f}"])
+        rows.append([name, "= total", comm.get("source", "DeepSpeed comms logger"), "",
+                     f"{comm['bytes_per_step']:,.0f}"])
+    return records.format_table(rows, ["run", "collective", "issued by", "calls/step", "bytes/step"])
+
+
+def summary_table(runs: Mapping[str, records.Record]) -> str:
+    """One row per run: collective calls per step, bytes per step, wire bytes per rank (ring), and wire bytes
+    against the paper's volume for the ZeRO stage (or PyTorch strategy) it matches."""
+    rows = []
+    for name, r in runs.items():
+        comm = r.summary["comm"]
+        calls = sum(row["count"] for row in r.comm_ops().values())
+        rows.append([name, f"{calls:g}", f"{comm['bytes_per_step']:,.0f}", f"{comm['wire_bytes_per_step']:,.0f}",
+                     records.format_ratio(comm['wire_bytes_per_step'], r.theory.comm_wire_bytes_per_step)])
+    return records.format_table(rows, ["run", "calls/step", "bytes/step", "wire bytes/step (ring)",
+                                       "wire / paper's 2Ψ or 3Ψ"])
+
+
+def profiler_check_table(runs: Mapping[str, records.Record]) -> str:
+    """For DeepSpeed's runs, measured twice: bytes per step and collective by the comms logger and by the
+    PyTorch profiler (the method used for PyTorch's runs). Where they differ, by how much."""
+    rows = []
+    for name, r in runs.items():
+        if "comm_profiler" not in r.summary:
+            continue
+        logger, profiler = r.summary["comm"]["by_op"], r.summary["comm_profiler"]["by_op"]
+        for op in sorted(set(logger) | set(profiler)):
+            a, b = logger.get(op, {"count": 0, "bytes": 0}), profiler.get(op, {"count": 0, "bytes": 0})
+            same = "same" if a == b else f"differ by {b['bytes'] - a['bytes']:+,.0f} bytes"
+            rows.append([name, op, f"{a['count']:g} / {b['count']:g}", f"{a['bytes']:,.0f}", f"{b['bytes']:,.0f}",
+                         same])
+    return records.format_table(rows, ["run", "collective", "calls: logger / profiler", "logger bytes",
+                                       "profiler bytes", ""])
+
+
+def timing_table(runs: Mapping[str, records.Record]) -> str:
+    """Median step time and peak memory per rank (machine-dependent: print in an ignored cell)."""
+    rows = [[name, f"{r.timing.median_s * 1000:.1f}", records.format_peak(r),
+             r.memory.peak_source] for name, r in runs.items()]
+    return records.format_table(rows, ["run", "step ms (median)", "peak per rank", "peak measured as"])
+
+
+#: What each strategy is, when to pick it: the stable part of the "which to pick" table (the measured
+#: columns come from the runs).
+ADVICE = {
+    "DDP": "model, gradients and Adam's states fit one device: the simplest, one all-reduce a step",
+    "ZeRO-0": "DeepSpeed's data parallelism: DDP's states and traffic, with DeepSpeed's other features",
+    "ZeRO-1": "Adam's states do not fit: shard them; DDP's all-reduce plus a gather of updated weights",
+    "ZeRO-2": "gradients do not fit either: a reduction every micro-step; weights stay whole",
+    "FSDP2 grad-op": "weights do not fit at rest but fit for one step: no gathers in backward",
+    "ZeRO-3": "weights do not fit: DeepSpeed keeps small models gathered between uses (chapter 05)",
+    "FSDP2 full": "weights do not fit: PyTorch-native, every layer gathered twice a micro-step",
+}
+
+
+def pick_table(runs: Mapping[str, records.Record], baseline: str = "DDP") -> str:
+    """Which to pick: per run, model states per rank and wire bytes per step against ``baseline``, whether
+    its losses agree, and when it is the right choice."""
+    base = runs[baseline]
+    rows = []
+    for name, r in runs.items():
+        rows.append([name, f"{r.model_state_bytes() / base.model_state_bytes():.2f}x",
+                     records.format_ratio(r.comm.wire_bytes_per_step, base.comm.wire_bytes_per_step, suffix="x"),
+                     records.loss_agreement(base.losses, r.losses, r.summary["precision"]) if name != baseline else "-",
+                     ADVICE.get(name, "")])
+    return records.format_table(rows, ["run", f"states vs {baseline}", f"wire bytes vs {baseline}", "losses",
+                                       "pick it when"])
+
+
+def ordered(runs: Mapping[str, records.Record]) -> dict[str, records.Record]:
+    """Runs in the order of how much they shard: DDP, ZeRO-0, ZeRO-1, ZeRO-2, FSDP2 grad-op, ZeRO-3, FSDP2 full."""
+    order = ["DDP", "ZeRO-0", "ZeRO-1", "ZeRO-2", "FSDP2 grad-op", "ZeRO-3", "FSDP2 full"]
+    return {name: runs[name] for name in order if name in runs} | {k: v for k, v in runs.items() if k not in order}
+
+
+# --- on GPUs ----------------------------------------------------------------------------------
+
+GPU_MODEL = "llama-medium"
+GPU_OVERRIDES = {"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1}
+
+
+def gpu_compare(steps: int = 12, world_size: int | None = None,
+                progress: bool = True) -> tuple[dict[str, records.Record], dict[str, records.Record]]:
+    """On GPUs: the comparison on the 85M-parameter model in bf16, twice: with the probes that measure
+    communication (bytes), and with timing only (step time without the comms logger's synchronization or
+    the profiler). Four launches. Returns (by bytes, by time), each {label: record}."""
+    by_bytes = compare(GPU_MODEL, steps, GPU_OVERRIDES, world_size, progress=progress, tag="gpu-bytes")
+    by_time = compare(GPU_MODEL, steps, GPU_OVERRIDES, world_size, timing_only=True, progress=progress,
+                      tag="gpu-time")
+    return ordered(by_bytes), ordered(by_time)
+
+
+def bytes_per_step(record: records.Record) -> str:
+    """A run's bytes per step, or what is missing: the profiler can count a collective yet record no
+    message size (seen for DDP's bucket all-reduce on NCCL), and zero bytes would then be a false figure."""
+    calls = sum(row["count"] for row in record.comm_ops().values())
+    if record.comm.bytes_per_step == 0 and calls:
+        return f"? ({calls:.3g} collectives a step, no sizes recorded)"
+    return records.format_bytes(record.comm.bytes_per_step)
+
+
+def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record]) -> str:
+    """Per run: model states and peak memory per rank, bytes per step, median step time, losses vs DDP."""
+    base = by_bytes.get("DDP")
+    rows = []
+    for name, r in by_bytes.items():
+        t = by_time.get(name)
+        rows.append([name, records.format_bytes(r.model_state_bytes()),
+                     records.format_peak(t) if t else "-",
+                     bytes_per_step(r),
+                     f"{t.timing.median_s * 1000:.1f}" if t else "-",
+                     records.loss_agreement(base.losses, r.losses, r.summary["precision"]) if base is not None else "-"])
+    return records.format_table(rows, ["run", "model states/rank", "peak/rank", "bytes/step", "step ms",
+                                       "losses vs DDP"])
+
+
+def save_gpu_reference(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record],
+                       note: str) -> Path | None:
+    """Keep both GPU comparisons as one reference file (``runs/reference/frameworks-<N>x<GPU>.json``)."""
+    runs = {f"bytes: {k}": r for k, r in by_bytes.items()} | {f"time: {k}": r for k, r in by_time.items()}
+    return references.save_reference("frameworks", runs, note)
+
+
+def reference_report(name: str = "frameworks") -> str:
+    """The committed GPU comparisons, each labelled with its device, date and note."""
+    def tables(by_bytes: dict, by_time: dict) -> str:
+        both = {k: r for k, r in by_bytes.items() if "comm_profiler" in r.summary}
+        return gpu_table(by_bytes, by_time) + (f"\n\nDeepSpeed's runs, by its comms logger and by the profiler:\n"
+                                               f"{profiler_check_table(both)}" if both else "")
+
+    return references.bytes_and_time_report(
+        name, tables, how="run this notebook on a machine with 2 or more NVIDIA GPUs to measure them.")
+
+
+# --- figures ----------------------------------------------------------------------------------------
+
+def states_per_rank(runs: Sequence[records.Record], rank: int = 0, title: str = "Model states on one rank"):
+    """Stacked bars of measured params / grads / optimizer / master / buffers on ``rank``, one bar per run
+    (buffers hatched: communication buckets, not model states)."""
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(runs), 3.8))
+    colours = {**plots.STATE_COLOURS, "buffers": "#8172B3"}
+    for i, run in enumerate(runs):
+        bottom = 0.0
+        for key in records.STATE_KEYS:
+            value = run.states(rank).get(key, 0) / 2**20
+            if value:
+                ax.bar(i, value, 0.6, bottom=bottom, color=colours[key], hatch="//" if key == "buffers" else "",
+                       edgecolor="white", label=key if key not in ax.get_legend_handles_labels()[1] else None)
+                bottom += value
+    ax.set_xticks(range(len(runs)), [r.label.replace(" ", "\n", 1) for r in runs], fontsize=8)
+    ax.set_ylabel(f"MiB on rank {rank}")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def bytes_per_step_figure(runs: Sequence[records.Record], title: str = "Bytes per optimizer step, by collective"):
+    """Stacked bars of each run's logged bytes per step, by collective (message sizes, as the comms logger
+    and the torch_comm probe record them)."""
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(runs), 3.8))
+    ops = sorted({op for r in runs for op in r.comm_ops()})
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(runs):
+        bottom = 0.0
+        for j, op in enumerate(ops):
+            row = run.comm_ops().get(op)
+            if row and row["bytes"]:
+                ax.bar(i, row["bytes"] / 2**20, 0.6, bottom=bottom, color=colours[j % len(colours)],
+                       label=op if op not in ax.get_legend_handles_labels()[1] else None)
+                bottom += row["bytes"] / 2**20
+    ax.set_xticks(range(len(runs)), [r.label.replace(" ", "\n", 1) for r in runs], fontsize=8)
+    ax.set_ylabel("MiB per step (logged message sizes)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+

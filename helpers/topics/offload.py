@@ -1,0 +1,510 @@
+"""Offload (chapter 06): ZeRO-Offload and ZeRO-Infinity, where model states live and what moving them costs.
+
+- The core's probe ``placement`` (:class:`helpers.core.probes.Placement`, on by default in every run whose
+  config offloads) measures each rank's model-state bytes on the accelerator side and on the host side,
+  pinned host bytes, bytes per physical device and dtypes; this chapter's tables read it.
+- Task ``benchmark``: one optimizer step of DeepSpeed's CPU Adam against ``torch.optim.AdamW`` on the same
+  parameters and gradients, and on a GPU, the bandwidth of copies between host and device (pinned and not).
+- :data:`SETTINGS`: the chapter's runs (stage 2 and 3, with and without offload, pinned or not), all in
+  one launch (:func:`run_settings`), and the tables that read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import textwrap
+import time
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed
+
+from helpers.core import configs, launch, plots, records, references, theory
+from helpers.core.configs import merged
+from helpers.core.environment import REPO_ROOT
+from helpers.core.records import format_bytes
+from helpers.core.plan import PlannedRun, emit, publish, reference_of
+
+#: Kinds of model state the placement tables show (buffers are shown apart).
+STATE_NAMES = {"params": "params", "grads": "grads", "optimizer": "Adam states", "master": "fp32 master"}
+
+
+# --- the chapter's runs ---------------------------------------------------------------------------
+
+#: DeepSpeed's own Adam where the optimizer is offloaded: the course's zero configs ask for torch's AdamW
+#: (``torch_adam``), which offload would run on the CPU instead of DeepSpeed's CPU Adam (the checker warns:
+#: rule ``offload-torch-adam``).
+DEEPSPEED_ADAM = {"optimizer": {"params": {"torch_adam": None}}}
+
+
+def offloaded(**zero: dict) -> dict:
+    """Overrides for a run that offloads: the ``zero_optimization`` settings ``zero`` and DeepSpeed's Adam."""
+
+    return merged(DEEPSPEED_ADAM, {"zero_optimization": zero})
+
+
+CPU = {"device": "cpu", "pin_memory": True}
+UNPINNED = {"device": "cpu", "pin_memory": False}
+#: name -> (base config in ds_configs/, overrides): the chapter's runs, each in bf16 (mixed precision, as
+#: the papers count bytes; :data:`PRECISION`).
+SETTINGS: dict[str, tuple[str, dict]] = {
+    "stage 2": ("zero2", {}),
+    "stage 2 + optimizer offload": ("zero2", offloaded(offload_optimizer=CPU)),
+    "stage 3": ("zero3", {}),
+    "stage 3 + optimizer offload": ("zero3", offloaded(offload_optimizer=CPU)),
+    "stage 3 + optimizer and param offload": ("zero3", offloaded(offload_optimizer=CPU, offload_param=CPU)),
+    "stage 3 + optimizer and param offload, unpinned": ("zero3", offloaded(offload_optimizer=UNPINNED,
+                                                                          offload_param=UNPINNED)),
+}
+#: The GPU experiment adds the unpinned stage-2 case (pinning is a GPU matter).
+GPU_SETTINGS: dict[str, tuple[str, dict]] = {
+    **SETTINGS, "stage 2 + optimizer offload, unpinned": ("zero2", offloaded(offload_optimizer=UNPINNED))}
+PRECISION = {"bf16": {"enabled": True}}
+PROBES = ("timing", "model_states", "placement", "peak_memory")
+#: Where NVMe offload writes: a folder of the course's own (runs/ is ignored by git).
+NVME_DIR = "runs/nvme"
+
+
+def nvme_setting() -> tuple[str, dict]:
+    """ZeRO-Infinity: stage 3 with the optimizer states and the parameters offloaded to NVMe (:data:`NVME_DIR`)."""
+
+    nvme = {"device": "nvme", "nvme_path": str(REPO_ROOT / NVME_DIR)}
+    return ("zero3", offloaded(offload_optimizer=nvme, offload_param=nvme))
+
+
+def specs(settings: Mapping[str, tuple[str, dict]], model: str = "mlp", steps: int = 3,
+          overrides: dict | None = None) -> dict:
+    """One RunSpec per setting (``{name: (config, overrides)}``) in bf16 with ``overrides`` on top, plus the
+    Adam benchmark."""
+
+    found = {name: launch.RunSpec(config, model=model, steps=steps, probes=PROBES, name=_slug(name),
+                                  overrides=configs.merged(configs.merged(PRECISION, overrides), changes))
+             for name, (config, changes) in settings.items()}
+    found["adam benchmark"] = launch.RunSpec("zero2", model=model, steps=1, name="adam-benchmark",
+                                             task=BENCHMARK)
+    return found
+
+
+def _slug(name: str) -> str:
+    return name.replace(" + ", "-").replace(", ", "-").replace(" ", "-")
+
+
+def run_settings(settings: Mapping[str, tuple[str, dict]] | None = None, model: str = "mlp", steps: int = 3,
+                 overrides: dict | None = None, nvme: bool = False, name: str = "offload") -> dict:
+    """Train every setting (default :data:`SETTINGS`, plus NVMe when ``nvme``) and the Adam benchmark in
+    ONE launch; return {setting name: Record, "adam benchmark": dict}. A failing NVMe run is recorded
+    (a RunFailed) rather than ending the launch."""
+    settings = dict(settings or SETTINGS)
+    if nvme:
+        settings["stage 3 + NVMe offload"] = nvme_setting()
+    found = specs(settings, model, steps, overrides)
+    if nvme:
+        found["stage 3 + NVMe offload"] = dataclasses.replace(found["stage 3 + NVMe offload"], on_error="record")
+    results = launch.sweep(list(found.values()), name=name)
+    return {key: results[spec.name] for key, spec in found.items()}
+
+
+# --- the Adam benchmark ---------------------------------------------------------------------------
+
+#: Parameters the benchmark steps (one flat fp32 tensor, like a ZeRO partition): 8,388,608, big enough
+#: that the step streams from memory rather than from cache.
+BENCHMARK_PARAMS = 2**23
+BENCHMARK_REPEATS = 5
+
+
+def _time_steps(step, repeats: int, synchronize=lambda: None) -> float:
+    """Median seconds of ``step()`` over ``repeats`` calls, after one warm-up call."""
+    step()
+    synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def adam_benchmark(numel: int = BENCHMARK_PARAMS, repeats: int = BENCHMARK_REPEATS, seed: int = 0) -> dict:
+    """Seconds per optimizer step of DeepSpeed's CPU Adam and of ``torch.optim.AdamW`` (its default, and
+    ``fused=True``) on the same host parameters and gradients, the largest difference between their
+    updated weights after one step, and on a GPU torch's fused AdamW on the device (the step offload
+    replaces). Threads: whatever this process has (``torch.get_num_threads()``, reported)."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.randn(numel, generator=gen)
+    grads = torch.randn(numel, generator=gen) * 1e-2
+    settings = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+    def prepared(device: str = "cpu") -> torch.nn.Parameter:
+        p = torch.nn.Parameter(weights.clone().to(device))
+        p.grad = grads.clone().to(device)
+        return p
+
+    candidates = {
+        "DeepSpeedCPUAdam": lambda p: DeepSpeedCPUAdam([p], adamw_mode=True, **settings),
+        "torch.optim.AdamW": lambda p: torch.optim.AdamW([p], **settings),
+        "torch.optim.AdamW(fused=True)": lambda p: torch.optim.AdamW([p], fused=True, **settings),
+    }
+    seconds, after_one = {}, {}
+    for name, make in candidates.items():
+        p = prepared()
+        optimizer = make(p)
+        optimizer.step()
+        after_one[name] = p.detach().clone()
+        seconds[name] = _time_steps(optimizer.step, repeats)
+        del optimizer, p
+    reference = after_one["torch.optim.AdamW"]
+    differences = {name: float((w - reference).abs().max()) for name, w in after_one.items()}
+    device_seconds = None
+    if torch.cuda.is_available():
+        p = prepared("cuda")
+        optimizer = torch.optim.AdamW([p], fused=True, **settings)
+        device_seconds = _time_steps(optimizer.step, repeats, torch.cuda.synchronize)
+        del optimizer, p
+    return {"params": numel, "repeats": repeats, "threads": torch.get_num_threads(), "seconds": seconds,
+            "max_difference_after_one_step": differences, "accelerator_adamw_seconds": device_seconds,
+            "accelerator": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def transfer_bandwidth(numel: int = 2**26, repeats: int = BENCHMARK_REPEATS) -> dict | None:
+    """On a GPU: bytes/s of host-to-device and device-to-host copies of ``numel`` fp16 values (128 MiB),
+    from pinned and from ordinary (pageable) host memory. None without a GPU."""
+
+    if not torch.cuda.is_available():
+        return None
+    device = torch.empty(numel, dtype=torch.half, device="cuda")
+    found = {}
+    for pinned in (True, False):
+        host = torch.empty(numel, dtype=torch.half, pin_memory=pinned)
+        label = "pinned" if pinned else "pageable"
+        found[f"host_to_device_{label}"] = host.nbytes / _time_steps(lambda: device.copy_(host), repeats,
+                                                                      torch.cuda.synchronize)
+        found[f"device_to_host_{label}"] = host.nbytes / _time_steps(lambda: host.copy_(device), repeats,
+                                                                      torch.cuda.synchronize)
+    return {"bytes": numel * 2, "bytes_per_s": found}
+
+
+def benchmark(run: PlannedRun, position: int, count: int, born: float) -> None:
+    """A task (``RunSpec(task=BENCHMARK)``): rank 0 runs :func:`adam_benchmark` and
+    :func:`transfer_bandwidth` while the other ranks wait, so the timings have the machine to themselves
+    (as much as the ranks' thread settings allow), and publishes both."""
+    import deepspeed.comm as dist  # deferred: DeepSpeed is imported after the course has chosen its accelerator
+
+    rank = dist.get_rank()
+    if rank == 0:
+        adam = adam_benchmark(seed=run.seed)
+        transfers = transfer_bandwidth()
+    torch.distributed.barrier()
+    emit("step", run=position, rank=rank, step=1, steps=1, loss=None)
+    if rank == 0:
+        publish(run, position, {"name": run.name, "task": "benchmark", "world_size": dist.get_world_size(),
+                                "device": "cuda" if transfers else "cpu", "adam": adam, "transfers": transfers})
+
+
+#: How a run names the task.
+BENCHMARK = reference_of(benchmark)
+
+
+# --- tables ---------------------------------------------------------------------------------------
+
+def _where(placement: dict, key: str) -> str:
+    parts = [f"{side[0].upper()} {format_bytes(placement[side][key])}" for side in ("accelerator", "host")
+             if placement[side][key]]
+    return " + ".join(parts) or "-"
+
+
+def placement_table(runs: Mapping[str, object], rank: int = 0) -> str:
+    """Per run: where each kind of model state lives on ``rank`` (A = accelerator side, H = host side),
+    the totals of each side (buffers apart), and the pinned host bytes."""
+
+    rows = []
+    for name, r in runs.items():
+        p = r.memory.placement(rank)
+        totals = {side: sum(p[side][k] for k in STATE_NAMES) for side in ("accelerator", "host")}
+        rows.append([name, *(_where(p, k) for k in STATE_NAMES), records.format_bytes(totals["accelerator"]),
+                     records.format_bytes(totals["host"]), _where(p, "buffers"), records.format_bytes(p["pinned_bytes"])])
+    return records.format_table(rows, ["run", *STATE_NAMES.values(), "accelerator", "host", "buffers", "pinned"])
+
+
+def theory_table(runs: Mapping[str, object], rank: int = 0) -> str:
+    """Per run: measured model-state bytes of each side on ``rank`` beside the offload formula
+    (:func:`helpers.core.theory.offload_bytes_per_device`, the run's precision), and their ratio."""
+
+    rows = []
+    for name, r in runs.items():
+        p = r.memory.placement(rank)
+        mode = offload_mode(r)
+        expected = theory.offload_bytes_per_device(r.params, r.stage, r["world_size"], mode, r["precision"])
+        for side in ("accelerator", "host"):
+            measured = sum(p[side][k] for k in STATE_NAMES)
+            paper = expected[side]["total"]
+            rows.append([name, side, f"{measured:,}", f"{paper:,.0f}", f"{measured / paper:.2f}" if paper else
+                         ("0 = 0" if not measured else "(not in formula)")])
+    return records.format_table(rows, ["run", "side", "measured bytes", "formula bytes", "measured/formula"])
+
+
+def offload_mode(record) -> str:
+    """"none", "optimizer" or "optimizer+params" (:data:`helpers.core.theory.OFFLOAD_MODES`), from the run's config
+    as DeepSpeed applies it (parameter offload only counts at stage 3)."""
+    zero = record["config"].get("zero_optimization", {})
+    optimizer = zero.get("offload_optimizer", {}).get("device", "none") != "none"
+    params = zero.get("offload_param", {}).get("device", "none") != "none" and record.stage == 3
+    return "optimizer+params" if optimizer and params else "optimizer" if optimizer else "none"
+
+
+def timing_table(runs: Mapping[str, object], rank: int = 0) -> str:
+    """Per run: median step time, accelerator peak (GPU: allocator peak; CPU: peak RSS) and host peak RSS
+    of ``rank``. Timings depend on the machine: print this where nbval does not compare."""
+
+    rows = []
+    for name, r in runs.items():
+        rows.append([name, f"{r.timing.median_s * 1000:.1f}", records.format_peak(r, rank),
+                     records.format_bytes(r.memory.host_peak(rank))])
+    return records.format_table(rows, ["run", "step ms", f"peak ({runs[next(iter(runs))].memory.peak_source})",
+                                       "host peak RSS"])
+
+
+def adam_table(bench: dict) -> str:
+    """The Adam benchmark: seconds per step and nanoseconds per parameter of each optimizer, relative to
+    DeepSpeed's CPU Adam. Timings: print where nbval does not compare."""
+
+    adam = bench["adam"]
+    base = adam["seconds"]["DeepSpeedCPUAdam"]
+    rows = [[name, f"{s * 1000:.1f}", f"{s / adam['params'] * 1e9:.2f}", f"{s / base:.1f}x"]
+            for name, s in adam["seconds"].items()]
+    if adam["accelerator_adamw_seconds"]:
+        s = adam["accelerator_adamw_seconds"]
+        rows.append([f"torch.optim.AdamW(fused=True) on {adam['accelerator']}", f"{s * 1000:.2f}",
+                     f"{s / adam['params'] * 1e9:.3f}", f"{s / base:.2f}x"])
+    return records.format_table(rows, ["optimizer", "ms per step", "ns per parameter", "vs DeepSpeedCPUAdam"]) + (
+        f"\n({adam['params']:,} fp32 parameters, median of {adam['repeats']} steps, {adam['threads']} CPU thread(s))")
+
+
+def agreement_table(bench: dict, tolerance: float = 1e-6) -> str:
+    """Whether each optimizer's weights after one step agree with torch's AdamW within ``tolerance``:
+    the same update computed by other kernels."""
+
+    rows = [[name, f"within {tolerance:.0e}" if diff <= tolerance else f"differ by more than {tolerance:.0e}"]
+            for name, diff in bench["adam"]["max_difference_after_one_step"].items()]
+    return records.format_table(rows, ["optimizer", "weights after one step vs torch.optim.AdamW"])
+
+
+def transfer_table(bench: dict) -> str:
+    """Host-device copy bandwidth in GB/s (GPU only)."""
+
+    if not bench.get("transfers"):
+        return "no GPU here: no host-device copies to measure (the ranks' memory is the host's)"
+    rows = [[key.replace("_", " "), f"{value / 1e9:.1f}"] for key, value in bench["transfers"]["bytes_per_s"].items()]
+    return records.format_table(rows, ["copy", "GB/s"]) + f"\n({bench['transfers']['bytes'] / 2**20:.0f} MiB per copy)"
+
+
+def largest_model_table(accelerator_gb: float, world_size: int, host_gb: float | None = None, reserve_gb: float = 0.0,
+                        precision: str = "fp16") -> str:
+    """The largest model (billions of parameters) whose model states fit ``world_size`` devices of
+    ``accelerator_gb`` GB each (keeping ``reserve_gb`` per device for activations and buffers), with
+    ``host_gb`` of host memory in all, for each stage and offload mode, and which side limits it."""
+
+    rows = []
+    for stage, mode in ((0, "none"), (2, "none"), (2, "optimizer"), (3, "none"), (3, "optimizer"),
+                        (3, "optimizer+params")):
+        slopes = theory.bytes_per_parameter(stage, world_size, mode, precision)
+        fit = theory.largest_model(accelerator_gb * 1e9, stage, world_size, mode,
+                                   None if host_gb is None else host_gb * 1e9, reserve_gb * 1e9, precision)
+        limit = "host memory" if fit["host_limit"] < fit["accelerator_limit"] else "accelerator memory"
+        rows.append([f"stage {stage}" + ("" if mode == "none" else f" + {mode} offload"),
+                     f"{slopes['accelerator']:.2f}", f"{slopes['host']:.2f}",
+                     "unbounded" if math.isinf(fit["params"]) else f"{fit['params'] / 1e9:.1f}",
+                     "-" if math.isinf(fit["params"]) else limit])
+    return records.format_table(rows, ["ZeRO", "accelerator B/param/rank", "host B/param/rank",
+                                       "largest model (B params)", "limited by"])
+
+
+def settings_table(settings: Mapping[str, tuple[str, dict]] | None = None) -> str:
+    """What each run of the chapter changes: its base config and its ``zero_optimization`` offload lines."""
+
+    rows = []
+    for name, (config, overrides) in (settings or SETTINGS).items():
+        zero = overrides.get("zero_optimization", {})
+        lines = [f"{key}: {section['device']}" + ("" if section.get("pin_memory", True) else ", unpinned")
+                 for key, section in zero.items()]
+        rows.append([name, f"ds_configs/{config}.json", "; ".join(lines) or "-"])
+    return records.format_table(rows, ["run", "base config (+ bf16)", "offload"])
+
+
+def agreement(runs: Mapping[str, object]) -> str:
+    """Each offloading run's losses against its stage without offload (within the precision's tolerance)."""
+
+    rows = []
+    for name, r in runs.items():
+        base_name = f"stage {r.stage}"
+        if name == base_name or base_name not in runs:
+            continue
+        base = runs[base_name]
+        rows.append([name, base_name, records.loss_agreement(base.losses, r.losses, r["precision"])])
+    return records.format_table(rows, ["run", "compared with", "losses"])
+
+
+def host_gradient_bytes(runs: Mapping[str, object], rank: int = 0) -> str:
+    """Host-side gradient bytes per element of the rank's partition, per offloading run: what DeepSpeed keeps
+    for the optimizer where the paper counts one gradient in the working precision."""
+    rows = []
+    for name, r in runs.items():
+        p = r.memory.placement(rank)
+        if not p["host"]["grads"]:
+            continue
+        partition = r.params / r["world_size"]
+        rows.append(f"{name}: {p['host']['grads'] / partition:.2f} bytes per partition element "
+                    f"(dtypes {', '.join(p['dtypes']['grads'])})")
+    return "\n".join(rows)
+
+
+def zero_offload_headline(gib: float = 32, host_gb: float = 1500, pytorch_largest: float = 1.4e9,
+                          offload_largest: float = 13e9) -> str:
+    """The ZeRO-Offload paper's headline recomputed: one V100 of ``gib`` GiB, ``host_gb`` of host memory (a
+    DGX-2), against the largest models the paper trained (1.4B with PyTorch alone, 13B with ZeRO-Offload)."""
+
+    rows = []
+    for label, stage, mode, trained in (("PyTorch / stage 0, no offload", 0, "none", pytorch_largest),
+                                        ("ZeRO-Offload (stage 2 + optimizer offload)", 2, "optimizer", offload_largest)):
+        fit = theory.largest_model(gib * 2**30, stage, 1, mode, host_gb * 1e9)
+        slopes = theory.bytes_per_parameter(stage, 1, mode)
+        rows.append([label, f"{slopes['accelerator']:.0f}", f"{slopes['host']:.0f}", f"{fit['params'] / 1e9:.1f}",
+                     f"{trained / 1e9:.1f}", f"{trained / fit['params']:.0%}"])
+    return records.format_table(rows, ["1 GPU", "GPU B/param", "host B/param", "formula: largest (B)",
+                                       "paper trained (B)", "share of the formula"])
+
+
+def reference_report(name: str = "offload") -> str:
+    """Every committed GPU result of the chapter's experiment: placement, step time and peaks, the Adam
+    benchmark and host-device bandwidth, each labelled with its device."""
+
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    parts = []
+    for device, date, note, runs in found:
+        trained = {k: r for k, r in runs.items() if not isinstance(r, dict)}
+        bench = next((r for r in runs.values() if isinstance(r, dict) and r.get("task") == "benchmark"), None)
+        parts.append(f"Measured on {device}, {date} ({note}):\n{placement_table(trained)}\n\n{timing_table(trained)}"
+                     + (f"\n\n{adam_table(bench)}\n\n{transfer_table(bench)}" if bench else ""))
+    return "\n\n".join(parts)
+
+
+def gpu_experiment(nvme: bool = False, model: str = "mlp_wide", micro_batch: int = 256, steps: int = 6) -> dict:
+    """On GPUs: every setting of :data:`GPU_SETTINGS` (and NVMe where it builds) on ``model``, with
+    ``micro_batch`` samples per rank per step, and the benchmarks, in one launch; saved with
+    :func:`helpers.core.references.save_reference` as "offload". Returns the runs."""
+
+    runs = run_settings(GPU_SETTINGS, model=model, steps=steps, nvme=nvme, name="offload-gpu",
+                        overrides={"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1})
+    kept = {k: r for k, r in runs.items() if not isinstance(r, launch.RunFailed)}
+    references.save_reference("offload", kept, note=f"{model}, bf16, micro batch {micro_batch}, {steps} steps")
+    return runs
+
+
+def when_to_use_table(runs: Mapping[str, object], baseline: str, rank: int = 0) -> str:
+    """Per run against ``baseline``: accelerator-side model states (ratio), host-side model states (bytes),
+    the parameters kept on the accelerator (ratio), and whether the losses agree."""
+
+    def side(r, name: str) -> int:
+        p = r.memory.placement(rank)
+        return sum(p[name][k] for k in STATE_NAMES)
+
+    base = runs[baseline]
+    rows = []
+    for name, r in runs.items():
+        p = r.memory.placement(rank)
+        b = base.memory.placement(rank)
+        rows.append([name, f"{side(r, 'accelerator') / side(base, 'accelerator'):.2f}x",
+                     records.format_bytes(side(r, "host")),
+                     f"{p['accelerator']['params'] / b['accelerator']['params']:.2f}x",
+                     records.loss_agreement(base.losses, r.losses, r["precision"])])
+    return records.format_table(rows, ["run", f"accelerator states vs {baseline}", "host states",
+                                       f"accelerator params vs {baseline}", "losses"])
+
+
+# --- figures ----------------------------------------------------------------------------------------
+
+def placement_bars(runs: Mapping[str, records.Record], rank: int = 0, title: str | None = None):
+    """Per run, two stacked bars of model-state MiB on ``rank``: the accelerator side and the host side,
+    by kind of state (buffers left out: the tables show them)."""
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(1.8 + 1.4 * len(runs), 4.0))
+    width, labelled = 0.38, set()
+    for i, (name, run) in enumerate(runs.items()):
+        placement = run.memory.placement(rank)
+        for offset, side, hatch in ((-width / 2, "accelerator", ""), (width / 2, "host", "..")):
+            bottom = 0.0
+            for key in records.MODEL_STATE_KEYS:
+                value = placement[side][key] / 2**20
+                if value:
+                    ax.bar(i + offset, value, width, bottom=bottom, color=plots.STATE_COLOURS[key], hatch=hatch,
+                           edgecolor="white", label=None if key in labelled else key)
+                    labelled.add(key)
+                    bottom += value
+    ax.set_xticks(range(len(runs)), [textwrap.fill(name, 16) + "\nA | H" for name in runs], fontsize=7)
+    ax.set_ylabel(f"MiB on rank {rank}")
+    ax.set_title(title or "Model states: accelerator side (A) | host side (H, dotted)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def largest_model(accelerator_gb: Sequence[float], world_size: int, reserve_gb: float = 0.0,
+                  modes: Sequence[tuple[int, str]] = ((0, "none"), (2, "none"), (2, "optimizer"), (3, "none"),
+                                                      (3, "optimizer")), precision: str = "fp16"):
+    """Largest model (billions of parameters) whose model states fit per device, against the device's
+    memory, one line per stage and offload mode (:func:`helpers.core.theory.largest_model`)."""
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    accelerator_gb = [gb for gb in accelerator_gb if gb > reserve_gb]  # a device smaller than the reserve fits nothing
+    for i, (stage, mode) in enumerate(modes):
+        sizes = [theory.largest_model(gb * 1e9, stage, world_size, mode, None, reserve_gb * 1e9, precision)["params"] / 1e9
+                 for gb in accelerator_gb]
+        ax.plot(accelerator_gb, sizes, marker="os^vD"[i % 5], linestyle=["-", "--", ":", "-."][i % 4],
+                label=f"stage {stage}" + ("" if mode == "none" else f" + {mode} offload"))
+    ax.set(xlabel="accelerator memory per device (GB)", ylabel="largest model (B parameters)", yscale="log",
+           title=f"Model states that fit {world_size} device(s) ({precision} mixed precision, K=12)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+# --- formulas ---------------------------------------------------------------------------------------
+
+def offload_traffic_bytes(psi: float, world_size: int, offload: str, precision: str = "fp16",
+                          grad_bytes: int = 4) -> dict[str, float]:
+    """Bytes each rank moves between accelerator and host per optimizer step (the ZeRO-Offload design):
+    its gradient partition down (``grad_bytes`` per element: DeepSpeed 0.19 keeps the host copy in fp32;
+    the paper counts 2) and its updated parameter partition up in the working precision. With parameter
+    offload the updated shard stays on the host and goes up twice instead, for the forward and for the
+    backward (stage 3 gathers it each time)."""
+    if offload not in theory.OFFLOAD_MODES:
+        raise ValueError(f"offload {offload!r}: choose one of {', '.join(theory.OFFLOAD_MODES)}")
+    if offload == "none":
+        return {"to_host": 0.0, "to_accelerator": 0.0}
+    width = theory.BYTES_PER_ELEMENT[precision]
+    shard = psi / world_size
+    up = width * shard * (2 if offload == "optimizer+params" else 1)
+    return {"to_host": grad_bytes * shard, "to_accelerator": up}
+
+
+def offload_step_cost_s(psi: float, world_size: int, offload: str, to_host_bytes_per_s: float,
+                        to_accelerator_bytes_per_s: float, cpu_adam_s_per_param: float,
+                        accelerator_adam_s_per_param: float = 0.0, precision: str = "fp16") -> dict[str, float]:
+    """Seconds an optimizer step gains per rank by offloading, if nothing overlaps: the copies of
+    :func:`offload_traffic_bytes` at the measured bandwidths, plus the CPU Adam step of the rank's
+    partition, minus the accelerator's Adam step it replaces. An upper bound: DeepSpeed overlaps some
+    copies with the backward."""
+    traffic = offload_traffic_bytes(psi, world_size, offload, precision)
+    shard = psi / world_size
+    copies = traffic["to_host"] / to_host_bytes_per_s + traffic["to_accelerator"] / to_accelerator_bytes_per_s
+    adam = shard * (cpu_adam_s_per_param - accelerator_adam_s_per_param)
+    return {"copies_s": copies, "adam_s": adam, "total_s": copies + adam}

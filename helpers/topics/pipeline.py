@@ -1,0 +1,577 @@
+"""Pipeline parallelism: the LLaMA-style model cut into stages, DeepSpeed's schedule, and what each stage did.
+
+- :func:`llama_pipeline` turns a ``LlamaForCausalLM`` into a ``deepspeed.pipe.PipelineModule``: embedding,
+  one stage layer per decoder layer, final norm + LM head, with the same weights and arithmetic as the
+  unsplit model (each decoder stage rebuilds the rotary embedding and causal mask it needs).
+- :func:`schedule_grid` and :func:`schedule_bubble` read DeepSpeed's own ``TrainSchedule`` (pure Python,
+  no process group): which micro-batch each stage computes in each step, and the share of idle steps.
+- :func:`build_model` and :func:`train_step`, a run's builder and trainer (``RunSpec(builder=BUILDER,
+  trainer=TRAINER)``): the model as a ``PipelineModule`` over the run's ranks, one optimizer step as
+  ``engine.train_batch``; :func:`dispatch_after_backward` lets the probes' ``after_backward`` fire inside it.
+- The ``pipeline`` probe times every instruction each stage executes (forward, backward, send, receive,
+  ...): busy time against the time the whole pipeline took, the measured bubble.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import statistics
+import time
+from typing import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from helpers.core import environment, launch, models, plots, records, references, theory
+from helpers.core.plan import PlannedRun, reference_of
+from helpers.core.probes import Probe, RunContext
+from helpers.topics import activations
+
+#: Instructions of DeepSpeed's pipeline schedule that compute (the rest move data or wait for it).
+COMPUTE = ("ForwardPass", "BackwardPass")
+
+
+# --- the model as stages ------------------------------------------------------------------------
+
+class EmbeddingStage(nn.Module):
+    """Token ids -> hidden states (the model's ``embed_tokens``)."""
+
+    def __init__(self, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+
+class DecoderStage(nn.Module):
+    """One ``LlamaDecoderLayer``: hidden states in, hidden states out. The rotary embedding and the causal
+    mask are recomputed from the sequence length, as ``LlamaModel.forward`` computes them once for all
+    layers, so only hidden states travel between stages."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config):
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary  # no parameters: its inverse frequencies are a buffer
+        self.config = config
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import (
+            create_causal_mask,  # deferred: slow to import, and most runs need none
+        )
+
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # the cache argument's name changed between transformers 5 releases (past_key_values -> cache)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                  position_ids=positions, **{_cache_argument(): None})
+        return self.layer(hidden, attention_mask=mask, position_embeddings=self.rotary(hidden, position_ids=positions),
+                          position_ids=positions)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument() -> str:
+    """The name transformers gives create_causal_mask's cache argument (asked on first use: importing
+    transformers costs every rank about 2 s, and most runs never build a pipeline)."""
+
+    from transformers.masking_utils import (
+        create_causal_mask,  # deferred: slow to import, and most runs need none
+    )
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
+class HeadStage(nn.Module):
+    """Final RMSNorm and the LM head: hidden states -> logits."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear):
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+def llama_stages(model) -> list[nn.Module]:
+    """The layers of a ``LlamaForCausalLM`` as a sequence a ``PipelineModule`` can cut anywhere."""
+    inner = model.model
+    decoders = [DecoderStage(layer, inner.rotary_emb, model.config) for layer in inner.layers]
+    return [EmbeddingStage(inner.embed_tokens), *decoders, HeadStage(inner.norm, model.lm_head)]
+
+
+def llama_pipeline(model, num_stages: int | None = None, partition_method: str = "parameters"):
+    """``model`` as a ``deepspeed.pipe.PipelineModule`` of ``num_stages`` stages (default: one per rank),
+    balanced by parameter count; the loss is :func:`helpers.core.models.lm_loss`. Needs the process group."""
+    import deepspeed.comm as dist  # deferred: on the ranks only, after DeepSpeed's accelerator is chosen
+    from deepspeed.pipe import PipelineModule
+
+    stages = num_stages or dist.get_world_size()
+    return PipelineModule(layers=llama_stages(model), num_stages=stages, loss_fn=models.lm_loss,
+                          partition_method=partition_method)
+
+
+#: The suffix of a pipeline model's name: ``"llama-pipe"`` is ``llama`` cut into stages.
+SUFFIX = "-pipe"
+
+
+def base_model(name: str) -> str:
+    """The course model a pipeline model is cut from: ``"llama-gpu-pipe"`` -> ``"llama-gpu"``."""
+    if not name.endswith(SUFFIX):
+        raise ValueError(f"model {name!r}: a pipeline model is a LLaMA-style model's name + {SUFFIX!r}, e.g. 'llama-pipe'")
+    return name.removesuffix(SUFFIX)
+
+
+def check_options(name: str, options: dict) -> None:
+    """Raise a ValueError naming the fix when ``name`` is no pipeline model or ``options`` are given."""
+    base = base_model(name)
+    if not models.is_llama(base) or models.llama_parts(base)[1]:
+        raise ValueError(f"model {name!r}: cut a plain LLaMA-style model ({', '.join(models.LLAMA_SHAPES)}) into "
+                         f"stages, e.g. 'llama{SUFFIX}'")
+    models.check_model_options(name, options)
+
+
+def build_model(name: str, seed: int = 0, config: dict | None = None, **options) -> nn.Module:
+    """A run's builder: the LLaMA-style model ``base_model(name)`` (the same weights as unsplit) as a
+    ``PipelineModule`` of one stage per rank; each rank keeps only its own stage's layers. Build it on the
+    ranks: it needs the process group."""
+    check_options(name, options)
+    return llama_pipeline(models.build(base_model(name), seed, config))
+
+
+build_model.check_options = check_options  # the launcher checks a run's model with it
+
+
+def train_step(ctx: RunContext, run: PlannedRun, step: int, probes: list[Probe]) -> list[float]:
+    """A run's trainer: one optimizer step of a pipeline, ``engine.train_batch``, which runs DeepSpeed's
+    schedule over ``grad_accum`` micro-batches (forward, backward and the send/recv between stages, then
+    the gradient reduction and the optimizer step). Every stage reads the same micro-batches: the first
+    uses the inputs, the last the targets.
+
+    The probes' ``after_backward`` still fire, from inside ``train_batch``: after each micro-batch's
+    backward on this stage (:func:`dispatch_after_backward`). Returns the step's loss, which DeepSpeed
+    averages over the micro-batches on the last stage and broadcasts to every stage.
+    """
+    engine = ctx.engine
+    dispatch_after_backward(ctx, step, probes)
+    batches = []
+    for micro_step in range(ctx.grad_accum):
+        indices = models.sample_indices(step, micro_step, ctx.dp_rank, ctx.dp_size, ctx.micro_batch, ctx.grad_accum)
+        batch = models.make_batch(base_model(run.model), indices, run.seed).to(engine.device)
+        batches.append((batch.inputs, batch.targets))
+    return [engine.train_batch(data_iter=iter(batches)).item()]
+
+
+#: How a run names them (:class:`helpers.core.launch.RunSpec`).
+BUILDER, TRAINER = reference_of(build_model), reference_of(train_step)
+
+
+# --- DeepSpeed's schedule, read without running it ------------------------------------------------
+
+def schedule_grid(stages: int, micro_batches: int) -> list[list[str]]:
+    """What each stage computes in each step of DeepSpeed's ``TrainSchedule`` (1F1B): one row per stage,
+    one cell per step: ``"F2"`` (forward of micro-batch 2), ``"B0"`` (backward of micro-batch 0) or ``""``
+    (nothing to compute: the bubble)."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.pipe import schedule
+
+    grid = []
+    for stage in range(stages):
+        plan = schedule.TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=stage)
+        row = []
+        for step_id, cmds in enumerate(plan):
+            kinds = {type(cmd).__name__ for cmd in cmds}
+            micro = plan._step_to_micro_batch(step_id)[0]
+            row.append(f"F{micro}" if "ForwardPass" in kinds else f"B{micro}" if "BackwardPass" in kinds else "")
+        grid.append(row)
+    return grid
+
+
+def schedule_bubble(stages: int, micro_batches: int) -> float:
+    """The share of a stage's schedule steps with nothing to compute, counted in DeepSpeed's ``TrainSchedule``
+    (the same for every stage)."""
+    grid = schedule_grid(stages, micro_batches)
+    shares = {sum(cell == "" for cell in row) / len(row) for row in grid}
+    if len(shares) != 1:
+        raise AssertionError(f"stages idle for different shares of the schedule: {shares}")
+    return shares.pop()
+
+
+# --- hooks inside engine.train_batch ----------------------------------------------------------------
+
+def instruction_hooks(engine) -> list[Callable]:
+    """The callbacks ``hook(kind, started, kwargs)`` run after each schedule instruction of this pipeline
+    engine (``kind`` as ``"ForwardPass"``, ``started`` its ``time.perf_counter()`` start). The first call
+    wraps the engine's instruction table; later calls return the same list."""
+    hooks = engine.__dict__.get("_course_instruction_hooks")
+    if hooks is None:
+        if not hasattr(type(engine), "_INSTRUCTION_MAP"):
+            raise TypeError(f"{type(engine).__name__} is not DeepSpeed's PipelineEngine: train a pipeline model "
+                            "(builder=pipeline.BUILDER, trainer=pipeline.TRAINER)")
+        hooks = []
+
+        def wrap(kind: str, run: Callable) -> Callable:
+            def timed(self, **kwargs):
+                started = time.perf_counter()
+                run(self, **kwargs)
+                for hook in hooks:
+                    hook(kind, started, kwargs)
+            return timed
+
+        engine._course_instruction_hooks = hooks
+        engine._INSTRUCTION_MAP = {cls: wrap(cls.__name__, fn) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
+    return hooks
+
+
+def dispatch_after_backward(ctx: RunContext, step: int, probes: list) -> None:
+    """Make every probe's ``after_backward(ctx, step, m)`` fire after the backward of micro-batch ``m`` of
+    this stage during the next ``engine.train_batch`` (micro-batches counted in the order this stage runs
+    their backward). Call before each ``train_batch``."""
+    state = ctx.engine.__dict__.setdefault("_course_backward_state", {})
+    if not state:
+        def after_instruction(kind: str, started: float, kwargs: dict) -> None:
+            if kind == "BackwardPass":
+                for probe in state["probes"]:
+                    probe.after_backward(state["ctx"], state["step"], state["micro"])
+                state["micro"] += 1
+
+        instruction_hooks(ctx.engine).append(after_instruction)
+    state.update(ctx=ctx, step=step, probes=probes, micro=0)
+
+
+# --- the probe ---------------------------------------------------------------------------------------
+
+class PipelineTimeline(Probe):
+    """Every schedule instruction each stage runs in ``engine.train_batch``, timed (device synchronized
+    after each), and the stage's layers and parameters.
+
+    Per optimizer step (the first is left out: warm-up), the pipeline's span runs from the first
+    instruction any stage starts to the end of the last backward any stage finishes; a stage's bubble
+    is the share of that span it spent not computing (not in ``ForwardPass`` or ``BackwardPass``).
+    Rank clocks are comparable because all ranks share one host's monotonic clock.
+    Section: ``pipeline``.
+    """
+
+    name = "pipeline"
+    keys = ("pipeline.per_rank", "pipeline.bubble_per_rank", "pipeline.last_step")
+    trainer = TRAINER
+
+    def start(self, ctx: RunContext) -> None:
+        self.steps: list[list[tuple[str, float, float]]] = []
+        self.current = None
+
+        def record(kind: str, started: float, kwargs: dict) -> None:
+            ctx.synchronize()
+            self.current.append((kind, started, time.perf_counter()))
+
+        instruction_hooks(ctx.engine).insert(0, record)  # before other hooks, so they do not count as work
+
+    def before_step(self, ctx: RunContext, step: int) -> None:
+        self.current = []
+        self.steps.append(self.current)
+
+    def finish(self, ctx: RunContext) -> dict:
+        module = ctx.engine.module
+        return {"stage": int(ctx.engine.stage_id), "stages": int(ctx.engine.num_stages),
+                "layers": [type(layer).__name__ for layer in module.forward_funcs],
+                "first_layer": int(module._local_start),
+                "params": sum(p.numel() for p in module.parameters()),
+                "instructions": self.steps}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        measured = list(range(1, ctx.steps)) or [0]
+        per_step = [step_bubbles([r["instructions"][s] for r in ranks]) for s in measured]
+        stages = ranks[0]["stages"]
+        last = [[(kind, begin, end) for kind, begin, end in r["instructions"][measured[-1]]] for r in ranks]
+        return {"pipeline": {
+            "stages": stages, "micro_batches": ctx.grad_accum,
+            "per_rank": [{key: r[key] for key in ("stage", "layers", "first_layer", "params")} for r in ranks],
+            "bubble_per_rank": [statistics.median(step[rank] for step in per_step) for rank in range(len(ranks))],
+            "bubble_per_step": per_step, "measured_steps": [s + 1 for s in measured],
+            "seconds_by_instruction": [seconds_by_kind(r["instructions"], measured) for r in ranks],
+            "last_step": last,
+        }}
+
+
+def stages(record: records.Record) -> int:
+    """The number of pipeline stages a run had (the ``pipeline`` probe)."""
+    return record.section("pipeline")["stages"]
+
+
+def step_bubbles(instructions_per_rank: list[list[tuple[str, float, float]]]) -> list[float]:
+    """For one optimizer step, each rank's share of the pipeline's span spent not computing."""
+    begin = min(i[1] for rank in instructions_per_rank for i in rank)
+    end = max(i[2] for rank in instructions_per_rank for i in rank if i[0] == "BackwardPass")
+    span = end - begin
+    return [1 - sum(e - b for kind, b, e in rank if kind in COMPUTE) / span for rank in instructions_per_rank]
+
+
+def seconds_by_kind(steps: list[list[tuple[str, float, float]]], measured: list[int]) -> dict[str, float]:
+    """Seconds per optimizer step a rank spent in each kind of instruction, averaged over ``measured`` steps."""
+    totals: dict[str, float] = {}
+    for s in measured:
+        for kind, begin, end in steps[s]:
+            totals[kind] = totals.get(kind, 0.0) + (end - begin) / len(measured)
+    return totals
+
+
+# --- the chapter's experiment and tables (notebooks/11_pipeline_parallelism.ipynb) ---------------------
+
+PROBES = ("timing", "model_states", "comm", PipelineTimeline, activations.Activations)
+#: Micro-batches per optimizer step for the bubble runs; the micro-batch shrinks so the global batch stays.
+MICRO_BATCH_COUNTS = (1, 2, 4, 8)
+
+
+def _batch(global_batch: int, micro_batches: int, data_parallel: int) -> dict:
+    micro = global_batch // (micro_batches * data_parallel)
+    if micro * micro_batches * data_parallel != global_batch:
+        raise ValueError(f"global batch {global_batch} is not {micro_batches} micro-batches x {data_parallel} ranks")
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": micro_batches}
+
+
+def pipeline_runs(size: str = "llama", global_batch: int = 16, steps: int = 4,
+                  micro_batch_counts=MICRO_BATCH_COUNTS, world_size: int | None = None) -> dict:
+    """One launch: data parallelism (ZeRO-0) and the same model as a pipeline of one stage per rank, at the
+    same global batch: ZeRO-1 with 4 micro-batches (every probe), ZeRO-1 with each of ``micro_batch_counts``
+    (the bubble), ZeRO-0 with and without gradient clipping (beside data parallelism without it), and
+    ZeRO-2 and 3 (refused; recorded). Returns {run name: Record or RunFailed}."""
+
+    world = environment.detect(world_size).default_world_size
+    pipe = size + SUFFIX
+    noclip = {"gradient_clipping": 0.0}
+    def spec(config: str, model: str, m: int, dp: int, probes=PROBES, extra: dict | None = None, **kw) -> launch.RunSpec:
+        staged = {"builder": BUILDER, "trainer": TRAINER} if model.endswith(SUFFIX) else {}
+        return launch.RunSpec(config, model=model, steps=steps, probes=probes,
+                              overrides={**_batch(global_batch, m, dp), **(extra or {})}, **staged, **kw)
+
+    specs = {"data-parallel": spec("zero0", size, 2, world, ("timing", "model_states", "comm", activations.Activations)),
+             "pipeline": spec("zero1", pipe, 4, 1)}
+    for m in micro_batch_counts:
+        specs[f"pipeline-M{m}"] = spec("zero1", pipe, m, 1, ("timing", PipelineTimeline))
+    specs.update({
+        "pipeline-zero0": spec("zero0", pipe, 4, 1, ("timing",)),
+        "data-parallel-noclip": spec("zero0", size, 2, world, ("timing",), noclip),
+        "pipeline-zero0-noclip": spec("zero0", pipe, 4, 1, ("timing",), noclip),
+        "pipeline-zero2": spec("zero2", pipe, 4, 1, ("timing",), on_error="record"),
+        "pipeline-zero3": spec("zero3", pipe, 4, 1, ("timing",), on_error="record"),
+    })
+    return launch.sweep(specs, name=f"pipeline-{size}", world_size=world_size)
+
+
+def stage_table(record) -> str:
+    """Which layers each stage (rank) holds, with its parameters."""
+
+    section = record.summary["pipeline"]
+    rows = [[r["stage"], ", ".join(r["layers"]), f"{r['first_layer']}..{r['first_layer'] + len(r['layers']) - 1}",
+             f"{r['params']:,}"] for r in section["per_rank"]]
+    total = sum(r["params"] for r in section["per_rank"])
+    rows.append(["all", "", "", f"{total:,}"])
+    return records.format_table(rows, ["stage", "layers", "layer indices", "parameters"])
+
+
+def states_table(pipe, baseline) -> str:
+    """Model states per rank of the pipeline against the unsplit model trained with data parallelism."""
+
+    rows = []
+    for rank in range(pipe["world_size"]):
+        p, b = pipe.states(rank), baseline.states(rank)
+        for key in ("params", "grads", "optimizer"):
+            rows.append([rank, key, f"{p[key]:,}", f"{b[key]:,}", f"{p[key] / b[key]:.3f}"])
+        rows.append([rank, "model states", f"{pipe.model_state_bytes(rank):,}", f"{baseline.model_state_bytes(rank):,}",
+                     f"{pipe.model_state_bytes(rank) / baseline.model_state_bytes(rank):.3f}"])
+    return records.format_table(rows, ["rank", "state", "pipeline bytes", "data parallel bytes", "ratio"])
+
+
+def schedule_text(stages: int, micro_batches: int) -> str:
+    """DeepSpeed's TrainSchedule as a grid: one line per stage, one column per schedule step."""
+    grid = schedule_grid(stages, micro_batches)
+    width = max(2, *(len(c) for row in grid for c in row))
+    lines = ["step     " + " ".join(f"{i:>{width}}" for i in range(len(grid[0])))]
+    lines += [f"stage {s}  " + " ".join(f"{c or '.':>{width}}" for c in row) for s, row in enumerate(grid)]
+    return "\n".join(lines)
+
+
+def bubble_formula_table(stage_counts=(2, 4, 8), micro_batch_counts=MICRO_BATCH_COUNTS) -> str:
+    """Idle share of DeepSpeed's schedule (counted) against (S-1)/(M+S-1), for several S and M."""
+
+    rows = [[s, m, f"{schedule_bubble(s, m):.4f}", f"{bubble_fraction(s, m):.4f}"]
+            for s in stage_counts for m in micro_batch_counts]
+    return records.format_table(rows, ["stages S", "micro-batches M", "idle steps in schedule", "(S-1)/(M+S-1)"])
+
+
+def p2p_table(record) -> str:
+    """send/recv per optimizer step on rank 0 (stage 0), per micro-batch, against the activation size."""
+
+    shape, m = models.shape_of(record.model_name), record["grad_accum"]
+    activation = pipeline_p2p_bytes(record["micro_batch"], shape.seq, shape.hidden, record["precision"])
+    rows = []
+    for op in ("send", "recv"):
+        row = record.comm_ops().get(op, {"count": 0, "bytes": 0})
+        rows.append([op, f"{row['count']:g}", f"{row['bytes'] / max(row['count'], 1):,.0f}", f"{activation:,.0f}",
+                     f"{row['count'] / m:g}"])
+    return records.format_table(rows, ["op (stage 0)", "calls/step", "bytes per call", "b·s·h·bytes", "calls per micro-batch"])
+
+
+def in_flight_table(record) -> str:
+    """Activations each stage holds when its first backward starts, in micro-batches (bytes saved in its
+    decoder layers / bytes one micro-batch saves there), against 1F1B's min(S - stage, M)."""
+
+    section = [activations.measured(record, r) for r in range(record.world_size)]
+    stages, m = record.summary["pipeline"]["stages"], record["grad_accum"]
+
+    rows = []
+    for rank, measured in enumerate(section):
+        if not measured["per_layer"]:  # a stage of only the embedding or the head
+            rows.append([rank, "(no decoder layer)", "", "", min(stages - rank, m)])
+            continue
+        per_micro = activations.layer_formula(record, 0)  # every stage's first decoder layer saves the rotary too
+        held = measured["per_layer"][0] / per_micro
+        rows.append([rank, f"{measured['per_layer'][0]:,}", f"{per_micro:,.0f}", f"{held:g}", min(stages - rank, m)])
+    return records.format_table(rows, ["stage", "saved by its first decoder layer", "one micro-batch (formula)",
+                                       "micro-batches held", "min(S - stage, M)"])
+
+
+def loss_table(runs: dict, pairs) -> str:
+    """Loss agreement of pairs of runs, within :data:`helpers.core.records.REORDERED_TOLERANCE` (the runs cut the
+    batch into micro-batches of other sizes)."""
+
+    rows = [[a, b, records.loss_agreement(runs[a].losses, runs[b].losses,
+                                          tolerance=records.REORDERED_TOLERANCE[runs[a]["precision"]])]
+            for a, b in pairs]
+    return records.format_table(rows, ["run", "against", "losses"])
+
+
+def bubble_table(runs: dict, counts=MICRO_BATCH_COUNTS) -> str:
+    """Per micro-batch count: measured bubble per stage (median over steps), the formula, step time.
+    Timings: print in a cell nbval does not compare."""
+
+    rows = []
+    for m in counts:
+        r = runs[f"pipeline-M{m}"]
+        section = r.summary["pipeline"]
+        rows.append([m, r["micro_batch"], *(f"{b:.3f}" for b in section["bubble_per_rank"]),
+                     f"{bubble_fraction(section['stages'], m):.3f}", f"{r.timing.median_s * 1000:.1f}"])
+    stages = runs[f"pipeline-M{counts[0]}"].summary["pipeline"]["stages"]
+    return records.format_table(rows, ["M", "micro-batch", *(f"stage {s} idle" for s in range(stages)),
+                                       "(S-1)/(M+S-1)", "step ms"])
+
+
+def memory_table(pipe, baseline) -> str:
+    """Per rank: model states and activations saved for backward (measured), pipeline against data
+    parallelism at the same micro-batch size."""
+
+    rows = []
+    for rank in range(pipe["world_size"]):
+        pa = activations.saved_bytes(pipe, rank)
+        ba = activations.saved_bytes(baseline, rank)
+        rows.append([rank, f"{pipe.model_state_bytes(rank):,}", f"{baseline.model_state_bytes(rank):,}",
+                     f"{pipe.model_state_bytes(rank) / baseline.model_state_bytes(rank):.3f}",
+                     f"{pa:,}", f"{ba:,}", f"{pa / ba:.3f}"])
+    return records.format_table(rows, ["rank", "model states: pipeline", "data parallel", "ratio",
+                                       "activations: pipeline", "data parallel", "ratio"])
+
+
+def utilization_table(runs: dict, counts=MICRO_BATCH_COUNTS) -> str:
+    """Per micro-batch count: the share of the step each stage computed (1 - measured idle) against
+    M/(M+S-1), and the step time against data parallelism's at the same global batch. Timings: print in a
+    cell nbval does not compare."""
+
+    base = runs["data-parallel"].timing.median_s
+    rows = []
+    for m in counts:
+        r = runs[f"pipeline-M{m}"]
+        section = r.summary["pipeline"]
+        busy = [1 - b for b in section["bubble_per_rank"]]
+        rows.append([m, *(f"{b:.2f}" for b in busy), f"{1 - bubble_fraction(section['stages'], m):.2f}",
+                     f"{r.timing.median_s * 1000:.1f}", f"{r.timing.median_s / base:.2f}x"])
+    stages = runs[f"pipeline-M{counts[0]}"].summary["pipeline"]["stages"]
+    rows.append(["data parallel", *([""] * stages), "1.00 (no bubble)", f"{base * 1000:.1f}", "1.00x"])
+    return records.format_table(rows, ["M", *(f"stage {s} computing" for s in range(stages)), "M/(M+S-1)",
+                                       "step ms", "vs data parallel"])
+
+
+def measured_bubbles(runs: dict, counts=MICRO_BATCH_COUNTS) -> dict[int, list[float]]:
+    """M -> measured idle share per stage, for :func:`helpers.topics.pipeline.bubble_vs_micro_batches`."""
+    return {m: runs[f"pipeline-M{m}"].summary["pipeline"]["bubble_per_rank"] for m in counts}
+
+
+def reference_report(name: str = "pipeline") -> str:
+    """Every committed GPU result of this chapter (bubble and step time per M), or a plain statement that none is."""
+
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name)
+    blocks = []
+    for device, date, note, runs in found:
+        counts = sorted(int(k.removeprefix("pipeline-M")) for k in runs if k.startswith("pipeline-M"))
+        blocks.append(f"Measured on {device}, {date} ({note}):\n{utilization_table(runs, counts)}")
+    return "\n\n".join(blocks)
+
+
+# --- figures ----------------------------------------------------------------------------------------
+
+def pipeline_timeline(record, title: str | None = None):
+    """One optimizer step of a pipeline run as a Gantt chart: per stage, what each instruction took (from the
+    ``pipeline`` probe). Forward and backward passes are labelled with their micro-batch."""
+    plt = plots.pyplot()
+    section = record.summary["pipeline"]
+    steps = section["last_step"]
+    start = min(i[1] for rank in steps for i in rank)
+    colours = {"ForwardPass": "#4C72B0", "BackwardPass": "#DD8452", "SendActivation": "#bbbbbb",
+               "RecvActivation": "#dddddd", "SendGrad": "#bbbbbb", "RecvGrad": "#dddddd", "OptimizerStep": "#55A868",
+               "ReduceGrads": "#C44E52"}
+    fig, ax = plt.subplots(figsize=(7.5, 0.6 + 0.7 * len(steps)))
+    for rank, instructions in enumerate(steps):
+        counters = {"ForwardPass": 0, "BackwardPass": 0}
+        for kind, begin, end in instructions:
+            ax.barh(rank, (end - begin) * 1000, left=(begin - start) * 1000, color=colours.get(kind, "#eeeeee"),
+                    edgecolor="white", linewidth=0.3)
+            if kind in counters:
+                ax.text((begin + end) / 2 * 1000 - start * 1000, rank, f"{kind[0]}{counters[kind]}", ha="center",
+                        va="center", fontsize=6, color="white")
+                counters[kind] += 1
+    ax.set_yticks(range(len(steps)), [f"stage {s}" for s in range(len(steps))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step's first instruction")
+    ax.set_title(title or f"One step, {section['stages']} stages x {section['micro_batches']} micro-batches: forward "
+                          "(blue), backward (orange), send/recv (grey), gradient reduction (red), optimizer (green)",
+                 fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def bubble_vs_micro_batches(measured: Mapping[int, Sequence[float]], stages: int, title: str | None = None):
+    """Measured idle share of each stage against the number of micro-batches M, beside (S-1)/(M+S-1)."""
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(6.0, 3.6))
+    counts = sorted(measured)
+    dense = list(range(1, max(counts) + 1))
+    ax.plot(dense, [bubble_fraction(stages, m) for m in dense], "k--", label="(S-1)/(M+S-1)")
+    for stage in range(len(measured[counts[0]])):
+        ax.plot(counts, [measured[m][stage] for m in counts], marker="o", label=f"stage {stage}, measured")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="micro-batches per step M", ylabel="share of the step idle", ylim=(0, 1),
+           title=title or f"Pipeline bubble, {stages} stages")
+    ax.minorticks_off()
+    ax.set_xticks(counts, [str(m) for m in counts])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+# --- formulas ---------------------------------------------------------------------------------------
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """The pipeline bubble of a synchronous schedule (GPipe, 1F1B): each stage idles (S-1)/(M+S-1) of a step."""
+    if stages < 1 or micro_batches < 1:
+        raise ValueError(f"stages={stages}, micro_batches={micro_batches}: both must be at least 1")
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def pipeline_p2p_bytes(batch: int, seq: int, hidden: int, precision: str = "fp32") -> float:
+    """Bytes one stage sends to the next per micro-batch (its output activations, b·s·h); the gradient of the
+    same size comes back in backward."""
+    theory.bytes_per_element(precision)  # a clear error for an unknown precision
+    return batch * seq * hidden * theory.BYTES_PER_ELEMENT[precision]

@@ -1,0 +1,696 @@
+"""Mixed precision (chapter 07): what fp32, bf16 and fp16 keep per rank, and fp16's loss scaling made visible.
+
+- Probe ``loss_scale``: on every optimizer step, the loss scale the step used, whether DeepSpeed applied
+  the step or skipped it (``engine.was_step_applied()``, ``engine.skipped_steps``) and the learning rate.
+- Probe ``loss_spike`` (:func:`spike`): one bad batch on purpose, ``options={"loss_spike_at_step": s}``.
+  It multiplies the model's output on the first micro-step of optimizer step ``s`` by :data:`SPIKE_FACTOR`;
+  in fp16 that overflows, in bf16 and fp32 it is only a huge loss. The training loop does not change: a
+  forward hook does it.
+- Task ``scaler_demo``: where the processor refuses fp16, DeepSpeed's own loss scaler
+  (``CreateLossScaler``, built from the run's ``fp16`` section by DeepSpeed's own config model) drives a
+  small fp16 training loop on real fp16 gradients, on every machine alike (see :func:`scaler_demo`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from typing import Any, Mapping
+
+import torch
+
+from helpers.core import (
+    configs,
+    environment,
+    launch,
+    models,
+    plots,
+    records,
+    references,
+    theory,
+)
+from helpers.core.configs import merged
+from helpers.core.environment import quiet_deepspeed_import
+from helpers.core.plan import PlannedRun, emit, publish, reference_of
+from helpers.core.probes import Probe, RunContext
+
+#: The largest finite fp16 number: a gradient above it becomes inf.
+FP16_MAX = 65504.0
+#: What the ``loss_spike_at_step`` fault multiplies one micro-step's model output by.
+SPIKE_FACTOR = 1e6
+
+
+def current_scale(engine) -> float | None:
+    """The loss scale DeepSpeed's optimizer multiplies the loss by now (1.0 outside fp16), or None."""
+    opt = engine.optimizer
+    if hasattr(opt, "loss_scale_config"):  # stage 0: FP16_Optimizer / FP16_UnfusedOptimizer
+        return float(opt.loss_scale_config.cur_scale)
+    scaler = getattr(opt, "loss_scaler", None)  # stages 1-3: DeepSpeed's LossScaler / DynamicLossScaler
+    if scaler is not None:
+        return float(scaler.cur_scale)
+    scale = getattr(opt, "cur_scale", None)
+    return None if scale is None else float(scale)
+
+
+# --- probes -------------------------------------------------------------------------------------
+
+class LossScale(Probe):
+    """The loss scale of every optimizer step, whether the step was applied, and the learning rate.
+
+    Section ``loss_scale``: ``scale_per_step`` (the scale each step's backward used),
+    ``applied_per_step``, ``skipped_steps`` (``engine.skipped_steps``), ``final_scale``, ``lr_per_step``
+    (the learning rate each step would apply), ``fp16`` (the run's fp16 section, if any). Rank 0's view:
+    DeepSpeed agrees the overflow verdict across ranks.
+    """
+
+    name = "loss_scale"
+    keys = ("loss_scale.scale_per_step", "loss_scale.applied_per_step", "loss_scale.skipped_steps",
+            "loss_scale.lr_per_step")
+
+    def start(self, ctx: RunContext) -> None:
+        self.scales: list[float | None] = []
+        self.applied: list[bool] = []
+        self.lrs: list[float] = []
+
+    def before_step(self, ctx: RunContext, step: int) -> None:
+        self.scales.append(current_scale(ctx.engine))
+        lrs = ctx.engine.get_lr()
+        self.lrs.append(float(lrs[0]) if lrs else math.nan)
+
+    def after_step(self, ctx: RunContext, step: int) -> None:
+        self.applied.append(bool(ctx.engine.was_step_applied()))
+
+    def finish(self, ctx: RunContext) -> dict:
+        return {"scales": self.scales, "applied": self.applied, "lrs": self.lrs,
+                "skipped": int(ctx.engine.skipped_steps), "final": current_scale(ctx.engine)}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        r = ranks[0]
+        return {"loss_scale": {"scale_per_step": r["scales"], "applied_per_step": r["applied"],
+                               "skipped_steps": r["skipped"], "final_scale": r["final"], "lr_per_step": r["lrs"],
+                               "fp16": ctx.config.get("fp16") if ctx.precision == "fp16" else None}}
+
+
+def loss_scale(record: records.Record) -> dict:
+    """What the ``loss_scale`` probe recorded: ``scale_per_step``, ``applied_per_step``, ``skipped_steps``,
+    ``final_scale``, ``lr_per_step`` and the run's ``fp16`` section."""
+    return record.section("loss_scale")
+
+
+def spike_steps(value: Any) -> list[int]:
+    """``loss_spike_at_step`` as a sorted list of optimizer steps (counted from 1)."""
+    return sorted({value} if isinstance(value, int) else set(value))
+
+
+def _spiked(output: Any) -> Any:
+    """The model's output multiplied by :data:`SPIKE_FACTOR` (a tensor, or a ``transformers`` output's logits)."""
+    if hasattr(output, "logits"):
+        output.logits = output.logits * SPIKE_FACTOR
+        return output
+    return output * SPIKE_FACTOR
+
+
+class SpikeHook:
+    """A forward hook that multiplies one forward's output by :data:`SPIKE_FACTOR` when armed, then disarms."""
+
+    def __init__(self, module, steps: list[int]):
+        self.steps, self.armed = set(steps), False
+        self.handle = module.register_forward_hook(self)
+
+    def arm_for(self, step: int) -> None:
+        """Before optimizer step ``step`` (0-based): arm when it is one of the spiked steps (counted from 1)."""
+        self.armed = step + 1 in self.steps
+
+    def __call__(self, module, inputs, output):
+        if not self.armed:
+            return None
+        self.armed = False  # only the first micro-step of the step: one bad batch
+        return _spiked(output)
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+class LossSpike(Probe):
+    """One bad batch on purpose (``options={"loss_spike_at_step": s}``): multiplies the model's output on the
+    first micro-step of the given optimizer step(s) by :data:`SPIKE_FACTOR`. Section ``faults.loss_spike``:
+    the steps and the factor."""
+
+    name = "loss_spike"
+    keys = ("faults.loss_spike.steps",)
+
+    def start(self, ctx: RunContext) -> None:
+        self.steps = spike_steps(ctx.options.get("loss_spike_at_step", []))
+        self.hook = SpikeHook(ctx.engine.module, self.steps)
+
+    def before_step(self, ctx: RunContext, step: int) -> None:
+        self.hook.arm_for(step)
+
+    def finish(self, ctx: RunContext) -> dict:
+        self.hook.remove()
+        return {}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        return {"faults": {"loss_spike": {"steps": self.steps, "factor": SPIKE_FACTOR}}}
+
+    @classmethod
+    def check_options(cls, options: dict, steps: int) -> None:
+        check_spikes(options, steps)
+
+
+def check_spikes(options: dict, steps: int) -> None:
+    """Raise a ValueError naming the key and the fix when ``options["loss_spike_at_step"]`` is missing or names
+    no optimizer step of a run of ``steps`` steps (before any process starts)."""
+    key = "loss_spike_at_step"
+    value = options.get(key)
+    values = [value] if isinstance(value, int) else list(value) if isinstance(value, (list, tuple)) else [value]
+    bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= steps]
+    if bad or not values:
+        raise ValueError(f"options {{'{key}': {value!r}}}: give an optimizer step from 1 to {steps} (the run's "
+                         f"steps), or a list of them")
+
+
+def spike(steps: int | list[int]) -> dict:
+    """What a run adds for a loss spike at optimizer step(s) ``steps`` (from 1): ``RunSpec(**spike(6))`` or
+    ``RunSpec(probes=(..., LossSpike), options=spike(6)["options"])``."""
+    return {"options": {"loss_spike_at_step": steps}}
+
+
+# --- DeepSpeed's loss scaler on real fp16 gradients, on any processor ------------------------------
+
+def fp16_settings(section: Mapping[str, Any]):
+    """DeepSpeed's own config model of an ``fp16`` section (``DeepSpeedFP16Config``): its validation, its
+    defaults. Raises DeepSpeed's ValidationError for a bad value."""
+
+    quiet_deepspeed_import()
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.precision_config import get_float16_config
+
+    return get_float16_config({"fp16": {**section, "enabled": True}})
+
+
+def make_loss_scaler(section: Mapping[str, Any]):
+    """The loss scaler DeepSpeed's ZeRO optimizers build from this ``fp16`` section: the same factory
+    (``CreateLossScaler``) with the same arguments as ``deepspeed.initialize`` passes."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+
+    settings = fp16_settings(section)
+    return CreateLossScaler(dtype=torch.half, static_loss_scale=settings.loss_scale,
+                            dynamic_scaling=settings.loss_scale == 0,
+                            dynamic_loss_args=settings.dynamic_loss_scale_args())
+
+
+def scaler_demo(run: PlannedRun, position: int, count: int, born: float) -> None:
+    """A task (``RunSpec(task=SCALER_DEMO)``): mixed-precision training of the run's
+    model in fp16 on every rank's own device, with DeepSpeed's loss scaler deciding each step.
+
+    Per optimizer step, as DeepSpeed's fp16 optimizers do it: the scaler multiplies each micro-step's loss
+    (divided by the accumulation steps) before backward; every rank tests its fp16 gradients for inf/NaN
+    (``deepspeed.runtime.utils.has_inf_or_nan``) and the verdict is all-reduced with MAX; an overflowing
+    step is skipped, otherwise the gradients are averaged in fp32, unscaled, clipped, and AdamW updates the
+    fp32 master weights, copied back to the fp16 model; then ``update_scale(overflow)``. When the scaler
+    raises (an overflow at ``min_loss_scale``), the run stops there and says so. The config gives the
+    ``fp16`` knobs, batch sizes, learning rate and clipping; ``options["loss_spike_at_step"]`` the spikes.
+
+    Rank 0 publishes: the scale each step used, overflow per step, skipped steps, losses, and the
+    headroom of each applied step, log2(FP16_MAX / largest |scaled gradient|), the distance in
+    halvings to an overflow.
+    """
+    # deferred: DeepSpeed is imported on the ranks, after the launcher chose its accelerator
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.utils import has_inf_or_nan
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = run.read_config()
+    section = config.get("fp16", {})
+    scaler = make_loss_scaler(section)
+    micro, accum = config.get("train_micro_batch_size_per_gpu", 4), config.get("gradient_accumulation_steps", 1)
+    params = config.get("optimizer", {}).get("params", {})
+    clip = config.get("gradient_clipping", 1.0)
+    device = get_accelerator().current_device_name()
+    name, seed = run.model, run.seed
+
+    model = models.build(name, seed).to(device).half()
+    weights = list(model.parameters())
+    master = [w.detach().float().clone() for w in weights]
+    optimizer = torch.optim.AdamW(master, lr=params.get("lr", 1e-3), weight_decay=params.get("weight_decay", 0.01))
+    spikes = spike_steps(run.options.get("loss_spike_at_step", []))
+    hook = SpikeHook(model, spikes)
+
+    scales, overflows, losses, headroom = [], [], [], []
+    stopped = None
+    for step in range(run.steps):
+        scales.append(float(scaler.cur_scale))
+        hook.arm_for(step)
+        for w in weights:
+            w.grad = None
+        micro_losses = []
+        for micro_step in range(accum):
+            indices = models.sample_indices(step, micro_step, rank, world, micro, accum)
+            batch = models.make_batch(name, indices, seed).to(device, torch.half)
+            loss = models.loss_of(model, name, batch)
+            scaler.backward(loss / accum)
+            micro_losses.append(loss.item())
+        grads = [w.grad for w in weights]
+        overflow = bool(any(has_inf_or_nan(g) for g in grads))
+        largest = 0.0 if overflow else max(float(g.abs().max()) for g in grads)
+        verdict = torch.tensor([float(overflow), largest], device=device)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        overflow, largest = bool(verdict[0].item()), float(verdict[1].item())
+        if not overflow:
+            flat = torch.cat([g.float().flatten() for g in grads])
+            dist.all_reduce(flat)
+            flat /= world * scaler.cur_scale
+            norm = float(flat.norm())
+            if clip and norm > clip:
+                flat *= clip / (norm + 1e-6)
+            offset = 0
+            for m in master:
+                m.grad = flat[offset:offset + m.numel()].view_as(m)
+                offset += m.numel()
+            optimizer.step()
+            with torch.no_grad():
+                for w, m in zip(weights, master):
+                    w.copy_(m)
+        overflows.append(overflow)
+        headroom.append(None if overflow else math.log2(FP16_MAX / largest))
+        losses.append(statistics.fmean(micro_losses))
+        emit("step", run=position, rank=rank, step=step + 1, steps=run.steps, loss=losses[-1])
+        try:
+            scaler.update_scale(overflow)
+        except Exception as error:  # DeepSpeed's scaler refuses to go below min_loss_scale
+            stopped = f"{type(error).__name__}: {error}"
+            break
+    hook.remove()
+    if rank == 0:
+        settings = fp16_settings(section)
+        publish(run, position, {
+            "name": run.name, "task": "scaler_demo", "world_size": world, "device": get_accelerator().device_name(),
+            "model": {"name": name, "params": models.count_parameters(model)}, "steps": run.steps,
+            "micro_batch": micro, "grad_accum": accum, "scaler": type(scaler).__name__,
+            "fp16": {"loss_scale": settings.loss_scale, "initial_scale_power": settings.initial_scale_power,
+                     "loss_scale_window": settings.loss_scale_window, "hysteresis": settings.hysteresis,
+                     "min_loss_scale": settings.min_loss_scale},
+            "spikes": spikes, "scale_per_step": scales, "overflow_per_step": overflows,
+            "skipped_steps": sum(overflows), "losses": losses, "headroom_log2": headroom, "stopped": stopped,
+            "final_scale": float(scaler.cur_scale)})
+
+
+#: How a run names the task (``RunSpec(task=SCALER_DEMO)``).
+SCALER_DEMO = reference_of(scaler_demo)
+
+
+# --- the chapter's loss-scaling scenarios -----------------------------------------------------------
+
+DEMO_STEPS = 20
+#: name -> (fp16 settings besides DeepSpeed's defaults, optimizer steps whose output spikes). The first is
+#: the source article's fp16 section, which restates DeepSpeed's defaults; each other one turns one knob.
+SCENARIOS: dict[str, tuple[dict, list[int]]] = {
+    "the article's fp16 section": ({"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                                    "hysteresis": 2, "min_loss_scale": 1}, [6]),
+    "loss_scale=1024": ({"loss_scale": 1024}, [6]),
+    "initial_scale_power=30": ({"initial_scale_power": 30}, [6]),
+    "loss_scale_window=2": ({"initial_scale_power": 20, "loss_scale_window": 2}, [6]),
+    "loss_scale_window=2, hysteresis=1": ({"initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 1}, [6]),
+    "min_loss_scale=32768": ({"hysteresis": 1, "min_loss_scale": 32768}, [6, 12]),
+}
+
+
+def demo_config(fp16: Mapping[str, Any], base: str = "zero2") -> dict:
+    """The config a loss-scaling scenario runs with: ``ds_configs/<base>.json`` with fp16 on and ``fp16``'s
+    settings, checked by DeepSpeed's own fp16 config model (a bad knob fails here, naming it)."""
+
+    try:
+        fp16_settings(fp16)
+    except Exception as error:  # pydantic's ValidationError names the field
+        raise ValueError(f"fp16 settings {dict(fp16)}: DeepSpeed refuses them: {error}") from None
+    return configs.merged(configs.load(base), {"fp16": {"enabled": True, **fp16}})
+
+
+def scenario_specs(scenarios: Mapping[str, tuple[dict, list[int]]] | None = None, steps: int = DEMO_STEPS,
+                   engine: bool = False, model: str = "mlp") -> dict:
+    """RunSpecs for each scenario: DeepSpeed's loss scaler in the :func:`scaler_demo` loop (every machine);
+    with ``engine``, also the real fp16 engine at ZeRO-2 with the ``loss_scale`` probe (where the device
+    accepts fp16). Keys ("demo", name) and ("engine", name); an engine run that DeepSpeed ends (an overflow
+    at ``min_loss_scale``) is recorded, not raised."""
+
+    specs = {}
+    for i, (name, (fp16, spikes)) in enumerate((scenarios or SCENARIOS).items()):
+        config = demo_config(fp16)
+        options = spike(spikes)["options"] if spikes else None
+        specs[("demo", name)] = launch.RunSpec(config, model=model, steps=steps, check=False, options=options,
+                                               task=SCALER_DEMO, name=f"scaler-demo-{i}")
+        if engine:
+            specs[("engine", name)] = launch.RunSpec(config, model=model, steps=steps, options=options,
+                                                     probes=(LossScale, "timing") + ((LossSpike,) if spikes else ()),
+                                                     on_error="record", name=f"fp16-engine-{i}")
+    return specs
+
+
+def trajectory(result) -> dict:
+    """The scale of each step, overflow per step and how the run ended, from a :func:`scaler_demo` result
+    (a dict) or an engine run's record (its ``loss_scale`` section)."""
+    if isinstance(result, dict):
+        return {"scales": result["scale_per_step"], "overflow": result["overflow_per_step"],
+                "stopped": result["stopped"], "spikes": result["spikes"], "fp16": result["fp16"]}
+    section = result["loss_scale"]
+    return {"scales": section["scale_per_step"], "overflow": [not a for a in section["applied_per_step"]],
+            "stopped": None, "spikes": result.summary.get("faults", {}).get("loss_spike", {}).get("steps", []),
+            "fp16": section["fp16"]}
+
+
+def _power(scale: float) -> str:
+    exponent = math.log2(scale)
+    return f"2^{exponent:.0f}" if exponent == int(exponent) else f"{scale:g}"
+
+
+def trajectory_table(results: Mapping[str, Any]) -> str:
+    """Per scenario: skipped steps (which), the scale at the first and last step, how often it halved and
+    doubled, and whether DeepSpeed's scaler ended the run. Counts and powers of two only: they depend on
+    which steps overflow, not on the digits of the losses."""
+
+    rows = []
+    for name, result in results.items():
+        t = trajectory(result)
+        scales = t["scales"]
+        changes = [b / a for a, b in zip(scales, scales[1:])]
+        skipped = [i + 1 for i, o in enumerate(t["overflow"]) if o]
+        rows.append([name, f"{len(skipped)}: steps {_ranges(skipped)}" if skipped else "0",
+                     f"{_power(scales[0])} -> {_power(scales[-1])}", sum(c < 1 for c in changes),
+                     sum(c > 1 for c in changes),
+                     f"at step {len(scales)}: scale already at min_loss_scale" if t["stopped"] else "-"])
+    return records.format_table(rows, ["fp16 settings", "skipped steps", "scale first -> last", "halvings",
+                                       "doublings", "DeepSpeed ended the run"])
+
+
+def _ranges(steps: list[int]) -> str:
+    """[1, 2, 3, 6] -> "1-3, 6"."""
+    parts, start = [], None
+    for i, step in enumerate(steps):
+        if start is None:
+            start = step
+        if i == len(steps) - 1 or steps[i + 1] != step + 1:
+            parts.append(f"{start}" if start == step else f"{start}-{step}")
+            start = None
+    return ", ".join(parts)
+
+
+def headroom_table(results: Mapping[str, Any]) -> str:
+    """Per scenario: the smallest headroom of an applied step (halvings left before an fp16 overflow). The
+    decisions of the checked table are safe from rounding while this stays well above 0."""
+
+    rows = []
+    for name, result in results.items():
+        values = [h for h in result["headroom_log2"] if h is not None]
+        rows.append([name, f"{min(values):.2f}" if values else "-", f"{max(values):.2f}" if values else "-"])
+    return records.format_table(rows, ["fp16 settings", "min headroom (halvings)", "max headroom"])
+
+
+# --- what each precision keeps ------------------------------------------------------------------------
+
+def precision_runs(precisions: tuple[str, ...], stages: tuple[int, ...] = (0, 2), model: str = "mlp",
+                   steps: int = 4, overrides: dict | None = None) -> dict:
+    """RunSpecs of each ZeRO stage in each precision (fp32, bf16, fp16), with model-state and placement
+    probes; keys (stage, precision)."""
+    specs = {}
+    for precision in precisions:
+        changes = merged(overrides or {}, {precision: {"enabled": True}} if precision != "fp32" else {})
+        for stage in stages:
+            specs[(stage, precision)] = launch.RunSpec(
+                f"zero{stage}", model=model, steps=steps, overrides=changes, name=f"zero{stage}-{precision}-{model}",
+                probes=("timing", "model_states", "placement", "peak_memory", LossScale))
+    return specs
+
+
+def kept_in_fp32_table(runs: Mapping[tuple[int, str], Any], rank: int = 0) -> str:
+    """Per run: the dtype of each kind of model state DeepSpeed holds (from the tensors themselves)."""
+
+    rows = []
+    for (stage, precision), r in runs.items():
+        dtypes = r.memory.placement(rank)["dtypes"]
+        rows.append([f"ZeRO-{stage} {precision}", *(", ".join(dtypes.get(k, ["-"])) for k in records.MODEL_STATE_KEYS)])
+    return records.format_table(rows, ["run", *records.MODEL_STATE_KEYS])
+
+
+def bytes_per_parameter_table(runs: Mapping[tuple[int, str], Any], rank: int = 0) -> str:
+    """Per run: measured model-state bytes per parameter on one rank, by kind, beside the paper's
+    2 + 2 + K accounting for that stage (:func:`helpers.core.theory.model_state_bytes`, per parameter)."""
+
+    rows = []
+    for (stage, precision), r in runs.items():
+        psi, world = r.params, r["world_size"]
+        measured = r.states(rank)
+        paper = theory.model_state_bytes(psi, stage, world, precision)
+        rows.append([f"ZeRO-{stage} {precision}", *(f"{measured[k] / psi:.2f}" for k in records.MODEL_STATE_KEYS),
+                     f"{r.model_state_bytes(rank) / psi:.2f}", f"{paper['total'] / psi:.2f}"])
+    return records.format_table(rows, ["run", *(f"{k} B/param" for k in records.MODEL_STATE_KEYS),
+                                       "total B/param", "paper B/param"])
+
+
+# --- the source article's configuration ---------------------------------------------------------------
+
+ARTICLE = "source_article"
+ARTICLE_PROBES = ("timing", "model_states", "placement", "peak_memory", LossScale)
+
+
+def article_as_run(half: str) -> dict:
+    """The article's config (``ds_configs/source_article.json``) as this chapter runs it: its one line that
+    no world size but 1 accepts removed (``gradient_accumulation_steps``: DeepSpeed derives it from
+    ``train_batch_size``), and its fp16 run as ``half`` ("fp16" as written where the device accepts it,
+    else "bf16"). Every other line as written."""
+
+    config = configs.merged(configs.load(ARTICLE), {"gradient_accumulation_steps": None})
+    if half != "fp16":
+        config = configs.merged(config, {"fp16": None, half: {"enabled": True}})
+    return config
+
+
+def corrected_article(half: str = "bf16") -> dict:
+    """The article's config, corrected: ``gradient_accumulation_steps`` left to DeepSpeed (32 samples per
+    step on any world size that divides it), ``offload_param`` removed (ignored at stage 2), and bf16 in
+    place of fp16 (the same bytes, fp32's exponent range: no loss scaling, so none of its five knobs)."""
+
+    corrected = configs.merged(configs.load(ARTICLE), {"gradient_accumulation_steps": None,
+                                                       "zero_optimization": {"offload_param": None}})
+    if half == "fp16":  # a device without bf16 (V100, T4): keep the article's fp16
+        return corrected
+    return configs.merged(corrected, {"fp16": None, "bf16": {"enabled": True}})
+
+
+def article_specs(half: str, corrected_half: str = "bf16", steps: int = 4) -> dict:
+    """RunSpecs of the article's config on its own model (``nn.Linear(10, 10)``): as run (:func:`article_as_run`),
+    corrected (:func:`corrected_article`), and corrected in fp32 (bf16 off), to weigh the fp16 claim."""
+
+    corrected = corrected_article(corrected_half)
+    fp32 = configs.merged(corrected, {"bf16": None, "fp16": None})
+    return {name: launch.RunSpec(config, model="linear", steps=steps, probes=ARTICLE_PROBES, name=f"article-{slug}")
+            for name, slug, config in (("as run", "as-run", article_as_run(half)), ("corrected", "corrected", corrected),
+                                       ("corrected, fp32", "fp32", fp32))}
+
+
+def article_line_table(record, world_size: int) -> str:
+    """Every line of the article's config: its value, DeepSpeed's default, and what it did in ``record``
+    (the article's config as run), measured; device-independent, so nbval can check it."""
+
+    config = configs.load(ARTICLE)
+    defaults = configs.deepspeed_defaults(config)
+    restated = set(configs.restates_default(config))
+    p = record.memory.placement(0)
+    lrs = record["loss_scale"]["lr_per_step"]
+    peak = config["scheduler"]["params"]["warmup_max_lr"]
+    gas = config["gradient_accumulation_steps"]
+    micro = config["train_micro_batch_size_per_gpu"]
+    fmt = records.format_bytes
+    did = {
+        "train_batch_size": f"{record['train_batch']} samples per optimizer step",
+        "train_micro_batch_size_per_gpu": f"{record['micro_batch']} samples per rank per micro-step",
+        "gradient_accumulation_steps": f"{micro} x {gas} x {world_size} ranks = {micro * gas * world_size} != "
+                                       f"{config['train_batch_size']}: refused; removed, DeepSpeed derives "
+                                       f"{record['grad_accum']}",
+        "optimizer.type": f"{record['basic_optimizer']}: DeepSpeed's CPU Adam, as the optimizer is offloaded",
+        "scheduler.type": "lr per step: " + ", ".join(f"{lr:.2g}" for lr in lrs),
+        "scheduler.params.warmup_num_steps": f"log warm-up: step {len(lrs)} runs at {lrs[-1] / peak:.0%} of "
+                                             "warmup_max_lr",
+        "scheduler.params.warmup_min_lr": f"steps 1 and 2 run at lr {lrs[0]:g}, {lrs[1]:g}"
+                                          + (": they change no weight" if lrs[0] == lrs[1] == 0 else ""),
+        "zero_optimization.stage": f"ZeRO-{record.stage}",
+        "zero_optimization.offload_optimizer.device": f"host side holds {fmt(sum(p['host'].values()))} per rank "
+                                                      "(Adam states, fp32 master, gradients)",
+        "zero_optimization.offload_param.device": f"ignored below stage 3: host-side parameters {fmt(p['host']['params'])}, "
+                                                  f"accelerator-side {fmt(p['accelerator']['params'])}",
+        "zero_optimization.offload_param.pin_memory": "ignored with the line above",
+        "zero_optimization.contiguous_gradients": "restates the default (and offload turns it on anyway)",
+        "fp16.enabled": "16-bit training: fp16 where the device accepts it (see the next cell)",
+    }
+    rows = []
+    for path, value in configs._leaves(config):
+        default = defaults[path]
+        note = did.get(path) or ("restates DeepSpeed's default" if path in restated else "")
+        if path in restated and path in did and "default" not in note:
+            note = "restates the default; " + note
+        rows.append([path, json_value(value), "-" if default is configs.NO_DEFAULT else json_value(default), note])
+    return records.format_table(rows, ["line", "value", "DeepSpeed default", "in this run"])
+
+
+def json_value(value: Any) -> str:
+    """A config value as JSON writes it (true, 0.0001, "cpu")."""
+
+    return json.dumps(value)
+
+
+# --- the chapter's launch -----------------------------------------------------------------------------
+
+def chapter_runs(env=None, model: str = "mlp", steps: int = 4) -> dict:
+    """Everything chapter 07 measures on this machine, in ONE launch: ZeRO-0 and ZeRO-2 in each precision the
+    device accepts (keys (stage, precision)); the article's config as run, corrected and in fp32 (keys
+    ("article", ...)); the loss-scaling scenarios through DeepSpeed's scaler on every machine (("demo", name))
+    and through the fp16 engine where the device accepts fp16 (("engine", name))."""
+
+    env = env or environment.detect()
+    precisions = tuple(p for p in ("fp32", "bf16", "fp16") if env.supports(p))
+    half = "fp16" if env.supports("fp16") else "bf16"
+    specs: dict = dict(precision_runs(precisions, model=model, steps=steps))
+    specs.update({("article", name): spec for name, spec in
+                  article_specs(half, "bf16" if env.supports("bf16") else "fp16").items()})
+    specs.update(scenario_specs(engine=env.supports("fp16")))
+    results = launch.sweep(list(specs.values()), name="precision")
+    return {key: results[spec.name] for key, spec in specs.items()}
+
+
+def speed_runs(model: str = "mlp_wide", steps: int = 6, micro_batch: int = 512) -> dict:
+    """The GPU experiment: ZeRO-2 in fp32, bf16 and fp16 on ``model`` with ``micro_batch`` samples per rank,
+    in one launch; keys (2, precision). For GPUs: step time and device memory are what it measures."""
+
+    env = environment.detect()
+    precisions = tuple(p for p in ("fp32", "bf16", "fp16") if env.supports(p))
+    specs = precision_runs(precisions, stages=(2,), model=model, steps=steps,
+                           overrides={"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1})
+    results = launch.sweep(list(specs.values()), name="precision-speed")
+    return {key: results[spec.name] for key, spec in specs.items()}
+
+
+# --- verdicts, references ------------------------------------------------------------------------------
+
+def memory_verdict_table(runs: Mapping[Any, Any], rank: int = 0) -> str:
+    """16-bit against fp32, measured on ``rank``: total model-state bytes at ZeRO-0 and ZeRO-2 (keys (stage,
+    precision)), and the article's config (ZeRO-2 + optimizer offload) on each side (keys ("article", ...))."""
+
+    rows = []
+    for stage in (0, 2):
+        if (stage, "fp32") in runs and (stage, "bf16") in runs:
+            a, b = runs[(stage, "fp32")], runs[(stage, "bf16")]
+            rows.append([f"ZeRO-{stage}, {a['world_size']} ranks: model states", records.format_bytes(a.model_state_bytes(rank)),
+                         records.format_bytes(b.model_state_bytes(rank)), f"{b.model_state_bytes(rank) / a.model_state_bytes(rank):.2f}"])
+    fp32, half = runs.get(("article", "corrected, fp32")), runs.get(("article", "corrected"))
+    if fp32 is not None and half is not None:
+        for side in ("accelerator", "host"):
+            a = sum(fp32.memory.placement(rank)[side][k] for k in records.MODEL_STATE_KEYS)
+            b = sum(half.memory.placement(rank)[side][k] for k in records.MODEL_STATE_KEYS)
+            rows.append([f"the article's config (ZeRO-2 + optimizer offload): {side} side", records.format_bytes(a),
+                         records.format_bytes(b), f"{b / a:.2f}"])
+    return records.format_table(rows, ["model states per rank", "fp32", "bf16", "bf16 / fp32"])
+
+
+def engine_against_demo(engine: Mapping[str, Any], demos: Mapping[str, Any]) -> str:
+    """Per scenario: did DeepSpeed's fp16 engine skip the same steps, at the same scales, as DeepSpeed's
+    scaler in :func:`scaler_demo`? (An engine run DeepSpeed ended is a dict ``{"failed": message}``.)"""
+
+    rows = []
+    for name, run in engine.items():
+        if name not in demos:
+            continue
+        demo = trajectory(demos[name])
+        if isinstance(run, dict) and "failed" in run:
+            same = "both ended by the scaler" if demo["stopped"] else "engine ended, scaler demo did not"
+            rows.append([name, same, run["failed"][:60]])
+            continue
+        t = trajectory(run)
+        skipped = [i + 1 for i, o in enumerate(t["overflow"]) if o]
+        demo_skipped = [i + 1 for i, o in enumerate(demo["overflow"]) if o]
+        same = t["scales"] == demo["scales"] and skipped == demo_skipped
+        rows.append([name, "same steps skipped, same scales" if same else "differ",
+                     "-" if same else f"engine skipped {_ranges(skipped) or 'none'}, demo {_ranges(demo_skipped) or 'none'}"])
+    return records.format_table(rows, ["fp16 settings", "engine vs scaler demo", "detail"])
+
+
+def loss_scale_reference_report(demos: Mapping[str, Any], name: str = "loss-scale") -> str:
+    """The fp16 engine's trajectories measured on GPUs (committed references), against the scaler demo here."""
+
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    parts = []
+    for device, date, note, runs in found:
+        trained = {k: r for k, r in runs.items() if not (isinstance(r, dict) and "failed" in r)}
+        parts.append(f"DeepSpeed's fp16 engine (ZeRO-2) on {device}, {date} ({note}):\n{trajectory_table(trained)}\n\n"
+                     f"{engine_against_demo(runs, demos)}")
+    return "\n\n".join(parts)
+
+
+def speed_table(runs: Mapping[Any, Any], rank: int = 0) -> str:
+    """Per run: median step time, samples per second, peak memory of ``rank`` (timings: not for nbval)."""
+
+    rows = [[r.label, f"{r.timing.median_s * 1000:.1f}", f"{r['samples_per_s']:,.0f}",
+             records.format_peak(r, rank)] for r in runs.values()]
+    first = next(iter(runs.values()))
+    return records.format_table(rows, ["run", "step ms", "samples/s", f"peak ({first.memory.peak_source})"])
+
+
+def speed_reference_report(name: str = "precision-speed") -> str:
+    """Step time and peak device memory per precision, measured on GPUs (committed references)."""
+
+    return references.references_report(name, speed_table, how=references.GPU_HOW)
+
+
+def gpu_experiment(runs: Mapping[Any, Any]) -> None:
+    """On GPUs: keep the fp16 engine's loss-scaling runs of :func:`chapter_runs` as the "loss-scale" reference,
+    and measure and keep :func:`speed_runs` as "precision-speed" (:func:`helpers.core.references.save_reference`)."""
+
+    engine = {name: ({"failed": str(r), "device": "cuda"} if isinstance(r, launch.RunFailed) else r)
+              for (kind, name), r in runs.items() if kind == "engine"}
+    ordered = dict(sorted(engine.items(), key=lambda item: isinstance(item[1], dict)))  # a record first
+    references.save_reference("loss-scale", ordered, note=f"mlp, ZeRO-2 fp16, {DEMO_STEPS} steps")
+    speed = speed_runs()
+    references.save_reference("precision-speed", {f"ZeRO-2 {p}": r for (_, p), r in speed.items()},
+                               note="mlp_wide, micro batch 512 per rank, 6 steps")
+
+
+# --- figures ----------------------------------------------------------------------------------------
+
+def loss_scale_trajectories(trajectories: Mapping[str, dict], title: str = "fp16 loss scale, step by step"):
+    """One panel per scenario: log2 of the loss scale each optimizer step used (a step line), skipped steps
+    marked with a red x, injected spikes with a dashed line, and where DeepSpeed's scaler ended the run."""
+    plt = plots.pyplot()
+
+    count = len(trajectories)
+    columns = min(3, count)
+    rows = (count + columns - 1) // columns
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 2.7 * rows), squeeze=False, sharey=True)
+    for ax, (name, t) in zip(axes.flat, trajectories.items()):
+        steps = range(1, len(t["scales"]) + 1)
+        powers = [math.log2(s) for s in t["scales"]]
+        ax.step(steps, powers, where="mid", color="#4C72B0")
+        skipped = [(s, p) for s, p, o in zip(steps, powers, t["overflow"]) if o]
+        if skipped:
+            ax.scatter(*zip(*skipped), marker="x", color="#C44E52", zorder=3, label="skipped step")
+        for spike in t["spikes"]:
+            ax.axvline(spike, color="grey", linestyle="--", linewidth=0.8)
+        if t["stopped"]:
+            ax.annotate("run ended", (len(powers), powers[-1]), textcoords="offset points", xytext=(-40, 12), fontsize=8)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("optimizer step", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("log2(loss scale)", fontsize=8)
+    for ax in list(axes.flat)[count:]:
+        ax.axis("off")
+    marked = next((ax for ax in axes.flat if ax.get_legend_handles_labels()[0]), None)
+    if marked is not None:
+        marked.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title + " (dashed: injected spike)", fontsize=10)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

@@ -1,0 +1,322 @@
+"""Tensor parallelism with DeepSpeed's AutoTP: which weights each rank keeps, and how much.
+
+The ``param_shards`` probe records, on every rank after ``deepspeed.initialize``, each parameter's name,
+shape, dtype and bytes as the engine's module holds it, with the engine's own view of the batch and of
+the parallel groups. :func:`split_table` sets the shapes beside those of the unsplit model.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from helpers.core import (
+    configs,
+    environment,
+    launch,
+    models,
+    plots,
+    records,
+    references,
+    theory,
+)
+from helpers.core.probes import Probe, RunContext
+
+
+def parameter_shapes(module) -> dict[str, dict]:
+    """name -> {shape, dtype, bytes} of every parameter of ``module`` (ZeRO-3 shards by their full shape)."""
+    found = {}
+    for name, p in module.named_parameters():
+        shape = list(getattr(p, "ds_shape", p.shape))
+        found[name.removeprefix("module.")] = {"shape": shape, "dtype": str(p.dtype).removeprefix("torch."),
+                                               "bytes": p.numel() * p.element_size()}
+    return found
+
+
+class ParamShards(Probe):
+    """Each parameter as this rank's engine holds it after ``deepspeed.initialize`` (name, shape, dtype,
+    bytes), and the engine's batch and group sizes. Section: ``param_shards``."""
+
+    name = "param_shards"
+    keys = ("param_shards.per_rank",)
+
+    def start(self, ctx: RunContext) -> None:
+        engine = ctx.engine
+        self.found = {"params": parameter_shapes(engine.module),
+                      "autotp_size": int(engine.autotp_size()), "dp_world_size": int(engine.dp_world_size),
+                      "deepspeed_train_batch": int(engine.train_batch_size())}
+
+    def finish(self, ctx: RunContext) -> dict:
+        return self.found
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        return {"param_shards": {"per_rank": ranks}}
+
+
+def split_table(before: Mapping[str, dict], ranks: list[dict], layer: int | None = 0) -> list[list]:
+    """Rows [parameter, shape before, shape on each rank..., split along] for the parameters of decoder
+    ``layer`` (all decoder layers are split alike) and those outside the decoder layers."""
+    rows = []
+    for name, info in before.items():
+        if ".layers." in name and layer is not None and f".layers.{layer}." not in name:
+            continue
+        shapes = [r["params"][name]["shape"] for r in ranks]
+        full = info["shape"]
+        if all(s == full for s in shapes):
+            how = "kept whole (replicated)"
+        else:
+            dims = [d for d in range(len(full)) if shapes[0][d] != full[d]]
+            how = f"dim {dims[0]} ({'output' if dims[0] == 0 else 'input'} features)" if dims else "?"
+        rows.append([name, "x".join(map(str, full)), *("x".join(map(str, s)) for s in shapes), how])
+    return rows
+
+
+# --- the chapter's experiment and tables (notebooks/12_tensor_parallelism.ipynb) ---------------------
+
+PROBES = ("timing", "model_states", "peak_memory", "comm", ParamShards)
+
+
+def shards(record: records.Record) -> list[dict]:
+    """What the ``param_shards`` probe found on each rank: ``params`` (name -> shape, dtype, bytes),
+    ``autotp_size`` and the engine's batch and group sizes."""
+    return record.section("param_shards")["per_rank"]
+#: ZeRO's gradient buckets default to 5e8 elements (2 GB in fp32, allocated at stages 1-3): far beyond these
+#: models, and slow to allocate on a CPU. One bucket of 1e7 elements still holds every gradient of them.
+SMALL_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 10_000_000}}
+
+
+def tensor_parallel_runs(size: str = "llama", micro_batch: int = 4, steps: int = 4, world_size: int | None = None) -> dict:
+    """One launch on N ranks: data parallelism (ZeRO-0), ZeRO-3, and AutoTP over all N ranks (ZeRO-0 and
+    ZeRO-1), all at the same global batch (each tensor-parallel rank reads N times the micro-batch, as
+    the ranks of one group share it); then the traps, recorded: ``train_batch_size`` set to the real
+    global batch, and AutoTP on the GPT-2-style and MLP models. Returns {run name: Record or RunFailed}."""
+
+    world = environment.detect(world_size).default_world_size
+    tp = {"tensor_parallel": {"autotp_size": world}, "train_micro_batch_size_per_gpu": micro_batch * world}
+    dp = {"train_micro_batch_size_per_gpu": micro_batch}
+    def spec(config: str, overrides: dict, model: str = size, probes=PROBES, runs: int = steps, **kw) -> launch.RunSpec:
+        return launch.RunSpec(config, model=model, steps=runs, probes=probes,
+                              overrides=configs.merged(SMALL_BUCKETS, overrides), **kw)
+
+    specs = {
+        "data-parallel": spec("zero0", dp),
+        "zero3": spec("zero3", dp),
+        "autotp": spec("zero0", tp),
+        "autotp-zero1": spec("zero1", tp),
+        # DeepSpeed's batch check counts every rank: the real global batch is refused
+        "autotp-train-batch": spec("zero0", {**tp, "train_batch_size": micro_batch * world * 2}, probes=(),
+                                   check=False, on_error="record", runs=1),
+        "autotp-gpt2": spec("zero0", tp, model="gpt2", probes=(), on_error="record", runs=1),
+        "autotp-mlp": spec("zero0", tp, model="mlp", probes=(), on_error="record", runs=1),
+    }
+    return launch.sweep(specs, name=f"tensor-parallel-{size}", world_size=world_size)
+
+
+def shapes_before(name: str) -> dict[str, dict]:
+    """Each parameter of model ``name`` as built, before any engine splits it (no process group needed)."""
+
+    return parameter_shapes(models.build(name))
+
+
+def shapes_table(record, before: Mapping[str, dict]) -> str:
+    """Parameter shapes before AutoTP and on each rank after it: decoder layer 0 and the rest."""
+
+    ranks = shards(record)
+    return records.format_table(split_table(before, ranks),
+                                ["parameter", "before", *(f"rank {r}" for r in range(len(ranks))), "split"])
+
+
+def tp_parameter_count(before: Mapping[str, dict], ranks: list[dict]) -> tuple[int, int]:
+    """(elements kept whole on every rank, elements split across the ranks), from the shapes."""
+    whole = split = 0
+    for name, info in before.items():
+        n = 1
+        for d in info["shape"]:
+            n *= d
+        if all(r["params"][name]["shape"] == info["shape"] for r in ranks):
+            whole += n
+        else:
+            split += n
+    return whole, split
+
+
+def memory_table(runs: Mapping) -> str:
+    """Parameter bytes and model states per rank (rank 0): unsplit (data parallel), ZeRO-3, AutoTP, and the
+    formula for AutoTP (whole + split / t parameters, from the shapes the data-parallel run holds)."""
+
+    base = runs["data-parallel"]
+    before = shards(base)[0]["params"]
+    tp = runs["autotp"]
+    ranks = shards(tp)
+    t = len(ranks)
+    whole, split = tp_parameter_count(before, ranks)
+    width = 4 if tp["precision"] == "fp32" else 2
+    rows = []
+    for name in ("data-parallel", "zero3", "autotp", "autotp-zero1"):
+        r = runs[name]
+        rows.append([name, f"{r.states(0)['params']:,}", f"{r.states(0)['params'] / base.states(0)['params']:.3f}",
+                     f"{r.model_state_bytes(0):,}", f"{r.model_state_bytes(0) / base.model_state_bytes(0):.3f}"])
+    rows.append([f"formula: (whole + split/{t}) params", f"{(whole + split // t) * width:,}",
+                 f"{(whole + split / t) / (whole + split):.3f}", "", ""])
+    return records.format_table(rows, ["run", "parameter bytes", "vs unsplit", "model states", "vs unsplit"])
+
+
+def collectives_table(record) -> str:
+    """Collectives per micro-step of the AutoTP run (rank 0, by op and pass) against
+    :func:`helpers.topics.tensor_parallel.tensor_parallel_collectives`."""
+
+    shape, t = models.shape_of(record.model_name), shards(record)[0]["autotp_size"]
+    formula = tensor_parallel_collectives(shape.layers, record["micro_batch"], shape.seq, shape.hidden,
+                                                 models.LM_VOCAB, t, record["precision"])
+    accum = record["grad_accum"]
+    by_caller = record.comm.by_caller
+    rows = []
+    for (op, where), (count, size) in formula.items():
+        row = by_caller.get(op, {}).get(where, {"count": 0, "bytes": 0})
+        rows.append([op, where, f"{row['count'] / accum:g}", f"{count}",
+                     f"{row['bytes'] / max(row['count'], 1):,.0f}", f"{size:,.0f}"])
+    return records.format_table(rows, ["collective", "pass", "count/micro-step", "formula count",
+                                       "bytes each", "formula bytes"])
+
+
+def against_zero3_table(runs: Mapping, timings: bool = False) -> str:
+    """AutoTP against ZeRO-3 on the same ranks and global batch: model states (rank 0), collective calls and
+    bytes per optimizer step (logged; sent by rank 0 on a ring, beside the formula), and with ``timings``
+    step time and peak memory (print those in a cell nbval does not compare)."""
+
+    rows = []
+    for name in ("zero3", "autotp"):
+        r = runs[name]
+        shape, n = models.shape_of(r.model_name), r["world_size"]
+        if name == "zero3":
+            formula = theory.zero3_wire_bytes(r.params, n, r["precision"])
+        else:
+            formula = tensor_parallel_wire_bytes(shape.layers, r["micro_batch"], shape.seq, shape.hidden,
+                                                        models.LM_VOCAB, n, r["precision"])
+        row = [name, f"{r.model_state_bytes(0):,}", f"{sum(o['count'] for o in r.comm_ops().values()):g}",
+               f"{r.comm.bytes_per_step:,.0f}", f"{moved_bytes_per_step(r):,.0f}", f"{formula * r['grad_accum']:,.0f}"]
+        if timings:  # a CPU's peak resident set only grows from run to run of a sweep: GPU peaks only
+            row += [f"{r.timing.median_s * 1000:.1f}"]
+            row += [records.format_peak(r, 0)] if r["device"] == "cuda" else []
+        rows.append(row)
+    headers = ["run", "model states", "calls/step", "logged bytes/step", "sent bytes/step", "formula sent"]
+    if timings:
+        headers += ["step ms"] + (["peak (torch.cuda.max_memory_allocated)"] if runs["zero3"]["device"] == "cuda" else [])
+    return records.format_table(rows, headers)
+
+
+def dtype_setting() -> str:
+    """What DeepSpeed's tensor-parallel config model says ``dtype`` is when a config leaves it out."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
+
+    return str(get_tensor_parallel_config({"tensor_parallel": {"autotp_size": 2}}).dtype)
+
+
+#: Collectives DeepSpeed issues over the data-parallel group (not the tensor-parallel one), by issuing function.
+DATA_PARALLEL_CALLERS = ("allreduce_bucket",)
+
+
+def moved_bytes_per_step(record) -> float:
+    """Bytes rank 0 sends per optimizer step (ring), each collective counted over the group it runs in:
+    gradient reductions over the data-parallel ranks (a group of one moves nothing), the rest over all."""
+
+    world, readers = record["world_size"], record.summary.get("data_parallel_size", record["world_size"])
+    total = 0.0
+    for op, callers in record.comm.by_caller.items():
+        for caller, row in callers.items():
+            n = readers if caller in DATA_PARALLEL_CALLERS else world
+            per_call = row["bytes"] / row["count"] if row["count"] else 0
+            total += theory.wire_bytes(op, per_call, n) * row["count"]
+    return total
+
+
+def traffic_curves(record_tp, record_zero3, tokens=(64, 256, 1024, 4096, 16384, 65536)) -> tuple:
+    """Wire bytes per micro-step against tokens per micro-step, AutoTP and ZeRO-3 (formulas), and the two
+    runs' measured points, for :func:`helpers.topics.tensor_parallel.traffic_vs_tokens`."""
+
+    shape = models.shape_of(record_tp.model_name)
+    t, n = record_tp["world_size"], record_zero3["world_size"]
+    precision = record_tp["precision"]
+    lines = {f"AutoTP, {t} ranks": [tensor_parallel_wire_bytes(shape.layers, 1, k, shape.hidden, models.LM_VOCAB,
+                                                                       t, precision) for k in tokens],
+             f"ZeRO-3, {n} ranks": [theory.zero3_wire_bytes(record_zero3.params, n, precision) for _ in tokens]}
+    measured = {"AutoTP (measured)": (record_tp["micro_batch"] * shape.seq,
+                                      moved_bytes_per_step(record_tp) / record_tp["grad_accum"]),
+                "ZeRO-3 (measured)": (record_zero3["micro_batch"] * shape.seq,
+                                      moved_bytes_per_step(record_zero3) / record_zero3["grad_accum"])}
+    return list(tokens), lines, measured
+
+
+def reference_report(name: str = "tensor-parallel") -> str:
+    """Every committed GPU result of this chapter (AutoTP against ZeRO-3 with timings, memory), or a plain
+    statement that none is."""
+
+    return references.references_report(
+        name, lambda runs: f"{against_zero3_table(runs, timings=True)}\n{memory_table(runs)}")
+
+
+def plan_table(name: str = "llama") -> str:
+    """transformers' tensor-parallel plan for model ``name`` (``config.base_model_tp_plan`` and the model
+    class's ``_tp_plan``, merged as DeepSpeed merges them) and what DeepSpeed's converter makes of each entry."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
+    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
+
+    plan = _get_hf_tp_plan(models.build(name))
+    rows = []
+    for pattern, style in plan.items():
+        (spec,) = TPPlanConverter.convert({pattern: style})
+        how = spec.partition_type.value + (", output gathered" if spec.gather_output else "")
+        rows.append([pattern, style, how])
+    return records.format_table(rows, ["module (transformers' pattern)", "transformers' style", "DeepSpeed partition"])
+
+
+# --- figures ----------------------------------------------------------------------------------------
+
+def traffic_vs_tokens(tokens: Sequence[int], lines: Mapping[str, Sequence[float]],
+                      measured: Mapping[str, tuple[int, float]] | None = None,
+                      title: str = "Bytes each rank sends per micro-step"):
+    """Per way of splitting the model: wire bytes per micro-step (formula) against tokens per micro-step, with
+    measured points."""
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(6.2, 3.6))
+    for label, values in lines.items():
+        ax.plot(tokens, [v / 2**20 for v in values], label=label)
+    for label, (x, y) in (measured or {}).items():
+        ax.plot([x], [y / 2**20], "ko", markersize=5)
+        ax.annotate(label, (x, y / 2**20), textcoords="offset points", xytext=(5, 5), fontsize=7)
+    ax.set(xscale="log", yscale="log", xlabel="tokens per micro-step (b·s)", ylabel="MiB per rank", title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+# --- formulas ---------------------------------------------------------------------------------------
+
+def tensor_parallel_collectives(layers: int, batch: int, seq: int, hidden: int, vocab: int, tp: int,
+                                precision: str = "fp32") -> dict[tuple[str, str], tuple[int, float]]:
+    """Collectives per micro-step of DeepSpeed AutoTP on a LLaMA model, as {(op, pass): (count, logged bytes
+    each)}.
+
+    Forward: one all-reduce of b·s·h after each row-parallel linear (``o_proj``, ``down_proj``): 2L; one
+    all-gather of the vocabulary-split logits (each rank logs its b·s·V/t share). Backward: one all-reduce
+    of the input gradient, b·s·h, after each column-parallel linear (``q_proj``, ``k_proj``, ``v_proj``,
+    ``gate_proj``, ``up_proj`` and ``lm_head``): 5L + 1. Megatron-LM fuses the column-parallel inputs of
+    one block and needs 2L in backward; AutoTP replaces each linear on its own.
+    """
+    theory.bytes_per_element(precision)  # a clear error for an unknown precision
+    width = theory.BYTES_PER_ELEMENT[precision]
+    activation = batch * seq * hidden * width
+    return {("all_reduce", "forward"): (2 * layers, activation),
+            ("all_gather_into_tensor", "forward"): (1, batch * seq * vocab // tp * width),
+            ("all_reduce", "backward"): (5 * layers + 1, activation)}
+
+
+def tensor_parallel_wire_bytes(layers: int, batch: int, seq: int, hidden: int, vocab: int, tp: int,
+                               precision: str = "fp32") -> float:
+    """Bytes one rank sends per micro-step for AutoTP's collectives (:func:`tensor_parallel_collectives`),
+    by the ring algorithm: they grow with the tokens b·s, whatever the number of parameters."""
+    return sum(count * theory.wire_bytes(op, size, tp)
+               for (op, _), (count, size) in tensor_parallel_collectives(layers, batch, seq, hidden, vocab, tp,
+                                                                        precision).items())
