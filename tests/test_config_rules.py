@@ -4,10 +4,13 @@ Two kinds of evidence, never a belief:
 - DeepSpeed's own parser (``DeepSpeedConfig``, through :func:`helpers.core.configs.deepspeed_parse`, or
   ``DeepSpeedConfig(path)`` for files) refuses or accepts the config;
 - a real 2-rank launch: one sweep trains every config below in the same ranks, recording each
-  run's error instead of stopping (``on_error="record"``), about 25 s for all of them.
+  run's error instead of stopping (``on_error="record"``). A case that shows its effect in the losses or
+  the collectives trains a few steps (or with the comm probe); the others one step.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -19,6 +22,11 @@ BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
 BF16 = {"enabled": True}
 SGD = {"type": "SGD", "params": {"lr": 1e-3}}
 m = configs.merged
+DECAY = {"optimizer": {"params": {"weight_decay": 0.5}}}  # strong enough to tell decoupled decay from L2 in 3 steps
+CLIPPED = m(BASE, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True})
+WARMUP_DECAY = {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2}}}
+STEPS = lambda n: {"steps": n}  # noqa: E731
+COMM = {"steps": 2, "probes": ("timing", "placement", "comm")}  # the comm probe measures step 2
 
 
 def _findings(config, key, severity, world=2, client_optimizer=False, env=None):
@@ -110,7 +118,8 @@ def test_duplicate_keys_are_refused_as_deepspeed_refuses_them(tmp_path):
 # --- rules only a launch shows ----------------------------------------------------------------
 
 def _launch_cases(env: environment.Environment, nvme_dir: str) -> dict:
-    """name -> (config, client optimizer, checker key, severity, expected outcome)."""
+    """name -> (config, client optimizer, checker key, severity, expected outcome[, RunSpec options]);
+    without options a case trains one step with the timing and placement probes."""
     offload = {"device": "cpu"}
     return {
         "control stage 2": (BASE, False, None, None, "ok"),
@@ -155,6 +164,89 @@ def _launch_cases(env: environment.Environment, nvme_dir: str) -> dict:
         "fp16 on this device": (m(BASE, {"fp16": {"enabled": True}}), False, "fp16.enabled",
                                 None if env.supports("fp16") else "error",
                                 "ok" if env.supports("fp16") else "not supported on your device"),
+        # optimizer.params against the class DeepSpeed builds (FusedAdam here, DeepSpeedCPUAdam with offload)
+        "optimizer param typo": (m(BASE, {"optimizer": {"params": {"beta1": 0.9}}}), False,
+                                 "optimizer.params.beta1", "error", "unexpected keyword argument 'beta1'"),
+        "optimizer param DeepSpeed passes": (m(BASE, {"optimizer": {"params": {"adamw_mode": False}},
+                                                       "zero_optimization": {"offload_optimizer": offload}}), False,
+                                             "optimizer.params.adamw_mode", "error",
+                                             "multiple values for keyword argument 'adamw_mode'"),
+        "lr as a string": (m(BASE, {"optimizer": {"params": {"lr": "1e-3"}}}), False, "optimizer.params.lr", "error",
+                           "incompatible function arguments"),
+        "betas not a pair": (m(BASE, {"optimizer": {"params": {"betas": [0.9]}}}), False, "optimizer.params.betas",
+                             "error", "not enough values to unpack"),
+        "torch Adam with a negative lr": (m(BASE, {"optimizer": {"params": {"lr": -1e-3, "torch_adam": True}}}), False,
+                                          "optimizer.params.lr", "error", "Invalid learning rate"),
+        "amsgrad": (m(BASE, {"optimizer": {"params": {"amsgrad": True}}}), False, "optimizer.params.amsgrad", "error",
+                    "does not support the AMSGrad variant"),
+        "control stage 2, 3 steps": (BASE, False, None, None, "ok", STEPS(3)),
+        "FusedAdam with a negative lr": (m(BASE, {"optimizer": {"params": {"lr": -1e-2}}}), False,
+                                         "optimizer.params.lr", "warning", "ok", STEPS(3)),
+        "FusedAdam with beta2 = 1": (m(BASE, {"optimizer": {"params": {"betas": [0.9, 1.0]}}}), False,
+                                     "optimizer.params.betas", "warning", "ok", STEPS(3)),
+        "fp32_optimizer_states without offload": (m(BASE, {"optimizer": {"params": {"fp32_optimizer_states": False}}}),
+                                                  False, "optimizer.params.fp32_optimizer_states", "warning", "ok",
+                                                  STEPS(3)),
+        "AdamW with weight decay": (m(BASE, DECAY), False, None, None, "ok", STEPS(3)),
+        "AdamW with adam_w_mode false": (m(BASE, m(DECAY, {"optimizer": {"params": {"adam_w_mode": False}}})), False,
+                                         "optimizer.params.adam_w_mode", "warning", "ok", STEPS(3)),
+        "Adam with weight decay": (m(BASE, m(DECAY, {"optimizer": {"type": "Adam"}})), False, "optimizer.type",
+                                   "warning", "ok", STEPS(3)),
+        "Adam with L2 weight decay": (m(BASE, m(DECAY, {"optimizer": {"type": "Adam",
+                                                                      "params": {"adam_w_mode": False}}})),
+                                      False, None, None, "ok", STEPS(3)),
+        "torch_adam Adam with weight decay": (m(BASE, m(DECAY, {"optimizer": {"type": "Adam",
+                                                                               "params": {"torch_adam": True}}})),
+                                              False, "optimizer.type", "warning", "ok"),
+        # scheduler.params against the scheduler DeepSpeed builds
+        "scheduler param typo": (m(BASE, {"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 10}}}), False,
+                                 "scheduler.params.warmup_steps", "error",
+                                 "unexpected keyword argument 'warmup_steps'"),
+        "scheduler without total_num_steps": (m(BASE, {"scheduler": {"type": "WarmupDecayLR", "params": {}}}), False,
+                                              "scheduler.params.total_num_steps", "error",
+                                              "missing 1 required positional argument: 'total_num_steps'"),
+        "warmup steps as a float": (m(BASE, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10.0}}}),
+                                    False, "scheduler.params.warmup_num_steps", "error", "must be a positive integer"),
+        "warmup_max_lr as a string": (m(BASE, {"scheduler": {"type": "WarmupLR",
+                                                             "params": {"warmup_max_lr": "1e-3"}}}), False,
+                                      "scheduler.params.warmup_max_lr", "error", "unsupported operand"),
+        "warmup of 0 steps": (m(BASE, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}), False,
+                              "scheduler.params.warmup_num_steps", "error", "must be a positive integer, got 0"),
+        "unknown warmup_type": (m(BASE, {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}}),
+                                False, "scheduler.params.warmup_type", "warning", "ok"),
+        "total below warmup": (m(BASE, {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 2,
+                                                                                         "warmup_num_steps": 4}}}),
+                               False, "scheduler.params.total_num_steps", "warning", "ok"),
+        "warmup of 1 step": (m(BASE, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1}}}), False,
+                             "scheduler.params.warmup_num_steps", "warning", "ok", STEPS(4)),
+        "warmup of 2 steps": (m(BASE, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}), False,
+                              None, None, "ok", STEPS(4)),
+        "warmup of 3 steps": (m(BASE, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}), False,
+                              None, None, "ok", STEPS(4)),
+        "warmup of 2 steps, lr 1e-2": (m(BASE, {"optimizer": {"params": {"lr": 1e-2}},
+                                                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}),
+                                       False, None, None, "ok", STEPS(4)),
+        "WarmupDecayLR, lr 1e-4": (m(BASE, m(WARMUP_DECAY, {"optimizer": {"params": {"lr": 1e-4}}})), False,
+                                   "optimizer.params.lr", "warning", "ok", STEPS(4)),
+        "WarmupDecayLR, lr 1e-2": (m(BASE, m(WARMUP_DECAY, {"optimizer": {"params": {"lr": 1e-2}}})), False,
+                                   "optimizer.params.lr", "warning", "ok", STEPS(4)),
+        # settings that turn a feature off, or that nothing reads
+        "gradient_clipping 0": (m(CLIPPED, {"gradient_clipping": 0}), False, "gradient_clipping", "warning", "ok",
+                                STEPS(3)),
+        "gradient_clipping 1e9": (m(CLIPPED, {"gradient_clipping": 1e9}), False, None, None, "ok", STEPS(3)),
+        "gradient_clipping 1e-3": (m(CLIPPED, {"gradient_clipping": 1e-3}), False, None, None, "ok", STEPS(3)),
+        "fp16 knobs without enabled": (m(BASE, {"fp16": {"loss_scale": 128, "initial_scale_power": 8}}), False,
+                                       "fp16.loss_scale", "warning", "ok", STEPS(3)),
+        "fp16 auto_cast with fp16 off": (m(BASE, {"fp16": {"enabled": False, "auto_cast": True}}), False,
+                                         "fp16.auto_cast", "error", "dtype"),
+        "control stage 0, comm": (m(BASE, {"zero_optimization": {"stage": 0}}), False, None, None, "ok", COMM),
+        "ZeRO knobs at stage 0": (m(BASE, {"zero_optimization": {"stage": 0, "overlap_comm": True,
+                                                                 "contiguous_gradients": True,
+                                                                 "reduce_bucket_size": 10}}),
+                                  False, "zero_optimization.overlap_comm", "warning", "ok", COMM),
+        "control stage 2, comm": (BASE, False, None, None, "ok", COMM),
+        "small reduce buckets at stage 2": (m(BASE, {"zero_optimization": {"reduce_bucket_size": 10}}), False, None,
+                                            None, "ok", COMM),
         # stage-3 failures last: a failed ZeRO-3 initialize leaves the least behind at the end
         "nvme without nvme_path": (m(BASE, {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}),
                                    False, "zero_optimization.offload_param.nvme_path", "error", "nvme_path"),
@@ -166,6 +258,14 @@ def _launch_cases(env: environment.Environment, nvme_dir: str) -> dict:
     }
 
 
+def _options(case: tuple) -> dict:
+    return case[5] if len(case) > 5 else {}
+
+
+def _folder_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     import os
@@ -174,10 +274,10 @@ def outcomes(tmp_path_factory):
     env = environment.detect(2)
     cases = _launch_cases(env, str(tmp_path_factory.mktemp("nvme")))
     folder = tmp_path_factory.mktemp("rules")
-    specs = {name: launch.RunSpec(config, model="linear", steps=1, check=False, client_optimizer=client,
-                                  on_error="record", out=folder / name.replace(" ", "-"),
-                                  probes=("timing", "placement"))
-             for name, (config, client, *_rest) in cases.items()}
+    specs = {name: launch.RunSpec(config, model="linear", check=False, client_optimizer=client,
+                                  on_error="record", out=folder / _folder_name(name),
+                                  **{"steps": 1, "probes": ("timing", "placement"), **options})
+             for name, (config, client, *_rest) in cases.items() for options in [_options(cases[name])]}
     results = launch.sweep(specs, name=f"config-rules-{folder.name}", world_size=2, progress=False, timeout=600)
     log = (launch.RUNS_DIR / f"config-rules-{folder.name}" / "launch.log").read_text()
     return env, cases, results, log
@@ -190,7 +290,7 @@ CASE_NAMES = list(_launch_cases(environment.Environment("cpu", "x", 0, 2, "gloo"
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_checker_agrees_with_what_a_launch_does(outcomes, name):
     env, cases, results, _ = outcomes
-    config, client, key, severity, expected = cases[name]
+    config, client, key, severity, expected = cases[name][:5]
     result = results[name]
     if expected == "ok":
         assert isinstance(result, records.Record), f"DeepSpeed refused it: {result}"
@@ -244,6 +344,175 @@ def test_pinning_pins_nothing_on_cpu_ranks(outcomes):
         assert [rank["pinned_bytes"] for rank in placement] == [0, 0]
     else:
         assert all(rank["pinned_bytes"] > 0 for rank in placement)
+
+
+def test_deepspeeds_adam_trains_with_what_torchs_adam_refuses(outcomes):
+    _, _, results, _ = outcomes
+    control = results["control stage 2, 3 steps"].losses  # lr 1e-3, on the same batches
+    ascent = results["FusedAdam with a negative lr"].losses  # lr -1e-2: a step up the gradient, every step
+    assert ascent[0] == control[0] and all(a > c for a, c in zip(ascent[1:], control[1:]))
+    never_decays = results["FusedAdam with beta2 = 1"].losses  # 1 - beta2**t = 0: the first step divides 0 by 0
+    assert math.isfinite(never_decays[0]) and all(math.isnan(x) for x in never_decays[1:])
+
+
+def test_deepspeeds_own_keys_that_change_nothing(outcomes):
+    _, cases, results, _ = outcomes
+    assert results["fp32_optimizer_states without offload"].losses == results["control stage 2, 3 steps"].losses
+    decoupled = results["AdamW with weight decay"].losses
+    assert results["AdamW with adam_w_mode false"].losses == decoupled  # "AdamW" is AdamW whatever adam_w_mode says
+    assert results["Adam with weight decay"].losses == decoupled  # "Adam" is AdamW too ...
+    assert results["Adam with L2 weight decay"].losses != decoupled  # ... unless adam_w_mode is false
+    assert results["torch_adam Adam with weight decay"]["basic_optimizer"] == "AdamW"
+    for quiet in ("AdamW with weight decay", "Adam with L2 weight decay"):
+        assert [f for f in configs.check(cases[quiet][0], 2) if f.severity == "warning"] == [], quiet
+    offloaded = m(BASE, {"optimizer": {"params": {"fp32_optimizer_states": False}},
+                         "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})  # CPU Adam takes it
+    assert not _findings(offloaded, "optimizer.params.fp32_optimizer_states", "warning")
+
+
+def test_scheduler_warnings_are_the_ones_deepspeed_logs(outcomes):
+    _, _, _, log = outcomes
+    assert "Using unknown warmup_type: cosine" in log
+    assert "total_num_steps 2 is less than warmup_num_steps 4" in log
+
+
+def test_a_warmup_of_one_step_runs_as_two(outcomes):
+    _, _, results, _ = outcomes
+    one, two, three = (results[f"warmup of {n}"].losses for n in ("1 step", "2 steps", "3 steps"))
+    assert one == two != three
+
+
+def test_warmup_decay_sets_the_learning_rate_itself(outcomes):
+    _, cases, results, _ = outcomes
+    assert results["WarmupDecayLR, lr 1e-4"].losses == results["WarmupDecayLR, lr 1e-2"].losses
+    # WarmupLR without warmup_max_lr warms up to the optimizer's lr: there the lr counts, and no warning
+    assert results["warmup of 2 steps"].losses != results["warmup of 2 steps, lr 1e-2"].losses
+    assert not _findings(cases["warmup of 2 steps, lr 1e-2"][0], "optimizer.params.lr", "warning")
+    assert not _findings(m(BASE, WARMUP_DECAY), "optimizer.params.lr", "warning")  # lr 1e-3 is its peak
+
+
+def test_gradient_clipping_0_clips_nothing(outcomes):
+    _, _, results, _ = outcomes
+    off, never, tight = (results[f"gradient_clipping {v}"].losses for v in ("0", "1e9", "1e-3"))
+    assert off == never != tight
+
+
+def test_fp16_knobs_without_enabled_train_as_fp32(outcomes):
+    _, _, results, _ = outcomes
+    assert results["fp16 knobs without enabled"].losses == results["control stage 2, 3 steps"].losses
+    assert not _findings(m(BASE, {"fp16": {"enabled": False, "loss_scale": 128}}), "fp16.loss_scale", "warning")
+
+
+def test_zero_knobs_change_no_collective_at_stage_0(outcomes):
+    _, _, results, _ = outcomes
+    by_op = lambda name: results[name]["comm.by_op"]  # noqa: E731
+    assert by_op("ZeRO knobs at stage 0") == by_op("control stage 0, comm")
+    assert by_op("small reduce buckets at stage 2") != by_op("control stage 2, comm")  # where ZeRO reads it, it shows
+
+
+# --- optimizer and scheduler parameters: what the checker derives from the builders' signatures --------
+
+def _torch_optimizers() -> list[str]:
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    return [n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+            and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"
+            and n.lower() not in DEEPSPEED_OPTIMIZERS]
+
+
+@pytest.mark.parametrize("name", _torch_optimizers())
+def test_every_torch_optimizer_takes_its_own_defaults(name):
+    import inspect
+
+    import torch
+
+    defaults = {k: list(p.default) if isinstance(p.default, tuple) else p.default
+                for k, p in list(inspect.signature(getattr(torch.optim, name)).parameters.items())[1:]
+                if p.default is not inspect.Parameter.empty and (p.default is None or isinstance(
+                    p.default, (bool, int, float, str, tuple)))}
+    config = m(BASE, {"optimizer": {"type": name, "params": defaults}, "zero_optimization": {"stage": 0}})
+    assert [f for f in configs.check(config, 2) if f.key.startswith("optimizer")] == []
+
+
+@pytest.mark.parametrize("params", [{"lr": 1e-3, "weight_decay": 0.01, "betas": [0.9, 0.95], "eps": 1e-6,
+                                     "bias_correction": True},
+                                    {"lr": 1e-3, "torch_adam": True, "foreach": False, "amsgrad": True,
+                                     "maximize": False},
+                                    {"lr": 1e-3, "adam_w_mode": False, "weight_decay": 0.1}])
+@pytest.mark.parametrize("offload", [False, True])
+def test_adam_parameters_deepspeed_takes_are_clean(params, offload):
+    config = m(BASE, {"optimizer": {"type": "Adam", "params": params}})
+    if offload:
+        config = m(config, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    findings = [f for f in configs.check(config, 2) if f.key.startswith("optimizer.params")
+                and f.key != "optimizer.params.torch_adam"]  # torch_adam with offload has a rule of its own
+    assert findings == []
+
+
+def test_optimizer_parameter_types_come_from_the_signature():
+    sgd = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 0}}
+    (nesterov,) = _findings(m(BASE, m(sgd, {"optimizer": {"params": {"nesterov": "yes"}}})),
+                            "optimizer.params.nesterov", "error")
+    assert "true or false" in nesterov.rule
+    (decay,) = _findings(m(BASE, m(sgd, {"optimizer": {"type": "Adagrad", "params": {"lr_decay": -1}}})),
+                         "optimizer.params.lr_decay", "error")
+    assert "Invalid lr_decay value" in decay.rule  # torch's own constructor, not the course, refuses it
+    (typo,) = _findings(m(BASE, m(sgd, {"optimizer": {"type": "RMSprop", "params": {"alfa": 0.9}}})),
+                        "optimizer.params.alfa", "error")
+    assert "'alpha'" in typo.fix
+    (lion,) = _findings(m(BASE, {"optimizer": {"type": "Lion", "params": {"eps": 1e-8}}}), "optimizer.params.eps",
+                        "error")
+    assert "FusedLion" in lion.rule  # DeepSpeed's Lion takes no eps
+    amsgrad = m(BASE, {"optimizer": {"params": {"amsgrad": True}},
+                       "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    (cpu,) = _findings(amsgrad, "optimizer.params.amsgrad", "error")
+    assert "DeepSpeedCPUAdam" in cpu.rule  # with optimizer offload, the class checked is DeepSpeed's CPU Adam
+    (params,) = _findings({**BASE, "optimizer": {"type": "AdamW", "params": [1e-3]}}, "optimizer.params", "error")
+    assert "an object" in params.rule
+
+
+def test_the_client_optimizer_replaces_the_sections_parameters():
+    config = m(BASE, {"optimizer": {"params": {"beta1": 0.9}}})
+    assert _findings(config, "optimizer.params.beta1", "error")
+    assert not _findings(config, "optimizer.params.beta1", "error", client_optimizer=True)
+
+
+SCHEDULER_REQUIRED = {"WarmupDecayLR": {"total_num_steps": 2000}, "WarmupCosineLR": {"total_num_steps": 2000},
+                      "OneCycle": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}
+
+
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"])
+def test_deepspeeds_schedulers_take_their_own_defaults(kind):
+    import inspect
+
+    from deepspeed.runtime import lr_schedules
+
+    defaults = {k: p.default for k, p in list(inspect.signature(getattr(lr_schedules, kind)).parameters.items())[1:]
+                if p.default is not inspect.Parameter.empty}
+    config = m(BASE, {"scheduler": {"type": kind, "params": {**defaults, **SCHEDULER_REQUIRED.get(kind, {})}}})
+    assert configs.check(config, 2) == []
+
+
+def test_torch_schedulers_are_checked_too():
+    (missing,) = _findings(m(BASE, {"scheduler": {"type": "StepLR", "params": {"gamma": 0.5}}}),
+                           "scheduler.params.step_size", "error")
+    assert "StepLR needs it" in missing.rule
+    assert configs.check(m(BASE, {"scheduler": {"type": "StepLR", "params": {"step_size": 2}}}), 2) == []
+    # OneCycleLR sets the learning rate from max_lr: the optimizer's lr is never used
+    assert _findings(m(BASE, {"scheduler": {"type": "OneCycleLR", "params": {"max_lr": 0.1, "total_steps": 100}}}),
+                     "optimizer.params.lr", "warning")
+
+
+def test_checking_a_scheduler_keeps_deepspeeds_log_quiet(capsys):
+    from deepspeed.utils import logger
+
+    handlers, level = logger.handlers[:], logger.level
+    config = m(BASE, {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}})
+    assert _findings(config, "scheduler.params.warmup_type", "warning")
+    captured = capsys.readouterr()
+    assert "warmup_type" not in captured.out + captured.err
+    assert (logger.handlers, logger.level) == (handlers, level)
 
 
 # --- fp16 loss-scaling rules, against DeepSpeed's own loss scalers (a CPU cannot launch fp16) ------

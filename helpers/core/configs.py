@@ -10,7 +10,10 @@ and unquoted keys are fine) and duplicate keys refused. :func:`check` returns ev
    arithmetic, removed features, precision conflicts).
 2. The course's rules for what DeepSpeed accepts but ignores, or only fails on at
    ``deepspeed.initialize`` or later (:data:`RULES` lists them with DeepSpeed's real outcome,
-   each verified by a launch in ``tests/test_config_rules.py``).
+   each verified by a launch in ``tests/test_config_rules.py``). ``optimizer.params`` and
+   ``scheduler.params`` are checked against the classes DeepSpeed builds from them
+   (:func:`optimizer_builder`): their signatures (unknown keys, types, required ones), and their
+   constructors themselves, run on a stand-in parameter (the values they refuse).
 3. The device: precisions DeepSpeed refuses here, NVMe offload without DeepSpeed's async I/O op,
    more ranks than GPUs.
 
@@ -20,12 +23,20 @@ a second with a readable message instead of after a launch with a stack trace fr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
 import inspect
+import logging
+import math
+import re
+import sys
+import types
+import typing
+import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 from unittest import mock
 
 import torch
@@ -82,6 +93,41 @@ RULES = {
     "fp16-static-knobs": "accepted; with loss_scale > 0 the scale is static and the dynamic knobs do nothing",
     "fp16-hysteresis-stage-0": "accepted; at stage 0 every overflow halves the scale (FP16_Optimizer ignores hysteresis)",
     "fp16-min-above-initial": "accepted; the first overflow raises the scale to min_loss_scale instead of halving it",
+    # optimizer.params, against the class DeepSpeed builds (FusedAdam, DeepSpeedCPUAdam, torch's, ...)
+    "optimizer-param-unknown": "TypeError in deepspeed.initialize: '__init__() got an unexpected keyword argument' "
+                               "(or 'got multiple values for keyword argument' for one DeepSpeed passes itself)",
+    "optimizer-param-type": "accepted until used: a TypeError or ValueError from the constructor or the first step "
+                            "(FusedAdam: 'multi_tensor_adam(): incompatible function arguments'; betas [0.9]: "
+                            "'not enough values to unpack')",
+    "optimizer-param-refused": "raised by the optimizer's constructor in deepspeed.initialize (torch: 'ValueError: "
+                               "Invalid learning rate'; FusedAdam, CPU Adam: 'does not support the AMSGrad variant')",
+    "optimizer-param-unchecked": "accepted: DeepSpeed's own kernels check no range (a negative lr climbs the loss, "
+                                 "beta2 = 1 makes the parameters NaN at the first step), where torch's class refuses",
+    "optimizer-param-ignored": "accepted; DeepSpeed takes the key out and builds the same optimizer whatever its value "
+                               "(adam_w_mode with AdamW, fp32_optimizer_states without optimizer offload)",
+    "adam-is-adamw": "accepted; \"Adam\" with weight decay builds what \"AdamW\" builds (decoupled weight decay) "
+                     "unless adam_w_mode is false",
+    # scheduler.params, against the scheduler class DeepSpeed builds (its own, or torch's)
+    "scheduler-param-unknown": "TypeError in deepspeed.initialize: 'got an unexpected keyword argument'",
+    "scheduler-param-missing": "TypeError in deepspeed.initialize: 'missing 1 required positional argument'",
+    "scheduler-param-type": "fails when the scheduler is built or steps (warmup_num_steps 10.0: 'ValueError: "
+                            "warmup_num_steps must be a positive integer'; a string lr: 'TypeError: unsupported "
+                            "operand')",
+    "scheduler-param-refused": "ValueError from the scheduler's constructor in deepspeed.initialize "
+                               "(warmup_num_steps 0: 'must be a positive integer, got 0')",
+    "scheduler-warns": "accepted with a logged warning (an unknown warmup_type runs as log; total_num_steps below "
+                       "warmup_num_steps)",
+    "scheduler-param-replaced": "accepted; the scheduler silently uses another value (warmup_num_steps 1 runs as 2)",
+    "scheduler-ignores-lr": "accepted; the scheduler sets every step's lr from its own parameters (WarmupDecayLR: "
+                            "warmup_max_lr, default 0.001), so the optimizer's lr is never used",
+    # settings that turn a feature off, or that nothing reads
+    "gradient-clipping-off": "accepted; 0 or less clips nothing (without the key DeepSpeed clips at 1.0)",
+    "fp16-without-enabled": "accepted; without \"enabled\" fp16 is off (the default) and its loss-scaling knobs are "
+                            "never read: the run is fp32",
+    "fp16-auto-cast-off": "accepted by deepspeed.initialize; the first forward fails (fp16 inputs, fp32 weights): "
+                          "auto_cast casts the inputs although fp16 is off",
+    "zero-knobs-stage-0": "accepted; at stage 0 no ZeRO optimizer reads overlap_comm, contiguous_gradients, "
+                          "reduce_scatter, reduce_bucket_size or round_robin_gradients (the same collectives)",
 }
 
 
@@ -206,6 +252,8 @@ def _section_validators() -> dict[str, Callable[[dict], Any]]:
         get_bfloat16_config,
         get_float16_config,
     )
+
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
     from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
     from deepspeed.runtime.zero.config import get_zero_config
 
@@ -229,6 +277,8 @@ def _model_fields(section: str, path: list[str]) -> list[str]:
         DeepSpeedBF16Config,
         DeepSpeedFP16Config,
     )
+
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from deepspeed.runtime.zero.offload_config import (
         DeepSpeedZeroOffloadOptimizerConfig,
@@ -371,7 +421,9 @@ def _optimizer_findings(config: dict, stage: int, client_optimizer: bool) -> lis
             findings.append(Finding("error", "optimizer.type", f"torch.optim.{kind} is untested with ZeRO: "
                                     "deepspeed.initialize refuses it",
                                     'set "zero_allow_untested_optimizer": true, or use "AdamW"'))
-        if "max_grad_norm" in (optimizer.get("params") or {}):
+        if is_deepspeed or is_torch:
+            findings += _optimizer_param_findings(config)
+        if isinstance(optimizer.get("params"), dict) and "max_grad_norm" in optimizer["params"]:
             findings.append(Finding("error", "optimizer.params.max_grad_norm", "DeepSpeed refuses it as an optimizer "
                                     "parameter (ValueError)", 'remove it and set "gradient_clipping" instead'))
     if isinstance(optimizer, dict) and client_optimizer:
@@ -391,6 +443,8 @@ def _optimizer_findings(config: dict, stage: int, client_optimizer: bool) -> lis
             findings.append(Finding("error", "scheduler.type", f"{kind!r} is not a scheduler DeepSpeed knows "
                                     "(deepspeed.initialize raises)", f"use {close[0]!r}" if close else
                                     f"use one of {', '.join(known)}"))
+        else:
+            findings += _scheduler_param_findings(config, client_optimizer)
     return findings
 
 
@@ -460,14 +514,535 @@ def _offload_optimizer_findings(optimizer: dict) -> list[Finding]:
     return []
 
 
+# --- the optimizer's and the scheduler's parameters, against the classes DeepSpeed builds from them -----
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerBuilder:
+    """What ``deepspeed.initialize`` builds from a config's optimizer section:
+    ``cls(model_parameters, **params, **passed)`` once DeepSpeed has taken the keys ``taken`` out of
+    ``params``. ``counterpart`` is torch's class with the same update rule when ``cls`` is one of
+    DeepSpeed's own kernels (FusedAdam, CPU Adam, ...), which check none of their arguments."""
+
+    cls: type
+    passed: dict[str, Any]
+    taken: frozenset[str]
+    counterpart: type | None
+
+    def builds(self) -> str:
+        """``FusedAdam(adam_w_mode=True)``: the class and what DeepSpeed passes it besides the parameters."""
+        return f"{self.cls.__name__}({', '.join(f'{k}={v!r}' for k, v in self.passed.items())})"
+
+
+def optimizer_builder(config: dict) -> OptimizerBuilder | None:
+    """The optimizer DeepSpeed 0.19.8's ``_configure_basic_optimizer`` builds from ``config["optimizer"]``,
+    with the same choices (type, ``torch_adam``, ``adam_w_mode``, optimizer offload); for Adam and AdamW
+    DeepSpeed's own ``get_optimizer_configuration`` makes them. None for a type it does not build from the
+    config alone (unknown, MuP's, Muon)."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime import config as ds
+
+    optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
+    name = str(optimizer.get("type", ""))
+    kind = name.lower()
+    given = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
+    params = dict(given)
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+    offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
+    on_cpu = offload.get("device") in ("cpu", "nvme")  # the engine's zero_use_cpu_optimizer()
+    torch_names = {n.lower(): n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)}
+    counterpart = getattr(torch.optim, torch_names.get(kind, ""), None)
+    passed: dict[str, Any] = {}
+    if kind in (ds.ADAM_OPTIMIZER, ds.ADAMW_OPTIMIZER):
+        # deferred: DeepSpeed is imported after the course has chosen its accelerator
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        adam_w_mode = params.pop(ds.ADAM_W_MODE, ds.ADAM_W_MODE_DEFAULT)
+        bf16 = config.get("bf16") if isinstance(config.get("bf16"), dict) else {}
+        zenflow = zero.get("zenflow") if isinstance(zero.get("zenflow"), dict) else None
+        engine = types.SimpleNamespace(  # what get_optimizer_configuration asks of the engine
+            zero_use_cpu_optimizer=lambda: on_cpu,
+            bf16_optimizer_states=lambda: bool(bf16.get("bf16_optimizer_states")),
+            zenflow=zenflow is not None, overlap_step=(zenflow or {}).get("overlap_step", False))
+        effective_adam_w_mode = kind == ds.ADAMW_OPTIMIZER or adam_w_mode  # as _configure_basic_optimizer has it
+        try:
+            cls, passed = DeepSpeedEngine.get_optimizer_configuration(engine, params, effective_adam_w_mode)
+        except (AttributeError, TypeError):  # a DeepSpeed that asks the engine for more: check nothing, never crash
+            return None
+    elif kind == ds.ADAGRAD_OPTIMIZER:
+        # deferred: DeepSpeed is imported after the course has chosen its accelerator
+        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+
+        cls = DeepSpeedCPUAdagrad if on_cpu else torch.optim.Adagrad
+    elif kind == ds.LAMB_OPTIMIZER:
+        # deferred: DeepSpeed is imported after the course has chosen its accelerator
+        from deepspeed.ops.lamb import FusedLamb
+
+        cls = FusedLamb
+    elif kind == ds.LION_OPTIMIZER:
+        # deferred: DeepSpeed is imported after the course has chosen its accelerator
+        from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+
+        cls = DeepSpeedCPULion if on_cpu else FusedLion
+    elif kind in ds.DEEPSPEED_OPTIMIZERS:
+        return None  # MuP's (another package) and Muon (parameter groups of its own)
+    else:
+        cls = getattr(torch.optim, name, None)
+        if not isinstance(cls, type):
+            return None
+    own = cls.__module__.startswith("deepspeed.")
+    return OptimizerBuilder(cls, dict(passed), frozenset(given) - frozenset(params), counterpart if own else None)
+
+
+def _keywords(cls: type) -> dict[str, inspect.Parameter]:
+    """The constructor's keyword parameters after the first (the parameters to optimize, or the optimizer),
+    with annotations resolved where Python can."""
+    try:
+        signature = inspect.signature(cls, eval_str=True)
+    except Exception:  # noqa: BLE001 - an annotation that cannot be resolved: keep them as text
+        signature = inspect.signature(cls)
+    parameters = [p for p in signature.parameters.values()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return {p.name: p for p in parameters[1:]}
+
+
+def _annotated_type(annotation: Any) -> tuple[str, Callable[[Any], bool]] | None:
+    """The JSON values a constructor's annotation allows (a tensor cannot come from JSON, so a
+    ``float | Tensor`` is a number); None where the annotation says nothing JSON can be checked against."""
+
+    simple = {bool: ("true or false", lambda v: isinstance(v, bool)),
+              int: ("a whole number", lambda v: _is_type(v, (int,))),
+              float: ("a number", lambda v: _is_type(v, (int, float))),
+              str: ("a string", lambda v: isinstance(v, str)),
+              type(None): ("null", lambda v: v is None)}
+    if annotation in simple:
+        return simple[annotation]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return (" or ".join(repr(a) for a in args), lambda v: v in args)
+    if origin in (typing.Union, types.UnionType):
+        arms = [_annotated_type(a) for a in args if a is not torch.Tensor]
+        if not arms or None in arms:
+            return None
+        return (" or ".join(d for d, _ in arms), lambda v: any(accepts(v) for _, accepts in arms))
+    if origin in (tuple, list) and args and Ellipsis not in args:
+        arms = [_annotated_type(a) for a in args]
+        if None in arms:
+            return None
+        if origin is list:
+            return (f"a list of {_plural(arms[0][0])}", lambda v: isinstance(v, list) and all(arms[0][1](x) for x in v))
+        same = len({d for d, _ in arms}) == 1
+        return (f"a list of {len(arms)} {_plural(arms[0][0])}" if same else
+                f"a list of {len(arms)}: {', '.join(d for d, _ in arms)}",
+                lambda v: isinstance(v, (list, tuple)) and len(v) == len(arms)
+                and all(accepts(x) for (_, accepts), x in zip(arms, v)))
+    return None
+
+
+def _plural(description: str) -> str:
+    """"a number" -> "numbers" (for "a list of 2 numbers")."""
+    return f"{description.removeprefix('a ')}s" if description.startswith("a ") and " or " not in description \
+        else f"values ({description})"
+
+
+def _expected_type(parameter: inspect.Parameter, per_group: bool = False) -> tuple[str, Callable[[Any], bool]] | None:
+    """The JSON values ``parameter`` takes: from its annotation, else (DeepSpeed's kernels declare no types)
+    from its default; ``per_group``: a number may also be a list, one per parameter group."""
+    default = parameter.default
+    if parameter.annotation is not inspect.Parameter.empty:
+        expected = _annotated_type(parameter.annotation)
+    elif isinstance(default, bool):
+        expected = _annotated_type(bool)
+    elif isinstance(default, (int, float)):
+        expected = _annotated_type(float)  # weight_decay=0 is a number, not a count
+    elif isinstance(default, str):
+        expected = _annotated_type(str)
+    elif isinstance(default, tuple) and default and all(_is_type(x, (int, float)) for x in default):
+        expected = _annotated_type(tuple[tuple(float for _ in default)])
+    else:
+        expected = None
+    if expected is None:
+        return None
+    description, accepts = expected
+    if per_group and description == "a number":
+        description, accepts = ("a number or a list of numbers (one per parameter group)",
+                                lambda v: _is_type(v, (int, float)) or (isinstance(v, list) and v
+                                                                       and all(_is_type(x, (int, float)) for x in v)))
+    if default is None and not accepts(None):
+        return (f"{description} or null", lambda v: v is None or accepts(v))
+    return description, accepts
+
+
+class _KernelsReached(Exception):
+    """Raised where a DeepSpeed optimizer's constructor starts using the machine (its compiled op, the CPU)."""
+
+
+def _reach_kernels(*args: Any, **kwargs: Any) -> Any:
+    raise _KernelsReached
+
+
+@contextlib.contextmanager
+def _stopped_at_kernels(cls: type):
+    """Run a DeepSpeed optimizer's constructor only up to where it loads its op or reads the CPU's
+    features: what it checks before that, it checks for any machine; nothing is built or loaded."""
+    stub = type("NotLoaded", (), {"__init__": lambda self, *a, **k: None, "load": _reach_kernels})
+    with contextlib.ExitStack() as stack:
+        for owner in cls.__mro__:
+            module = sys.modules.get(owner.__module__)
+            if module is not None and owner.__module__.startswith("deepspeed."):
+                for name in [n for n in vars(module) if n.endswith("Builder")]:
+                    stack.enter_context(mock.patch.object(module, name, stub))
+        try:
+            import cpuinfo  # deferred: only this function needs it
+
+            stack.enter_context(mock.patch.object(cpuinfo, "get_cpu_info", _reach_kernels))
+        except ImportError:
+            pass
+        yield
+
+
+@contextlib.contextmanager
+def _without_compile_guard():
+    """torch's ``Optimizer.add_param_group`` without its torch.compile guard, whose first call imports
+    torch._dynamo (seconds, once per process) only to step around a compiler that a config check never runs."""
+
+    add = torch.optim.Optimizer.add_param_group
+    with mock.patch.object(torch.optim.Optimizer, "add_param_group", getattr(add, "__wrapped__", add)):
+        yield
+
+
+def _construct_optimizer(cls: type, params: dict) -> None:
+    """``cls([p], **params)`` on one stand-in parameter, as DeepSpeed would call it; raises what it raises."""
+
+    stand_in = [torch.nn.Parameter(torch.zeros(1))]
+    with _without_compile_guard():
+        if not cls.__module__.startswith("deepspeed."):
+            cls(stand_in, **params)
+            return
+        with _stopped_at_kernels(cls):
+            try:
+                cls(stand_in, **params)
+            except _KernelsReached:
+                pass
+
+
+def _refusal(build: Callable[[dict], Any], params: dict) -> str | None:
+    """``"ValueError: ..."`` if ``build(params)`` raises, else None."""
+    try:
+        build(params)
+    except Exception as error:  # noqa: BLE001 - any refusal is the answer
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _refusals(build: Callable[[dict], Any], params: dict, required: Sequence[str] = ()) -> dict[str, str]:
+    """key -> what ``build`` raises for that key (each tried alone, beside the required ones); ``""`` ->
+    the refusal when only the keys together fail. Empty when ``build(params)`` succeeds."""
+    whole = _refusal(build, params)
+    if whole is None:
+        return {}
+    base = {k: params[k] for k in required if k in params}
+    base_refusal = _refusal(build, base) if base else None
+    if base_refusal is not None:
+        named = [k for k in base if re.search(rf"\b{re.escape(k)}\b", base_refusal)]
+        return {(named or list(base))[0]: base_refusal}
+    found = {key: refusal for key in params if key not in base
+             for refusal in [_refusal(build, {**base, key: params[key]})] if refusal is not None}
+    return found or {"": whole}
+
+
+def _optimizer_param_findings(config: dict) -> list[Finding]:
+    """``optimizer.params`` against the class DeepSpeed builds: unknown keys, wrong types, values its
+    constructor refuses, values its kernel takes although torch refuses them, and DeepSpeed's own keys
+    that change nothing."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime import config as ds
+
+    optimizer = config["optimizer"]
+    params = optimizer.get("params", {})
+    if not isinstance(params, dict):
+        return [Finding("error", "optimizer.params", f"must be an object {{ }} of keyword arguments, got "
+                        f"{type(params).__name__} {params!r} (deepspeed.initialize fails unpacking it)",
+                        'write e.g. "params": {"lr": 1e-4}')]
+    builder = optimizer_builder(config)
+    if builder is None:
+        return []
+    what = f"{builder.cls.__module__}.{builder.cls.__qualname__}"
+    keywords = {k: p for k, p in _keywords(builder.cls).items() if k not in builder.passed}
+    findings, usable = [], {}
+    for key, value in params.items():
+        path = f"optimizer.params.{key}"
+        if key == "max_grad_norm" or key in builder.taken:
+            continue  # the first has a rule of its own; DeepSpeed's own keys: below
+        if key in builder.passed:
+            findings.append(Finding("error", path, f"DeepSpeed passes {key} to {builder.builds()} itself: a second "
+                                    "one fails deepspeed.initialize (TypeError: got multiple values)", "remove it"))
+        elif key not in keywords:
+            choices = list(keywords)
+            if str(optimizer.get("type")).lower() in (ds.ADAM_OPTIMIZER, ds.ADAMW_OPTIMIZER):
+                choices += [ds.ADAM_W_MODE, ds.TORCH_ADAM_PARAM]  # DeepSpeed's own keys for Adam
+            close = difflib.get_close_matches(key, choices, n=1)
+            findings.append(Finding("error", path, f"is not a parameter of {what}, the optimizer DeepSpeed builds "
+                                    "here (deepspeed.initialize fails: TypeError, unexpected keyword argument)",
+                                    f"did you mean {close[0]!r}?" if close else
+                                    f"remove it; {builder.cls.__name__} takes {', '.join(keywords)}"))
+        elif (expected := _expected_type(keywords[key])) and not expected[1](value):
+            findings.append(Finding("error", path, f"must be {expected[0]} for {builder.cls.__name__}, got "
+                                    f"{type(value).__name__} {value!r} (accepted until its constructor or the first "
+                                    "step uses it, then a TypeError or ValueError from inside it)",
+                                    f"write {key} as {expected[0]}"))
+        else:
+            usable[key] = value
+    for key in sorted(builder.taken):
+        if not _changes_the_builder(config, key):
+            hint = ('; for Adam with L2 weight decay write "type": "Adam" with "adam_w_mode": false'
+                    if key == ds.ADAM_W_MODE else "")
+            findings.append(Finding("warning", f"optimizer.params.{key}", f"changes nothing here: DeepSpeed takes it "
+                                    f"out of the parameters and builds {builder.builds()} whatever its value",
+                                    f"remove it{hint}"))
+    build = lambda p: _construct_optimizer(builder.cls, {**p, **builder.passed})  # noqa: E731
+    for key, refusal in _refusals(build, usable).items():
+        findings.append(Finding("error", f"optimizer.params.{key}".rstrip("."), f"{builder.cls.__name__} refuses it "
+                                f"when deepspeed.initialize builds it ({refusal})",
+                                _default_fix(key, keywords, builder.cls.__name__)))
+    if builder.counterpart is not None and not any(f.severity == "error" for f in findings):
+        counterpart = builder.counterpart
+        comparable = {k: v for k, v in usable.items() if k in _keywords(counterpart)}
+        for key, refusal in _refusals(lambda p: _construct_optimizer(counterpart, p), comparable).items():
+            findings.append(Finding("warning", f"optimizer.params.{key}".rstrip("."), f"{builder.cls.__name__}, "
+                                    f"DeepSpeed's own kernel, checks nothing and trains with it, where "
+                                    f"torch.optim.{counterpart.__name__} refuses it ({refusal})",
+                                    _default_fix(key, keywords, f"torch.optim.{counterpart.__name__}")))
+    findings += _adam_is_adamw_findings(config, builder)
+    return findings
+
+
+def _default_fix(key: str, keywords: dict[str, inspect.Parameter], accepter: str) -> str:
+    """The fix for a refused value: the key's default, where it has one."""
+    default = keywords[key].default if key in keywords else inspect.Parameter.empty
+    if default is inspect.Parameter.empty:
+        return f"change it to a value {accepter} accepts" if key else f"change what {accepter} refuses together"
+    return f"remove {key} for its default, {default!r}, or give a value {accepter} accepts"
+
+
+def _changes_the_builder(config: dict, key: str) -> bool:
+    """Whether DeepSpeed builds anything else with ``optimizer.params[key]`` removed, or (true/false) flipped."""
+    params = config["optimizer"]["params"]
+    base = optimizer_builder(config)
+    variants = [{k: v for k, v in params.items() if k != key}]
+    if isinstance(params[key], bool):
+        variants.append({**params, key: not params[key]})
+    for variant in variants:
+        other = optimizer_builder({**config, "optimizer": {**config["optimizer"], "params": variant}})
+        if other is None or (other.cls, other.passed) != (base.cls, base.passed):
+            return True
+    return False
+
+
+def _adam_is_adamw_findings(config: dict, builder: OptimizerBuilder) -> list[Finding]:
+    """"Adam" with weight decay builds exactly what "AdamW" builds, unless adam_w_mode says otherwise."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime import config as ds
+
+    optimizer = config["optimizer"]
+    decay = optimizer["params"].get("weight_decay", 0) if isinstance(optimizer.get("params"), dict) else 0
+    if str(optimizer.get("type")).lower() != ds.ADAM_OPTIMIZER or not _is_type(decay, (int, float)) or decay == 0:
+        return []
+    as_adamw = optimizer_builder(merged(config, {"optimizer": {"type": "AdamW"}}))
+    if as_adamw is None or (as_adamw.cls, as_adamw.passed) != (builder.cls, builder.passed):
+        return []
+    return [Finding("warning", "optimizer.type", f'"{optimizer["type"]}" with weight_decay {decay:g}: DeepSpeed builds '
+                    f'{builder.builds()}, exactly what it builds for "AdamW": decoupled weight decay, not the L2 '
+                    "penalty torch.optim.Adam adds to the gradient",
+                    f'add "{ds.ADAM_W_MODE}": false to the params for Adam with L2 weight decay, or write "AdamW" '
+                    "to say what runs")]
+
+
+@contextlib.contextmanager
+def _captured_messages():
+    """The warnings DeepSpeed logs and Python warns while the block runs (kept from the console)."""
+
+    from deepspeed.utils import (
+        logger,  # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    )
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handlers, level = logger.handlers[:], logger.level
+    logger.handlers[:] = [Keep(logging.WARNING)]
+    logger.setLevel(min(level or logging.WARNING, logging.WARNING))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield messages
+        messages.extend(str(w.message) for w in caught)
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+
+
+def _scheduler_trial(cls: type, params: dict, optimizer: Callable[[float], Any], lr: float,
+                     steps: int = 5) -> tuple[dict, list[float], list[str]]:
+    """Build ``cls`` on a stand-in optimizer with learning rate ``lr`` and take ``steps`` steps, as the engine
+    does after each optimizer step: the scheduler's attributes once built, the learning rate before and
+    after each step, and the warnings on the way. (The stand-in never steps: no parameter would change.)"""
+    with _captured_messages() as messages, _without_compile_guard():
+        stand_in = optimizer(lr)
+        scheduler = cls(stand_in, **params)
+        built = dict(vars(scheduler))
+        lrs = [stand_in.param_groups[0]["lr"]]
+        for _ in range(steps):
+            try:
+                scheduler.step()
+            except TypeError:  # as the engine does for a step that wants an argument (ReduceLROnPlateau)
+                scheduler.step(1)
+            lrs.append(stand_in.param_groups[0]["lr"])
+    return built, lrs, messages
+
+
+def _scheduler_param_findings(config: dict, client_optimizer: bool) -> list[Finding]:
+    """``scheduler.params`` against the scheduler class DeepSpeed builds (its own, or torch's of that name):
+    unknown keys, missing required ones, wrong types, what its constructor and first steps refuse or warn
+    about, values it silently replaces, and an optimizer ``lr`` that it never uses."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime import lr_schedules
+
+    scheduler = config["scheduler"]
+    kind = str(scheduler.get("type", ""))
+    cls = getattr(lr_schedules, kind, None) or getattr(torch.optim.lr_scheduler, kind, None)  # the engine's order
+    if not isinstance(cls, type):
+        return []
+    params = scheduler.get("params", {})
+    if not isinstance(params, dict):
+        return [Finding("error", "scheduler.params", f"must be an object {{ }} of keyword arguments, got "
+                        f"{type(params).__name__} {params!r} (deepspeed.initialize fails unpacking it)",
+                        'write e.g. "params": {"warmup_num_steps": 100}')]
+    deepspeeds = cls.__module__ == lr_schedules.__name__
+    what = f"{cls.__module__}.{cls.__qualname__}"
+    keywords = _keywords(cls)
+    required = [k for k, p in keywords.items() if p.default is inspect.Parameter.empty]
+    findings, usable = [], {}
+    for key, value in params.items():
+        path = f"scheduler.params.{key}"
+        if key not in keywords:
+            close = difflib.get_close_matches(key, list(keywords), n=1)
+            findings.append(Finding("error", path, f"is not a parameter of {what} (deepspeed.initialize fails: "
+                                    "TypeError, unexpected keyword argument)", f"did you mean {close[0]!r}?" if close
+                                    else f"remove it; {kind} takes {', '.join(keywords)}"))
+        elif (expected := _expected_type(keywords[key], per_group=deepspeeds)) and not expected[1](value):
+            findings.append(Finding("error", path, f"must be {expected[0]} for {kind}, got {type(value).__name__} "
+                                    f"{value!r} (fails when the scheduler is built or steps)",
+                                    f"write {key} as {expected[0]}"))
+        else:
+            usable[key] = value
+    missing = [k for k in required if k not in params]
+    for key in missing:
+        findings.append(Finding("error", f"scheduler.params.{key}", f"{kind} needs it (deepspeed.initialize fails: "
+                                "TypeError, missing required argument)", f"set scheduler.params.{key}"))
+    if missing or len(usable) < len(params):
+        return findings
+    # build it on a stand-in of the optimizer DeepSpeed builds (torch's class, or the kernel's counterpart)
+    optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
+    opt_params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
+    builder = optimizer_builder(config) if optimizer and not client_optimizer else None
+    stand_in_cls = torch.optim.AdamW
+    if builder is not None and not builder.cls.__module__.startswith("deepspeed."):
+        stand_in_cls = builder.cls
+    elif builder is not None and builder.counterpart is not None:
+        stand_in_cls = builder.counterpart
+    lr = opt_params.get("lr") if builder is not None else None
+    lr = lr if _is_type(lr, (int, float)) and lr > 0 else None
+    if _refusal(lambda _: _construct_optimizer(stand_in_cls, {"lr": lr or 1e-3}), {}):
+        stand_in_cls = torch.optim.AdamW
+    stand_in = lambda rate: stand_in_cls([torch.nn.Parameter(torch.zeros(1))], lr=rate)  # noqa: E731
+    refusals = _refusals(lambda p: _scheduler_trial(cls, p, stand_in, lr or 1e-3), usable, required)
+    for key, refusal in refusals.items():
+        findings.append(Finding("error", f"scheduler.params.{key}".rstrip("."), f"{kind} refuses it when "
+                                f"deepspeed.initialize builds it or at its first steps ({refusal})",
+                                _default_fix(key, keywords, kind)))
+    if refusals:
+        return findings
+    built, lrs, messages = _scheduler_trial(cls, usable, stand_in, lr or 1e-3)
+    warned = set()
+    for message in dict.fromkeys(messages):
+        named = [k for k in usable if re.search(rf"\b{re.escape(k)}\b", message)]
+        if named:
+            warned.update(named)
+            findings.append(Finding("warning", f"scheduler.params.{named[0]}", f"{kind} warns when "
+                                    f"deepspeed.initialize builds it: {message.strip()}",
+                                    f"change {' or '.join(named)} until {kind} builds without the warning"))
+    if deepspeeds:  # torch's schedulers take a first step in their constructor, which moves their counters
+        for key, value in usable.items():
+            if key not in warned and key in built and built[key] != value:
+                findings.append(Finding("warning", f"scheduler.params.{key}", f"{kind} silently uses "
+                                        f"{key} = {built[key]!r}, not {value!r}",
+                                        f"write {built[key]!r} to say what runs"))
+    if lr is not None:  # the optimizer's lr, as the config gives it: does the schedule depend on it?
+        _, doubled, _ = _scheduler_trial(cls, usable, stand_in, 2 * lr)
+        defaults = {k: p.default for k, p in keywords.items() if p.default is not inspect.Parameter.empty}
+        numbers = [v for v in {**defaults, **usable}.values() for v in (v if isinstance(v, list) else [v])
+                   if _is_type(v, (int, float))]
+        if doubled == lrs and not any(math.isclose(lr, v) for v in numbers):
+            findings.append(Finding("warning", "optimizer.params.lr", f"{lr:g} is never used: {kind} sets every "
+                                    f"step's learning rate from its own parameters (over its first steps: "
+                                    f"{', '.join(f'{x:g}' for x in lrs[:4])}, ...), whatever the optimizer's lr",
+                                    f"set the learning rates in scheduler.params, or make {kind}'s peak equal lr"))
+    return findings
+
+
+#: ZeRO settings only DeepSpeed's ZeRO optimizers read (engine._configure_zero_optimizer hands them over);
+#: at stage 0 there is none, and DeepSpeed reduces the gradients in its own fixed-size buckets.
+ZERO_OPTIMIZER_KNOBS = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
+                        "round_robin_gradients")
+
+#: The dynamic loss scaler's knobs (read only when fp16 is on, and its loss_scale is 0).
+DYNAMIC_LOSS_SCALE_KNOBS = ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+                            "consecutive_hysteresis")
+
+
+def _silent_off_findings(config: dict, zero: dict, stage: int) -> list[Finding]:
+    """Settings DeepSpeed accepts and then does not use, or uses to turn a feature off, without a word."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    findings = []
+    clipping = config.get("gradient_clipping")
+    if _is_type(clipping, (int, float)) and clipping <= 0:
+        findings.append(Finding("warning", "gradient_clipping", f"{clipping:g} turns gradient clipping off "
+                                "(DeepSpeed clips only above 0; without the key it clips at "
+                                f"{GRADIENT_CLIPPING_DEFAULT!r})",
+                                "remove it to clip at DeepSpeed's default, or give the largest gradient norm to allow"))
+    fp16 = config.get("fp16") if isinstance(config.get("fp16"), dict) else None
+    if fp16 is not None and fp16.get("enabled", False) is False:
+        knobs = [k for k in ("loss_scale", *DYNAMIC_LOSS_SCALE_KNOBS) if k in fp16]
+        if knobs and "enabled" not in fp16:  # an explicit false says it; a missing one is DeepSpeed's default
+            findings.append(Finding("warning", f"fp16.{knobs[0]}", "fp16 is off: the section has no \"enabled\", "
+                                    f"and DeepSpeed's default is false, so it trains without fp16 and never reads "
+                                    f"{', '.join(knobs)}", 'add "enabled": true to fp16 (or remove the section)'))
+        if fp16.get("auto_cast") is True:
+            findings.append(Finding("error", "fp16.auto_cast", "casts every floating-point input to fp16 although "
+                                    "fp16 is off: the model keeps its own dtype, and its first forward fails on "
+                                    "the dtype mismatch", 'remove auto_cast, or set "enabled": true in fp16'))
+    if stage == 0:
+        knobs = [k for k in ZERO_OPTIMIZER_KNOBS if k in zero]
+        if knobs:
+            findings.append(Finding("warning", f"zero_optimization.{knobs[0]}", f"is ignored at stage 0: "
+                                    f"{', '.join(knobs)} steer DeepSpeed's ZeRO optimizers, and stage 0 builds none "
+                                    "(gradients are all-reduced in DeepSpeed's fixed buckets)",
+                                    "set zero_optimization.stage to 1-3, or remove them"))
+    return findings
+
+
 def _loss_scale_findings(config: dict, stage: int) -> list[Finding]:
     """fp16 loss-scaling knobs that do nothing, or not what their name says."""
     fp16 = config.get("fp16") if isinstance(config.get("fp16"), dict) else {}
     if not fp16.get("enabled"):
         return []
     findings = []
-    dynamic_knobs = [k for k in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
-                                 "consecutive_hysteresis") if k in fp16]
+    dynamic_knobs = [k for k in DYNAMIC_LOSS_SCALE_KNOBS if k in fp16]
     loss_scale = fp16.get("loss_scale", 0)
     if isinstance(loss_scale, (int, float)) and loss_scale > 0 and dynamic_knobs:
         findings.append(Finding("warning", f"fp16.{dynamic_knobs[0]}", f"loss_scale is {loss_scale:g}, a static "
@@ -536,6 +1111,7 @@ def check(config: dict, world_size: int, env: Environment | None = None, client_
     findings += _optimizer_findings(config, stage, client_optimizer)
     findings += _offload_findings(zero, stage, config, client_optimizer, env)
     findings += _loss_scale_findings(config, stage)
+    findings += _silent_off_findings(config, zero, stage)
     findings += _precision_findings(config, world_size, env)
     refusal = deepspeed_parse(config, world_size)
     if refusal is not None and not _explained(refusal, findings):
@@ -580,6 +1156,8 @@ def deepspeed_defaults(config: dict) -> dict[str, Any]:
         get_bfloat16_config,
         get_float16_config,
     )
+
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
     from deepspeed.runtime.zero.config import get_zero_config
     from deepspeed.runtime.zero.offload_config import (
         DeepSpeedZeroOffloadOptimizerConfig,
