@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from helpers.topics import compression, frameworks  # noqa: E402
-from helpers.core import references
+from helpers.core import references  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -113,7 +113,7 @@ def show_machine(env: dict[str, str]) -> None:
     # the machine as a reference file records it, kept beside the results: records that come back without
     # their reference can be adopted with it (python -m helpers adopt-reference --machine ...)
     with open(ROOT / "runs" / "device-environment.json", "w") as out:
-        subprocess.run([sys.executable, "-c", "import json; from helpers import environment as e; "
+        subprocess.run([sys.executable, "-c", "import json; from helpers.core import environment as e; "
                         "print(json.dumps({'software': e.software(), 'hardware': e.hardware()}, indent=1))"],
                        env=env, cwd=ROOT, stdout=out)
 

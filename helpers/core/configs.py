@@ -248,10 +248,7 @@ def _section_validators() -> dict[str, Callable[[dict], Any]]:
     from deepspeed.comm.config import DeepSpeedCommsConfig
     from deepspeed.compile.config import CompileConfig
     from deepspeed.monitor.config import get_monitor_config
-    from deepspeed.runtime.precision_config import (
-        get_bfloat16_config,
-        get_float16_config,
-    )
+    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
 
     # deferred: DeepSpeed is imported after the course has chosen its accelerator
     from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
@@ -273,10 +270,7 @@ def _section_validators() -> dict[str, Callable[[dict], Any]]:
 def _model_fields(section: str, path: list[str]) -> list[str]:
     """Field names of DeepSpeed's model for ``section`` (at ``path`` inside it), for "did you mean"."""
     # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.precision_config import (
-        DeepSpeedBF16Config,
-        DeepSpeedFP16Config,
-    )
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 
     # deferred: DeepSpeed is imported after the course has chosen its accelerator
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -860,10 +854,7 @@ def _adam_is_adamw_findings(config: dict, builder: OptimizerBuilder) -> list[Fin
 @contextlib.contextmanager
 def _captured_messages():
     """The warnings DeepSpeed logs and Python warns while the block runs (kept from the console)."""
-
-    from deepspeed.utils import (
-        logger,  # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    )
+    from deepspeed.utils import logger  # deferred: DeepSpeed is imported after the course has chosen its accelerator
 
     messages: list[str] = []
 
@@ -1152,10 +1143,7 @@ def deepspeed_defaults(config: dict) -> dict[str, Any]:
 
     # deferred: DeepSpeed is imported after the course has chosen its accelerator
     from deepspeed.runtime import constants, lr_schedules
-    from deepspeed.runtime.precision_config import (
-        get_bfloat16_config,
-        get_float16_config,
-    )
+    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
 
     # deferred: DeepSpeed is imported after the course has chosen its accelerator
     from deepspeed.runtime.zero.config import get_zero_config

@@ -4,15 +4,17 @@
 ranks of a single launch (each with its own ``deepspeed.initialize`` and record), which saves the
 seconds every launch spends starting processes and importing torch and DeepSpeed.
 
-Before any process starts, every config is checked (:func:`helpers.core.configs.check`) and written
-into its run's folder with the plan. Then DeepSpeed's launcher starts the ranks on a free port; a
-progress bar per run shows each optimizer step's loss (the mean over ranks, the same number the
-record keeps); and each run's :class:`helpers.core.records.Record` is returned. A rank that raises ends
-the launch within seconds with that rank's error (:class:`RunFailed`); a launch that passes its
+Before any process starts, every run is checked: its config (:func:`helpers.core.configs.check`), its
+model, and every probe, trainer, builder, task and hook it names by import path (each imported here as
+the ranks will import it, with the options it takes checked). The config goes into its run's folder and
+the runs into the launch's ``plan.json`` (:class:`helpers.core.plan.Plan`). Then DeepSpeed's launcher starts
+the ranks on a free port; a progress bar per run shows each optimizer step's loss (the mean over ranks, the
+same number the record keeps); and each run's :class:`helpers.core.records.Record` is returned. A rank that
+raises ends the launch within seconds with that rank's error (:class:`RunFailed`); a launch that passes its
 timeout, or is interrupted (Jupyter's stop button, Ctrl-C), is ended, every process of it. If the
 Python process that started a launch is killed outright, the launcher and its ranks die with it.
 
-Three ways to start the ranks, same training script (``helpers.core.train``) and the same records:
+Three ways to start the ranks, same rank script (``helpers.core.train``) and the same records:
 
 - ``"launch"`` (default): ``python -m deepspeed.launcher.launch``, the per-node launcher that the
   ``deepspeed`` command itself starts for a single machine. Skipping the extra process
@@ -20,14 +22,14 @@ Three ways to start the ranks, same training script (``helpers.core.train``) and
 - ``"deepspeed"``: the ``deepspeed`` command (``deepspeed.launcher.runner``), as in the source article.
   It is also the way to several machines: given :class:`Hosts` (a DeepSpeed hostfile, ``--include`` /
   ``--exclude``), DeepSpeed's multi-node runner starts the ranks on every host over pdsh and ssh.
+- ``"torchrun"``: PyTorch's own launcher (``python -m torch.distributed.run``), the way PyTorch DDP and
+  FSDP2 scripts are started; the ranks join the process group with ``torch.distributed`` alone
+  (:func:`helpers.core.train.init_process_group`). A topic's task for PyTorch's own strategies uses it
+  (chapter 15).
 
 GPUs: the ranks use ``environment.detect().gpu_ids`` (every GPU, or those ``$COURSE_GPUS`` or
 ``$CUDA_VISIBLE_DEVICES`` name), handed to DeepSpeed's launcher as it expects them. Output: each run
 writes to ``runs/<name>/``, or under ``$COURSE_RUNS_DIR`` when set (one folder per learner on a shared box).
-- ``"torchrun"``: PyTorch's own launcher (``python -m torch.distributed.run``), the way PyTorch DDP and
-  FSDP2 scripts are started; the ranks join the process group with ``torch.distributed`` alone
-  (:func:`helpers.core.train.init_process_group`). Runs of PyTorch's own strategies use it
-  (``task="helpers.topics.frameworks:train_run"``, see :mod:`helpers.topics.frameworks`).
 """
 
 from __future__ import annotations
@@ -57,15 +59,7 @@ import psutil
 from helpers.core import configs, environment, models, records
 from helpers.core import faults as course_faults
 from helpers.core import probes as probe_registry
-from helpers.core.plan import (
-    COURSE_MODELS,
-    DATA_PARALLEL_STEP,
-    EVENT_PREFIX,
-    STACK_SIGNAL,
-    Plan,
-    PlannedRun,
-    resolve,
-)
+from helpers.core.plan import COURSE_MODELS, DATA_PARALLEL_STEP, EVENT_PREFIX, STACK_SIGNAL, Plan, PlannedRun, resolve
 
 #: Where runs write their folders: ``$COURSE_RUNS_DIR`` when set, else ``runs/`` in the repository.
 RUNS_DIR = Path(os.environ.get("COURSE_RUNS_DIR") or environment.REPO_ROOT / "runs").resolve()

@@ -155,9 +155,7 @@ def deepspeed_estimate_bytes(psi: int, stage: int, world_size: int, largest_laye
     quiet_deepspeed_import()
     if stage == 2:
         # deferred: DeepSpeed is imported after the course has chosen its accelerator
-        from deepspeed.runtime.zero.stage_1_and_2 import (
-            estimate_zero2_model_states_mem_needs,
-        )
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
         return float(estimate_zero2_model_states_mem_needs(psi, world_size, 1, cpu_offload=offload_optimizer)[1])
     if stage == 3:

@@ -49,23 +49,8 @@ import torch
 
 from helpers.core import memory, models, theory
 from helpers.core.faults import Faults
-from helpers.core.plan import (
-    STACK_SIGNAL,
-    Plan,
-    PlannedRun,
-    emit,
-    publish,
-    resolve,
-    write_json,
-)
-from helpers.core.probes import (
-    Probe,
-    RunContext,
-    Timeline,
-    deep_update,
-    missing_keys,
-    resolve_probe,
-)
+from helpers.core.plan import STACK_SIGNAL, Plan, PlannedRun, emit, publish, resolve, write_json
+from helpers.core.probes import Probe, RunContext, Timeline, deep_update, missing_keys, resolve_probe
 
 
 def die_with_parent() -> None:
@@ -223,12 +208,8 @@ def release_zero3_references(module) -> None:
     ``parameter_offload.FWD_MODULE_STACK`` and never takes off, and the entries of
     ``PartitionedParameterCoordinator.__params_to_release``, a class-level ``functools.lru_cache`` keyed
     by (coordinator, module, step). ``tests/test_launch.py`` checks that no engine outlives its run."""
-    from deepspeed.runtime.zero import (
-        parameter_offload,  # deferred: with the other DeepSpeed imports of the ranks
-    )
-    from deepspeed.runtime.zero.partitioned_param_coordinator import (
-        PartitionedParameterCoordinator,
-    )
+    from deepspeed.runtime.zero import parameter_offload  # deferred: with the other DeepSpeed imports of the ranks
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
     parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if m is not module]
     method = PartitionedParameterCoordinator.__dict__.get("_PartitionedParameterCoordinator__params_to_release")

@@ -196,6 +196,8 @@ class Activations(Probe):
 
 # --- the chapter's experiment and tables (notebooks/10_activation_checkpointing.ipynb) --------------
 
+#: The name suffixes of the course's checkpointed models (:data:`helpers.core.models.LLAMA_VARIANTS`).
+CHECKPOINTED = ("-ckpt", "-dsckpt")
 #: Every setting of DeepSpeed's ``activation_checkpointing`` config block, switched on.
 CONFIG_BLOCK = {"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
                                              "contiguous_memory_optimization": True, "number_checkpoints": 2,
@@ -251,7 +253,7 @@ def layer_formula(record, layer: int) -> float:
     cos/sin are first saved by layer 0)."""
 
     shape, precision = _shape(record), record["precision"]
-    checkpointed = models.llama_parts(record.model_name)[1] in ("-ckpt", "-dsckpt")
+    checkpointed = record.model_name.endswith(CHECKPOINTED)  # a pipeline's stages ("llama-pipe") are not
     per_layer = activation_bytes_per_layer(record["micro_batch"], shape.seq, shape.hidden, shape.heads,
                                                   shape.intermediate, precision, checkpointed)["total"]
     rotary = rotary_bytes(shape.seq, shape.hidden // shape.heads, precision)

@@ -102,9 +102,7 @@ def check_options(name: str, options: dict) -> None:
 def model_config(size: str = "tiny", seq_len: int | None = None, attention: str = "sdpa"):
     """The ``transformers`` config of the capstone model: :data:`SIZES` [size], untied embeddings,
     ``max_position_embeddings`` = the sequence length it trains on."""
-    from transformers import (
-        LlamaConfig,  # deferred: slow, and the ranks of most chapters need none
-    )
+    from transformers import LlamaConfig  # deferred: slow, and the ranks of most chapters need none
 
     full = full_options({"size": size, "seq_len": seq_len, "attention": attention})
     return LlamaConfig(**SIZES[size], num_key_value_heads=SIZES[size]["num_attention_heads"],

@@ -321,7 +321,7 @@ def crash_report(failure) -> str:
     return code (-9: SIGKILL), with the timestamps sanitized away."""
     lines = [line.strip() for line in failure.log_tail.splitlines() if "return code" in line or "Killing" in line]
     lines = [re.sub(r"^\[[^\]]*\]\s*", "", line) for line in lines]
-    lines = [re.sub(r"\[.*?helpers\.train.*?\]", "[... helpers.core.train ...]", line) for line in lines]
+    lines = [re.sub(r"\[.*?helpers\.core\.train.*?\]", "[... helpers.core.train ...]", line) for line in lines]
     lines = [re.sub(r"subprocess \d+", "subprocess PID", line) for line in lines]
     return "\n".join(dict.fromkeys(lines)) or failure.log_tail
 

@@ -15,15 +15,7 @@ import re
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from helpers.core import (
-    configs,
-    environment,
-    launch,
-    plots,
-    records,
-    references,
-    theory,
-)
+from helpers.core import configs, environment, launch, plots, records, references, theory
 from helpers.topics import frameworks
 
 #: The model's assumptions, stated as parameters, not measurements. The bandwidth chapter's measured
@@ -124,10 +116,7 @@ def removed_config_keys() -> dict[str, str]:
     """Config keys DeepSpeed 0.19.8 refuses because their feature was removed, with its own message."""
     environment.quiet_deepspeed_import()
     # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.config import (
-        _REMOVED_TOP_LEVEL_CONFIG_KEYS,
-        _REMOVED_ZERO_CONFIG_KEYS,
-    )
+    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS, _REMOVED_ZERO_CONFIG_KEYS
 
     found = dict(_REMOVED_TOP_LEVEL_CONFIG_KEYS)
     found.update({f"zero_optimization.{k}": v for k, v in _REMOVED_ZERO_CONFIG_KEYS.items()})

@@ -57,17 +57,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.profiler import ProfilerActivity, profile
 
-from helpers.core import (
-    communication,
-    launch,
-    models,
-    plots,
-    probes,
-    records,
-    references,
-    theory,
-    train,
-)
+from helpers.core import communication, launch, models, plots, probes, records, references, theory, train
 from helpers.core.plan import PlannedRun, reference_of, resolve
 from helpers.core.probes import Probe, RunContext
 

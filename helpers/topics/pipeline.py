@@ -57,9 +57,7 @@ class DecoderStage(nn.Module):
         self.config = config
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import (
-            create_causal_mask,  # deferred: slow to import, and most runs need none
-        )
+        from transformers.masking_utils import create_causal_mask  # deferred: slow to import, and most runs need none
 
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         # the cache argument's name changed between transformers 5 releases (past_key_values -> cache)
@@ -74,9 +72,7 @@ def _cache_argument() -> str:
     """The name transformers gives create_causal_mask's cache argument (asked on first use: importing
     transformers costs every rank about 2 s, and most runs never build a pipeline)."""
 
-    from transformers.masking_utils import (
-        create_causal_mask,  # deferred: slow to import, and most runs need none
-    )
+    from transformers.masking_utils import create_causal_mask  # deferred: slow to import, and most runs need none
 
     return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 

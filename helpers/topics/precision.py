@@ -20,16 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from helpers.core import (
-    configs,
-    environment,
-    launch,
-    models,
-    plots,
-    records,
-    references,
-    theory,
-)
+from helpers.core import configs, environment, launch, models, plots, records, references, theory
 from helpers.core.configs import merged
 from helpers.core.environment import quiet_deepspeed_import
 from helpers.core.plan import PlannedRun, emit, publish, reference_of

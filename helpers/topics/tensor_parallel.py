@@ -9,16 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from helpers.core import (
-    configs,
-    environment,
-    launch,
-    models,
-    plots,
-    records,
-    references,
-    theory,
-)
+from helpers.core import configs, environment, launch, models, plots, records, references, theory
 from helpers.core.probes import Probe, RunContext
 
 
