@@ -262,7 +262,7 @@ def launched(tmp_path_factory):
 
 def test_the_launch_hook_reports_every_step_with_the_records_loss(launched):
     lab, events, _ = launched
-    record = widgets.builder.last_record
+    record = lab.builder.last_record
     assert isinstance(record, records.Record) and record.stage == 1
     assert [e["event"] for e in events] == ["run_start", "step", "step", "step", "done"]
     assert {e["name"] for e in events} == {"widget-test"} and events[0]["steps"] == 3
@@ -272,17 +272,17 @@ def test_the_launch_hook_reports_every_step_with_the_records_loss(launched):
 
 def test_the_live_view_ends_with_the_record(launched):
     lab, _, folder = launched
-    live = widgets.builder.live
+    live = lab.builder.live
     assert (live.bar.value, live.bar.max, live.bar.bar_style) == (3, 3, "success")
-    assert live.losses["widget-test"] == widgets.builder.last_record.losses
+    assert live.losses["widget-test"] == lab.builder.last_record.losses
     assert live.plot.value[:4] == b"\x89PNG"
     assert "widget-test-linear-2r" in live.record_view.value and "states/rank" in live.record_view.value
-    assert configs.load(folder / "my_configs" / "widget-test.json") == widgets.builder.config
+    assert configs.load(folder / "my_configs" / "widget-test.json") == lab.builder.config
 
 
 def test_my_runs_lists_the_new_record_and_skips_what_is_not_one(launched):
     lab, _, folder = launched
-    runs = widgets.runs
+    runs = lab.runs
     assert list(runs.runs) == ["widget-test-linear-2r"] and list(runs.skipped) == ["not-a-record"]
     assert runs.choice.value == ("widget-test-linear-2r",)
     assert "widget-test-linear-2r" in runs.table_view.value
