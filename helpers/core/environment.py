@@ -198,8 +198,9 @@ def detect(world_size: int | None = None) -> Environment:
     if gpus:
         device, backend = "cuda", "nccl"
         name = f"{gpus} x {torch.cuda.get_device_name(indices[0])}"
-        precisions = ["fp32", "fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
-        precisions = tuple(p for p in ("fp32", "bf16", "fp16") if p in precisions)
+        accelerator = deepspeed.get_accelerator()  # DeepSpeed's own rule: fp16 from compute capability 7.0, bf16 8.0
+        precisions = ("fp32",) + (("bf16",) if accelerator.is_bf16_supported() else ()) \
+            + (("fp16",) if accelerator.is_fp16_supported() else ())
         default, source = gpus, "one rank per GPU"
     else:
         device, backend = "cpu", "gloo"

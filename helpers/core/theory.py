@@ -85,6 +85,12 @@ def paper_bytes_per_device(psi: float, stage: int, world_size: int, k: int = PAP
     }[stage]
 
 
+#: The ZeRO paper's own printed figures for its example (7.5B parameters, 64 GPUs, K = 12): GB of model
+#: states per device by stage, as figure 1 of arXiv 1910.02054 prints them (copied, not computed: what the
+#: formulas here are checked against).
+PAPER_FIGURE_1_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+
+
 def paper_table(psi: float = 7.5e9, world_size: int = 64, k: int = PAPER_K) -> dict[int, float]:
     """Stage -> GB (1e9 bytes) per device; the defaults reproduce the paper's 120 / 31.4 / 16.6 / 1.9 GB."""
     return {stage: paper_bytes_per_device(psi, stage, world_size, k) / 1e9 for stage in STAGES}

@@ -750,6 +750,11 @@ def fsdp2_table(ladder: dict) -> str:
     if partner is not None and partner is not best and partner["verdict"] != "baseline":
         entries.append((f"DeepSpeed, FSDP2's batch: {partner['label']}", partner))
     fsdp2 = ladder.get("fsdp2") or {}
+    eager = next((c for c in ladder["candidates"] if fsdp2.get("measured") and "tokens_per_s" in c
+                  and not c["setting"].get("compile") and _samples(c["setting"]) == _samples(fsdp2["setting"])
+                  and c is not partner and c["verdict"] != "baseline"), None)
+    if eager is not None and (partner is None or partner["setting"].get("compile")):
+        entries.append((f"DeepSpeed, FSDP2's batch, eager: {eager['label']}", eager))
     entries += [(f"{label}, eager", r) for label, r in (fsdp2.get("runs") or {}).items()]
     rows = [[name, f"{r['tokens_per_s']:,.0f}", "-" if r["tflops_per_gpu"] is None else f"{r['tflops_per_gpu']:.4g}",
              _pct(r["mfu"]), _peak(r)] for name, r in entries if r]
@@ -780,17 +785,27 @@ def shortfall(ladder: dict) -> str:
     bound = mfu / (1 - exposed)
     line = (f"best {mfu:.1%} MFU with {exposed:.1%} of its step exposed communication: hiding all of it would give "
             f"at most {bound:.1%}")
+    again = best_repeats(ladder)
+    if len(again) > 1 and target - mfu < max(again) - min(again):
+        line = (f"best {mfu:.1%} MFU, {100 * (target - mfu):.2f} points short of {target:.0%}: less than the spread of "
+                f"the same setting over its {len(again)} launches ({min(again):.2%} to {max(again):.2%}), so the "
+                f"target is at the edge of the noise. {exposed:.1%} of its step was exposed communication: hiding all "
+                f"of it would give at most {bound:.1%}")
     if bound < target:
         return line + (f", still {100 * (target - bound):.1f} points short of {target:.0%}. The rest is compute below the GPU's peak "
                        "(the kernels between the matrix products, attention, the optimizer step), not communication.")
     # measured overlap candidates that were dropped: hiding was tried and did not pay on this setting
-    tried = [(c["label"], m.group(1)) for c in ladder["candidates"]
+    tried = [(c["label"], m.group(1), c["setting"]) for c in ladder["candidates"]
              if c.get("rung") == "overlap" and "tokens_per_s" in c and c["verdict"].startswith("dropped")
              and (m := re.search(r"([+-]\d+(?:\.\d+)?%)", c["verdict"]))]
     if tried:
-        return line + (f", enough for {target:.0%} on paper; but the overlap rung did not hide it here ("
-                       + ", ".join(f"{label} {gain}" for label, gain in tried)
-                       + "): communication that the ladder's knobs could not hide is what stands in the way.")
+        best_setting = Setting(**best["setting"])
+        on = ", ".join(f"{label} {gain}" + ("" if _samples(setting) == _samples(best["setting"]) else
+                                           f" (tried on micro batch {setting['micro_batch']} x accumulation "
+                                           f"{setting['grad_accum']}, before the kept {best_setting.micro_batch} x "
+                                           f"{best_setting.grad_accum})")
+                       for label, gain, setting in tried)
+        return line + f", enough for {target:.0%} on paper; but the overlap rung did not hide it here ({on})."
     return line + f", enough for {target:.0%}: the communication left is what stands in the way."
 
 

@@ -452,19 +452,20 @@ def bubble_table(runs: dict, counts=MICRO_BATCH_COUNTS) -> str:
                                        "(S-1)/(M+S-1)", "step ms"])
 
 
-def memory_table(pipe, baseline) -> str:
-    """Per rank: model states and activations saved for backward (measured), pipeline against data
-    parallelism at the same micro-batch size."""
-
+def memory_table(pipe: records.Record, baseline: records.Record) -> str:
+    """Per rank: model states, buffers (ZeRO's gradient bucket among them) and activations saved for backward
+    (measured), pipeline against data parallelism at the same micro-batch size."""
     rows = []
-    for rank in range(pipe["world_size"]):
+    for rank in range(pipe.world_size):
         pa = activations.saved_bytes(pipe, rank)
         ba = activations.saved_bytes(baseline, rank)
         rows.append([rank, f"{pipe.model_state_bytes(rank):,}", f"{baseline.model_state_bytes(rank):,}",
                      f"{pipe.model_state_bytes(rank) / baseline.model_state_bytes(rank):.3f}",
-                     f"{pa:,}", f"{ba:,}", f"{pa / ba:.3f}"])
+                     records.format_bytes(pipe.states(rank)["buffers"]),
+                     records.format_bytes(baseline.states(rank)["buffers"]), f"{pa:,}", f"{ba:,}", f"{pa / ba:.3f}"])
     return records.format_table(rows, ["rank", "model states: pipeline", "data parallel", "ratio",
-                                       "activations: pipeline", "data parallel", "ratio"])
+                                       "buffers: pipeline", "data parallel", "activations: pipeline",
+                                       "data parallel", "ratio"])
 
 
 def utilization_table(runs: dict, counts=MICRO_BATCH_COUNTS) -> str:
@@ -492,7 +493,8 @@ def measured_bubbles(runs: dict, counts=MICRO_BATCH_COUNTS) -> dict[int, list[fl
 
 
 def reference_report(name: str = "pipeline") -> str:
-    """Every committed GPU result of this chapter (bubble and step time per M), or a plain statement that none is."""
+    """Every committed GPU result of this chapter (bubble and step time per M, memory per rank), or a plain
+    statement that none is."""
 
     found = references.reference_runs(name)
     if not found:
@@ -500,7 +502,8 @@ def reference_report(name: str = "pipeline") -> str:
     blocks = []
     for device, date, note, runs in found:
         counts = sorted(int(k.removeprefix("pipeline-M")) for k in runs if k.startswith("pipeline-M"))
-        blocks.append(f"Measured on {device}, {date} ({note}):\n{utilization_table(runs, counts)}")
+        blocks.append(f"Measured on {device}, {date} ({note}):\n{utilization_table(runs, counts)}\n\n"
+                      f"{memory_table(runs['pipeline'], runs['data-parallel'])}")
     return "\n\n".join(blocks)
 
 
