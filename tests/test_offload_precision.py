@@ -77,6 +77,27 @@ def test_traffic_and_step_cost():
     assert cost["adam_s"] == pytest.approx(PSI / 4 * (2e-9 - 1e-10))
 
 
+def test_adamw_first_step_by_hand():
+    import torch
+
+    w, g = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.3, -0.1, 0.0])
+    got = offload.adamw_first_step(w, g, lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    # decay by lr * wd, then a step of lr against the gradient's sign (0 where the gradient is 0)
+    assert got.tolist() == pytest.approx([1.0 * 0.999 - 0.1, -2.0 * 0.999 + 0.1, 0.5 * 0.999], abs=1e-6)
+
+
+def test_the_host_is_planned_with_the_gradient_bytes_deepspeed_keeps():
+    # the formula's host side is (2 + K)/N_d per parameter; 6 gradient bytes an element instead of 2 add 4/N_d
+    assert offload.host_bytes_per_parameter(2, 8, "optimizer") == pytest.approx(14 / 8)
+    assert offload.host_bytes_per_parameter(2, 8, "optimizer", grad_bytes=6) == pytest.approx(18 / 8)
+    assert offload.host_bytes_per_parameter(3, 8, "optimizer+params", grad_bytes=6) == pytest.approx(20 / 8)
+    assert offload.host_bytes_per_parameter(2, 8, "none", grad_bytes=6) == 0
+    table = offload.largest_model_table(80, 8, 2000, 16, host_grad_bytes={2: 6.0, 3: 6.0})
+    row = next(line for line in table.splitlines() if line.startswith("stage 3 + optimizer offload"))
+    assert f"{2000 / 14 * 8 / 8:.1f}" in row and f"{2000 / 18:.1f}" in row  # formula's and measured host limits
+    assert "18" in offload.zero_offload_headline(host_grad_bytes=6.0)
+
+
 def test_mlp_wide_has_the_parameters_its_description_says():
     import torch
 
@@ -149,6 +170,17 @@ def swept(tmp_path_factory):
                                  out=folder / "spiked", **precision.spike(2)),
         "demo": launch.RunSpec(precision.demo_config({"initial_scale_power": 16}), model="mlp", steps=4, check=False,
                                task=precision.SCALER_DEMO, **precision.spike(2), out=folder / "demo"),
+        "demo, two spikes": launch.RunSpec(precision.demo_config({}), model="mlp", steps=4, check=False,
+                                           task=precision.SCALER_DEMO, **precision.spike([2, 3]), out=folder / "two"),
+        "demo, consecutive": launch.RunSpec(precision.demo_config({"consecutive_hysteresis": True}), model="mlp",
+                                            steps=4, check=False, task=precision.SCALER_DEMO, **precision.spike([2, 4]),
+                                            out=folder / "consecutive"),
+        **{f"accum {dtype}": launch.RunSpec("zero2", model="mlp", steps=2, probes=precision.GRAD_ACCUM_PROBES,
+                                            options={"reference_model": "mlp", "reference_seed": 0}, out=folder / dtype,
+                                            overrides={"gradient_accumulation_steps": 4, **changes})
+           for dtype, changes in (("bf16", {"bf16": {"enabled": True}}),
+                                  ("fp32", {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}),
+                                  ("fp32 training", {}))},
         "demo at the floor": launch.RunSpec(precision.demo_config({"hysteresis": 1, "min_loss_scale": 65536}),
                                             model="mlp", steps=4, check=False, task=precision.SCALER_DEMO,
                                             **precision.spike(2), out=folder / "floor"),
@@ -215,6 +247,34 @@ def test_the_scaler_ends_the_run_at_min_loss_scale(swept):
     assert len(floor["scale_per_step"]) == 2  # stopped at the spike, step 2
 
 
+def test_hysteresis_is_refilled_only_when_the_scale_doubles_unless_consecutive(swept):
+    # default: the spike of step 2 uses up hysteresis; step 3's, before any doubling, halves the scale
+    assert swept["demo, two spikes"]["scale_per_step"] == [65536.0, 65536.0, 65536.0, 32768.0]
+    # consecutive_hysteresis: step 3 (no overflow) refills it, so step 4's spike halves nothing
+    assert swept["demo, consecutive"]["overflow_per_step"] == [False, True, False, True]
+    assert swept["demo, consecutive"]["final_scale"] == 65536.0
+
+
+def test_the_accumulated_gradient_against_an_fp32_reference(swept):
+    fp32 = precision.accumulated_gradient(swept["accum fp32 training"])
+    assert fp32["dtypes"] == ["float32"] and fp32["relative_error"] < 1e-5  # two fp32 computations agree
+    bf16, fp32_accum = (precision.accumulated_gradient(swept[f"accum {d}"]) for d in ("bf16", "fp32"))
+    held = {d: swept[f"accum {d}"].memory.placement(0)["dtypes"]["grads"] for d in ("bf16", "fp32")}
+    assert held == {"bf16": ["bfloat16"], "fp32": ["float32"]}  # the partition DeepSpeed accumulates into
+    assert 1e-4 < fp32_accum["relative_error"] < bf16["relative_error"] < 1e-1  # bf16 rounds, and more so when it adds
+    runs = {("accum", (2, d)): swept[f"accum {d}"] for d in ("bf16", "fp32", "fp32 training")}
+    table = precision.grad_accum_table(runs)
+    assert "ZeRO-2, bf16, accumulated in fp32" in table and "step 1 equal" in table
+    assert "accumulated in fp32: True" in precision.grad_accum_verdicts(runs)
+
+
+def test_a_bad_reference_model_fails_before_launch(monkeypatch):
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match="reference_model"):
+        launch.run("zero2", steps=2, world_size=2, probes=("timing", precision.AccumulatedGradient),
+                   options={"reference_model": "llama"})
+
+
 def test_the_trajectory_table_reads_both_kinds_of_result(swept):
     table = precision.trajectory_table({"demo": swept["demo"], "engine (bf16)": swept["spiked"]})
     assert "1: steps 2" in table and "2^16 -> 2^16" in table and "2^0 -> 2^0" in table
@@ -244,3 +304,16 @@ def test_committed_gpu_results_are_shown_beside_the_learners(swept, tmp_path, mo
     assert "differ" in report and "both ended by the scaler" in report  # bf16 engine vs fp16 demo: they differ
     commit("precision-speed", {"ZeRO-2 bf16": swept["stage 2"]})
     assert "ZeRO-2 bf16" in precision.speed_reference_report()
+
+
+def test_the_committed_speed_reference_explains_itself():
+    text = precision.speed_explanation()
+    if "No GPU results" in text:
+        pytest.skip("no committed precision-speed reference")
+    assert "fp32 peak" in text and ("within it" in text or "above it" in text)
+    assert precision.peak_fp32_tflops("NVIDIA H200")[0] == 67.0 and precision.peak_fp32_tflops("CPU")[0] is None
+
+
+def test_formats_come_from_torch():
+    table = precision.formats_table()
+    assert "1 / 8 / 23" in table and "1 / 8 / 7" in table and "1 / 5 / 10" in table and "6.55e+04" in table

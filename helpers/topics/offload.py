@@ -160,6 +160,8 @@ def adam_benchmark(numel: int = BENCHMARK_PARAMS, repeats: int = BENCHMARK_REPEA
         del optimizer, p
     reference = after_one["torch.optim.AdamW"]
     differences = {name: float((w - reference).abs().max()) for name, w in after_one.items()}
+    formula = adamw_first_step(weights, grads, **settings)
+    from_formula = {name: float((w - formula).abs().max()) for name, w in after_one.items()}
     device_seconds = None
     if torch.cuda.is_available():
         p = prepared("cuda")
@@ -167,8 +169,20 @@ def adam_benchmark(numel: int = BENCHMARK_PARAMS, repeats: int = BENCHMARK_REPEA
         device_seconds = _time_steps(optimizer.step, repeats, torch.cuda.synchronize)
         del optimizer, p
     return {"params": numel, "repeats": repeats, "threads": torch.get_num_threads(), "seconds": seconds,
-            "max_difference_after_one_step": differences, "accelerator_adamw_seconds": device_seconds,
+            "max_difference_after_one_step": differences, "max_difference_from_formula": from_formula,
+            "accelerator_adamw_seconds": device_seconds,
             "accelerator": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def adamw_first_step(weights: torch.Tensor, grads: torch.Tensor, lr: float, betas: tuple[float, float], eps: float,
+                     weight_decay: float) -> torch.Tensor:
+    """The weights after AdamW's first step, in closed form (Loshchilov and Hutter, arXiv 1711.05101,
+    Algorithm 2, computed in float64): from zero moments the bias-corrected moments are g and g², so the
+    step is ``w (1 - lr wd) - lr g / (|g| + eps)`` whatever the betas. Independent of every optimizer
+    the benchmark times."""
+    w, g = weights.double(), grads.double()
+    del betas  # they cancel in the first step's bias correction
+    return (w * (1 - lr * weight_decay) - lr * g / (g.abs() + eps)).float()
 
 
 def transfer_bandwidth(numel: int = 2**26, repeats: int = BENCHMARK_REPEATS) -> dict | None:
@@ -286,12 +300,22 @@ def adam_table(bench: dict) -> str:
 
 
 def agreement_table(bench: dict, tolerance: float = 1e-6) -> str:
-    """Whether each optimizer's weights after one step agree with torch's AdamW within ``tolerance``:
-    the same update computed by other kernels."""
+    """Whether each optimizer's weights after one step agree within ``tolerance`` with AdamW's first step in
+    closed form (:func:`adamw_first_step`): each kernel against the paper's formula, not against another kernel."""
 
     rows = [[name, f"within {tolerance:.0e}" if diff <= tolerance else f"differ by more than {tolerance:.0e}"]
-            for name, diff in bench["adam"]["max_difference_after_one_step"].items()]
-    return records.format_table(rows, ["optimizer", "weights after one step vs torch.optim.AdamW"])
+            for name, diff in bench["adam"]["max_difference_from_formula"].items()]
+    return records.format_table(rows, ["optimizer", "weights after one step vs AdamW's formula"])
+
+
+def adam_speed_summary(bench: dict) -> str:
+    """One sentence from the benchmark: how DeepSpeed's CPU Adam compares with torch's AdamW, default and fused
+    (machine-dependent: print where nbval does not compare)."""
+    seconds = bench["adam"]["seconds"]
+    base = seconds["DeepSpeedCPUAdam"]
+    default, fused = seconds["torch.optim.AdamW"] / base, seconds["torch.optim.AdamW(fused=True)"] / base
+    return (f"{bench['adam']['threads']} thread(s): torch's default AdamW takes {default:.1f}x DeepSpeedCPUAdam's time "
+            f"per step, torch's AdamW(fused=True) {fused:.1f}x")
 
 
 def transfer_table(bench: dict) -> str:
@@ -303,25 +327,67 @@ def transfer_table(bench: dict) -> str:
     return records.format_table(rows, ["copy", "GB/s"]) + f"\n({bench['transfers']['bytes'] / 2**20:.0f} MiB per copy)"
 
 
+def measured_host_grad_bytes(runs: Mapping[str, object], rank: int = 0) -> dict[int, float]:
+    """Stage -> host-side gradient bytes per element of the rank's partition that DeepSpeed kept in the
+    offloading runs of ``runs`` (the largest, where several runs of a stage offload)."""
+    found: dict[int, float] = {}
+    for r in runs.values():
+        grads = r.memory.placement(rank)["host"]["grads"]
+        if grads:
+            found[r.stage] = max(found.get(r.stage, 0.0), grads / (r.params / r["world_size"]))
+    return found
+
+
+def host_bytes_per_parameter(stage: int, world_size: int, mode: str, grad_bytes: float | None = None,
+                             precision: str = "fp16") -> float:
+    """Host model-state bytes per rank for each parameter of the model: the formula's
+    (:func:`helpers.core.theory.bytes_per_parameter`, one working-precision gradient per partition element),
+    or with ``grad_bytes`` host gradient bytes per partition element instead (what DeepSpeed keeps, as
+    :func:`measured_host_grad_bytes` measures it)."""
+    paper = theory.bytes_per_parameter(stage, world_size, mode, precision)["host"]
+    if mode == "none" or grad_bytes is None:
+        return paper
+    return paper + (grad_bytes - theory.BYTES_PER_ELEMENT[precision]) / world_size
+
+
+def _largest(accelerator_gb: float, stage: int, world_size: int, mode: str, host_gb: float | None, reserve_gb: float,
+             host_slope: float, precision: str) -> tuple[float, str]:
+    """(largest model in parameters, what limits it) with ``host_slope`` host bytes per parameter per rank."""
+    fit = theory.largest_model(accelerator_gb * 1e9, stage, world_size, mode, None, reserve_gb * 1e9, precision)
+    host_limit = host_gb * 1e9 / (host_slope * world_size) if host_gb is not None and host_slope else math.inf
+    limit = "host memory" if host_limit < fit["accelerator_limit"] else "accelerator memory"
+    return min(fit["accelerator_limit"], host_limit), limit
+
+
 def largest_model_table(accelerator_gb: float, world_size: int, host_gb: float | None = None, reserve_gb: float = 0.0,
-                        precision: str = "fp16") -> str:
+                        precision: str = "fp16", host_grad_bytes: Mapping[int, float] | None = None) -> str:
     """The largest model (billions of parameters) whose model states fit ``world_size`` devices of
     ``accelerator_gb`` GB each (keeping ``reserve_gb`` per device for activations and buffers), with
-    ``host_gb`` of host memory in all, for each stage and offload mode, and which side limits it."""
+    ``host_gb`` of host memory in all, for each stage and offload mode, and which side limits it.
+
+    With ``host_grad_bytes`` (stage -> host gradient bytes per partition element, as measured by
+    :func:`measured_host_grad_bytes`) the host side is planned with what DeepSpeed keeps, beside the
+    formula's (2 + K)Ψ/N_d."""
 
     rows = []
     for stage, mode in ((0, "none"), (2, "none"), (2, "optimizer"), (3, "none"), (3, "optimizer"),
                         (3, "optimizer+params")):
         slopes = theory.bytes_per_parameter(stage, world_size, mode, precision)
-        fit = theory.largest_model(accelerator_gb * 1e9, stage, world_size, mode,
-                                   None if host_gb is None else host_gb * 1e9, reserve_gb * 1e9, precision)
-        limit = "host memory" if fit["host_limit"] < fit["accelerator_limit"] else "accelerator memory"
-        rows.append([f"stage {stage}" + ("" if mode == "none" else f" + {mode} offload"),
-                     f"{slopes['accelerator']:.2f}", f"{slopes['host']:.2f}",
-                     "unbounded" if math.isinf(fit["params"]) else f"{fit['params'] / 1e9:.1f}",
-                     "-" if math.isinf(fit["params"]) else limit])
-    return records.format_table(rows, ["ZeRO", "accelerator B/param/rank", "host B/param/rank",
-                                       "largest model (B params)", "limited by"])
+        host_slopes = [slopes["host"]]
+        if host_grad_bytes is not None:
+            host_slopes.append(host_bytes_per_parameter(stage, world_size, mode, host_grad_bytes.get(stage), precision))
+        row = [f"stage {stage}" + ("" if mode == "none" else f" + {mode} offload"), f"{slopes['accelerator']:.2f}",
+               *(f"{slope:.2f}" for slope in host_slopes)]
+        for slope in host_slopes:
+            params, limit = _largest(accelerator_gb, stage, world_size, mode, host_gb, reserve_gb, slope, precision)
+            row += ["unbounded" if math.isinf(params) else f"{params / 1e9:.1f}", "-" if math.isinf(params) else limit]
+        rows.append(row)
+    if host_grad_bytes is None:
+        headers = ["ZeRO", "accelerator B/param/rank", "host B/param/rank", "largest model (B params)", "limited by"]
+    else:
+        headers = ["ZeRO", "accelerator B/param/rank", "host B/param/rank: formula", "host: DeepSpeed, measured",
+                   "largest (B): formula", "limited by", "largest (B): measured", "limited by"]
+    return records.format_table(rows, headers)
 
 
 def settings_table(settings: Mapping[str, tuple[str, dict]] | None = None) -> str:
@@ -359,24 +425,90 @@ def host_gradient_bytes(runs: Mapping[str, object], rank: int = 0) -> str:
             continue
         partition = r.params / r["world_size"]
         rows.append(f"{name}: {p['host']['grads'] / partition:.2f} bytes per partition element "
-                    f"(dtypes {', '.join(p['dtypes']['grads'])})")
+                    f"(dtypes {', '.join(p['dtypes']['grads'])}; gradient_accumulation_steps {r.grad_accum})")
     return "\n".join(rows)
 
 
+def reference_host_gradient_bytes(name: str = "offload") -> str:
+    """:func:`host_gradient_bytes` of every committed GPU result of the chapter's experiment, labelled with its device."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    return "\n\n".join(f"{device}:\n" + host_gradient_bytes({k: r for k, r in runs.items() if not isinstance(r, dict)})
+                        for device, date, note, runs in found)
+
+
+def pinned_table(runs: Mapping[str, object], rank: int = 0) -> str:
+    """Per offloading run: the host bytes (model states and buffers) on ``rank`` and how many of them are
+    pinned (page-locked), with the run's ``pin_memory`` settings."""
+    rows, partly, unasked = [], 0, []
+    for name, r in runs.items():
+        p = r.memory.placement(rank)
+        host = sum(p["host"][k] for k in STATE_NAMES) + p["host"]["buffers"]
+        if not host:
+            continue
+        zero = r["config"].get("zero_optimization", {})
+        pins = "; ".join(f"{key}.pin_memory {str(zero[key].get('pin_memory', True)).lower()}"
+                         for key in ("offload_optimizer", "offload_param")
+                         if zero.get(key, {}).get("device", "none") != "none" and (key != "offload_param" or r.stage == 3))
+        if not pins:
+            continue
+        rows.append([name, pins, format_bytes(host), format_bytes(p["pinned_bytes"])])
+        partly += "true" in pins and p["pinned_bytes"] < host
+        if "true" not in pins and p["pinned_bytes"]:
+            unasked.append(name)
+    asked = sum("true" in row[1] for row in rows)
+    return (records.format_table(rows, ["run", "settings", "host bytes (states + buffers)", "pinned"])
+            + f"\nruns with pin_memory true that pin less than their host bytes: {partly} of {asked}"
+            + f"\nruns with every pin_memory false that still pin bytes: {', '.join(unasked) or 'none'}")
+
+
 def zero_offload_headline(gib: float = 32, host_gb: float = 1500, pytorch_largest: float = 1.4e9,
-                          offload_largest: float = 13e9) -> str:
+                          offload_largest: float = 13e9, host_grad_bytes: float | None = None) -> str:
     """The ZeRO-Offload paper's headline recomputed: one V100 of ``gib`` GiB, ``host_gb`` of host memory (a
-    DGX-2), against the largest models the paper trained (1.4B with PyTorch alone, 13B with ZeRO-Offload)."""
+    DGX-2), against the largest models the paper trained (1.4B with PyTorch alone, 13B with ZeRO-Offload).
+    With ``host_grad_bytes`` (host gradient bytes per element, as measured), the host side is also planned
+    with what DeepSpeed keeps."""
 
     rows = []
     for label, stage, mode, trained in (("PyTorch / stage 0, no offload", 0, "none", pytorch_largest),
                                         ("ZeRO-Offload (stage 2 + optimizer offload)", 2, "optimizer", offload_largest)):
         fit = theory.largest_model(gib * 2**30, stage, 1, mode, host_gb * 1e9)
         slopes = theory.bytes_per_parameter(stage, 1, mode)
-        rows.append([label, f"{slopes['accelerator']:.0f}", f"{slopes['host']:.0f}", f"{fit['params'] / 1e9:.1f}",
-                     f"{trained / 1e9:.1f}", f"{trained / fit['params']:.0%}"])
-    return records.format_table(rows, ["1 GPU", "GPU B/param", "host B/param", "formula: largest (B)",
-                                       "paper trained (B)", "share of the formula"])
+        row = [label, f"{slopes['accelerator']:.0f}", f"{slopes['host']:.0f}"]
+        if host_grad_bytes is not None:
+            host = host_bytes_per_parameter(stage, 1, mode, host_grad_bytes)
+            row += [f"{host:.0f}", "-" if not host else f"{host_gb * 1e9 / host / 1e9:.0f}"]
+        rows.append(row + [f"{fit['params'] / 1e9:.1f}", f"{trained / 1e9:.1f}", f"{trained / fit['params']:.0%}"])
+    measured = [] if host_grad_bytes is None else ["host B/param: DeepSpeed, measured", "host memory fits (B), measured"]
+    return records.format_table(rows, ["1 GPU", "GPU B/param", "host B/param: formula", *measured,
+                                       "formula: largest (B)", "paper trained (B)", "share of the formula"])
+
+
+def headline_sentence(host_grad_bytes: float, host_gb: float = 1500, offload_largest: float = 13e9,
+                      pytorch_largest: float = 1.4e9) -> str:
+    """The tenfold claim in bytes, from the formulas and the measured host gradient bytes per element:
+    what one GPU keeps per parameter without and with optimizer offload, and how far ``host_gb`` of host
+    memory goes at the host bytes DeepSpeed keeps."""
+    before = theory.bytes_per_parameter(0, 1, "none")["accelerator"]
+    after = theory.bytes_per_parameter(2, 1, "optimizer")["accelerator"]
+    paper_host = theory.bytes_per_parameter(2, 1, "optimizer")["host"]
+    host = host_bytes_per_parameter(2, 1, "optimizer", host_grad_bytes)
+    fits = host_gb * 1e9 / host
+    return (f"One GPU keeps {before:.0f} bytes per parameter without offload and {after:.0f} with optimizer offload "
+            f"({before / after:.0f}x fewer; the paper's {offload_largest / 1e9:.0f}B against PyTorch's "
+            f"{pytorch_largest / 1e9:.1f}B is {offload_largest / pytorch_largest:.1f}x); the host keeps {host:.0f} bytes per parameter as DeepSpeed runs it "
+            f"(the formula: {paper_host:.0f}), so {host_gb / 1000:g} TB of host memory holds the model states of "
+            f"{fits / 1e9:.0f}B parameters, {fits / offload_largest:.1f}x the {offload_largest / 1e9:.0f}B the paper trained.")
+
+
+def reference_pinned_report(name: str = "offload") -> str:
+    """:func:`pinned_table` of every committed GPU result of the chapter's experiment, labelled with its device."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    return "\n\n".join(f"{device}:\n" + pinned_table({k: r for k, r in runs.items() if not isinstance(r, dict)})
+                        for device, date, note, runs in found)
 
 
 def reference_report(name: str = "offload") -> str:

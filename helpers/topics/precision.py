@@ -307,6 +307,8 @@ SCENARIOS: dict[str, tuple[dict, list[int]]] = {
     "loss_scale_window=2": ({"initial_scale_power": 20, "loss_scale_window": 2}, [6]),
     "loss_scale_window=2, hysteresis=1": ({"initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 1}, [6]),
     "min_loss_scale=32768": ({"hysteresis": 1, "min_loss_scale": 32768}, [6, 12]),
+    "two spikes, hysteresis=2": ({}, [6, 12]),
+    "two spikes, consecutive_hysteresis=true": ({"consecutive_hysteresis": True}, [6, 12]),
 }
 
 
@@ -441,6 +443,179 @@ def bytes_per_parameter_table(runs: Mapping[tuple[int, str], Any], rank: int = 0
                                        "total B/param", "paper B/param"])
 
 
+
+# --- gradient accumulation in bf16 (data_types.grad_accum_dtype) -------------------------------------
+
+class AccumulatedGradient(Probe):
+    """How far the gradient DeepSpeed accumulated over the first optimizer step is from an fp32 reference.
+
+    At the boundary of step 1 (after the last micro-step's backward, before ``engine.step``), every rank
+    reads each parameter's full accumulated gradient with ``deepspeed.utils.safe_get_full_grad`` (in the
+    dtype DeepSpeed accumulated it in); rank 0 also computes the same gradient itself, in fp32 with plain
+    autograd, from the seeded initial weights and every rank's micro-batches of that step (the mean over
+    ranks of each rank's sum of loss / accumulation steps, what ``engine.backward`` accumulates).
+
+    Section ``accumulated_gradient``: ``dtypes`` (what ``safe_get_full_grad`` returned), ``relative_error``
+    (``||g - g_fp32|| / ||g_fp32||`` over all parameters) and ``elements``. Regression models only (the
+    course's ``linear``, ``mlp``, ``mlp_wide``).
+    """
+
+    name = "accumulated_gradient"
+    keys = ("accumulated_gradient.relative_error", "accumulated_gradient.dtypes")
+
+    @classmethod
+    def check_options(cls, options: dict, steps: int) -> None:
+        model = options.get("reference_model")
+        if model not in models.REGRESSION_WIDTH or not isinstance(options.get("reference_seed"), int):
+            raise ValueError(f"options {{'reference_model': {model!r}, 'reference_seed': "
+                             f"{options.get('reference_seed')!r}}}: name the run's model (one of "
+                             f"{', '.join(models.REGRESSION_WIDTH)}) and seed, as grad_accum_specs does")
+
+    def start(self, ctx: RunContext) -> None:
+        self.found: dict | None = None
+
+    def after_backward(self, ctx: RunContext, step: int, micro_step: int) -> None:
+        if step != ctx.first_step or micro_step != ctx.grad_accum - 1:
+            return
+        # deferred: DeepSpeed is imported on the ranks, after the launcher chose its accelerator
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = [safe_get_full_grad(p) for p in ctx.engine.module.parameters()]  # a collective at stage 3
+        if ctx.rank != 0:
+            return
+        reference = fp32_gradient(ctx.options["reference_model"], ctx.options["reference_seed"], step, ctx.dp_size,
+                                  ctx.micro_batch, ctx.grad_accum)
+        got = torch.cat([g.detach().float().cpu().flatten() for g in grads])
+        self.found = {"dtypes": sorted({str(g.dtype).removeprefix("torch.") for g in grads}),
+                      "relative_error": float((got - reference).norm() / reference.norm()),
+                      "elements": got.numel()}
+
+    def finish(self, ctx: RunContext) -> dict:
+        return {"found": self.found}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        return {"accumulated_gradient": ranks[0]["found"]}
+
+
+def fp32_gradient(name: str, seed: int, step: int, world: int, micro: int, accum: int) -> torch.Tensor:
+    """The gradient of optimizer step ``step`` (0-based; exact for the first, from the seeded weights) computed
+    in fp32 by plain autograd on one process: every rank's micro-batches, each loss divided by ``accum``,
+    averaged over the ``world`` ranks; flattened in the model's parameter order."""
+    model = models.build(name, seed)
+    for rank in range(world):
+        for micro_step in range(accum):
+            batch = models.make_batch(name, models.sample_indices(step, micro_step, rank, world, micro, accum), seed)
+            (models.loss_of(model, name, batch) / (accum * world)).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+
+#: Chapter 07's accumulation runs: micro-steps per optimizer step, optimizer steps, and the ZeRO stages
+#: whose optimizers take ``data_types.grad_accum_dtype`` (stage 0 refuses fp32 with bf16: see the chapter).
+GRAD_ACCUM_STEPS = 16
+GRAD_ACCUM_RUN_STEPS = 6
+GRAD_ACCUM_STAGES = (1, 2, 3)
+GRAD_ACCUM_PROBES = ("timing", "model_states", "placement", AccumulatedGradient)
+
+
+def grad_accum_specs(model: str = "mlp", steps: int = GRAD_ACCUM_RUN_STEPS, accum: int = GRAD_ACCUM_STEPS,
+                     stages: tuple[int, ...] = GRAD_ACCUM_STAGES, seed: int = 0) -> dict:
+    """RunSpecs of bf16 training with ``accum`` micro-steps per optimizer step, the gradients accumulated in
+    bf16 (DeepSpeed's default for a bf16 model) and in fp32 (``"data_types": {"grad_accum_dtype": "fp32"}``)
+    at each of ``stages``; the same in fp32 training (ZeRO-2); and stage 0 asked for fp32 accumulation,
+    which DeepSpeed refuses (recorded, not raised). Keys ("accum", (stage, dtype)), and
+    ("accum", (2, "fp32 training")). Each run carries the :class:`AccumulatedGradient` probe."""
+
+    options = {"reference_model": model, "reference_seed": seed}
+
+    def spec(stage: int, overrides: dict, label: str, **extra) -> launch.RunSpec:
+        return launch.RunSpec(f"zero{stage}", model=model, steps=steps, seed=seed, probes=GRAD_ACCUM_PROBES,
+                              options=options, name=f"accum-zero{stage}-{label.replace(' ', '-')}",
+                              overrides=merged({"gradient_accumulation_steps": accum}, overrides), **extra)
+
+    specs = {("accum", (stage, dtype)): spec(stage, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": dtype}},
+                                           f"bf16-{dtype}")
+             for stage in stages for dtype in ("bf16", "fp32")}
+    specs[("accum", (2, "fp32 training"))] = spec(2, {}, "fp32")
+    specs[("accum", (0, "fp32"))] = spec(0, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+                                       "bf16-fp32", on_error="record")
+    return specs
+
+
+def accumulated_gradient(record: records.Record) -> dict:
+    """What the :class:`AccumulatedGradient` probe found: ``dtypes``, ``relative_error``, ``elements``."""
+    return record.section("accumulated_gradient")
+
+
+def _accum_label(stage: int, dtype: str) -> str:
+    return f"ZeRO-{stage}, " + ("fp32 training" if dtype == "fp32 training" else f"bf16, accumulated in {dtype}")
+
+
+def grad_accum_table(runs: Mapping[Any, Any], rank: int = 0) -> str:
+    """Per accumulation run (keys ("accum", (stage, dtype))): DeepSpeed's optimizer, the dtype and bytes per
+    parameter of the gradients ``rank`` holds at the boundary, and its losses against the same stage
+    accumulating in fp32 (bf16's tolerance; the first step's exactly). Device-independent: nbval checks it."""
+
+    rows = []
+    for (_, (stage, dtype)), r in sorted(((k, r) for k, r in runs.items() if k[0] == "accum"), key=lambda kr: kr[0][1]):
+        label = _accum_label(stage, dtype)
+        if isinstance(r, Exception):
+            error = str(r).split("failed: ", 1)[-1].splitlines()[0]
+            rows.append([label, "refused by deepspeed.initialize", error, "-", "-"])
+            continue
+        placement = r.memory.placement(rank)
+        grads = placement["accelerator"]["grads"] + placement["host"]["grads"]
+        base = runs.get(("accum", (stage, "fp32")))
+        versus = "-"
+        if dtype == "bf16" and isinstance(base, records.Record):
+            first = "step 1 equal" if r.losses[0] == base.losses[0] else "step 1 differs"
+            versus = f"{first}, all {records.loss_agreement(base.losses, r.losses, 'bf16')}"
+        rows.append([label, r["optimizer"], ", ".join(placement["dtypes"]["grads"]), f"{grads / r.params:.2f}", versus])
+    return records.format_table(rows, ["run", "DeepSpeed's optimizer", "gradients held", "gradient B/param",
+                                       "losses vs accumulated in fp32"])
+
+
+def grad_accum_verdicts(runs: Mapping[Any, Any], tolerance: float = 1e-5) -> str:
+    """Device-independent properties of the accumulation runs: fp32 training's accumulated gradient against
+    the probe's fp32 reference (the reference checked by an independent computation), and per stage whether
+    accumulating in bf16 left the gradient further from the reference than accumulating in fp32, and whether
+    the two runs' losses agree within ``tolerance``."""
+    lines = []
+    fp32 = runs.get(("accum", (2, "fp32 training")))
+    if isinstance(fp32, records.Record):
+        error = accumulated_gradient(fp32)["relative_error"]
+        lines.append(f"fp32 training (ZeRO-2): DeepSpeed's step-1 gradient vs the fp32 reference computed apart: "
+                     f"{'within' if error <= tolerance else 'differ by more than'} {tolerance:.0e} (relative)")
+    for (_, (stage, dtype)), r in sorted(((k, r) for k, r in runs.items() if k[0] == "accum"), key=lambda kr: kr[0][1]):
+        other = runs.get(("accum", (stage, "fp32")))
+        if dtype != "bf16" or not isinstance(r, records.Record) or not isinstance(other, records.Record):
+            continue
+        bf16_error, fp32_error = accumulated_gradient(r)["relative_error"], accumulated_gradient(other)["relative_error"]
+        gap = max(abs(a - b) for a, b in zip(r.losses, other.losses))
+        lines.append(f"ZeRO-{stage}: accumulated in bf16, the step-1 gradient is further from the fp32 reference than "
+                     f"accumulated in fp32: {bf16_error > fp32_error}; losses of the two runs "
+                     f"{'within' if gap <= tolerance else 'differ by more than'} {tolerance:.0e}")
+    return "\n".join(lines)
+
+
+def grad_accum_error_table(runs: Mapping[Any, Any]) -> str:
+    """Per accumulation run: the first step's accumulated gradient against the fp32 reference (relative error),
+    and the largest loss difference over the run against the same stage accumulating in fp32 and against
+    fp32 training. Digits that depend on the processor: print where nbval does not compare."""
+
+    fp32 = runs.get(("accum", (2, "fp32 training")))
+    rows = []
+    for (_, (stage, dtype)), r in sorted(((k, r) for k, r in runs.items() if k[0] == "accum"), key=lambda kr: kr[0][1]):
+        if isinstance(r, Exception):
+            continue
+        base = runs.get(("accum", (stage, "fp32")))
+        gap = lambda other: (f"{max(abs(a - b) for a, b in zip(r.losses, other.losses)):.1e}"  # noqa: E731
+                             if isinstance(other, records.Record) and other is not r else "-")
+        rows.append([_accum_label(stage, dtype), f"{accumulated_gradient(r)['relative_error']:.1e}", gap(base), gap(fp32)])
+    return records.format_table(rows, ["run", "step-1 gradient vs fp32 reference (relative)",
+                                       "max loss gap vs accumulated in fp32", "max loss gap vs fp32 training"])
+
+
 # --- the source article's configuration ---------------------------------------------------------------
 
 ARTICLE = "source_article"
@@ -538,7 +713,8 @@ def chapter_runs(env=None, model: str = "mlp", steps: int = 4) -> dict:
     """Everything chapter 07 measures on this machine, in ONE launch: ZeRO-0 and ZeRO-2 in each precision the
     device accepts (keys (stage, precision)); the article's config as run, corrected and in fp32 (keys
     ("article", ...)); the loss-scaling scenarios through DeepSpeed's scaler on every machine (("demo", name))
-    and through the fp16 engine where the device accepts fp16 (("engine", name))."""
+    and through the fp16 engine where the device accepts fp16 (("engine", name)); bf16 with its gradients
+    accumulated in bf16 and in fp32 (:func:`grad_accum_specs`, keys ("accum", (stage, dtype)))."""
 
     env = env or environment.detect()
     precisions = tuple(p for p in ("fp32", "bf16", "fp16") if env.supports(p))
@@ -547,6 +723,8 @@ def chapter_runs(env=None, model: str = "mlp", steps: int = 4) -> dict:
     specs.update({("article", name): spec for name, spec in
                   article_specs(half, "bf16" if env.supports("bf16") else "fp16").items()})
     specs.update(scenario_specs(engine=env.supports("fp16")))
+    if env.supports("bf16"):
+        specs.update(grad_accum_specs(model=model))
     results = launch.sweep(list(specs.values()), name="precision")
     return {key: results[spec.name] for key, spec in specs.items()}
 
@@ -647,6 +825,151 @@ def gpu_experiment(runs: Mapping[Any, Any]) -> None:
     speed = speed_runs()
     references.save_reference("precision-speed", {f"ZeRO-2 {p}": r for (_, p), r in speed.items()},
                                note="mlp_wide, micro batch 512 per rank, 6 steps")
+
+
+
+# --- the formats, from torch itself ----------------------------------------------------------------
+
+def formats_table() -> str:
+    """fp32, bf16 and fp16 as ``torch.finfo`` describes them: bits of sign / exponent / mantissa, the largest
+    value, the smallest normal value, the spacing just above 1 (``eps``), and what DeepSpeed adds for each."""
+    adds = {"fp32": "nothing", "bf16": "an fp32 master copy", "fp16": "an fp32 master copy, and a loss scale"}
+    rows = []
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        info = torch.finfo(dtype)
+        mantissa = round(-math.log2(info.eps))
+        rows.append([name, f"1 / {info.bits - 1 - mantissa} / {mantissa}", f"{info.max:.4g}", f"{info.tiny:.3g}",
+                     f"2^-{mantissa}", adds[name]])
+    return records.format_table(rows, ["format", "bits: sign / exponent / mantissa", "largest", "smallest normal",
+                                       "eps (spacing above 1)", "what DeepSpeed adds"])
+
+
+# --- fp16 against bf16, measured -------------------------------------------------------------------
+
+def half_bytes_table(runs: Mapping[str, Any], rank: int = 0) -> str:
+    """fp16 against bf16 in the same runs (``{"ZeRO-2 fp16": record, "ZeRO-2 bf16": record, ...}``): each kind
+    of model state ``rank`` holds, equal or not, and the dtypes. Both measured, neither from a formula."""
+    rows = []
+    for fp16_name, fp16 in runs.items():
+        if not fp16_name.endswith("fp16") or fp16_name.replace("fp16", "bf16") not in runs:
+            continue
+        bf16 = runs[fp16_name.replace("fp16", "bf16")]
+        a, b = fp16.memory.placement(rank), bf16.memory.placement(rank)
+        same = [k for k in records.MODEL_STATE_KEYS
+                if a["accelerator"][k] + a["host"][k] == b["accelerator"][k] + b["host"][k]]
+        rows.append([f"{fp16_name} vs {fp16_name.replace('fp16', 'bf16')}",
+                     f"{len(same)} of {len(records.MODEL_STATE_KEYS)} equal" + ("" if len(same) == len(records.MODEL_STATE_KEYS)
+                                                                              else f" (differ: {', '.join(k for k in records.MODEL_STATE_KEYS if k not in same)})"),
+                     " | ".join(f"{k} {', '.join(a['dtypes'].get(k, ['-']))}" for k in ("params", "grads"))])
+    return records.format_table(rows, ["runs", "bytes of each kind of state", "fp16 run's 16-bit states"])
+
+
+def half_bytes_reference_report(name: str = "precision-speed") -> str:
+    """:func:`half_bytes_table` for every committed GPU result of the precision-speed experiment."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    return "\n\n".join(f"Measured on {device}, {date} ({note}):\n{half_bytes_table(runs)}" for device, date, note, runs in found)
+
+
+# --- the engine against the scaler demo ----------------------------------------------------------------
+
+#: Headroom (halvings) below which a step's overflow verdict can hang on rounding: the largest scaled
+#: gradient came within a factor of 2 of fp16's largest value.
+EDGE_HALVINGS = 1.0
+
+
+def engine_demo_differences(name: str = "loss-scale", demos: Mapping[str, Any] | None = None) -> str:
+    """Which scenarios the fp16 engine's committed GPU runs and the scaler demo here decide differently,
+    against how close the demo's applied steps came to an fp16 overflow (:data:`EDGE_HALVINGS`): a
+    sentence per reference, from the data."""
+    found = references.reference_runs(name)
+    if not found or demos is None:
+        return references.no_references(name, references.GPU_HOW)
+    lines = []
+    for device, date, note, runs in found:
+        differ, agree = [], []
+        for scenario, run in runs.items():
+            if scenario not in demos:
+                continue
+            demo = trajectory(demos[scenario])
+            if isinstance(run, dict) and "failed" in run:
+                (agree if demo["stopped"] else differ).append(scenario)
+                continue
+            t = trajectory(run)
+            (agree if t["scales"] == demo["scales"] and t["overflow"] == demo["overflow"] else differ).append(scenario)
+        near = {s for s in differ + agree if _min_headroom(demos[s]) < EDGE_HALVINGS}
+        lines.append(f"{device}: the engine and the demo decide {len(agree)} of {len(agree) + len(differ)} scenarios "
+                     f"alike; they differ in {len(differ)} ({'; '.join(differ) or 'none'}). Scenarios whose demo came "
+                     f"within {EDGE_HALVINGS:g} halving of an fp16 overflow: {'; '.join(sorted(near, key=list(demos).index)) or 'none'}. "
+                     f"The scenarios that differ are exactly those: {set(differ) == near}.")
+    return "\n".join(lines)
+
+
+def _min_headroom(result: Mapping[str, Any]) -> float:
+    values = [h for h in result["headroom_log2"] if h is not None]
+    return min(values) if values else math.inf
+
+
+# --- what a 16-bit step can gain on a GPU -----------------------------------------------------------
+
+#: fp32 (non-tensor-core) peak TFLOP/s by device name, for the bound on what 16-bit matrix products can save.
+PEAK_FP32_TFLOPS: list[tuple[str, float, str]] = [
+    (r"H100.*PCIe", 51.0, "NVIDIA H100 datasheet, H100 PCIe: FP32 51 TFLOPS"),
+    (r"H100|H200|GH200", 67.0, "NVIDIA H100 and H200 datasheets, SXM: FP32 67 TFLOPS"),
+    (r"A100", 19.5, "NVIDIA A100 datasheet: FP32 19.5 TFLOPS"),
+]
+
+
+def peak_fp32_tflops(device_name: str) -> tuple[float | None, str]:
+    """(fp32 TFLOP/s peak, its source) for a device name, or (None, why)."""
+    import re
+
+    for pattern, tflops, source in PEAK_FP32_TFLOPS:
+        if re.search(pattern, device_name):
+            return tflops, source
+    return None, f"no fp32 peak known for {device_name!r}: add it to helpers.topics.precision.PEAK_FP32_TFLOPS"
+
+
+def speed_explanation(name: str = "precision-speed") -> str:
+    """What the committed GPU speed results show, from their own data: each 16-bit run's speed-up over fp32,
+    the range of the timed steps, and the bound on what faster matrix products could save: the model's
+    6 x parameters x samples FLOPs per rank and step at the datasheet's fp32 and dense 16-bit peaks, against
+    the measured step. (An MLP: its FLOPs are its matrix products.)"""
+    # deferred: helpers.core.performance imports nothing heavy, but keep the chapter's imports as they were
+    from helpers.core import performance
+
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    lines = []
+    for device, date, note, runs in found:
+        fp32 = runs.get("ZeRO-2 fp32")
+        if fp32 is None:
+            continue
+        device_name = fp32["device_name"]
+        flops = 6 * fp32.params * fp32.micro_batch * fp32.grad_accum
+        peak32, source32 = peak_fp32_tflops(device_name)
+        peak16, source16 = performance.peak_tflops(device_name)
+        base = fp32.timing.median_s
+        spread = {n: sorted(r["step_time_s"]["all"][1:]) for n, r in runs.items()}
+        lines.append(f"{device} ({note}): " + "; ".join(
+            f"{n} {base / r.timing.median_s:.2f}x fp32's speed" for n, r in runs.items() if n != "ZeRO-2 fp32") + ".")
+        lines.append("Timed steps after the first, fastest to slowest: " + "; ".join(
+            f"{n} {t[0] * 1e3:.1f}-{t[-1] * 1e3:.1f} ms" for n, t in spread.items()) + ".")
+        if peak32 and peak16:
+            math32, math16 = flops / (peak32 * 1e12), flops / (peak16 * 1e12)
+            lines.append(f"The step's matrix products, {flops:.3g} FLOPs per rank (6 x {fp32.params:,} parameters x "
+                         f"{fp32.micro_batch * fp32.grad_accum} samples), take {math32 * 1e3:.2f} ms at the fp32 peak "
+                         f"({peak32:g} TFLOP/s) and {math16 * 1e3:.2f} ms at the dense 16-bit peak ({peak16:g} TFLOP/s), "
+                         f"a {peak16 / peak32:.1f}x faster peak, in a {base * 1e3:.1f} ms fp32 step: even if 16-bit "
+                         f"removed all of that time, the step could only run {base / (base - math32 + math16):.2f}x "
+                         f"faster. Sources: {source32}; {source16}.")
+            bound = base / (base - math32 + math16)
+            lines.append("Against that bound: " + "; ".join(
+                f"{n} {base / r.timing.median_s:.2f}x, {'within' if base / r.timing.median_s <= bound else 'above'} it"
+                for n, r in runs.items() if n != "ZeRO-2 fp32") + ".")
+    return "\n".join(lines)
 
 
 # --- figures ----------------------------------------------------------------------------------------
