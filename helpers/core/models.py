@@ -236,8 +236,9 @@ def llama_7b_parameters() -> int:
 
 
 def count_parameters(model: nn.Module) -> int:
-    """Number of trainable parameters (the paper's Ψ)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    """Number of trainable parameters (the paper's Ψ). A parameter built partitioned by
+    ``deepspeed.zero.Init`` holds an empty tensor: its count is ``ds_numel``, as DeepSpeed's engine counts it."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
 
 
 @dataclasses.dataclass

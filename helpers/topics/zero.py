@@ -1,15 +1,29 @@
-"""The experiments chapters repeat, as single calls: a stage against its baseline and its knobs in one
-launch (:func:`stage_chapter_runs`), a knob's effect (:func:`knob_runs`).
+"""The experiments of chapters 03-05 as single calls: a stage against its baseline and its knobs in one
+launch (:func:`stage_chapter_runs`; :func:`zero3_chapter_runs` adds the model built two ways), a knob's
+effect (:func:`knob_runs`).
 
-Each function launches real runs through :func:`helpers.core.launch.sweep` and returns their records;
+- How the gradients were reduced (:func:`reduction_table`: the collective, the DeepSpeed function that issued
+  it, and what a rank sends for it), and sentences read from the committed GPU results.
+- :func:`build_model`, a run's builder (``RunSpec(builder=BUILDER)``): the course model built whole on every
+  rank or inside ``deepspeed.zero.Init``, with ``deepspeed.zero.GatheredParameters`` tried on its first
+  parameter; the :class:`Construction` probe records what the builder counted.
+
+Each launching function runs real runs through :func:`helpers.core.launch.sweep` and returns their records;
 the ``*_table`` functions turn records into the plain-text tables the notebooks print.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import contextlib
+import hashlib
+from typing import Iterator, Mapping, Sequence
 
-from helpers.core import environment, launch, records, references, theory
+import torch
+
+from helpers.core import environment, launch, models, records, references, theory
+from helpers.core.plan import reference_of
+from helpers.core import probes as probes_registry
+from helpers.core.probes import Probe, RunContext
 
 
 def _baseline_specs(stage: int, model: str, steps: int, precisions: Sequence[str], also: Sequence[int],
@@ -48,11 +62,36 @@ def stage_chapter_runs(stage: int, knobs: Mapping[str, dict], model: str = "mlp"
     Returns ``(runs, knob_records)``: {(stage, precision): record} and {setting: record}, the records each
     run would get from a launch of its own. Precisions the device refuses are left out (and said so).
     """
+    runs, tuned, _ = _chapter_runs(stage, knobs, {}, model, steps, precisions, also, env)
+    return runs, tuned
+
+
+def zero3_chapter_runs(knobs: Mapping[str, dict], model: str = "mlp", steps: int = 4,
+                       precisions: Sequence[str] = ("fp32", "bf16"), also: Sequence[int] = (2,), env=None
+                       ) -> tuple[dict[tuple[int, str], records.Record], dict[str, records.Record],
+                                  dict[str, records.Record]]:
+    """Chapter 05's launch: :func:`stage_chapter_runs` at stage 3, and the same stage-3 run with the model
+    built by :func:`build_model` each way of :data:`INIT_CHOICES` (whole on every rank, or inside
+    ``deepspeed.zero.Init``), measured by the :class:`Construction` probe, all in ONE launch.
+
+    Returns ``(runs, knob_records, built)``, ``built`` being {init: record}.
+    """
+    builds = {init: launch.RunSpec("zero3", model=model, steps=steps, name=f"zero3-built-{init}", builder=BUILDER,
+                                   model_options={"init": init}, probes=(*probes_registry.DEFAULT, Construction))
+              for init in INIT_CHOICES}
+    return _chapter_runs(3, knobs, builds, model, steps, precisions, also, env)
+
+
+def _chapter_runs(stage: int, knobs: Mapping[str, dict], builds: Mapping[str, launch.RunSpec], model: str,
+                  steps: int, precisions: Sequence[str], also: Sequence[int], env
+                  ) -> tuple[dict[tuple[int, str], records.Record], dict[str, records.Record],
+                             dict[str, records.Record]]:
     base = _baseline_specs(stage, model, steps, precisions, also, env or environment.detect())
     tuned = _knob_specs(stage, knobs, model, steps)
-    results = launch.sweep([*base.values(), *tuned.values()], name=f"zero{stage}-chapter")
+    results = launch.sweep([*base.values(), *tuned.values(), *builds.values()], name=f"zero{stage}-chapter")
     return ({key: results[spec.name] for key, spec in base.items()},
-            {name: results[spec.name] for name, spec in tuned.items()})
+            {name: results[spec.name] for name, spec in tuned.items()},
+            {name: results[spec.name] for name, spec in builds.items()})
 
 
 def agreement_table(runs: Mapping[tuple[int, str], records.Record], stage: int) -> str:
@@ -98,6 +137,16 @@ def knob_runs(stage: int, settings: Mapping[str, dict], model: str = "mlp", step
     return {name: results[spec.name] for name, spec in specs.items()}
 
 
+def knob_agreement(runs: Mapping[str, records.Record], base: str = "defaults") -> str:
+    """One line: do every setting's losses agree with ``base``'s, within the precision's tolerance?"""
+    ref = runs[base]
+    verdicts = {name: records.loss_agreement(ref.losses, r.losses, r.precision) for name, r in runs.items()
+                if name != base}
+    if all(verdict.startswith("within") for verdict in verdicts.values()) and len(set(verdicts.values())) == 1:
+        return f"losses of every setting against {base}: {next(iter(verdicts.values()))}"
+    return "; ".join(f"{name} against {base}: {verdict}" for name, verdict in verdicts.items())
+
+
 def knob_table(runs: Mapping[str, records.Record], timings: bool = False) -> str:
     """Per setting: collectives and bytes per step, buffers and gradients held; with timings, peak memory and step time.
 
@@ -116,6 +165,157 @@ def knob_table(runs: Mapping[str, records.Record], timings: bool = False) -> str
     if timings:
         headers += ["peak (rank 0)", "step ms"]
     return records.format_table(rows, headers)
+
+
+#: Collectives that carry no gradient: the gradient norm's (clipping) and the parameters' all-gather.
+NOT_GRADIENT_CALLERS = ("get_grad_norm_direct", "clip_grad_norm_")
+
+
+def gradient_sent_bytes(op: str, logged_bytes: float, world_size: int) -> float:
+    """Bytes one rank sends, averaged over the ranks, for gradient reductions the comms logger recorded as
+    ``logged_bytes`` of ``op``, on a ring as NCCL runs them. An all_reduce sends 2(n-1)/n of the tensor
+    (:func:`helpers.core.theory.wire_bytes`). A ``reduce`` here is DeepSpeed sending each rank's slices of a
+    bucket to that rank (``use_multi_rank_bucket_allreduce`` false): one reduce per owner, and NCCL's ring
+    reduce has every rank but the root send each element once (``runRing`` in NCCL's ``src/device/reduce.h``),
+    so a rank sends the (n-1)/n of the bucket it does not own: a reduce-scatter's volume. (Gloo's reduce, a
+    ring reduce-scatter of the whole message and then a gather to the root, sends more.)"""
+    if op == "reduce":
+        return logged_bytes * (world_size - 1) / world_size
+    return theory.wire_bytes(op, logged_bytes, world_size)
+
+
+def zero_default(key: str):
+    """DeepSpeed's default for ``zero_optimization.<key>`` (a field name or its ``stage3_`` alias), read from
+    its config model (``DeepSpeedZeroConfig`` in ``deepspeed/runtime/zero/config.py``)."""
+    environment.quiet_deepspeed_import()
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # deferred: DeepSpeed after the accelerator
+
+    for name, field in DeepSpeedZeroConfig.model_fields.items():
+        if key in (name, field.alias):
+            return field.default
+    raise KeyError(f"zero_optimization has no key {key!r}")
+
+
+def _gradient_rows(record: records.Record) -> list[tuple[str, str, dict]]:
+    """(op, caller, {count, bytes}) of the collectives that reduce gradients, per optimizer step."""
+    return [(op, caller, row) for op, callers in (record.comm.by_caller or {}).items()
+            if not op.startswith("all_gather") for caller, row in callers.items() if caller not in NOT_GRADIENT_CALLERS]
+
+
+def gradient_calls(record: records.Record) -> float:
+    """Collective calls per optimizer step that reduce gradients (the norm's all_reduce and the parameters'
+    all-gather left out)."""
+    return sum(row["count"] for _, _, row in _gradient_rows(record))
+
+
+def gradient_bytes(record: records.Record) -> float:
+    """Bytes per optimizer step the comms logger recorded for the collectives that reduce gradients."""
+    return sum(row["bytes"] for _, _, row in _gradient_rows(record))
+
+
+def bucket_note(base: records.Record, small: records.Record, small_name: str) -> str:
+    """What ``reduce_bucket_size`` did in two runs: the bucket's bytes against the parameters' (rank 0) and
+    the gradient calls and logged bytes per step."""
+    default = int(zero_default("reduce_bucket_size"))
+    b, s = base.states(0), small.states(0)
+    return (f"DeepSpeed's default reduce_bucket_size: {default:,} elements. With it, buffers {b['buffers']:,} bytes "
+            f"for {b['params']:,} bytes of parameters ({b['buffers'] / b['params']:,.0f} times the model); "
+            f"with {small_name}: {s['buffers']:,} bytes. Gradient reductions per step: {gradient_calls(base):g} "
+            f"call(s) against {gradient_calls(small):g}, logged bytes per step {base.comm.bytes_per_step:,.0f} "
+            f"against {small.comm.bytes_per_step:,.0f}.")
+
+
+def reduction_table(runs: Mapping[str, records.Record]) -> str:
+    """Per setting: the collectives that reduce the gradients (the DeepSpeed function that issued them),
+    calls and logged bytes per optimizer step, and the bytes one rank sends for them
+    (:func:`gradient_sent_bytes`). Counts and bytes are the same on every processor."""
+    rows = [[name, f"{op} ({caller})", f"{row['count']:g}", f"{row['bytes']:,.0f}",
+             f"{gradient_sent_bytes(op, row['bytes'], r.world_size):,.0f}"]
+            for name, r in runs.items() for op, caller, row in _gradient_rows(r)]
+    return records.format_table(rows, ["setting", "gradient collective (issued by)", "calls/step",
+                                       "logged bytes/step", "sent per rank/step (NCCL ring)"])
+
+
+def latest_reference(name: str) -> tuple[str, dict[str, records.Record]]:
+    """(device, {setting: record}) of the newest committed GPU result of experiment ``name``."""
+    found = references.reference_runs(name)
+    if not found:
+        raise LookupError(references.no_references(name, references.GPU_HOW))
+    device, _, _, runs = found[-1]
+    return device, runs
+
+
+def not_in_reference(name: str, settings: Sequence[str]) -> str:
+    """Which of this chapter's ``settings`` the newest GPU result of ``name`` has no run for, said plainly."""
+    device, runs = latest_reference(name)
+    missing = [s for s in settings if s not in runs]
+    if not missing:
+        return f"The GPU reference ({device}) has a run for every setting above."
+    return (f"The GPU reference ({device}) was measured before this chapter trained {', '.join(missing)}: "
+            f"no GPU row for {'it' if len(missing) == 1 else 'them'}.")
+
+
+def peak_contrast(name: str, base: str, other: str) -> str:
+    """One sentence from the newest GPU result of ``name``: rank 0's peak memory and median step time of
+    setting ``other`` against ``base``, with their collective calls per step."""
+    device, runs = latest_reference(name)
+    a, b = runs[base], runs[other]
+
+    def calls(r: records.Record) -> str:
+        return f"{r.comm.calls_per_step:g}"
+
+    apart = records.format_bytes(abs(b.memory.peak(0) - a.memory.peak(0)))
+    return (f"On {device}, {other}: peak {records.format_bytes(b.memory.peak(0))} per rank against "
+            f"{records.format_bytes(a.memory.peak(0))} with {base} ({apart} apart), median step "
+            f"{b.timing.median_s * 1000:.1f} ms against {a.timing.median_s * 1000:.1f} ms ({calls(b)} collective "
+            f"calls per step against {calls(a)}).")
+
+
+def step_spread(name: str, base: str, other: str) -> str:
+    """Whether the newest GPU result of ``name`` can tell setting ``other``'s step time from ``base``'s:
+    the range of each one's steps after the first (which warms up) and whether the ranges overlap."""
+    device, runs = latest_reference(name)
+
+    def spread(r: records.Record) -> tuple[float, float]:
+        later = [t * 1000 for t in r.timing.all_s[1:]]
+        return min(later), max(later)
+
+    (a_lo, a_hi), (b_lo, b_hi) = spread(runs[base]), spread(runs[other])
+    text = (f"On {device}, the steps after the first took {b_lo:.1f}-{b_hi:.1f} ms with {other} and "
+            f"{a_lo:.1f}-{a_hi:.1f} ms with {base}: ")
+    if b_hi < a_lo:
+        return text + f"{other} was faster in every step."
+    if a_hi < b_lo:
+        return text + f"{other} was slower in every step."
+    return text + ("the ranges overlap, so these few steps (on GPUs shared with other runs, as the reference "
+                   "says) cannot tell the two apart.")
+
+
+def calls_and_step_times(name: str) -> str:
+    """From the newest GPU result of ``name``: each setting's collective calls per step and median step time,
+    fewest calls first, and whether the step time rises with the calls in that order."""
+    device, runs = latest_reference(name)
+    rows = sorted(((r.comm.calls_per_step, r.timing.median_s * 1000, setting)
+                   for setting, r in runs.items()))
+    text = "; ".join(f"{setting} {calls:g} calls, {ms:.1f} ms" for calls, ms, setting in rows)
+    times = [ms for _, ms, _ in rows]
+    rising = all(x < y for x, y in zip(times, times[1:]))
+    verdict = "rises with every added call in this order." if rising else "does not rise with the calls in every row."
+    return f"On {device}, collective calls per step and median step time: {text}. The step time {verdict}"
+
+
+def per_micro_step_volume(runs: Mapping[str, records.Record]) -> str:
+    """Per run: wire bytes one rank sends per micro-step (the record's ring wire bytes per optimizer step,
+    divided by its accumulation steps) against the paper's volume for one forward and backward (the record's
+    ``theory.comm_wire_bytes_per_step``: the paper counts one step without accumulation)."""
+    rows = []
+    for name, r in runs.items():
+        per_micro = r.comm.wire_bytes_per_step / r.grad_accum
+        paper = r.theory.comm_wire_bytes_per_step
+        rows.append([name, f"{r.grad_accum}", f"{per_micro:,.0f}", f"{paper:,.0f}",
+                     records.format_ratio(per_micro, paper, suffix="x")])
+    return records.format_table(rows, ["run", "micro-steps/step", "wire bytes/micro-step", "paper, one step",
+                                       "measured/paper"])
 
 
 def scaled_out_table(psi: float, world_size: int, largest_layer_params: int = 0, k: int = theory.PAPER_K) -> str:
@@ -159,3 +359,242 @@ def comparison_table(subject: records.Record, baselines: Mapping[str, records.Re
         ["losses", *(losses(s, b) for b in baselines.values())],
     ]
     return records.format_table(rows, [s.label, *(f"vs {name}" for name in baselines)])
+
+
+# --- building the model partitioned: deepspeed.zero.Init and GatheredParameters ---------------------------
+
+#: How :func:`build_model` builds: every rank the whole model (``"plain"``, as PyTorch does), or each rank
+#: only its shard of every parameter, from construction on (``"zero.Init"``).
+INIT_CHOICES = ("plain", "zero.Init")
+#: The attribute the builder leaves on the model for the :class:`Construction` probe to read.
+CONSTRUCTION_ATTR = "course_construction"
+
+
+def build_partitioned(name: str, seed: int, config: dict):
+    """The course model ``name`` built inside ``deepspeed.zero.Init``: as each module's ``__init__`` ends,
+    DeepSpeed broadcasts its parameters from rank 0 and keeps only this rank's shard
+    (``Init._post_init_method`` and ``_zero_init_param`` in ``deepspeed/runtime/zero/partition_parameters.py``).
+    These lines are what a learner writes; ``config`` is the run's DeepSpeed config (stage 3)."""
+    import deepspeed  # deferred: the ranks import DeepSpeed after the course has chosen its accelerator
+
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = models.build(name, seed)
+    return model
+
+
+def gathered_parameter_demo(param, rank: int) -> dict:
+    """What ``deepspeed.zero.GatheredParameters`` does with one partitioned parameter, on this rank:
+    its shape outside and inside the context, a digest of the full tensor gathered inside, and whether a
+    change made by rank 0 inside the context reaches this rank's shard, without ``modifier_rank`` and
+    with ``modifier_rank=0``. The change (a doubling) is undone the same way, so training starts from
+    the weights the model was built with (doubling and halving are exact in binary floating point)."""
+    import deepspeed  # deferred: as above
+
+    shard = param.ds_tensor.detach().clone()
+    found = {"shape_outside": list(param.shape), "shape_full": list(param.ds_shape),
+             "shard_elements": int(param.ds_tensor.numel())}
+    with deepspeed.zero.GatheredParameters(param):
+        found["shape_inside"] = list(param.shape)
+        found["digest"] = digest(param.data)
+        if rank == 0:
+            param.data.mul_(2)  # no modifier_rank: the gathered copy is dropped on exit
+    found["change_kept_without_modifier_rank"] = torch.equal(param.ds_tensor, shard * 2)
+    with deepspeed.zero.GatheredParameters(param, modifier_rank=0):
+        if rank == 0:
+            param.data.mul_(2)  # modifier_rank=0: rank 0's tensor is broadcast, then re-partitioned
+    found["change_kept_with_modifier_rank"] = torch.equal(param.ds_tensor, shard * 2)
+    with deepspeed.zero.GatheredParameters(param, modifier_rank=0):
+        if rank == 0:
+            param.data.div_(2)
+    found["restored"] = torch.equal(param.ds_tensor, shard)
+    return found
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """A short hash of a tensor's bytes: equal digests mean bit-identical tensors."""
+    data = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _held_bytes(param: torch.nn.Parameter) -> int:
+    """Bytes of storage a parameter holds on this rank: its ``.data`` (empty while a ZeRO-3 parameter is
+    partitioned) and its ZeRO-3 shard (``ds_tensor``) if it has one."""
+    shard = getattr(param, "ds_tensor", None)
+    return param.data.numel() * param.element_size() + (0 if shard is None else shard.numel() * shard.element_size())
+
+
+@contextlib.contextmanager
+def parameter_bytes_meter() -> Iterator[dict]:
+    """Count, while the block builds a model, the bytes its parameters hold on this rank at their highest:
+    each time a module registers a parameter (``torch.nn.modules.module.register_module_parameter_registration_hook``)
+    and at the end, the sum of :func:`_held_bytes` over every parameter registered so far. Yields a dict whose
+    ``"peak"`` is that count once the block ends.
+
+    Inside ``deepspeed.zero.Init`` each module's parameters are partitioned as its ``__init__`` ends, so the
+    highest count is the shards built so far plus the module being built, whole. The count is the same on
+    every processor, unlike the process's resident memory, and leaves out transient tensors (the shard
+    DeepSpeed allocates before it frees the whole tensor, communication buffers)."""
+    params: list[torch.nn.Parameter] = []
+    meter = {"peak": 0}
+
+    def held() -> int:
+        return sum(_held_bytes(p) for p in params)
+
+    def registered(module, name, param):
+        if param is not None:
+            params.append(param)
+            meter["peak"] = max(meter["peak"], held())
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(registered)
+    try:
+        yield meter
+    finally:
+        handle.remove()
+    meter["peak"] = max(meter["peak"], held())
+
+
+def check_build_options(name: str, options: dict) -> None:
+    """Raise a ValueError naming the key and the choices when ``options`` do not fit :func:`build_model`
+    (the launcher calls it before any process starts)."""
+    models.check_model_name(name)
+    unknown = sorted(set(options) - {"init"})
+    if unknown:
+        raise ValueError(f"model_options {unknown}: this builder takes only 'init' ({' or '.join(INIT_CHOICES)})")
+    if options.get("init", "plain") not in INIT_CHOICES:
+        raise ValueError(f"model_options init={options['init']!r}: choose one of {', '.join(INIT_CHOICES)}")
+
+
+def build_model(name: str, seed: int = 0, config: dict | None = None, **options) -> torch.nn.Module:
+    """A run's builder: the course model ``name``, built whole on every rank (``init="plain"``) or
+    partitioned from construction on (``init="zero.Init"``, :func:`build_partitioned`; the run's config
+    must be ZeRO stage 3). It measures the construction on this rank (:func:`parameter_bytes_meter`: the
+    bytes its parameters hold at their highest during it and once it ends) and, for ``zero.Init``, what
+    ``GatheredParameters`` does (:func:`gathered_parameter_demo`), and leaves its findings on the model for
+    the :class:`Construction` probe."""
+    import deepspeed.comm as dist  # deferred: as above
+
+    check_build_options(name, options)
+    init = options.get("init", "plain")
+    stage = ((config or {}).get("zero_optimization") or {}).get("stage", 0)
+    if init == "zero.Init" and stage != 3:
+        raise ValueError(f"model_options init='zero.Init' builds ZeRO-3 parameters: the run's config has "
+                         f"zero_optimization.stage {stage}; use stage 3 (e.g. ds_configs/zero3.json)")
+    with parameter_bytes_meter() as meter:
+        model = build_partitioned(name, seed, config) if init == "zero.Init" else models.build(name, seed)
+    params = list(model.parameters())
+    found = {"init": init, "peak_bytes": meter["peak"], "held_bytes": sum(_held_bytes(p) for p in params),
+             "full_bytes": sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params),
+             "largest_module_bytes": max(sum(getattr(p, "ds_numel", p.numel()) * p.element_size()
+                                             for p in m.parameters(recurse=False)) for m in model.modules())}
+    first = next(model.parameters())
+    if init == "zero.Init":
+        found["gathered"] = gathered_parameter_demo(first, dist.get_rank())
+    else:
+        found["gathered"] = {"shape_outside": list(first.shape), "digest": digest(first.data)}
+    setattr(model, CONSTRUCTION_ATTR, found)
+    return model
+
+
+build_model.check_options = check_build_options  # the launcher checks a run's model options with it
+#: How a run names the builder (:class:`helpers.core.launch.RunSpec`).
+BUILDER = reference_of(build_model)
+
+
+class Construction(Probe):
+    """What :func:`build_model` measured on each rank while it built the model (it must be the run's
+    builder). Section: ``construction`` (``init``, and ``per_rank``: bytes of the whole model's parameters,
+    bytes held after construction and at their highest during it, the parameters of the largest module,
+    and the ``GatheredParameters`` findings)."""
+
+    name = "construction"
+    keys = ("construction.init", "construction.per_rank")
+
+    def start(self, ctx: RunContext) -> None:
+        found = getattr(ctx.engine.module, CONSTRUCTION_ATTR, None)
+        if found is None:
+            raise ValueError(f"the construction probe reads what {BUILDER} measured: give the run "
+                             "builder=zero.BUILDER")
+        self.found = found
+
+    def finish(self, ctx: RunContext) -> dict:
+        return self.found
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        return {"construction": {"init": ranks[0]["init"], "per_rank": ranks}}
+
+
+def construction(record: records.Record, rank: int = 0) -> dict:
+    """What one rank measured while building the model (the :class:`Construction` probe)."""
+    return record.section("construction")["per_rank"][rank]
+
+
+def construction_table(built: Mapping[str, records.Record]) -> str:
+    """Per way of building (:data:`INIT_CHOICES`): the parameter bytes one rank held at their highest during
+    construction and once it ended, as a share of the whole model's, rank 0's figures and whether every rank
+    measured the same."""
+    rows = []
+    for init, r in built.items():
+        ranks = r.section("construction")["per_rank"]
+        first = ranks[0]
+        same = all((x["peak_bytes"], x["held_bytes"]) == (first["peak_bytes"], first["held_bytes"]) for x in ranks)
+        rows.append([init, f"{first['full_bytes']:,}",
+                     f"{first['peak_bytes']:,} ({first['peak_bytes'] / first['full_bytes']:.2f})",
+                     f"{first['held_bytes']:,} ({first['held_bytes'] / first['full_bytes']:.2f})",
+                     "yes" if same else "no"])
+    return records.format_table(rows, ["built", "whole model", "highest during construction (share)",
+                                       "held after it (share)", "every rank the same"])
+
+
+def construction_check(record: records.Record, rank: int = 0) -> str:
+    """Does the highest count under ``zero.Init`` equal what partitioning module by module predicts: the
+    shards held once construction ends plus the largest module whole, less its own shard? Both sides from
+    the record, the prediction from other measured figures than the peak."""
+    found = construction(record, rank)
+    n = record.world_size
+    largest = found["largest_module_bytes"]
+    predicted = found["held_bytes"] + largest - largest // n
+    verdict = "as measured" if predicted == found["peak_bytes"] else f"measured {found['peak_bytes']:,}"
+    return (f"held after construction {found['held_bytes']:,} + largest module whole {largest:,} "
+            f"- its shard {largest // n:,} = {predicted:,}: {verdict}")
+
+
+def gathered_report(built: Mapping[str, records.Record]) -> str:
+    """What ``GatheredParameters`` did with the first parameter on each rank of the ``zero.Init`` run, beside
+    the same parameter of the model built whole (``plain``)."""
+    plain = built["plain"].section("construction")["per_rank"]
+    init = built["zero.Init"].section("construction")["per_rank"]
+    lines = []
+    for rank, (p, z) in enumerate(zip(plain, init)):
+        g = z["gathered"]
+        whole = "identical to" if g["digest"] == p["gathered"]["digest"] else "DIFFERENT from"
+        lines += [f"rank {rank}: outside the context the parameter's shape is {tuple(g['shape_outside'])} "
+                  f"(its shard: {g['shard_elements']:,} elements in ds_tensor); inside, {tuple(g['shape_inside'])}, "
+                  f"{whole} the tensor built whole",
+                  f"        rank 0 doubled it inside GatheredParameters(p): "
+                  f"{'kept' if g['change_kept_without_modifier_rank'] else 'lost'} in this rank's shard",
+                  f"        rank 0 doubled it inside GatheredParameters(p, modifier_rank=0): "
+                  f"{'kept' if g['change_kept_with_modifier_rank'] else 'lost'} in this rank's shard; "
+                  f"halved the same way: {'shard as built' if g['restored'] else 'shard NOT as built'}"]
+    return "\n".join(lines)
+
+
+def construction_estimate(psi: int, world_size: int, largest_module_params: int,
+                          bytes_per_param: int) -> tuple[float, float]:
+    """Parameter bytes one rank holds at their highest while it builds a model of ``psi`` parameters:
+    whole on every rank, and inside ``deepspeed.zero.Init`` (its shard of everything, plus the largest
+    module whole less its shard, as :func:`construction_check` measures)."""
+    plain = psi * bytes_per_param
+    partitioned = psi * bytes_per_param / world_size + largest_module_params * bytes_per_param * (1 - 1 / world_size)
+    return plain, partitioned
+
+
+def construction_estimate_table(psi: int, world_size: int, largest_module_params: int) -> str:
+    """:func:`construction_estimate` in fp32 and bf16, GB per rank and per node of ``world_size`` ranks."""
+    rows = []
+    for precision in ("fp32", "bf16"):
+        plain, partitioned = construction_estimate(psi, world_size, largest_module_params,
+                                                   theory.bytes_per_element(precision))
+        rows.append([precision, f"{plain / 1e9:.1f}", f"{plain * world_size / 1e9:.1f}", f"{partitioned / 1e9:.2f}",
+                     f"{partitioned * world_size / 1e9:.1f}"])
+    return records.format_table(rows, ["parameters in", "built whole: GB/rank", "GB/node",
+                                       "zero.Init: GB/rank", "GB/node"])
