@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from typing import Any, Mapping
 
 import torch
 
-from helpers.core import configs, environment, launch, models, plots, records, references, theory
+from helpers.core import configs, environment, launch, models, performance, plots, records, references, theory
 from helpers.core.configs import merged
 from helpers.core.environment import quiet_deepspeed_import
 from helpers.core.plan import PlannedRun, emit, publish, reference_of
@@ -923,8 +924,6 @@ PEAK_FP32_TFLOPS: list[tuple[str, float, str]] = [
 
 def peak_fp32_tflops(device_name: str) -> tuple[float | None, str]:
     """(fp32 TFLOP/s peak, its source) for a device name, or (None, why)."""
-    import re
-
     for pattern, tflops, source in PEAK_FP32_TFLOPS:
         if re.search(pattern, device_name):
             return tflops, source
@@ -936,9 +935,6 @@ def speed_explanation(name: str = "precision-speed") -> str:
     the range of the timed steps, and the bound on what faster matrix products could save: the model's
     6 x parameters x samples FLOPs per rank and step at the datasheet's fp32 and dense 16-bit peaks, against
     the measured step. (An MLP: its FLOPs are its matrix products.)"""
-    # deferred: helpers.core.performance imports nothing heavy, but keep the chapter's imports as they were
-    from helpers.core import performance
-
     found = references.reference_runs(name)
     if not found:
         return references.no_references(name, references.GPU_HOW)
