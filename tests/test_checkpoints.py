@@ -1,7 +1,8 @@
 """Kill a ZeRO-3 run mid-way (SIGKILL on every rank), resume it in fresh processes from its last
 checkpoint, and get the uninterrupted run's losses bit for bit; then read the checkpoint back.
 
-Two launches for the whole module (helpers.topics.checkpoints.crash_and_resume with one stage).
+Two launches for the whole module (helpers.topics.checkpoints.crash_and_resume with one stage, and its bf16
+ZeRO-3 runs that call save_16bit_model with and without the gather switch).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ STEPS, CRASH_AFTER = 4, 2
 def crashed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("checkpoints")
     return checkpoints.crash_and_resume(stages=(3,), model="mlp", steps=STEPS, crash_after=CRASH_AFTER,
-                                        folder=folder, world_size=2, progress=False)
+                                        folder=folder, world_size=2, progress=False, bf16_stages=(3,))
 
 
 def test_the_killed_launch_really_died_and_left_only_its_checkpoints(crashed):
@@ -80,3 +81,49 @@ def test_bad_hooks_and_options_are_refused_before_any_process_starts(monkeypatch
     with pytest.raises(ValueError, match=r"options\['load_dir'\]='nowhere'"):
         launch.run("zero3", before_training=checkpoints.RESUME, options={"load_dir": "nowhere"},
                    world_size=2)
+
+
+def test_save_16bit_model_at_stage_3_writes_nothing_without_the_gather_switch(crashed):
+    quiet = crashed.model16[False]
+    assert quiet.section("model_16bit")["returned"] == [False, False]
+    assert not crashed.model16_dir(False).exists()
+    assert "nothing (no folder)" in checkpoints.model16_table(crashed)
+
+
+def test_with_the_gather_switch_rank_0_writes_the_bf16_weights_alone(crashed):
+    import torch
+
+    from helpers.core import models
+
+    assert crashed.model16[True].section("model_16bit")["returned"] == [True, True]
+    files = sorted(p.name for p in crashed.model16_dir(True).iterdir())
+    assert files == ["pytorch_model.bin"]
+    state = torch.load(crashed.model16_dir(True) / "pytorch_model.bin", weights_only=True)
+    net = models.build("mlp")
+    assert list(state) == list(net.state_dict())  # every weight of the plain model, nothing else
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    assert sum(t.numel() for t in state.values()) == models.count_parameters(net)
+
+
+def test_the_16bit_file_is_the_master_copy_rounded_and_reproduces_the_runs_next_loss(crashed):
+    table = checkpoints.model16_check(crashed)
+    assert "identical, 16 of 16 tensors" in table
+    assert "within 1e-03" in table
+
+
+def test_a_bf16_checkpoint_keeps_fp32_weights_only_in_the_master_copy(crashed):
+    files = checkpoints.files_per_rank(crashed.bf16_checkpoint_dir(3) / f"step{CRASH_AFTER}")
+    assert not any(f["weights_dtype"] for f in files)  # stage 3: names and shapes only
+    table = checkpoints.precision_table(crashed)
+    bf16_row = next(line for line in table.splitlines() if line.startswith("ZeRO-3") and " bf16 " in line)
+    assert "none (names and shapes only)" in bf16_row and "on each rank" in bf16_row
+
+
+def test_bad_16bit_options_are_refused_before_any_process_starts(monkeypatch):
+    monkeypatch.delenv(WORLD_SIZE_VARIABLE, raising=False)
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match=r"options\['model16_dir'\]"):
+        launch.run("zero3", probes=(checkpoints.Model16bit,), world_size=2)
+    with pytest.raises(ValueError, match=r"options\['model16_after'\]=9"):
+        launch.run("zero3", probes=(checkpoints.Model16bit,), steps=4, world_size=2,
+                   options={"model16_dir": "x", "model16_after": 9})

@@ -1,5 +1,5 @@
-"""PyTorch's DDP and FSDP2 under torchrun, recorded like DeepSpeed's runs: one launch for the module,
-plus the profiler parsing on made-up events."""
+"""PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2 under torchrun, recorded like DeepSpeed's runs: one launch
+for the module, plus the profiler parsing on made-up events."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def torch_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("torchrun")
     specs = {s: launch.RunSpec("zero0", model="mlp", steps=STEPS, probes=PROBES, out=folder / s,
                                task=frameworks.TASK, options={"strategy": s})
-             for s in ("ddp", "fsdp2")}
+             for s in ("ddp", "ddp-zero1", "fsdp2", "fsdp2-no-sync")}
     return launch.sweep(specs, name=f"test-torchrun-{folder.name}", world_size=2, launcher="torchrun", progress=False)
 
 
@@ -35,8 +35,8 @@ def test_torchrun_runs_come_back_as_records_of_their_strategy(torch_runs):
 
 def test_ddp_trains_the_plain_loops_losses(torch_runs):
     plain = models.plain_training("mlp", STEPS, batch_size=16, micro_batch=4)
-    assert records.loss_agreement(plain, torch_runs["ddp"].losses) == "within 1e-06"
-    assert records.loss_agreement(plain, torch_runs["fsdp2"].losses) == "within 1e-06"
+    for strategy in ("ddp", "ddp-zero1", "fsdp2", "fsdp2-no-sync"):
+        assert records.loss_agreement(plain, torch_runs[strategy].losses) == "within 1e-06", strategy
 
 
 def test_model_states_ddp_whole_fsdp2_halved(torch_runs):
@@ -46,6 +46,32 @@ def test_model_states_ddp_whole_fsdp2_halved(torch_runs):
     assert ddp["buffers"] == 4 * psi  # DDP's gradient buckets, from its logging data
     assert fsdp["params"] == fsdp["grads"] == 4 * psi // 2  # DTensor shards, counted locally
     assert fsdp["optimizer"] < ddp["optimizer"] / 2 + 1024  # Adam's moments sharded (plus step counters)
+
+
+def test_zero_redundancy_optimizer_shards_adam_and_broadcasts_each_parameter_from_its_owner(torch_runs):
+    psi = models.count_parameters(models.build("mlp"))
+    n_tensors = len(list(models.build("mlp").parameters()))
+    ddp, zero1 = torch_runs["ddp"].states(0), torch_runs["ddp-zero1"].states(0)
+    assert zero1["params"] == zero1["grads"] == ddp["params"]  # weights and gradients whole, as DDP's
+    # Adam's two moments of half the elements (the mlp's tensors split evenly), plus one step counter a tensor
+    assert 8 * psi // 2 <= zero1["optimizer"] <= 8 * psi // 2 + 4 * n_tensors
+    assert zero1["master"] == 0  # fp32: the parameter is what AdamW updates
+    ops = torch_runs["ddp-zero1"].summary["comm"]["by_caller"]
+    assert torch_runs["ddp-zero1"].comm_ops()["all_reduce"] == torch_runs["ddp"].comm_ops()["all_reduce"]
+    step = {caller: row for caller, row in ops["broadcast"].items() if "step" in caller}
+    assert sum(r["count"] for r in step.values()) == n_tensors  # every parameter once, from its owner
+    assert sum(r["bytes"] for r in step.values()) == 4 * psi
+
+
+def test_fsdp2_no_sync_reduce_scatters_once_a_step_and_holds_whole_gradients_meanwhile(torch_runs):
+    psi = models.count_parameters(models.build("mlp"))
+    synced, held = torch_runs["fsdp2"], torch_runs["fsdp2-no-sync"]
+    assert held.comm_ops()["reduce_scatter_tensor"]["bytes"] == synced.comm_ops()["reduce_scatter_tensor"]["bytes"] / 2
+    assert held.comm_ops()["reduce_scatter_tensor"]["bytes"] == 4 * psi  # the whole gradients, once a step
+    assert held.comm_ops()["all_gather_into_tensor"] == synced.comm_ops()["all_gather_into_tensor"]
+    assert held.states(0)["grads"] == 4 * psi  # after micro-step 1: whole, not yet reduce-scattered
+    assert synced.states(0)["grads"] == 4 * psi // 2
+    assert held["memory.model_states_at_boundary_bytes_per_rank"][0]["grads"] == 4 * psi // 2
 
 
 def test_profiler_counts_the_collectives_each_strategy_must_make(torch_runs):

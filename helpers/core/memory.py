@@ -151,11 +151,12 @@ def model_states(engine) -> dict[str, int]:
     states all exist.
     """
     result = {key: _unique_bytes(t for t, _ in tensors) for key, tensors in _holders(engine).items()}
-    # Engines that are not DeepSpeed's (helpers.topics.frameworks.TorchEngine) report buckets no Python
-    # tensor shows (DDP keeps them in C++).
-    buffer_bytes = getattr(engine, "buffer_bytes", None)
-    if callable(buffer_bytes):
-        result["buffers"] += buffer_bytes()
+    # Engines that are not DeepSpeed's (helpers.topics.frameworks.TorchEngine) report what the tensors read
+    # above do not show: DDP's buckets (kept in C++), FSDP2's whole gradients held between micro-steps.
+    for key, hook in (("buffers", "buffer_bytes"), ("grads", "unsharded_grad_bytes")):
+        extra = getattr(engine, hook, None)
+        if callable(extra):
+            result[key] += extra()
     return result
 
 

@@ -90,6 +90,42 @@ class Checkpoint(Probe):
                                "save_s": ranks[0]["seconds"]}}
 
 
+class Model16bit(Probe):
+    """After optimizer step ``options["model16_after"]``, call ``engine.save_16bit_model(options["model16_dir"])``
+    on every rank, as DeepSpeed requires (at stage 3 it gathers each layer's shards on rank 0, and only rank
+    0 writes). Section: ``model_16bit`` (folder, step, and what the call returned on each rank: ``False``
+    where it saved nothing).
+    """
+
+    name = "model_16bit"
+    keys = ("model_16bit.returned", "model_16bit.after_step")
+
+    @classmethod
+    def check_options(cls, options: dict, steps: int = 0) -> None:
+        if not options.get("model16_dir"):
+            raise ValueError("options['model16_dir']: the model_16bit probe needs a folder to save into, "
+                             "e.g. options={'model16_dir': 'runs/checkpoints/model16', 'model16_after': 3}")
+        after = options.get("model16_after")
+        if not isinstance(after, int) or not 1 <= after <= max(steps, 1):
+            raise ValueError(f"options['model16_after']={after!r}: the optimizer step after which to save, "
+                             f"a whole number in 1..{steps}")
+
+    def start(self, ctx: RunContext) -> None:
+        self.check_options(ctx.options, ctx.steps)
+        self.returned = None
+
+    def after_step(self, ctx: RunContext, step: int) -> None:
+        if step + 1 == ctx.options["model16_after"]:
+            self.returned = bool(ctx.engine.save_16bit_model(ctx.options["model16_dir"]))
+
+    def finish(self, ctx: RunContext) -> dict:
+        return {"returned": self.returned}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        return {"model_16bit": {"dir": ctx.options["model16_dir"], "after_step": ctx.options["model16_after"],
+                                "returned": [r["returned"] for r in ranks]}}
+
+
 def save_seconds(record: records.Record) -> list[float]:
     """Seconds each ``save_checkpoint`` of a run took on rank 0 (the checkpoint probe)."""
     return record.section("checkpoint")["save_s"]
@@ -129,7 +165,7 @@ RESUME = reference_of(resume)
 
 #: File name -> (what it holds, which rank wrote it), for DeepSpeed 0.19's checkpoint layout.
 _FILE_KINDS = (
-    (re.compile(r"^zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$"), "optimizer shard"),
+    (re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$"), "optimizer shard"),
     (re.compile(r"^zero_pp_rank_(\d+)_mp_rank_\d+_model_states\.pt$"), "model shard"),
     (re.compile(r"^mp_rank_\d+_model_states\.pt$"), "model"),
 )
@@ -158,8 +194,10 @@ def _tensor_bytes(obj) -> int:
 #: Where DeepSpeed 0.19 keeps each model state inside its checkpoint files -> the course's name for it
 #: (the keys of helpers.core.memory.model_states).
 _STATE_KEYS = {
-    ("module",): "params",  # the model's state dict (full weights at stages 0-2; empty at stage 3)
-    ("optimizer",): "optimizer",  # stage 0: the optimizer's own state dict (Adam's moments)
+    ("module",): "params",  # the model's state dict (full weights at stages 0-2, in their training dtype; empty at 3)
+    ("optimizer", "fp32_groups"): "master",  # stage 0 in bf16/fp16 (FP16_UnfusedOptimizer): fp32 copy of every weight
+    ("optimizer", "fp32_groups_flat"): "master",  # stage 0 in fp16 (FP16_Optimizer): the same, flat
+    ("optimizer",): "optimizer",  # stage 0: the optimizer's own state dict (Adam's moments; less the master above)
     ("optimizer_state_dict", "base_optimizer_state"): "optimizer",  # stages 1-2: Adam's moments of the shard
     ("optimizer_state_dict", "single_partition_of_fp32_groups"): "master",  # stages 1-2: fp32 weights of the shard
     ("optimizer_state_dict", "optimizer_state_dict"): "optimizer",  # stage 3
@@ -167,17 +205,34 @@ _STATE_KEYS = {
 }
 
 
+def _at(state: dict, path: tuple[str, ...]):
+    value = state
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
 def _contents(state: dict) -> dict[str, int]:
-    """Tensor bytes of each model state a checkpoint file holds (keys as in :data:`_STATE_KEYS`)."""
+    """Tensor bytes of each model state a checkpoint file holds (keys as in :data:`_STATE_KEYS`; a path's
+    bytes exclude those of the longer paths listed inside it)."""
     found: dict[str, int] = {}
     for path, name in _STATE_KEYS.items():
-        value = state
-        for key in path:
-            value = value.get(key) if isinstance(value, dict) else None
+        value = _at(state, path)
         n = _tensor_bytes(value) if value is not None else 0
+        for inner in _STATE_KEYS:
+            if len(inner) > len(path) and inner[:len(path)] == path and _at(state, inner) is not None:
+                n -= _tensor_bytes(_at(state, inner))
         if n:
             found[name] = found.get(name, 0) + n
     return found
+
+
+def _dtypes(value) -> set[str]:
+    """The dtypes of the tensors inside a (nested) checkpoint object."""
+    if isinstance(value, torch.Tensor):
+        return {str(value.dtype).removeprefix("torch.")}
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return set().union(*(_dtypes(v) for v in children)) if children else set()
 
 
 def files_per_rank(folder: str | Path) -> list[dict]:
@@ -193,8 +248,10 @@ def files_per_rank(folder: str | Path) -> list[dict]:
                 kind, rank = name, int(match.group(1)) if match.groups() else 0
                 break
         state = torch.load(path, map_location="cpu", weights_only=False)
+        weights = _at(state, ("module",))
         rows.append({"file": path.name, "rank": rank, "kind": kind, "bytes": path.stat().st_size,
-                     "contents": _contents(state)})
+                     "contents": _contents(state),
+                     "weights_dtype": ", ".join(sorted(_dtypes(weights))) if _tensor_bytes(weights or {}) else ""})
     return rows
 
 
@@ -243,18 +300,20 @@ def to_universal(checkpoint_dir: str | Path, tag: str) -> str:
 
 
 def loss_of_state_dict(state_dict: dict, model: str, step: int, world_size: int, micro_batch: int,
-                       grad_accum: int, seed: int = 0) -> float:
+                       grad_accum: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> float:
     """The loss a run records for optimizer step ``step`` (0-based), computed by the plain PyTorch model
-    (no DeepSpeed) with ``state_dict`` loaded: the mean of the micro-batch losses of every rank on the
-    samples that step trains on (:func:`helpers.core.models.sample_indices`)."""
-    net = models.build(model, seed)
+    (no DeepSpeed) in ``dtype`` with ``state_dict`` loaded: the mean of the micro-batch losses of every rank
+    on the samples that step trains on (:func:`helpers.core.models.sample_indices`), floating inputs cast to
+    ``dtype`` as the course's runs cast them."""
+    net = models.build(model, seed).to(dtype)
     net.load_state_dict(state_dict, strict=True)  # every key, every shape: the unwrapped model itself
     losses = []
     with torch.no_grad():
         for micro in range(grad_accum):
             for rank in range(world_size):
                 indices = models.sample_indices(step, micro, rank, world_size, micro_batch, grad_accum)
-                losses.append(models.loss_of(net, model, models.make_batch(model, indices, seed)).item())
+                batch = models.make_batch(model, indices, seed).to("cpu", dtype)
+                losses.append(models.loss_of(net, model, batch).item())
     return statistics.fmean(losses)
 
 
@@ -271,20 +330,41 @@ class CrashAndResume:
     folder: Path
     steps: int
     crash_after: int
+    # stage -> a bf16 run of the first launch that saved a checkpoint after step crash_after (stage 3: with
+    # stage3_gather_16bit_weights_on_model_save, also save_16bit_model after that step)
+    bf16: dict[int, records.Record] = dataclasses.field(default_factory=dict)
+    # stage3_gather_16bit_weights_on_model_save -> the bf16 ZeRO-3 run that called save_16bit_model with it
+    model16: dict[bool, records.Record] = dataclasses.field(default_factory=dict)
 
     def checkpoint_dir(self, stage: int) -> Path:
         """Where the checkpoints each stage resumed from are."""
         return self.folder / ("zero3-crash" if stage == 3 else f"zero{stage}")
 
+    def bf16_checkpoint_dir(self, stage: int) -> Path:
+        """Where the bf16 run of ``stage`` saved its checkpoint."""
+        return self.folder / f"zero{stage}-bf16"
+
+    def model16_dir(self, gather: bool) -> Path:
+        """Where the bf16 ZeRO-3 run with or without the gather flag asked ``save_16bit_model`` to write."""
+        return self.folder / f"model16-{'gather' if gather else 'no-gather'}"
+
+
+#: What the bf16 runs of :func:`crash_and_resume` add to ``ds_configs/zero<N>.json``.
+BF16 = {"bf16": {"enabled": True}}
+#: The ZeRO-3 switch that makes ``save_16bit_model`` gather the shards (DeepSpeed's default: false).
+GATHER_KEY = "stage3_gather_16bit_weights_on_model_save"
+
 
 def crash_and_resume(stages: Sequence[int] = (0, 1, 2, 3), model: str = "mlp", steps: int = 6,
                      crash_after: int = 3, folder: Path = CHECKPOINT_DIR, world_size: int | None = None,
-                     progress: bool = True) -> CrashAndResume:
+                     progress: bool = True, bf16_stages: Sequence[int] = (0, 1, 2, 3)) -> CrashAndResume:
     """The chapter's experiment, in two launches of the same ranks:
 
-    1. every stage trains ``steps`` steps uninterrupted, saving a checkpoint after each; then a ZeRO-3
-       run, saving the same way, is killed (SIGKILL on every rank) after ``crash_after`` steps. The
-       launch dies with it: nothing but the files on disk survive.
+    1. every stage trains ``steps`` steps uninterrupted, saving a checkpoint after each; each of
+       ``bf16_stages`` trains the same in bf16, saving after step ``crash_after``; at stage 3 twice, calling
+       ``save_16bit_model`` after that step with and without :data:`GATHER_KEY`; then a ZeRO-3 run, saving
+       after every step, is killed (SIGKILL on every rank) after ``crash_after`` steps. The launch dies with
+       it: nothing but the files on disk survive.
     2. fresh processes resume each stage from its checkpoint of step ``crash_after`` (ZeRO-3 from the
        killed run's last one) and train to ``steps``.
 
@@ -296,6 +376,19 @@ def crash_and_resume(stages: Sequence[int] = (0, 1, 2, 3), model: str = "mlp", s
     probes = ("timing", "model_states", Checkpoint)
     first = {f"zero{s}": launch.RunSpec(f"zero{s}", model=model, steps=steps, probes=probes, out=folder / f"run-zero{s}",
                                          options={"save_dir": str(folder / f"zero{s}")}) for s in stages}
+    for s in bf16_stages:
+        saving = {"save_dir": str(folder / f"zero{s}-bf16"), "save_every": crash_after}
+        overrides, run_probes = dict(BF16), ("timing", Checkpoint)
+        if s == 3:
+            saving |= {"model16_dir": str(folder / "model16-gather"), "model16_after": crash_after}
+            overrides, run_probes = {**BF16, "zero_optimization": {GATHER_KEY: True}}, run_probes + (Model16bit,)
+        first[f"zero{s}-bf16"] = launch.RunSpec(f"zero{s}", model=model, steps=steps, probes=run_probes,
+                                                out=folder / f"run-zero{s}-bf16", overrides=overrides, options=saving)
+    if 3 in bf16_stages:
+        first["zero3-bf16-no-gather"] = launch.RunSpec(
+            "zero3", model=model, steps=steps, probes=("timing", Model16bit), out=folder / "run-zero3-bf16-no-gather",
+            overrides={**BF16, "zero_optimization": {GATHER_KEY: False}},
+            options={"model16_dir": str(folder / "model16-no-gather"), "model16_after": crash_after})
     first["zero3-crash"] = launch.RunSpec("zero3", model=model, steps=steps, probes=probes,
                                           out=folder / "run-zero3-crash", faults={"kill_after_step": crash_after},
                                           options={"save_dir": str(folder / "zero3-crash")})
@@ -306,7 +399,10 @@ def crash_and_resume(stages: Sequence[int] = (0, 1, 2, 3), model: str = "mlp", s
     else:
         raise AssertionError("the launch with a kill_after_step fault was expected to die")
     uninterrupted = {s: records.load(folder / f"run-zero{s}") for s in stages}
-    result = CrashAndResume(uninterrupted, crashed, folder / "run-zero3-crash", {}, folder, steps, crash_after)
+    result = CrashAndResume(uninterrupted, crashed, folder / "run-zero3-crash", {}, folder, steps, crash_after,
+                            bf16={s: records.load(folder / f"run-zero{s}-bf16") for s in bf16_stages})
+    if 3 in bf16_stages:
+        result.model16 = {True: result.bf16[3], False: records.load(folder / "run-zero3-bf16-no-gather")}
     second = {f"zero{s}-resumed": launch.RunSpec(
         f"zero{s}", model=model, steps=steps, probes=("timing", "model_states"), out=folder / f"run-zero{s}-resumed",
         before_training=RESUME,
@@ -461,6 +557,99 @@ def consolidation_table(result: CrashAndResume, stages: Sequence[int] = (1, 2, 3
                      records.loss_agreement([loss], [run.losses[result.crash_after]])])
     return records.format_table(rows, ["checkpoint", "tensors", "elements", "model's parameters", "dtype",
                                        f"plain model's step-{result.crash_after + 1} loss vs the run's"])
+
+
+def _who(per_rank: Mapping[int, int]) -> str:
+    """Bytes per rank in words: "2,105,344 on rank 0", "1,052,672 on each rank", or "none"."""
+    held = {rank: n for rank, n in per_rank.items() if n}
+    if not held:
+        return "none"
+    if len(held) == len(per_rank) and len(set(held.values())) == 1 and len(held) > 1:
+        return f"{next(iter(held.values())):,} on each rank"
+    return "; ".join(f"{n:,} on rank {rank}" for rank, n in held.items())
+
+
+def precision_table(result: CrashAndResume) -> str:
+    """Per stage, trained in fp32 and in bf16: the optimizer class DeepSpeed built (the run's record) and what
+    one checkpoint (step ``crash_after``) holds, read back from its files: the weights in the model file(s)
+    (dtype, bytes, who wrote them), the fp32 master copy, Adam's moments, and the checkpoint's bytes on disk."""
+    rows = []
+    runs = [(s, "fp32", result.checkpoint_dir(s), result.uninterrupted[s]) for s in result.resumed]
+    runs += [(s, "bf16", result.bf16_checkpoint_dir(s), run) for s, run in result.bf16.items()]
+    for stage, precision, directory, run in sorted(runs, key=lambda run: (run[0], run[1] != "fp32")):
+        files = files_per_rank(directory / tag_of(result.crash_after))
+        ranks = sorted({f["rank"] for f in files} | {0})
+        def per_rank(key: str) -> dict[int, int]:
+            return {r: sum(f["contents"].get(key, 0) for f in files if f["rank"] == r) for r in ranks}
+        dtypes = sorted({f["weights_dtype"] for f in files if f["weights_dtype"]})
+        weights = _who(per_rank("params"))
+        rows.append([f"ZeRO-{stage}", precision, run.summary["optimizer"],
+                     f"{', '.join(dtypes)}: {weights}" if dtypes else "none (names and shapes only)",
+                     _who(per_rank("master")), _who(per_rank("optimizer")),
+                     f"{sum(f['bytes'] for f in files):,}"])
+    return records.format_table(rows, ["stage", "trained in", "optimizer", "weights in the model file(s)",
+                                       "fp32 master copy", "Adam's moments", "checkpoint on disk, all ranks"])
+
+
+def _model16_file(result: CrashAndResume, gather: bool) -> Path:
+    return result.model16_dir(gather) / "pytorch_model.bin"
+
+
+def model16_table(result: CrashAndResume) -> str:
+    """The two bf16 ZeRO-3 runs that called ``save_16bit_model`` after step ``crash_after`` on every rank,
+    without and with :data:`GATHER_KEY`: what the call returned on each rank, whether DeepSpeed's message about
+    it (``Did not save the model ...`` / ``Saving model weights to ...``, logged at INFO) reached the launch's
+    log, and what the folder holds."""
+    rows = []
+    for gather, run in sorted(result.model16.items()):
+        returned = run.section("model_16bit")["returned"]
+        log = Path(run["launch"]["plan"]).parent / "launch.log"
+        message = "Saving model weights to" if gather else "Did not save the model"
+        logged = "yes" if log.exists() and message in log.read_text(errors="replace") else "no"
+        folder = result.model16_dir(gather)
+        files = sorted(p for p in folder.glob("*") if p.is_file()) if folder.is_dir() else []
+        if files:
+            state = torch.load(files[0], map_location="cpu", weights_only=False)
+            shown = [", ".join(p.name for p in files), f"{sum(p.stat().st_size for p in files):,}", len(state),
+                     ", ".join(sorted(_dtypes(state)))]
+        else:
+            shown = ["nothing (no folder)" if not folder.exists() else "nothing", "-", "-", "-"]
+        rows.append([str(gather).lower(), " / ".join(str(r) for r in returned), f"{message!r}: {logged}", *shown])
+    return records.format_table(rows, [GATHER_KEY, "returned on ranks 0 / 1", "its message in the launch log",
+                                       "files written", "bytes on disk", "tensors", "dtype"])
+
+
+def model16_sizes(result: CrashAndResume) -> str:
+    """The 16-bit model file beside the same step's sharded checkpoint (every rank's files) and
+    ``zero_to_fp32``'s state dict of it (tensor bytes)."""
+    directory, tag = result.bf16_checkpoint_dir(3), tag_of(result.crash_after)
+    model16 = _model16_file(result, True).stat().st_size
+    sharded = sum(f["bytes"] for f in files_per_rank(directory / tag))
+    fp32 = _tensor_bytes(consolidate(directory, tag))
+    rows = [["save_16bit_model: pytorch_model.bin (bf16 weights)", "file on disk", f"{model16:,}", "1.00"],
+            ["zero_to_fp32 of the same step (fp32 weights)", "tensors", f"{fp32:,}", f"{fp32 / model16:.2f}"],
+            [f"the sharded checkpoint {tag} (weights, master, Adam)", "files on disk, all ranks", f"{sharded:,}",
+             f"{sharded / model16:.2f}"]]
+    return records.format_table(rows, ["what", "counted as", "bytes", "vs the 16-bit file"])
+
+
+def model16_check(result: CrashAndResume) -> str:
+    """Two checks of the 16-bit file against what does not come from it: its tensors against ``zero_to_fp32``'s
+    fp32 weights of the same step (read from the optimizer shards) rounded to bf16, and the loss of the next
+    step computed by the plain model in bf16 (no DeepSpeed), loaded with the file alone, against the loss the
+    run recorded for that step."""
+    run = result.model16[True]
+    state = torch.load(_model16_file(result, True), map_location="cpu", weights_only=True)
+    master = consolidate(result.bf16_checkpoint_dir(3), tag_of(result.crash_after))
+    same = sum(torch.equal(state[k], master[k].to(state[k].dtype)) for k in state if k in master)
+    loss = loss_of_state_dict(state, run.model_name, result.crash_after, run.world_size, run.micro_batch,
+                              run.grad_accum, run.summary["seed"], dtype=torch.bfloat16)
+    rows = [["its tensors vs zero_to_fp32's fp32 weights rounded to bf16",
+             f"identical, {same} of {len(state)} tensors" if same == len(state) == len(master)
+             else f"{same} of {len(state)} identical ({len(master)} in zero_to_fp32's)"],
+            [f"plain model in bf16, loaded from it alone: step-{result.crash_after + 1} loss vs the run's",
+             records.loss_agreement([loss], [run.losses[result.crash_after]], "bf16")]]
+    return records.format_table(rows, ["check", "result"])
 
 
 def universal_layout(directory: str | Path, tag: str, parameter: str) -> str:

@@ -6,7 +6,8 @@
 - :func:`gpu_runs`: on GPUs, ZeRO-3 against each ZeRO++ part: step time (every setting in one launch), bytes
   per collective (the PyTorch profiler, one launch), and the comms logger on ZeRO-3 as a cross-check.
 - :func:`deepspeed_source`: the lines of DeepSpeed's installed code that decide what applies on one node.
-- :func:`prediction_table`: the cross-node gain from :func:`helpers.topics.compression.zeropp_step_prediction`.
+- :func:`prediction_table`: the cross-node gain from :func:`zeropp_step_prediction`, by the paper's accounting
+  and with the cost of ZeRO++'s own work that the one-node GPU runs measured (:func:`one_node_slowdowns`).
 """
 
 from __future__ import annotations
@@ -179,8 +180,8 @@ LOGGER_PROBES = ("comm", frameworks.TorchComm)
 #: Settings also run with the comms logger, in one launch after the bytes pass: plain ZeRO-3, the
 #: cross-check of the profiler's bytes. Not qwZ: on 4 x H200 its logger run (3 steps, then 2) had printed
 #: the logger's summary, its all-gathers timed at 5.0 s each on average against ZeRO-3's 0.35-0.77 s, but
-#: had not ended when the calls' deadlines came, 91 s after it started in the first (2026-11-27); the committed
-#: 2026-11-26 reference shows where its ranks were when its 60 s ran out.
+#: had not ended when the calls' deadlines came, 91 s after it started in the first (2026-11-27). No committed
+#: reference keeps its ranks' stacks (the 2026-11-26 one was adopted with timing runs only).
 LOGGER_CHECKS = ("ZeRO-3",)
 LOGGER_SUFFIX = ", comms logger"
 #: Steps of a comms-logger run: one to warm up, one logged. The logger waits for the device after every
@@ -382,25 +383,138 @@ def volume_table(psi: float) -> str:
                                        "across nodes", "one node, in total"])
 
 
+def one_node_slowdowns(name: str = "zeropp") -> list[tuple[str, float]]:
+    """ZeRO++'s measured cost on one node: (device, ZeRO++ step time / ZeRO-3 step time) from each committed
+    reference of ``name`` whose timing runs released layers after use (``stage3_max_live_parameters`` 0,
+    :data:`GPU_OVERRIDES`), the regime :func:`zeropp_volume` counts (backward gathers again). On one node
+    ZeRO++ moves no fewer bytes across a slow link, so the ratio is what its kernels and copies cost there."""
+    found = []
+    for device, _, _, runs in references.reference_runs(name):
+        plain, zeropp = runs.get("time: ZeRO-3"), runs.get("time: ZeRO++ (all three)")
+        if not all(isinstance(r, records.Record) for r in (plain, zeropp)):
+            continue
+        knobs = plain.summary["config"].get("zero_optimization", {})
+        if knobs.get("stage3_max_live_parameters") == 0:
+            found.append((device, zeropp.timing.median_s / plain.timing.median_s))
+    return found
+
+
+def overhead_from_slowdown(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float, slowdown: float,
+                           intra: theory.AlphaBeta = DEFAULT_INTRA_NODE) -> float:
+    """Seconds per micro-step that ZeRO++'s own work (quantization kernels, hpZ's copies) adds, if the
+    ``slowdown`` measured on one node (ZeRO++ step / ZeRO-3 step) holds for this model on one node: the
+    ZeRO++ time that makes the one-node prediction equal ``slowdown`` times ZeRO-3's, less the prediction
+    without it (never below 0). An assumption: the measured ratio comes from a smaller model and shape."""
+    p = zeropp_step_prediction(psi, layers, tokens_per_gpu, 1, flops_per_s, intra)
+    return max(0.0, slowdown * p["zero3_s"] - p["zeropp_s"])
+
+
+def breakeven_gbit(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float, overhead_s: float,
+                   intra: theory.AlphaBeta = DEFAULT_INTRA_NODE, inter: theory.AlphaBeta = DEFAULT_INTER_NODE,
+                   low: float = 1.0, high: float = 1e5) -> float | None:
+    """The network bandwidth per GPU (Gbit/s) below which ZeRO++ with ``overhead_s`` is predicted faster than
+    ZeRO-3 across nodes (bisection; the speed-up falls as the network gets faster). None if it is faster
+    even at ``high`` Gbit/s, 0.0 if slower even at ``low``."""
+    def speedup(gbit: float) -> float:
+        link = theory.AlphaBeta.link(gbit * 1e9 / 8, inter.alpha)
+        return zeropp_step_prediction(psi, layers, tokens_per_gpu, 2, flops_per_s, intra, link, overhead_s)["speedup"]
+
+    if speedup(high) >= 1:
+        return None
+    if speedup(low) < 1:
+        return 0.0
+    for _ in range(60):
+        middle = (low * high) ** 0.5
+        low, high = (middle, high) if speedup(middle) >= 1 else (low, middle)
+    return low
+
+
 def prediction_table(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float,
                      inter_gbit: Sequence[float] = (100, 200, 400, 800),
                      intra: theory.AlphaBeta = DEFAULT_INTRA_NODE,
-                     inter: theory.AlphaBeta = DEFAULT_INTER_NODE) -> str:
-    """Predicted milliseconds per micro-step of ZeRO-3 and ZeRO++ (:func:`helpers.topics.compression.zeropp_step_prediction`)
-    on one node, then on two or more nodes joined at each of ``inter_gbit`` Gbit/s per GPU (``inter``'s
-    latency); the assumptions are printed above the table."""
+                     inter: theory.AlphaBeta = DEFAULT_INTER_NODE,
+                     slowdowns: Sequence[tuple[str, float]] = ()) -> str:
+    """Predicted milliseconds per micro-step of ZeRO-3 and ZeRO++ (:func:`zeropp_step_prediction`) on one node,
+    then on two or more nodes joined at each of ``inter_gbit`` Gbit/s per GPU (``inter``'s latency): first by
+    the paper's accounting (no cost for ZeRO++'s own work), then, for each (device, one-node slowdown) of
+    ``slowdowns`` (:func:`one_node_slowdowns`), the speed-up with that cost added (:func:`overhead_from_slowdown`).
+    The assumptions are printed above the table."""
+    costs = [(device, overhead_from_slowdown(psi, layers, tokens_per_gpu, flops_per_s, ratio, intra), ratio)
+             for device, ratio in slowdowns]
     rows = []
     cases = [("1 node", 1, inter)] + [(f"2+ nodes, {g:g} Gb/s per GPU", 2, theory.AlphaBeta.link(g * 1e9 / 8, inter.alpha))
                                       for g in inter_gbit]
     for label, nodes, link in cases:
         p = zeropp_step_prediction(psi, layers, tokens_per_gpu, nodes, flops_per_s, intra, link)
-        rows.append([label, f"{p['compute_s'] * 1e3:.0f}", f"{p['zero3_s'] * 1e3:.0f}", f"{p['zeropp_s'] * 1e3:.0f}",
-                     f"{p['speedup']:.2f}x"])
+        row = [label, f"{p['compute_s'] * 1e3:.0f}", f"{p['zero3_s'] * 1e3:.0f}", f"{p['zeropp_s'] * 1e3:.0f}",
+               f"{p['speedup']:.2f}x"]
+        for _, cost, _ in costs:
+            row.append(f"{p['zero3_s'] / (p['zeropp_s'] + cost):.2f}x")
+        rows.append(row)
     header = (f"assumed: inside a node {intra.bandwidth / 1e9:g} GB/s and {intra.alpha * 1e6:g} µs a call; "
               f"across nodes {inter.alpha * 1e6:g} µs a call; compute {flops_per_s / 1e12:g} TFLOP/s per GPU; "
               "no overlap of communication with compute")
-    return header + "\n" + records.format_table(rows, ["where", "compute ms", "ZeRO-3 ms", "ZeRO++ ms",
-                                                       "predicted speed-up"])
+    for device, cost, ratio in costs:
+        header += (f"\nZeRO++'s own cost from {device}: +{cost * 1e3:.0f} ms a micro-step (it makes the one-node "
+                   f"prediction {ratio:.2f}x ZeRO-3's step, the ratio measured there)")
+    headers = ["where", "compute ms", "ZeRO-3 ms", "ZeRO++ ms", "speed-up, paper's accounting"]
+    headers += [f"speed-up, {device} cost" for device, _, _ in costs]
+    return header + "\n" + records.format_table(rows, headers)
+
+
+def prediction_reading(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float,
+                       slowdowns: Sequence[tuple[str, float]], inter_gbit: Sequence[float] = (100, 800)) -> str:
+    """What :func:`prediction_table` says, in sentences generated from its numbers: the gain at the slowest and
+    fastest network, by the paper's accounting and with each measured one-node cost, and the bandwidth per GPU
+    below which ZeRO++ still pays off."""
+    def speedup(gbit: float, cost: float) -> float:
+        link = theory.AlphaBeta.link(gbit * 1e9 / 8, DEFAULT_INTER_NODE.alpha)
+        return zeropp_step_prediction(psi, layers, tokens_per_gpu, 2, flops_per_s, inter=link,
+                                      overhead_s=cost)["speedup"]
+
+    slow, fast = inter_gbit[0], inter_gbit[-1]
+    lines = [f"By the paper's accounting, ZeRO++ is predicted {speedup(slow, 0):.2f}x as fast as ZeRO-3 at {slow:g} "
+             f"Gb/s per GPU and {speedup(fast, 0):.2f}x at {fast:g} Gb/s."]
+    for device, ratio in slowdowns:
+        cost = overhead_from_slowdown(psi, layers, tokens_per_gpu, flops_per_s, ratio)
+        even = breakeven_gbit(psi, layers, tokens_per_gpu, flops_per_s, cost)
+        where = ("faster at every bandwidth tried" if even is None else "slower at every bandwidth tried" if even == 0
+                 else f"faster only below about {even:.0f} Gb/s per GPU")
+        lines.append(f"With the cost measured on one node of {device} ({ratio:.2f}x ZeRO-3's step): "
+                     f"{speedup(slow, cost):.2f}x at {slow:g} Gb/s, {speedup(fast, cost):.2f}x at {fast:g} Gb/s; "
+                     f"ZeRO++ is {where}.")
+    return "\n".join(lines)
+
+
+def one_node_reading(name: str = "zeropp") -> str:
+    """The committed one-node step times in sentences generated from them: each switch's step time against
+    ZeRO-3's per reference, and, where a switch whose collectives equal ZeRO-3's (bytes 1.00) took more than
+    10% longer or shorter, that this is not communication."""
+    lines = []
+    for device, date, note, runs in references.reference_runs(name):
+        plain = runs.get("time: ZeRO-3")
+        if not isinstance(plain, records.Record):
+            continue
+        knobs = plain.summary["config"].get("zero_optimization", {})
+        regime = ("layers released after use" if knobs.get("stage3_max_live_parameters") == 0
+                  else "DeepSpeed's default knobs")
+        ratios, odd = [], []
+        for setting in zeropp_settings(2):
+            timed, counted = runs.get(f"time: {setting}"), runs.get(f"bytes: {setting}")
+            if setting == "ZeRO-3" or not isinstance(timed, records.Record):
+                continue
+            ratio = timed.timing.median_s / plain.timing.median_s
+            ratios.append(f"{setting.split(' (')[0]} {ratio:.2f}x")
+            base = runs.get("bytes: ZeRO-3")
+            if (isinstance(counted, records.Record) and isinstance(base, records.Record)
+                    and counted.comm.bytes_per_step == base.comm.bytes_per_step and abs(ratio - 1) > 0.1):
+                odd.append(f"{setting.split(' (')[0]} ({ratio:.2f}x)")
+        lines.append(f"{device}, {date} ({regime}): {', '.join(ratios)} ZeRO-3's step time.")
+        if odd:
+            lines.append(f"  On {device}, {' and '.join(odd)} moved the same bytes per step as ZeRO-3, yet took "
+                         "that long: the bytes do not explain it, and the course has not measured where the time "
+                         "goes (a profile of their steps would): its cause is not known.")
+    return "\n".join(lines)
 
 
 def where_it_failed(failure: launch.RunFailed | records.Record, frames: int = 3) -> str:
@@ -444,16 +558,23 @@ def zeropp_volumes(psi: float, title: str = "What crosses nodes per GPU and step
 
 
 def zeropp_speedup(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float,
-                   gbits: Sequence[float] = (25, 50, 100, 200, 400, 800, 1600, 3200)):
+                   gbits: Sequence[float] = (25, 50, 100, 200, 400, 800, 1600, 3200),
+                   slowdowns: Sequence[tuple[str, float]] = ()):
     """Predicted ZeRO++ speed-up over ZeRO-3 on two or more nodes against the network bandwidth per GPU
-    (:func:`helpers.topics.compression.zeropp_step_prediction`, the default links' latencies)."""
+    (:func:`zeropp_step_prediction`, the default links' latencies): by the paper's accounting, and with each
+    measured one-node cost of ``slowdowns`` (:func:`overhead_from_slowdown`)."""
     plt = plots.pyplot()
-    speedups = [zeropp_step_prediction(psi, layers, tokens_per_gpu, 2, flops_per_s,
-                                              inter=theory.AlphaBeta.link(g * 1e9 / 8, DEFAULT_INTER_NODE.alpha))
-                ["speedup"] for g in gbits]
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
-    ax.plot(gbits, speedups, marker="o")
+    curves = [("paper's accounting (no cost for quantization)", 0.0)]
+    curves += [(f"with the cost measured on {device} ({ratio:.2f}x on one node)",
+                overhead_from_slowdown(psi, layers, tokens_per_gpu, flops_per_s, ratio)) for device, ratio in slowdowns]
+    for label, cost in curves:
+        speedups = [zeropp_step_prediction(psi, layers, tokens_per_gpu, 2, flops_per_s,
+                                           inter=theory.AlphaBeta.link(g * 1e9 / 8, DEFAULT_INTER_NODE.alpha),
+                                           overhead_s=cost)["speedup"] for g in gbits]
+        ax.plot(gbits, speedups, marker="o", label=label)
     ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.legend(fontsize=7)
     ax.set(xscale="log", xlabel="network bandwidth between nodes, Gbit/s per GPU", ylabel="ZeRO++ / ZeRO-3 speed",
            title="Predicted gain of ZeRO++ across nodes")
     ax.set_xticks(list(gbits), [f"{g:g}" for g in gbits])
@@ -512,11 +633,16 @@ def zeropp_comm_seconds(psi: float, layers: int, nodes: int, qwz: bool = False, 
 
 
 def zeropp_step_prediction(psi: float, layers: int, tokens_per_gpu: int, nodes: int, flops_per_s: float,
-                           intra: theory.AlphaBeta = DEFAULT_INTRA_NODE, inter: theory.AlphaBeta = DEFAULT_INTER_NODE) -> dict[str, float]:
+                           intra: theory.AlphaBeta = DEFAULT_INTRA_NODE, inter: theory.AlphaBeta = DEFAULT_INTER_NODE,
+                           overhead_s: float = 0.0) -> dict[str, float]:
     """Predicted seconds per micro-step of plain ZeRO-3 and full ZeRO++ (qwZ + hpZ + qgZ): compute
     (6Ψ FLOPs a token at ``flops_per_s`` achieved per GPU) plus communication (:func:`zeropp_comm_seconds`),
-    without overlap; and the speed-up. Quantization kernels' own time is left out (small on GPUs)."""
+    without overlap; and the speed-up. ZeRO++'s own work (quantization kernels, hpZ's copies) is
+    ``overhead_s`` seconds a micro-step: 0, the paper's accounting, leaves it out; the chapter's one-node GPU
+    runs measure it (:func:`overhead_from_slowdown`)."""
+    if overhead_s < 0:
+        raise ValueError(f"overhead_s={overhead_s!r}: seconds ZeRO++ adds to a micro-step, 0 or more")
     compute = 6 * psi * tokens_per_gpu / flops_per_s
     zero3 = compute + zeropp_comm_seconds(psi, layers, nodes, intra=intra, inter=inter)
-    zeropp = compute + zeropp_comm_seconds(psi, layers, nodes, True, True, True, intra=intra, inter=inter)
+    zeropp = compute + zeropp_comm_seconds(psi, layers, nodes, True, True, True, intra=intra, inter=inter) + overhead_s
     return {"compute_s": compute, "zero3_s": zero3, "zeropp_s": zeropp, "speedup": zero3 / zeropp}

@@ -1,11 +1,12 @@
-"""Chapter 15: DeepSpeed beside PyTorch's own DDP and FSDP2, in two parts.
+"""Chapter 15: DeepSpeed beside PyTorch's own DDP, ZeroRedundancyOptimizer and FSDP2, in two parts.
 
 1. The ranks' side (:func:`train_run`): PyTorch's strategies trained under torchrun, with the course's loop and record.
 2. The notebook's side: the runs and the tables that compare them with ZeRO.
 
 --- 1. PyTorch's strategies on the ranks ---
 
-PyTorch's own data parallelism on the course's ranks: DDP and FSDP2, recorded like DeepSpeed's runs.
+PyTorch's own data parallelism on the course's ranks: DDP (alone or with ZeroRedundancyOptimizer) and FSDP2,
+recorded like DeepSpeed's runs.
 
 A run of this module is a task of the plan (``RunSpec(task=TASK)``, :func:`train_run`), started by
 ``torchrun`` as PyTorch users start their scripts (``launcher="torchrun"`` in :mod:`helpers.core.launch`).
@@ -15,12 +16,18 @@ micro-batch, gradient accumulation, AdamW's ``lr`` and ``weight_decay``, ``gradi
 
 - ``ddp``: ``DistributedDataParallel``: every rank holds everything; gradients are all-reduced in
   buckets once per optimizer step (``no_sync()`` on the other micro-steps, the DDP idiom).
+- ``ddp-zero1``: DDP with ``torch.distributed.optim.ZeroRedundancyOptimizer`` around AdamW: PyTorch's
+  ZeRO-1. Each rank keeps Adam's states of the whole parameters assigned to it (largest first, each to the
+  rank with the fewest elements so far), steps them, and broadcasts them to the others.
 - ``fsdp2``: ``fully_shard`` on every layer and the root, ``reshard_after_forward=True``: parameters,
   gradients and Adam's states sharded (ZeRO-3's partitioning); each layer is gathered for forward, freed,
   gathered again for backward; gradients reduce-scattered after every backward.
 - ``fsdp2-grad-op``: the same with ``reshard_after_forward=False``: a layer gathered in forward stays
   whole until its backward, so backward gathers nothing (FSDP1's SHARD_GRAD_OP, ZeRO-2's traffic), at the
   price of holding unsharded parameters between forward and backward.
+- ``fsdp2-no-sync``: ``fsdp2`` with ``set_requires_gradient_sync(False)`` on every micro-step but the
+  last: gradients accumulate unsharded on each rank and are reduce-scattered once per optimizer step (the
+  FSDP2 counterpart of DDP's ``no_sync()``), at the price of holding whole gradients between micro-steps.
 
 The training loop and the record are :func:`helpers.core.train.train_and_record`, the DeepSpeed runs' own;
 the probes ``timing``, ``model_states``, ``peak_memory`` and ``timeline`` work unchanged (an adapter gives
@@ -29,7 +36,7 @@ so the ``torch_comm`` probe measures them with the PyTorch profiler instead (see
 
 --- 2. The comparison ---
 
-DeepSpeed beside PyTorch's own DDP and FSDP2 (chapter 15): the same model, data, seed and
+DeepSpeed beside PyTorch's own DDP, ZeroRedundancyOptimizer and FSDP2 (chapter 15): the same model, data, seed and
 hyperparameters, each framework launched its own way, every run with the same record.
 
 - :func:`compare`: two launches: PyTorch's strategies under ``torchrun`` (part 1) and
@@ -46,6 +53,7 @@ import dataclasses
 import gc
 import json
 import re
+import textwrap
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -55,6 +63,7 @@ import torch
 import torch.distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.profiler import ProfilerActivity, profile
 
 from helpers.core import communication, launch, models, plots, probes, records, references, theory, train
@@ -71,13 +80,35 @@ class Strategy:
     zero_stage: int  # the ZeRO stage whose model states per rank it holds between steps
     comm_stage: int  # the ZeRO stage whose communication volume it has (the paper's 2Ψ or 3Ψ)
     reshard_after_forward: bool | None  # FSDP2's setting; None for DDP
+    sharded_optimizer: bool = False  # DDP with ZeroRedundancyOptimizer (Adam's states sharded: ZeRO-1)
+    sync_last_micro_step_only: bool = False  # FSDP2: set_requires_gradient_sync(False) before the last micro-step
+
+    @property
+    def ddp(self) -> bool:
+        """Whether the model is wrapped in DDP (else FSDP2)."""
+        return self.reshard_after_forward is None
 
 
 STRATEGIES = {
     "ddp": Strategy("DDP", 0, 0, None),
+    "ddp-zero1": Strategy("DDP + ZeroRedundancyOptimizer", 1, 1, None, sharded_optimizer=True),
     "fsdp2": Strategy("FSDP2 full", 3, 3, True),
     "fsdp2-grad-op": Strategy("FSDP2 grad-op", 3, 2, False),
+    "fsdp2-no-sync": Strategy("FSDP2 full, no-sync", 3, 3, True, sync_last_micro_step_only=True),
 }
+
+
+class ShardedAdamW(ZeroRedundancyOptimizer):
+    """``ZeroRedundancyOptimizer`` around ``torch.optim.AdamW``, unchanged, with its local optimizer (the one
+    holding this rank's Adam states, ``.optim``) also under the name the course's memory probe reads
+    (``.optimizer``, as on DeepSpeed's ZeRO optimizers): the wrapper's own ``state`` stays empty."""
+
+    def __init__(self, params, **adamw):
+        super().__init__(params, optimizer_class=torch.optim.AdamW, **adamw)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.optim
 
 
 @dataclasses.dataclass
@@ -95,10 +126,33 @@ class TorchEngine:
     def buffer_bytes(self) -> int:
         """Bytes of DDP's gradient buckets (DDP's own logging data, ``bucket_sizes``); 0 for FSDP2, whose
         gather and reduce buffers live only during each collective."""
-        if self.strategy != "ddp":
+        if not STRATEGIES[self.strategy].ddp:
             return 0
         sizes = str(self.wrapped._get_ddp_logging_data().get("bucket_sizes", ""))
         return sum(int(s) for s in sizes.split(",") if s.strip())
+
+    def unsharded_grad_bytes(self) -> int:
+        """Bytes of the whole (unsharded) gradients FSDP2 holds between micro-steps whose reduce-scatter
+        ``set_requires_gradient_sync(False)`` skipped: on each parameter's unsharded tensor, or, where the
+        reduce dtype differs from the compute dtype, in its ``unsharded_accumulated_grad``. The sharded
+        parameters' ``.grad`` (what the memory probe reads) stays empty until the reduce-scatter. 0 for DDP."""
+        if STRATEGIES[self.strategy].ddp:
+            return 0
+        total = 0
+        for module in self.module.modules():
+            if not hasattr(module, "_get_fsdp_state"):
+                continue
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; one group in earlier versions
+            groups = groups if groups is not None else [getattr(state, "_fsdp_param_group", None)]
+            for group in groups:
+                for fsdp_param in getattr(group, "fsdp_params", []):
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+                    for grad in (getattr(unsharded, "grad", None), accumulated):
+                        if grad is not None:
+                            total += grad.numel() * grad.element_size()
+        return total
 
 
 def shard_units(model) -> list:
@@ -114,7 +168,7 @@ def shard_units(model) -> list:
 
 def _wrap(model, strategy: str, device, precision: str):
     """The model wrapped by ``strategy`` (see :data:`STRATEGIES`)."""
-    if strategy == "ddp":
+    if STRATEGIES[strategy].ddp:
         ids = [device.index] if device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids), model
     # deferred: about a second to import, which only FSDP2's ranks should pay
@@ -137,17 +191,21 @@ def _data(run: PlannedRun) -> str:
 
 def torch_step(ctx: RunContext, run: PlannedRun, step: int, probes: list[Probe]) -> list[float]:
     """One optimizer step the way PyTorch scripts write it: ``grad_accum`` micro-steps of forward and
-    ``(loss / grad_accum).backward()`` (DDP skips its all-reduce on all but the last, ``no_sync()``),
-    then ``clip_grad_norm_``, ``optimizer.step()``, ``zero_grad()``. Returns this rank's micro-batch losses."""
+    ``(loss / grad_accum).backward()`` (DDP skips its all-reduce on all but the last, ``no_sync()``; FSDP2
+    with ``sync_last_micro_step_only`` its reduce-scatter, ``set_requires_gradient_sync(False)``), then
+    ``clip_grad_norm_``, ``optimizer.step()``, ``zero_grad()``. Returns this rank's micro-batch losses."""
     engine, name, seed = ctx.engine, _data(run), run.seed
+    chosen = STRATEGIES[engine.strategy]
     autocast = (torch.autocast(engine.device.type, dtype=torch.bfloat16)
-                if ctx.precision == "bf16" and engine.strategy == "ddp" else nullcontext())
+                if ctx.precision == "bf16" and chosen.ddp else nullcontext())
     losses = []
     for micro_step in range(ctx.grad_accum):
         last = micro_step == ctx.grad_accum - 1
         indices = models.sample_indices(step, micro_step, ctx.rank, ctx.world_size, ctx.micro_batch, ctx.grad_accum)
         batch = models.make_batch(name, indices, seed, run.model_options.get("seq_len")).to(engine.device)
-        sync = engine.wrapped.no_sync() if engine.strategy == "ddp" and not last else nullcontext()
+        if chosen.sync_last_micro_step_only:
+            engine.wrapped.set_requires_gradient_sync(last)
+        sync = engine.wrapped.no_sync() if chosen.ddp and not last else nullcontext()
         with sync:
             with autocast:
                 loss = models.loss_of(engine.wrapped, name, batch)
@@ -179,12 +237,13 @@ def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
     psi = models.count_parameters(model)
     wrapped, module = _wrap(model, strategy, device, precision)
     params = config.get("optimizer", {}).get("params", {})
-    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=params.get("lr", 1e-3),
-                                  weight_decay=params.get("weight_decay", 0.01))
+    chosen = STRATEGIES[strategy]
+    adamw = {"lr": params.get("lr", 1e-3), "weight_decay": params.get("weight_decay", 0.01)}
+    optimizer = (ShardedAdamW(wrapped.parameters(), **adamw) if chosen.sharded_optimizer
+                 else torch.optim.AdamW(wrapped.parameters(), **adamw))
     engine = TorchEngine(module=module, optimizer=optimizer, device=device, wrapped=wrapped, strategy=strategy)
     micro = config["train_micro_batch_size_per_gpu"]
     accum = config.get("gradient_accumulation_steps", 1)
-    chosen = STRATEGIES[strategy]
     ctx = None  # holds the engine: dropped with it at teardown
     try:
         ctx = RunContext(
@@ -192,12 +251,13 @@ def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
             stage=chosen.zero_stage, micro_batch=micro, grad_accum=accum, steps=run.steps, params=psi, born=born,
             run_started=run_started, config=config, faults=run.faults, first_step=0, options=run.options,
             dp_rank=rank, dp_size=world)
-        volume = theory.comm_bytes_per_step(psi, chosen.comm_stage, "fp32" if strategy == "ddp" else precision)
+        volume = theory.comm_bytes_per_step(psi, chosen.comm_stage, "fp32" if chosen.ddp else precision)
         train.train_and_record(ctx, run, position, count, torch_step, {
             "framework": f"torch {torch.__version__}",
             "strategy": chosen.label,
             "launcher": _launcher_of(run),
-            "optimizer": "torch.optim.AdamW",
+            "optimizer": ("torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)" if chosen.sharded_optimizer
+                          else "torch.optim.AdamW"),
             "basic_optimizer": "AdamW",
             "theory": {
                 # PyTorch keeps fp32 parameters and gradients between steps, in bf16 runs too (autocast or
@@ -391,7 +451,8 @@ class TorchComm(Probe):
             return {"summary": {}}
         ctx.synchronize()
         self.profiler.__exit__(None, None, None)
-        width = 2 if ctx.precision == "bf16" and getattr(ctx.engine, "strategy", "") != "ddp" else 4
+        strategy = STRATEGIES.get(getattr(ctx.engine, "strategy", ""))
+        width = 2 if ctx.precision == "bf16" and not (strategy and strategy.ddp) else 4
         events = self.profiler.profiler.kineto_results.events()
         return {"summary": collectives_from_profile(events, width)}
 
@@ -406,7 +467,7 @@ class TorchComm(Probe):
 # === 2. the comparison with ZeRO ===================================================================
 
 #: PyTorch strategies (:data:`STRATEGIES`), in the order tables show them.
-PYTORCH = ("ddp", "fsdp2-grad-op", "fsdp2")
+PYTORCH = ("ddp", "ddp-zero1", "fsdp2-grad-op", "fsdp2", "fsdp2-no-sync")
 STAGES = (0, 1, 2, 3)
 #: The probes of a PyTorch run: the DeepSpeed runs' own, with the profiler in place of the comms logger.
 TORCH_PROBES = ("timing", "model_states", "peak_memory", TorchComm, "timeline")
@@ -420,8 +481,9 @@ def _label(record: records.Record) -> str:
 
 def compare(model: str = "mlp", steps: int = 4, overrides: dict | None = None, world_size: int | None = None,
             timing_only: bool = False, progress: bool = True, tag: str = "") -> dict[str, records.Record]:
-    """Train ``model`` with DDP, FSDP2 (both reshard settings) and ZeRO 0-3 from ``ds_configs/zero<N>.json``
-    (the PyTorch runs read ``zero0.json`` for the same hyperparameters), ``overrides`` applied to all; two
+    """Train ``model`` with each of :data:`PYTORCH` (DDP, DDP + ZeroRedundancyOptimizer, FSDP2 in both reshard
+    settings and full sharding reducing once a step) and ZeRO 0-3 from ``ds_configs/zero<N>.json`` (the PyTorch
+    runs read ``zero0.json`` for the same hyperparameters), ``overrides`` applied to all; two
     launches. ``timing_only`` leaves out the probes that measure communication (they slow a step).
     Returns {label: record}, labels such as ``"DDP"``, ``"FSDP2 full"``, ``"ZeRO-2"``."""
     torch_probes = ("timing", "peak_memory") if timing_only else TORCH_PROBES
@@ -436,6 +498,57 @@ def compare(model: str = "mlp", steps: int = 4, overrides: dict | None = None, w
                              launcher="torchrun", progress=progress))
     runs.update(launch.sweep(ds_specs, name=f"frameworks-deepspeed{suffix}", world_size=world_size, progress=progress))
     return {_label(r): r for r in runs.values()}
+
+
+def _op(record: records.Record, op: str) -> dict[str, float]:
+    return record.comm_ops().get(op, {"count": 0, "bytes": 0})
+
+
+def zero1_reading(runs: Mapping[str, records.Record], rank: int = 0) -> str:
+    """PyTorch's ZeRO-1 (DDP + ZeroRedundancyOptimizer) beside DeepSpeed's ZeRO-1 and DDP, in sentences
+    generated from the runs: Adam's states and master copy on ``rank``, and what each sends per step."""
+    ours, theirs, ddp = runs["DDP + ZeroRedundancyOptimizer"], runs["ZeRO-1"], runs["DDP"]
+    mine, ds, plain = ours.states(rank), theirs.states(rank), ddp.states(rank)
+    step_broadcasts = {caller: row for caller, row in ours.summary["comm"]["by_caller"].get("broadcast", {}).items()
+                       if "step" in caller}
+    calls = sum(row["count"] for row in step_broadcasts.values())
+    sent = sum(row["bytes"] for row in step_broadcasts.values())
+    gather = _op(theirs, "all_gather_into_tensor")
+    return "\n".join([
+        f"Adam's states on rank {rank}: {mine['optimizer']:,} bytes with ZeroRedundancyOptimizer, {ds['optimizer']:,} "
+        f"with DeepSpeed's ZeRO-1, {plain['optimizer']:,} with DDP alone; fp32 master copy: {mine['master']:,} and "
+        f"{ds['master']:,} bytes.",
+        f"Per step, ZeroRedundancyOptimizer adds to DDP's all-reduce {calls:g} broadcasts from its step "
+        f"({sent:,.0f} bytes as logged: every rank records every broadcast, as the root of the ones of the "
+        f"parameters it owns and a receiver of the rest); DeepSpeed's ZeRO-1 adds one all-gather "
+        f"({gather['bytes']:,.0f} bytes: this rank's shard).",
+        f"The wire column counts a broadcast's whole message on every rank (theory.wire_bytes), so for "
+        f"ZeroRedundancyOptimizer it shows {ours.comm.wire_bytes_per_step:,.0f} bytes a step"
+        + (f"; on 2 ranks only the root of a broadcast sends, so what a rank sends of them is its own parameters, "
+           f"{sent / 2:,.0f} bytes if they split evenly (PyTorch assigns whole parameters, largest first, each to "
+           f"the rank with the fewest elements so far): ZeRO-1's all-gather's share." if ours.world_size == 2
+           else ", more than a rank sends: the root of a broadcast sends it whole, the others relay or receive.")])
+
+
+def no_sync_reading(runs: Mapping[str, records.Record], rank: int = 0) -> str:
+    """FSDP2 full sharding with and without ``set_requires_gradient_sync(False)`` on the early micro-steps, beside
+    ZeRO-2, in sentences generated from the runs: reduce-scatters (or ZeRO-2's all-reduces) per step, their
+    bytes, and the gradients held after the first micro-step's backward."""
+    synced, held, zero2 = runs["FSDP2 full"], runs["FSDP2 full, no-sync"], runs["ZeRO-2"]
+    a, b = _op(synced, "reduce_scatter_tensor"), _op(held, "reduce_scatter_tensor")
+    reduce2 = zero2.summary["comm"]["by_caller"]["all_reduce"].get("allreduce_bucket", {"count": 0, "bytes": 0})
+    gathers = _op(synced, "all_gather_into_tensor"), _op(held, "all_gather_into_tensor")
+    where = held.summary["memory"].get("measured_at", "mid-accumulation")
+    return "\n".join([
+        f"Gradient reductions per step ({held.grad_accum} micro-steps): FSDP2 full {a['count']:g} reduce-scatters, "
+        f"{a['bytes']:,.0f} bytes; with no-sync {b['count']:g}, {b['bytes']:,.0f} bytes; ZeRO-2 {reduce2['count']:g} "
+        f"bucket all-reduces, {reduce2['bytes']:,.0f} bytes.",
+        f"All-gathers per step: {gathers[0]['count']:g} and {gathers[1]['count']:g} "
+        f"({'the same' if gathers[0] == gathers[1] else 'not the same'}): no-sync changes only the reduction.",
+        f"Gradients held on rank {rank} at {where}: {synced.states(rank)['grads']:,} bytes with sync (this rank's "
+        f"shard), {held.states(rank)['grads']:,} with no-sync (whole, as DDP's {runs['DDP'].states(rank)['grads']:,}); "
+        f"at the boundary, after the reduce-scatter, "
+        f"{held['memory.model_states_at_boundary_bytes_per_rank'][rank]['grads']:,}."])
 
 
 def ddp_first_bucket_bytes() -> int:
@@ -541,11 +654,14 @@ def timing_table(runs: Mapping[str, records.Record]) -> str:
 ADVICE = {
     "DDP": "model, gradients and Adam's states fit one device: the simplest, one all-reduce a step",
     "ZeRO-0": "DeepSpeed's data parallelism: DDP's states and traffic, with DeepSpeed's other features",
+    "DDP + ZeroRedundancyOptimizer": "Adam's states do not fit, PyTorch-native (ZeRO-1): DDP's all-reduce, then "
+                                     "each updated parameter broadcast by its owner",
     "ZeRO-1": "Adam's states do not fit: shard them; DDP's all-reduce plus a gather of updated weights",
     "ZeRO-2": "gradients do not fit either: a reduction every micro-step; weights stay whole",
     "FSDP2 grad-op": "weights do not fit at rest but fit for one step: no gathers in backward",
     "ZeRO-3": "weights do not fit: DeepSpeed keeps small models gathered between uses (chapter 05)",
     "FSDP2 full": "weights do not fit: PyTorch-native, every layer gathered twice a micro-step",
+    "FSDP2 full, no-sync": "as FSDP2 full, with whole gradients held between micro-steps: one reduce-scatter a step",
 }
 
 
@@ -564,8 +680,10 @@ def pick_table(runs: Mapping[str, records.Record], baseline: str = "DDP") -> str
 
 
 def ordered(runs: Mapping[str, records.Record]) -> dict[str, records.Record]:
-    """Runs in the order of how much they shard: DDP, ZeRO-0, ZeRO-1, ZeRO-2, FSDP2 grad-op, ZeRO-3, FSDP2 full."""
-    order = ["DDP", "ZeRO-0", "ZeRO-1", "ZeRO-2", "FSDP2 grad-op", "ZeRO-3", "FSDP2 full"]
+    """Runs in the order of how much they shard: DDP, ZeRO-0, DDP + ZeroRedundancyOptimizer, ZeRO-1, ZeRO-2,
+    FSDP2 grad-op, ZeRO-3, FSDP2 full, FSDP2 full with no-sync accumulation."""
+    order = ["DDP", "ZeRO-0", "DDP + ZeroRedundancyOptimizer", "ZeRO-1", "ZeRO-2", "FSDP2 grad-op", "ZeRO-3",
+             "FSDP2 full", "FSDP2 full, no-sync"]
     return {name: runs[name] for name in order if name in runs} | {k: v for k, v in runs.items() if k not in order}
 
 
@@ -605,7 +723,8 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
                      records.format_peak(t) if t else "-",
                      bytes_per_step(r),
                      f"{t.timing.median_s * 1000:.1f}" if t else "-",
-                     records.loss_agreement(base.losses, r.losses, r.summary["precision"]) if base is not None else "-"])
+                     records.loss_agreement(base.losses, r.losses, r.summary["precision"])
+                     if base is not None and name != "DDP" else "-"])
     return records.format_table(rows, ["run", "model states/rank", "peak/rank", "bytes/step", "step ms",
                                        "losses vs DDP"])
 
@@ -628,23 +747,51 @@ def reference_report(name: str = "frameworks") -> str:
         name, tables, how="run this notebook on a machine with 2 or more NVIDIA GPUs to measure them.")
 
 
+def gpu_time_reading(name: str = "frameworks",
+                     runs: Sequence[str] = ("ZeRO-3", "FSDP2 full", "FSDP2 grad-op")) -> str:
+    """For each committed GPU comparison with timing runs: the median step time of ``runs`` against the fastest
+    of them, in a sentence generated from the reference (the same machine and launch within a line)."""
+    lines = []
+    for device, date, _, found in references.reference_runs(name):
+        timed = {r: found.get(f"time: {r}") for r in runs}
+        timed = {r: t for r, t in timed.items() if isinstance(t, records.Record)}
+        if len(timed) < 2:
+            continue
+        fastest = min(timed, key=lambda r: timed[r].timing.median_s)
+        base = timed[fastest].timing.median_s
+        shown = ", ".join(f"{r} {t.timing.median_s * 1000:.1f} ms ({t.timing.median_s / base:.2f}x)"
+                          for r, t in timed.items())
+        lines.append(f"{device}, {date}: {shown}; fastest: {fastest}.")
+    return "\n".join(lines) or references.no_references(name)
+
+
 # --- figures ----------------------------------------------------------------------------------------
 
+def _tick(label: str) -> str:
+    """A run's label on lines of at most 15 characters (``ZeroRedundancyOptimizer`` split after "ZeroRedundancy")."""
+    return textwrap.fill(label.replace("ZeroRedundancyOptimizer", "ZeroRedundancy- Optimizer"), 15,
+                         break_long_words=False, break_on_hyphens=False).replace("- \n", "-\n")
+
+
 def states_per_rank(runs: Sequence[records.Record], rank: int = 0, title: str = "Model states on one rank"):
-    """Stacked bars of measured params / grads / optimizer / master / buffers on ``rank``, one bar per run
-    (buffers hatched: communication buckets, not model states)."""
+    """Stacked bars of measured params / grads / optimizer / master on ``rank``, one bar per run; a run's
+    communication buffers (not model states; DeepSpeed's default bucket is far larger than a small model) are
+    written above its bar instead of drawn, so they do not flatten the states."""
     plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(runs), 3.8))
-    colours = {**plots.STATE_COLOURS, "buffers": "#8172B3"}
     for i, run in enumerate(runs):
         bottom = 0.0
         for key in records.STATE_KEYS:
             value = run.states(rank).get(key, 0) / 2**20
-            if value:
-                ax.bar(i, value, 0.6, bottom=bottom, color=colours[key], hatch="//" if key == "buffers" else "",
-                       edgecolor="white", label=key if key not in ax.get_legend_handles_labels()[1] else None)
+            if value and key != "buffers":
+                ax.bar(i, value, 0.6, bottom=bottom, color=plots.STATE_COLOURS[key], edgecolor="white",
+                       label=key if key not in ax.get_legend_handles_labels()[1] else None)
                 bottom += value
-    ax.set_xticks(range(len(runs)), [r.label.replace(" ", "\n", 1) for r in runs], fontsize=8)
+        buffers = run.states(rank).get("buffers", 0)
+        if buffers:
+            ax.text(i, bottom, f"+ buffers\n{records.format_bytes(buffers)}", ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
+    ax.set_xticks(range(len(runs)), [_tick(r.label) for r in runs], fontsize=8)
     ax.set_ylabel(f"MiB on rank {rank}")
     ax.set_title(title)
     ax.legend(fontsize=8)
@@ -668,7 +815,7 @@ def bytes_per_step_figure(runs: Sequence[records.Record], title: str = "Bytes pe
                 ax.bar(i, row["bytes"] / 2**20, 0.6, bottom=bottom, color=colours[j % len(colours)],
                        label=op if op not in ax.get_legend_handles_labels()[1] else None)
                 bottom += row["bytes"] / 2**20
-    ax.set_xticks(range(len(runs)), [r.label.replace(" ", "\n", 1) for r in runs], fontsize=8)
+    ax.set_xticks(range(len(runs)), [_tick(r.label) for r in runs], fontsize=8)
     ax.set_ylabel("MiB per step (logged message sizes)")
     ax.set_title(title)
     ax.legend(fontsize=8)
