@@ -100,7 +100,34 @@ def test_claim_table_gives_tokens_per_second_and_the_speedup_over_accumulation_o
     assert "138,240" in lines[3] and "1.35x" in lines[3]
 
 
-def test_the_claim_model_has_the_shape_of_the_measurement_in_the_notes():
+@pytest.mark.parametrize("speedup, verdict", [(1.15, "0.5 of the article's 30%, so the data supports a gain at ZeRO-2 "
+                                                      "but not the article's figure"),
+                                               (1.32, "about the article's 30%: the data supports its figure"),
+                                               (0.97, "not faster, so the data contradicts the article's claim")])
+def test_the_claims_verdict_is_drawn_from_the_reference_against_the_articles_30_percent(monkeypatch, speedup, verdict):
+    runs = {}
+    for stage, rate in ((0, 1.4), (2, speedup), (3, 1.04)):
+        one, four = _run(stage, 1, 8, {AR: (1, 1)}), _run(stage, 4, 8, {AR: (4, 4)})
+        one.summary["samples_per_s"], four.summary["samples_per_s"] = 100.0, 100.0 * rate
+        runs.update({f"zero{stage}-acc1": one, f"zero{stage}-acc4": four})
+    monkeypatch.setattr(accumulation.references, "reference_runs", lambda name: [("2 x GPU", "today", "", runs)])
+    first, second = accumulation.claim_verdict("claim").splitlines()
+    assert first.endswith(f"{speedup - 1:.0%} faster: {verdict}.")
+    assert f"trained {speedup:.2f}x the tokens/s of accumulation 1 ({100 * speedup * 1024:,.0f} against 102,400)" in first
+    assert second == (f"Accumulation 4 against 1 at every stage: ZeRO-0 1.40x, ZeRO-2 {speedup:.2f}x, ZeRO-3 1.04x; "
+                      f"the largest gain at ZeRO-0, the smallest at ZeRO-{2 if speedup < 1.04 else 3}; in the order "
+                      "of the communication per sample accumulation spreads (stages 0 and 1, then 2, then 3): "
+                      f"{'no' if speedup < 1.04 else 'yes'}.")
+
+
+def test_the_curves_verdict_compares_per_step_over_the_common_steps_and_per_sample_at_the_end():
+    curves = {"small": (8, [1.0, 0.9, 0.5, 0.4]), "large": (16, [1.0, 0.8])}
+    assert accumulation.curve_verdict(curves, window=16).splitlines() == [
+        "per optimizer step, mean loss over the first 2 steps: 0.95 (small), 0.90 (large)",
+        "per sample seen, mean loss over the last 16 samples: 0.45 (small), 0.80 (large): small ends lower"]
+
+
+def test_the_claim_model_is_the_265m_llama_of_the_gpu_experiment():
     config = models.llama_config("llama-265m")
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (1024, 16, 32000)
     assert models.sequence_length("llama-265m") == 1024
@@ -121,6 +148,50 @@ def test_batch_size_curves_see_the_same_samples_in_fewer_steps_and_restore_threa
 
 
 # --- helpers.topics.bandwidth ----------------------------------------------------------------------------
+
+def _link_row(name: str, stage: int, accum: int, fast_ms: float, slow_ms: float, bound_ms: float | None = None,
+              predicted_ms: float = 0.0) -> dict:
+    return {"name": name, "stage": stage, "accum": accum, "batch": 8 * accum, "fast_s": fast_ms / 1e3,
+            "slow_s": slow_ms / 1e3, "predicted_s": predicted_ms / 1e3,
+            "overlap_bound_s": None if bound_ms is None else bound_ms / 1e3}
+
+
+def test_link_findings_give_accumulation_and_overlap_from_the_rows():
+    rows = [_link_row("zero1-acc1", 1, 1, 10, 100), _link_row("zero1-acc4", 1, 4, 40, 130),
+            _link_row("zero2-acc4-overlap-off", 2, 4, 50, 200, 180, 300),
+            _link_row("zero2-acc4-overlap-on", 2, 4, 45, 220, 180, 300)]
+    lines = bandwidth.link_findings(rows, fast="NVLink", slow="sockets").splitlines()
+    assert lines[0] == "ZeRO-1, accumulation 4 against 1: 3.08x the samples/s over sockets, 1.00x over NVLink."
+    assert lines[1].startswith("overlap_comm at ZeRO-2, accumulation 4, on against off: 45.0 against 50.0 ms a step "
+                               "over NVLink (-10%), 220 against 200 ms over sockets (+10%; the model's range there: "
+                               "180 ms with perfect overlap to 300 ms with none)")
+    assert lines[2] == "So overlap_comm shortened the step over NVLink and lengthened it over sockets."
+    rows[2]["slow_s"] = 0.170  # faster than the model's perfect overlap
+    assert "below the model's perfect-overlap bound" in bandwidth.link_findings(rows)
+    assert bandwidth.link_findings(rows, streams=False).splitlines()[-1] == (
+        "These ranks have no streams to overlap on, so the two rows differ by this machine's noise only.")
+
+
+def test_the_count_of_overlap_gains_takes_both_links_and_the_capstones_verdicts(monkeypatch):
+    ladder = {"ladder": {"candidates": [
+        {"rung": "overlap", "label": "best so far, again", "verdict": "best so far", "setting": {"stage": 2}},
+        {"rung": "overlap", "label": "overlap_comm", "verdict": "dropped: -6.6%, not above the 2.0% margin",
+         "setting": {"stage": 2}},
+        {"rung": "overlap", "label": "overlap_comm, buckets 2e8", "verdict": "kept: +3.0%", "setting": {"stage": 2}}]}}
+    monkeypatch.setattr(bandwidth.references, "reference_runs",
+                        lambda name: [("2 x GPU", "today", "", ladder)] if name == "capstone-ladder-1.2b" else [])
+    found = bandwidth.overlap_in_capstone()
+    assert [gain for _, gain in found] == [pytest.approx(-0.066), pytest.approx(0.03)]
+    assert found[0][0] == ("capstone-ladder-1.2b on 2 x GPU (today), ZeRO-2, overlap_comm: dropped: -6.6%, "
+                           "not above the 2.0% margin")
+    assert bandwidth.reference_findings().splitlines()[-1] == "overlap_comm made training faster in 1 of these 2 measurements."
+
+
+def test_comparison_summary_says_which_way_the_model_erred():
+    rows = [{"error": -0.2}, {"error": 0.1}, {"error": -0.05}]
+    assert bandwidth.comparison_summary(rows) == ("The model predicted less than measured for 2 of 3 runs; its errors "
+                                                  "run from -20% to +10%.")
+
 
 @pytest.mark.parametrize("kwargs, match", [({"ops": ("all_to_all",)}, "ops"), ({"implementations": ("nccl",)}, "implementations"),
                                            ({"sizes": (8,)}, "sizes"), ({"sizes": (2**33,)}, "sizes"),

@@ -4,12 +4,17 @@ out the same before and after them in the same ranks."""
 
 from __future__ import annotations
 
+import functools
+import itertools
+import types
+
 import pytest
 import torch
 
 from helpers.core import launch, models, records
 from helpers.topics import activations, pipeline, tensor_parallel
 from helpers.core.environment import WORLD_SIZE_VARIABLE
+from test_records import minimal_summary
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +75,100 @@ def test_saved_tensor_counter_matches_the_formula_in_process(name, checkpointed)
     assert found["per_layer"][0] == expected + (0 if checkpointed else activations.rotary_bytes(64, 16))
     floats = sum(elements * 4 for dtype, elements in found["outside_blocks"] if dtype == "float32")
     assert floats == activations.activation_bytes_outside_layers(4, 64, 64, 256)
+
+
+def _checkpoint_function(kind: str):
+    if kind == "torch":
+        return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    import deepspeed  # deferred: as in the ranks, DeepSpeed comes after the course's environment
+
+    return deepspeed.checkpointing.checkpoint
+
+
+def _checkpointed_llama(kind: str, style: str) -> torch.nn.Module:
+    """The course's 'llama' with every decoder layer checkpointed by ``kind``, as transformers 5.24 does it
+    (``forward`` inside the checkpoint, module hooks outside) or as 5.17 did (``__call__``: hooks inside)."""
+    model = models.build("llama")
+    function = _checkpoint_function(kind)
+    if style == "forward":
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=function)
+        return model
+    for layer in activations.decoder_layers(model):
+        class CallCheckpointedDecoderLayer(type(layer)):
+            def __call__(self, *args, **kwargs):  # transformers 5.17's GradientCheckpointingLayer.__call__
+                return self._gradient_checkpointing_func(functools.partial(super().__call__, **kwargs), *args)
+        layer.__class__ = CallCheckpointedDecoderLayer
+        layer._gradient_checkpointing_func = function
+    return model
+
+
+@pytest.mark.parametrize("kind", ["torch", "deepspeed"])
+@pytest.mark.parametrize("style", ["forward", "__call__"])
+def test_the_counter_sees_each_checkpointed_layer_input_whichever_side_of_the_checkpoint_its_hooks_run(kind, style):
+    model = _checkpointed_llama(kind, style)
+    functions = [layer._gradient_checkpointing_func for layer in activations.decoder_layers(model)]
+    batch = models.make_batch("llama", list(range(4)))
+    counter = activations.SavedTensorCounter(model)
+    counter.start()
+    models.loss_of(model, "llama", batch).backward()
+    counter.stop()
+    assert counter.summary()["per_layer"] == [4 * 64 * 64 * 4] * 2  # b·s·h fp32: each layer's input
+    assert [layer._gradient_checkpointing_func for layer in activations.decoder_layers(model)] == functions
+
+
+def test_with_hooks_inside_the_checkpoint_the_layer_hooks_alone_miss_the_inputs_as_on_the_gpu_reference(monkeypatch):
+    # why the counter watches the checkpoint function: transformers 5.17 ran the layer's hooks inside it
+    monkeypatch.setattr(activations.SavedTensorCounter, "_watched", lambda self, checkpoint, index: checkpoint)
+    found = {}
+    for kind in ("torch", "deepspeed"):
+        counter = activations.SavedTensorCounter(model := _checkpointed_llama(kind, "__call__"))
+        counter.start()
+        models.loss_of(model, "llama", models.make_batch("llama", list(range(4)))).backward()
+        counter.stop()
+        found[kind] = counter.summary()
+    inputs = 2 * 4 * 64 * 64 * 4
+    assert found["torch"]["per_layer"] == found["deepspeed"]["per_layer"] == [0, 0]
+    assert found["torch"]["outside"] == found["deepspeed"]["outside"] + inputs  # torch's, in the wrong place
+
+
+@pytest.mark.parametrize("style", ["forward", "__call__"])
+def test_the_phases_probe_times_each_layer_once_in_the_forward_not_again_in_its_replay(monkeypatch, style):
+    ticks = itertools.count()
+    monkeypatch.setattr(activations._Clock, "now", lambda self: next(ticks))  # one tick per time stamp
+    model = _checkpointed_llama("deepspeed", style)
+    ctx = types.SimpleNamespace(engine=types.SimpleNamespace(module=model), device_type="cpu")
+    probe = activations.Phases()
+    probe.start(ctx)
+    probe.before_step(ctx, 0)                                  # tick 0
+    loss = models.loss_of(model, "llama", models.make_batch("llama", list(range(4))))  # forward: ticks 1-6
+    loss.backward()                                            # replays of both layers: no tick
+    probe.after_backward(ctx, 0, 0)                            # tick 7
+    probe.after_step(ctx, 0)                                   # tick 8
+    assert probe.finish(ctx)["steps"] == [{"forward_s": 5, "layers_s": 2, "backward_s": 1, "step_s": 8, "rest_s": 2}]
+
+
+def _timed(step_ms: float, phases_ms: dict | None) -> records.Record:
+    summary = minimal_summary()
+    summary["step_time_s"] = {"median": step_ms / 1e3, "all": [step_ms / 1e3]}
+    if phases_ms is not None:
+        summary["probes"] = list(records.LEGACY_PROBES) + ["phases"]
+        summary["phases"] = {"per_step": [{k: v / 1e3 for k, v in phases_ms.items()}], "rank": 0}
+    return records.Record(summary)
+
+
+def test_the_recomputation_findings_name_which_assumption_of_the_four_thirds_rule_failed():
+    plain = {"forward_s": 10, "layers_s": 8, "backward_s": 15, "rest_s": 5, "step_s": 30}
+    runs = {"plain": _timed(30, plain), "deepspeed": _timed(41, {**plain, "backward_s": 26, "step_s": 41})}
+    assert activations.recompute_findings(runs, ["plain", "deepspeed"]).splitlines() == [
+        "deepspeed.checkpointing: 1.37x the step without checkpointing, above the rule's 1.33x.",
+        "Without checkpointing the loss and backward took 1.50 times the forward (the rule assumes 2: shorter, so one "
+        "forward is more than a third of forward + backward), and the decoder layers were 80% of the forward; one "
+        "more forward of them predicts 1.27x.",
+        "deepspeed.checkpointing: its backward grew by 1.38 times the layers' forward (more than the one forward "
+        "the rule counts)."]
+    unsplit = {"plain": _timed(30, None), "deepspeed": _timed(39, None)}
+    assert activations.recompute_findings(unsplit, ["plain", "deepspeed"]).splitlines()[1].startswith(
+        "These runs were not split into phases")
 
 
 def test_the_pipeline_probe_on_a_model_that_is_no_pipeline_stops_before_any_process_starts(monkeypatch):

@@ -179,13 +179,32 @@ def batch_size_curves(batches: Mapping[str, int], samples: int = 4096, model: st
 
 
 def curve_summary(curves: Mapping[str, tuple[int, Sequence[float]]], window: int = 1024) -> str:
-    """Mean loss over the first and the last ``window`` samples of each curve (the digits depend on the processor)."""
+    """Mean loss over the first optimizer steps (as many as the shortest curve has), and over the first and the
+    last ``window`` samples of each curve (the digits depend on the processor)."""
+    steps = min(len(losses) for _, losses in curves.values())
     table = []
     for name, (batch, losses) in curves.items():
         k = max(1, window // batch)
-        table.append([name, f"{len(losses)}", f"{sum(losses[:k]) / k:.4f}", f"{sum(losses[-k:]) / k:.4f}"])
-    return records.format_table(table, ["run", "optimizer steps", f"mean loss, first {window} samples",
-                                        f"mean loss, last {window} samples"])
+        table.append([name, f"{len(losses)}", f"{sum(losses[:steps]) / steps:.4f}", f"{sum(losses[:k]) / k:.4f}",
+                      f"{sum(losses[-k:]) / k:.4f}"])
+    return records.format_table(table, ["run", "optimizer steps", f"mean loss, first {steps} steps",
+                                        f"mean loss, first {window} samples", f"mean loss, last {window} samples"])
+
+
+def curve_verdict(curves: Mapping[str, tuple[int, Sequence[float]]], window: int = 1024) -> str:
+    """The two comparisons the chapter draws from the curves, in figures rounded to two decimals (the same on
+    every processor): per optimizer step (over the steps every curve took) and per sample (over the last
+    ``window`` samples), and which curve ends lower per sample."""
+    steps = min(len(losses) for _, losses in curves.values())
+    by_step = {name: sum(losses[:steps]) / steps for name, (_, losses) in curves.items()}
+    by_sample = {name: sum(losses[-max(1, window // batch):]) / max(1, window // batch)
+                 for name, (batch, losses) in curves.items()}
+    lowest = min(by_sample, key=by_sample.get)
+    return (f"per optimizer step, mean loss over the first {steps} steps: "
+            + ", ".join(f"{v:.2f} ({name})" for name, v in by_step.items())
+            + f"\nper sample seen, mean loss over the last {window} samples: "
+            + ", ".join(f"{v:.2f} ({name})" for name, v in by_sample.items())
+            + f": {lowest} ends lower")
 
 
 # --- the GPU claim --------------------------------------------------------------------------------
@@ -215,6 +234,54 @@ def measure_claim(steps: int = 6) -> tuple[dict[str, records.Record], object]:
     note = (f"ZeRO stages 0-3 at accumulation 1 and 4, {CLAIM['model']}, micro batch {CLAIM['micro_batch']}, "
             f"{CLAIM['precision']}, timed without the comms logger ({steps} steps, median)")
     return runs, references.save_reference("grad-accum-claim", runs, note=note)
+
+
+#: The source article's figure: ZeRO-2 with accumulation 4 trained "approximately 30%" faster (its section 4).
+ARTICLE = {"stage": 2, "accumulation": 4, "gain": 0.30}
+
+
+def claim_speedups(runs: Mapping[str, records.Record]) -> dict[tuple[int, int], float]:
+    """{(stage, accumulation): samples/s against the same stage's accumulation 1} of the claim runs."""
+    base = {r.stage: r["samples_per_s"] for r in runs.values() if r["grad_accum"] == 1}
+    return {(r.stage, r["grad_accum"]): r["samples_per_s"] / base[r.stage] for r in runs.values() if r.stage in base}
+
+
+def claim_verdict(name: str = "grad-accum-claim", about: float = 0.05) -> str:
+    """For each committed GPU result of the claim: the speed-up of ZeRO-2 at accumulation 4 over accumulation 1
+    against the source article's 30%, as a sentence generated from the reference ("about" the article's figure
+    within ``about``), and the speed-up of every stage."""
+
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, "run this notebook on a GPU machine to measure them.")
+    tokens = models.sequence_length(CLAIM["model"])
+    stage, accum, article = ARTICLE["stage"], ARTICLE["accumulation"], ARTICLE["gain"]
+    lines = []
+    for device, date, _, runs in found:
+        speedups = claim_speedups(runs)
+        by_key = {(r.stage, r["grad_accum"]): r for r in runs.values()}
+        gain = speedups[(stage, accum)] - 1
+        if abs(gain - article) <= about:
+            verdict = f"about the article's {article:.0%}: the data supports its figure"
+        elif gain > 0:
+            verdict = (f"{gain / article:.1f} of the article's {article:.0%}, so the data supports a gain at ZeRO-{stage} "
+                       "but not the article's figure")
+        else:
+            verdict = "not faster, so the data contradicts the article's claim"
+        lines.append(f"On {device} ({date}): ZeRO-{stage} at accumulation {accum} trained {speedups[(stage, accum)]:.2f}x "
+                     f"the tokens/s of accumulation 1 ({by_key[(stage, accum)]['samples_per_s'] * tokens:,.0f} against "
+                     f"{by_key[(stage, 1)]['samples_per_s'] * tokens:,.0f}), {gain:.0%} faster: {verdict}.")
+        others = {s: x for (s, a), x in sorted(speedups.items()) if a == accum}
+        best, worst = max(others, key=others.get), min(others, key=others.get)
+        # accumulation spreads all of stages 0 and 1's communication over more samples, part of stage 2's, none of 3's
+        spread = [min(others[s] for s in (0, 1) if s in others)] + [others[s] for s in (2, 3) if s in others]
+        follows = all(a >= b for a, b in zip(spread, spread[1:]))
+        lines.append(f"Accumulation {accum} against 1 at every stage: "
+                     + ", ".join(f"ZeRO-{s} {x:.2f}x" for s, x in others.items())
+                     + f"; the largest gain at ZeRO-{best}, the smallest at ZeRO-{worst}; in the order of the "
+                     f"communication per sample accumulation spreads (stages 0 and 1, then 2, then 3): "
+                     f"{'yes' if follows else 'no'}.")
+    return "\n".join(lines)
 
 
 def claim_table(runs: Mapping[str, records.Record], tokens_per_sample: int) -> str:

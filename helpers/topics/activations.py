@@ -15,12 +15,20 @@ Activation checkpointing changes what is saved:
 
 Each saved block is attributed to the decoder layer whose forward was running when it was first
 saved (a layer's input is first saved by that layer), or to ``outside`` (embedding, final norm, LM
-head, loss). Tensors a checkpointed layer's closure holds for its replay (the rotary cos/sin and the
-causal mask, shared by all layers) are not saved tensors and are not counted.
+head, loss). A checkpointed layer is watched where transformers calls its checkpoint function
+(``layer._gradient_checkpointing_func``), outside the checkpoint whatever the transformers version:
+transformers 5.17 checkpoints the layer's ``__call__``, so the layer's own forward hooks run inside the
+checkpoint (inside DeepSpeed's, under ``no_grad``); 5.24 checkpoints ``forward`` and calls the hooks outside.
+Tensors a checkpointed layer's closure holds for its replay (the rotary cos/sin and the causal mask, shared by
+all layers) are not saved tensors and are not counted.
+
+The ``phases`` probe (:class:`Phases`) times each step's forward, its decoder layers, its backward and the
+rest, to compare what recomputation costs with the 4/3 rule of thumb.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -90,6 +98,7 @@ class SavedTensorCounter:
         self.backward_started = False
         self.offloaded: list[tuple[int, str]] = []  # (offload engine id, layer)
         self.handles: list = []
+        self.wrapped: list[tuple[torch.nn.Module, Any]] = []  # (layer, its own checkpoint function)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _note(self, t: torch.Tensor, where: str) -> None:
@@ -120,7 +129,22 @@ class SavedTensorCounter:
                 lambda module, args, index=index: setattr(self, "where", f"layer {index}")))
             self.handles.append(layer.register_forward_hook(lambda module, args, output, index=index:
                                                             self._after_layer(output, index)))
+            checkpoint = layer.__dict__.get("_gradient_checkpointing_func")  # set by transformers' switch
+            if checkpoint is not None:
+                self.wrapped.append((layer, checkpoint))
+                layer._gradient_checkpointing_func = self._watched(checkpoint, index)
         self.hooks.__enter__()
+
+    def _watched(self, checkpoint: Any, index: int) -> Any:
+        """``checkpoint`` (torch's or DeepSpeed's, as transformers calls it for layer ``index``), attributing
+        what it saves to the layer and reading what DeepSpeed's keeps from the output it returns."""
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            if not self.backward_started:
+                self.where = f"layer {index}"
+            output = checkpoint(*args, **kwargs)
+            self._after_layer(output, index)
+            return output
+        return watched
 
     def _after_layer(self, output: Any, index: int) -> None:
         first = output[0] if isinstance(output, (tuple, list)) else output
@@ -136,6 +160,9 @@ class SavedTensorCounter:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        for layer, checkpoint in self.wrapped:
+            layer._gradient_checkpointing_func = checkpoint
+        self.wrapped.clear()
 
     def summary(self) -> dict:
         """Bytes per decoder layer, outside the layers, in total and per device type (``cpu`` holds the
@@ -194,6 +221,92 @@ class Activations(Probe):
                                 "measured_at": "forward of micro-step 1 of step 1 (until its backward starts)"}}
 
 
+class _Clock:
+    """Time stamps that do not stop the device: CUDA events on a GPU (read once the step has ended), the
+    wall clock on a CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+class Phases(Probe):
+    """Where each optimizer step's time goes on rank 0: the model's forward (``forward_s``), the decoder
+    layers' part of it (``layers_s``), the loss and the backward (``backward_s``: from the end of the forward
+    to the end of ``engine.backward``, where checkpointed layers run their forward again), and the rest of
+    the step (``rest_s``: reading the batch and ``engine.step``). Summed over the micro-steps of a step;
+    with ``step_s``, the step from end to end. Section: ``phases``.
+    """
+
+    name = "phases"
+    keys = ("phases.per_step",)
+
+    def start(self, ctx: RunContext) -> None:
+        self.clock = _Clock(ctx.device_type == "cuda")
+        self.steps: list[dict[str, float]] = []
+        self.marks: list[tuple[str, Any]] = []
+        self.in_forward = False
+        model = ctx.engine.module
+        self.handles = [model.register_forward_pre_hook(lambda *_: self._forward(True)),
+                        model.register_forward_hook(lambda *_: self._forward(False))]
+        for layer in decoder_layers(model):  # in the forward only: some versions replay these hooks in backward
+            self.handles += [layer.register_forward_pre_hook(lambda *_: self._mark("layer start", forward_only=True)),
+                             layer.register_forward_hook(lambda *_: self._mark("layer end", forward_only=True))]
+
+    def _mark(self, label: str, forward_only: bool = False) -> None:
+        if self.in_forward or not forward_only:
+            self.marks.append((label, self.clock.now()))
+
+    def _forward(self, starts: bool) -> None:
+        self.in_forward = starts
+        self._mark("forward start" if starts else "forward end")
+
+    def before_step(self, ctx: RunContext, step: int) -> None:
+        self.marks = []
+        self._mark("step start")
+
+    def after_backward(self, ctx: RunContext, step: int, micro_step: int) -> None:
+        self._mark("backward end")
+
+    def after_step(self, ctx: RunContext, step: int) -> None:
+        self._mark("step end")
+        if self.clock.cuda:
+            torch.cuda.synchronize()
+        found = {"forward_s": 0.0, "layers_s": 0.0, "backward_s": 0.0}
+        opened: dict[str, Any] = {}
+        for label, stamp in self.marks:
+            kind, edge = label.rsplit(" ", 1)
+            if edge == "start":
+                opened[kind] = stamp
+            elif kind == "forward":
+                found["forward_s"] += self.clock.seconds(opened["forward"], stamp)
+                opened["backward"] = stamp  # the loss and the backward start where the forward ends
+            elif kind == "layer":
+                found["layers_s"] += self.clock.seconds(opened["layer"], stamp)
+            elif kind == "backward" and "backward" in opened:
+                found["backward_s"] += self.clock.seconds(opened.pop("backward"), stamp)
+        found["step_s"] = self.clock.seconds(self.marks[0][1], self.marks[-1][1])
+        found["rest_s"] = found["step_s"] - found["forward_s"] - found["backward_s"]
+        self.steps.append(found)
+
+    def finish(self, ctx: RunContext) -> dict:
+        for handle in self.handles:
+            handle.remove()
+        return {"steps": self.steps}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        return {"phases": {"per_step": ranks[0]["steps"], "rank": 0}}
+
+
 # --- the chapter's experiment and tables (notebooks/10_activation_checkpointing.ipynb) --------------
 
 #: The name suffixes of the course's checkpointed models (:data:`helpers.core.models.LLAMA_VARIANTS`).
@@ -204,7 +317,7 @@ CONFIG_BLOCK = {"activation_checkpointing": {"partition_activations": True, "cpu
                                              "synchronize_checkpoint_boundary": True, "profile": True}}
 #: The block with only ``cpu_checkpointing`` (keep the checkpoints in host memory).
 CPU_CHECKPOINTING = {"activation_checkpointing": {"cpu_checkpointing": True}}
-PROBES = ("timing", "model_states", "peak_memory", Activations)
+PROBES = ("timing", "model_states", "peak_memory", Activations, Phases)
 #: Run name -> what it is, as the tables print it.
 LABELS = {"plain": "no checkpointing", "transformers": "transformers (torch.utils.checkpoint)",
           "deepspeed": "deepspeed.checkpointing", "block-only": "config block, plain model",
@@ -212,7 +325,7 @@ LABELS = {"plain": "no checkpointing", "transformers": "transformers (torch.util
           "long": "512 tokens, no checkpointing", "long-transformers": "512 tokens, transformers"}
 
 
-def checkpointing_runs(size: str = "llama", long: str | None = "llama-long", steps: int = 3,
+def checkpointing_runs(size: str = "llama", long: str | None = "llama-long", steps: int = 7,
                        micro_batch: int = 4, long_steps: int = 2) -> dict:
     """One launch: the LLaMA-style model ``size`` without checkpointing, with transformers' and with
     DeepSpeed's, with the config block alone, with DeepSpeed's checkpoint configured from the block
@@ -311,17 +424,151 @@ def totals_table(runs: dict, names) -> str:
     return records.format_table(rows, ["run", "per layer", "outside layers", "total", f"vs {LABELS.get(names[0], names[0])}"])
 
 
-def time_table(runs: dict, names) -> str:
-    """Median step time per run and against the first: the price of recomputation (print it in a cell
-    nbval does not compare). On a GPU also the allocator's peak; a CPU's peak resident set only grows
-    from run to run of a sweep, so it is left out there."""
+#: The cost of recomputation as the FLOP count gives it: a backward of twice the forward's FLOPs, and one more
+#: forward of every layer (4 forwards' worth instead of 3).
+RULE_OF_THUMB = 4 / 3
 
-    base = runs[names[0]].timing.median_s
-    gpu = runs[names[0]]["device"] == "cuda"
-    rows = [[LABELS.get(n, n), f"{runs[n].timing.median_s * 1000:.1f}", f"{runs[n].timing.median_s / base:.2f}x",
-             *([records.format_peak(runs[n], 0)] if gpu else [])] for n in names]
-    return records.format_table(rows, ["run", "step ms", f"vs {LABELS.get(names[0], names[0])}",
-                                       *(["peak (torch.cuda.max_memory_allocated)"] if gpu else [])])
+
+def phases(record: records.Record) -> dict[str, float] | None:
+    """The phases the ``phases`` probe timed on rank 0 in the run's fastest step (other work on the machine only
+    ever adds time, so the fastest step is the least disturbed; its phases add up to it), in seconds:
+    ``forward_s``, ``layers_s``, ``backward_s``, ``rest_s``, ``step_s``; None for a record without the probe."""
+    if "phases" not in record.probes:
+        return None
+    return min(record.section("phases")["per_step"], key=lambda step: step["step_s"])
+
+
+def recompute_rows(runs: dict, names: Sequence[str]) -> list[dict]:
+    """Per run, against the first (no checkpointing): its phases, its step time relative to the first's, and
+    what one more forward of the first run's decoder layers would make of that step (``predicted``). Runs
+    without the ``phases`` probe have step times only."""
+    base = runs[names[0]]
+    base_phases = phases(base)
+    rows = []
+    for name in names:
+        r = runs[name]
+        row = {"name": name, "label": LABELS.get(name, name), "phases": phases(r)}
+        # the phases' own step where both runs have them (so that the parts add up), else the timing probe's
+        both = row["phases"] is not None and base_phases is not None
+        row["step_s"] = row["phases"]["step_s"] if both else r.timing.median_s
+        row["ratio"] = row["step_s"] / (base_phases["step_s"] if both else base.timing.median_s)
+        if base_phases and row["phases"] and name != names[0]:
+            row["predicted"] = 1 + base_phases["layers_s"] / base_phases["step_s"]
+            # the backward's growth, in forwards of the layers it replays
+            row["replay_forwards"] = (row["phases"]["backward_s"] - base_phases["backward_s"]) / base_phases["layers_s"]
+        rows.append(row)
+    return rows
+
+
+def recompute_table(runs: dict, names: Sequence[str]) -> str:
+    """Where the step time of each run goes (rank 0, its fastest step; print it in a cell nbval does not compare),
+    against the first run: the 4/3 rule's two assumptions side by side with the measurement."""
+
+    table = []
+    for row in recompute_rows(runs, names):
+        p = row["phases"] or {}
+        ms = (lambda key: f"{p[key] * 1e3:.1f}" if key in p else "-")
+        table.append([row["label"], f"{row['step_s'] * 1e3:.1f}", ms("forward_s"), ms("layers_s"), ms("backward_s"),
+                      ms("rest_s"), f"{p['backward_s'] / p['forward_s']:.2f}" if p else "-",
+                      f"{row['ratio']:.2f}x", f"{row['predicted']:.2f}x" if "predicted" in row else "-",
+                      f"{row['replay_forwards']:.2f}" if "replay_forwards" in row else "-"])
+    return records.format_table(table, ["run", "step ms", "forward ms", "layers ms", "loss+backward ms", "rest ms",
+                                        "backward/forward", f"step vs {LABELS.get(names[0], names[0])}",
+                                        "one more forward of the layers would give", "backward grew by (layer forwards)"])
+
+
+def recompute_findings(runs: dict, names: Sequence[str]) -> str:
+    """The measured cost of recomputation against the 4/3 rule, in sentences generated from the runs: which of
+    the rule's assumptions (a backward twice the forward; a replay that costs one forward) held."""
+
+    rows = recompute_rows(runs, names)
+    base = rows[0]["phases"]
+    lines = []
+    for row in rows[1:]:
+        verdict = "within" if row["ratio"] <= RULE_OF_THUMB else "above"
+        lines.append(f"{row['label']}: {row['ratio']:.2f}x the step without checkpointing, {verdict} the "
+                     f"rule's {RULE_OF_THUMB:.2f}x.")
+    if not base:
+        lines.append("These runs were not split into phases (no 'phases' probe), so which of the rule's "
+                     "assumptions failed is not measured here.")
+        return "\n".join(lines)
+    if any(row["ratio"] < 1 or row.get("replay_forwards", 0) < 0 for row in rows[1:]):
+        lines.append("A checkpointed run measured a shorter step or backward than the run without checkpointing, "
+                     "which recomputation cannot do: the machine's load changed between these runs, so their times "
+                     "test nothing here. Run the launch again on a quieter machine.")
+        return "\n".join(lines)
+    ratio = base["backward_s"] / base["forward_s"]
+    share = ("shorter, so one forward is more than a third of forward + backward" if ratio < 2 else
+             "so one forward is at most a third of forward + backward")
+    lines.append(f"Without checkpointing the loss and backward took {ratio:.2f} times the forward (the rule assumes 2: "
+                 f"{share}), and the decoder layers were {base['layers_s'] / base['forward_s']:.0%} of the forward; "
+                 f"one more forward of them predicts {rows[1]['predicted']:.2f}x.")
+    for row in rows[1:]:
+        if "replay_forwards" in row:
+            more = row["replay_forwards"]
+            lines.append(f"{row['label']}: its backward grew by {more:.2f} times the layers' forward "
+                         f"({'more than' if more > 1 else 'at most'} the one forward the rule counts).")
+    return "\n".join(lines)
+
+
+def inputs_rows(runs: dict, names: Sequence[str]) -> list[dict]:
+    """Per run (rank 0): bytes the ``activations`` probe counted in the decoder layers, against the formula's
+    (for a checkpointed layer, its input), outside the layers, and on the host."""
+    rows = []
+    for name in names:
+        r = runs[name]
+        if isinstance(r, Exception):
+            continue
+        m = measured(r)
+        layers = len(m["per_layer"])
+        rows.append({"name": name, "label": LABELS.get(name, name), "layers": sum(m["per_layer"]),
+                     "formula": sum(layer_formula(r, i) for i in range(layers)), "outside": m["outside"],
+                     "host": m.get("by_device", {}).get("cpu", 0) if r["device"] == "cuda" else 0})
+    return rows
+
+
+def inputs_table(runs: dict, names: Sequence[str]) -> str:
+    """:func:`inputs_rows` as a table: did the probe see what each run's layers keep?"""
+    table = [[row["label"], records.format_bytes(row["layers"]), records.format_bytes(row["formula"]),
+              f"{row['layers'] / row['formula']:.2f}", records.format_bytes(row["outside"]),
+              records.format_bytes(row["host"])] for row in inputs_rows(runs, names)]
+    return records.format_table(table, ["run", "counted in the layers", "formula for the layers", "counted/formula",
+                                        "outside the layers", "in host memory"])
+
+
+def reference_findings(name: str = "activation-checkpointing") -> str:
+    """What each committed GPU result says, and what it cannot say: whether the probe saw the layers' kept
+    tensors (:func:`inputs_table`), and the cost of recomputation against the 4/3 rule
+    (:func:`recompute_findings`); sentences generated from the reference."""
+
+    def render(runs: dict) -> str:
+        names = [n for n in LABELS if n in runs and not isinstance(runs[n], Exception)]
+        rows = {row["name"]: row for row in inputs_rows(runs, names)}
+        lines = [inputs_table(runs, names)]
+        plain = rows.get("plain")
+        for key in ("transformers", "deepspeed", "deepspeed-cpu"):
+            row = rows.get(key)
+            if row is None or plain is None:
+                continue
+            if row["layers"] >= row["formula"]:
+                lines.append(f"{row['label']}: the layers' inputs were counted ({records.format_bytes(row['layers'])}).")
+                continue
+            extra = row["outside"] - plain["outside"]
+            where = (f"; the {records.format_bytes(extra)} counted outside the layers beyond the plain run's are "
+                     "those inputs, counted in the wrong place" if extra >= row["formula"] else
+                     "; nothing beyond the plain run's bytes was counted outside the layers either: the probe did not "
+                     "see them")
+            lines.append(f"{row['label']}: {records.format_bytes(row['layers'])} counted in the layers where their "
+                         f"inputs are {records.format_bytes(row['formula'])}{where}.")
+        cpu = rows.get("deepspeed-cpu")
+        if cpu is not None and cpu["layers"] < cpu["formula"]:
+            lines.append(f"So the cpu_checkpointing row's {records.format_bytes(cpu['host'])} in host memory says "
+                         "nothing about where DeepSpeed put the inputs: the probe did not see them on this machine.")
+        lines.append(recompute_findings(runs, [n for n in ("plain", "transformers", "deepspeed", "deepspeed-cpu")
+                                               if n in names]))
+        return "\n".join(lines)
+
+    return references.references_report(name, render)
 
 
 def model_state_bytes_fp32(psi: int) -> int:

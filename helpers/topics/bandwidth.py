@@ -891,6 +891,23 @@ def comparison_table(rows: Sequence[dict], tolerance: float | None = None) -> st
                                         "error"] + ([f"within {tolerance:.0%}"] if tolerance is not None else []))
 
 
+def comparison_summary(rows: Sequence[dict]) -> str:
+    """Which way the model erred over the runs of :func:`comparison_rows`: how many it predicted less than
+    measured, and the range of its errors (a sentence generated from the rows)."""
+    under = sum(r["error"] < 0 for r in rows)
+    errors = [r["error"] for r in rows]
+    return (f"The model predicted less than measured for {under} of {len(rows)} runs; its errors run from "
+            f"{min(errors):+.0%} to {max(errors):+.0%}.")
+
+
+def what_if_summary(rows: Sequence[dict]) -> str:
+    """The largest share of communication in a what-if (:func:`what_if`), and where: a generated sentence."""
+    top = max(rows, key=lambda r: r["comm_share"])
+    p = top["profile"]
+    return (f"Largest predicted share of communication: {top['comm_share']:.0%} (ZeRO-{p.stage}, accumulation "
+            f"{p.accum}, {top['link']}).")
+
+
 # --- chapter 09's runs: the model against measurements, on a fast and a slow link ----------------
 
 #: The slow link of chapter 09 on CPU ranks, per rank and direction: slow enough that a 2 MB gradient
@@ -1003,6 +1020,89 @@ def slow_link_table(rows: Sequence[dict]) -> str:
                       f"{r['batch'] / r['fast_s']:,.0f}", f"{r['batch'] / r['slow_s']:,.0f}"])
     return records.format_table(table, ["run", "batch", "fast link ms", "slow link ms", "predicted ms",
                                         "from set rate ms", "samples/s fast", "samples/s slow"])
+
+
+def _change(x: float) -> str:
+    """A relative change as a signed whole per cent, without a "-0%"."""
+    return "0%" if round(x * 100) == 0 else f"{x:+.0%}"
+
+
+def link_findings(rows: Sequence[dict], fast: str = "the fast link", slow: str = "the slow link",
+                  streams: bool = True) -> str:
+    """What the runs on both links (:func:`slow_link_rows`) say about the two levers, in sentences generated from
+    them: accumulation 4 against 1 at stages 1 and 2 (samples/s), and ``overlap_comm`` on against off (step
+    time, beside the model's range for the slow link); ``fast`` and ``slow`` name the links. Without
+    ``streams`` (CPU ranks) there is nothing to overlap with, and the sentences say so instead of a verdict."""
+    by = {r["name"]: r for r in rows}
+    rate = (lambda r, key: r["batch"] / r[key])
+    lines = []
+    for stage in (1, 2):
+        one, four = by.get(f"zero{stage}-acc1"), by.get(f"zero{stage}-acc4")
+        if one and four:
+            lines.append(f"ZeRO-{stage}, accumulation 4 against 1: {rate(four, 'slow_s') / rate(one, 'slow_s'):.2f}x the "
+                         f"samples/s over {slow}, {rate(four, 'fast_s') / rate(one, 'fast_s'):.2f}x over {fast}.")
+    off, on = by.get("zero2-acc4-overlap-off"), by.get("zero2-acc4-overlap-on")
+    if off and on:
+        change = {key: on[key] / off[key] - 1 for key in ("fast_s", "slow_s")}
+        lines.append(f"overlap_comm at ZeRO-2, accumulation 4, on against off: {on['fast_s'] * 1e3:,.1f} against "
+                     f"{off['fast_s'] * 1e3:,.1f} ms a step over {fast} ({_change(change['fast_s'])}), "
+                     f"{on['slow_s'] * 1e3:,.0f} against {off['slow_s'] * 1e3:,.0f} ms over {slow} "
+                     f"({_change(change['slow_s'])}; the model's range there: {on['overlap_bound_s'] * 1e3:,.0f} ms with "
+                     f"perfect overlap to {on['predicted_s'] * 1e3:,.0f} ms with none).")
+        if not streams:
+            lines.append("These ranks have no streams to overlap on, so the two rows differ by this machine's noise only.")
+            return "\n".join(lines)
+        if off["slow_s"] < on["overlap_bound_s"]:
+            lines.append(f"Without overlap_comm the step over {slow} already came in below the model's perfect-overlap "
+                         "bound: the model overestimates that link's collectives, so its range cannot tell what "
+                         "overlap hid there.")
+        shorter = [link for link, key in ((fast, "fast_s"), (slow, "slow_s")) if change[key] < 0]
+        lines.append("So overlap_comm shortened the step over "
+                     + (" and over ".join(shorter) if shorter else "neither link")
+                     + (f" and lengthened it over {({fast, slow} - set(shorter)).pop()}" if len(shorter) == 1 else "")
+                     + ".")
+    return "\n".join(lines)
+
+
+def overlap_in_capstone(sizes: Sequence[str] = ("1.2b", "2.7b")) -> list[tuple[str, float | None]]:
+    """The ``overlap_comm`` candidates of chapter 16's committed ladders (``capstone-ladder-<size>``): one line
+    each with its verdict, and the change in speed its verdict states (None where it states none)."""
+    found = []
+    for size in sizes:
+        for device, date, _, runs in references.reference_runs(f"capstone-ladder-{size}"):
+            for c in runs.get("ladder", {}).get("candidates", []):
+                if c.get("rung") == "overlap" and c.get("label", "").startswith("overlap_comm") and c.get("verdict"):
+                    gain = re.search(r"([+-]\d+(?:\.\d+)?)%", c["verdict"])
+                    found.append((f"capstone-ladder-{size} on {device} ({date}), ZeRO-{c['setting']['stage']}, "
+                                  f"{c['label']}: {c['verdict']}", float(gain.group(1)) / 100 if gain else None))
+    return found
+
+
+def reference_findings(name: str = "bandwidth-nvlink", sockets: str = "bandwidth-sockets") -> str:
+    """:func:`link_findings` for each committed GPU result measured over both transports (NVLink and NCCL over
+    sockets), then :func:`overlap_in_capstone`."""
+    over_sockets = {device: runs for device, _, _, runs in references.reference_runs(sockets)}
+    parts, changes = [], []
+    for device, date, _, runs in references.reference_runs(name):
+        socket_runs = over_sockets.get(device)
+        if not socket_runs or f"{SLOW}collectives" not in socket_runs:
+            continue
+        slow_model = CommModel.from_benchmark(socket_runs[f"{SLOW}collectives"])
+        rows = slow_link_rows(runs, socket_runs, slow_model)
+        parts += [f"On {device}, {date}, NVLink against NCCL over sockets:",
+                  link_findings(rows, fast="NVLink", slow="sockets")]
+        by = {r["name"]: r for r in rows}
+        off, on = by.get("zero2-acc4-overlap-off"), by.get("zero2-acc4-overlap-on")
+        if off and on:  # a shorter step is a gain in speed
+            changes += [off[key] / on[key] - 1 for key in ("fast_s", "slow_s")]
+    capstone = overlap_in_capstone()
+    parts += ["The same knob in chapter 16's ladders (speed against the best setting so far, NVLink):"]
+    parts += [line for line, _ in capstone] or ["No committed capstone ladder has an overlap rung."]
+    changes += [gain for _, gain in capstone if gain is not None]
+    if changes:
+        parts.append(f"overlap_comm made training faster in {sum(g > 0 for g in changes)} of these {len(changes)} "
+                     "measurements.")
+    return "\n".join(parts)
 
 
 #: The GPU-scale runs of chapter 09 (``python -m helpers reference bandwidth-nvlink|bandwidth-sockets``).
