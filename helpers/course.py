@@ -212,7 +212,7 @@ def check_gpu(python: str, args: list[str]) -> int:
         sys.exit(f"check-gpu: unknown option(s) {' '.join(unknown)}; it takes --jobs N, --timeout S, --out DIR, "
                  "--no-setup and notebook paths")
     names = [a for a in args if not a.startswith("-")]
-    notebooks = [Path(n).resolve() for n in names] or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    notebooks = [Path(n).resolve() for n in names] or sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
     missing = [str(n) for n in notebooks if not n.exists()]
     if missing:
         sys.exit(f"no such notebook: {', '.join(missing)}")

@@ -1,14 +1,25 @@
 """Exercises: predict, then run, then check.
 
-Every chapter ends its sections with a few tasks: the learner edits one cell (a number, a config dict, a line
-of a script) and the next cell checks it against the real answer, which the check computes or measures itself
-(from the chapter's runs, a formula of the course, or a small launch), and says right or not yet, and why.
+Chapters 02-16 each hold two to four tasks. The learner edits one line of an exercise cell (a number, a config
+dict, a knob) and runs it; the cell's last line checks the answer against the real one, which the check
+computes or measures itself (from the chapter's runs, a formula of the course, or a small launch), and says
+right or not yet, and why. A chapter's checks live in its topic module, each a function that takes the
+learner's answer (and the chapter's runs where it needs them) and returns a :class:`Verdict`
+(``zero.exercise_stage2_bytes(answer, runs)``); this module holds what they share.
 
-A chapter's exercises live in its topic module, each a function that takes the learner's answer and returns a
-:class:`Verdict` (``zero.exercise_bucket_calls(answer)``); this module holds what they share. The stored
-notebooks ship with the learner's cell holding ``...`` (Python's Ellipsis): the check answers it with the
-task and a hint, the same on every machine. ``notebooks/solutions/`` holds each chapter's exercises solved;
-the README's test command executes them, so every exercise is known solvable.
+In a notebook an exercise is three cells:
+
+- a markdown cell opening with ``**Exercise N: <title>.**`` that states the task;
+- the exercise cell, tagged ``exercise``, that the stored notebook ships with the answer ``...`` (Python's
+  Ellipsis): its check answers that with the task and a hint (``to do``), the same on every machine::
+
+      answer = ...  # your prediction, in bytes
+      zero.exercise_stage2_bytes(answer, runs)
+
+- the solution cell right after it, tagged ``solution``, its source and output collapsed in JupyterLab
+  (``metadata.jupyter.source_hidden`` and ``outputs_hidden``): the same check with the answer filled in, whose
+  stored output says ``right``. ``pytest --nbval notebooks/`` executes it like any cell, so every exercise is
+  known solvable; ``tests/test_exercises.py`` checks the form.
 """
 
 from __future__ import annotations
@@ -19,6 +30,10 @@ from typing import Any, Callable
 
 #: What the learner's cell holds until they answer.
 BLANK = ...
+#: The tags of an exercise cell and of the (collapsed) solution cell that follows it.
+EXERCISE_TAG, SOLUTION_TAG = "exercise", "solution"
+#: The metadata of a solution cell: tagged, source and output collapsed in JupyterLab.
+SOLUTION_METADATA = {"tags": [SOLUTION_TAG], "jupyter": {"source_hidden": True, "outputs_hidden": True}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +58,8 @@ class Verdict:
 
 def blank(exercise: str, task: str, hint: str) -> Verdict:
     """The verdict for an unanswered exercise: what to do and a hint."""
-    return Verdict(exercise, False, f"{task} Replace the ... in the cell above with your answer, then run both "
-                                    f"cells again. Hint: {hint}", answered=False)
+    return Verdict(exercise, False, f"{task} Replace the ... with your answer and run the cell again. "
+                                    f"Hint: {hint}", answered=False)
 
 
 def number(exercise: str, answer: Any, expected: float, *, task: str, hint: str, why: str,

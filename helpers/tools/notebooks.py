@@ -27,9 +27,41 @@ NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 KERNEL_NAME = "course-python"
 
 
+#: The committed reports of executing every notebook (``check-gpu``), on GPUs and on a CPU.
+CHECK_REPORTS = (REPO_ROOT / "docs" / "gpu-check", REPO_ROOT / "docs" / "cpu-check")
+#: The notebook files of the chapters: ``NN_name.ipynb`` (and ``NNx_name.ipynb`` for a chapter between two).
+CHAPTER_GLOB = "[0-9][0-9]*_*.ipynb"
+
+
 def course_notebooks() -> list[Path]:
     """Every chapter notebook, in order (``notebooks/NN_*.ipynb``)."""
-    return sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+    return sorted(NOTEBOOK_DIR.glob(CHAPTER_GLOB))
+
+
+def chapter_time(notebook: str) -> str:
+    """How long executing ``notebook`` (its file name or stem) took, as the committed check reports
+    (``docs/gpu-check/``, ``docs/cpu-check/``) measured it: the latest time on each machine they name, with the
+    date and how many notebooks shared the machine. A sentence for the opening of a chapter."""
+    name = notebook if notebook.endswith(".ipynb") else f"{notebook}.ipynb"
+    latest: dict[tuple[str, int], tuple[str, float, str, str]] = {}  # (folder, ranks) -> the newest
+    for folder in CHECK_REPORTS:
+        for path in sorted(folder.glob("*.json")):
+            report = json.loads(path.read_text())
+            for check in report.get("checks", []):
+                machine = report.get("machine", "?")  # a description, or one per machine the checks name
+                machine = check.get("machine") or (machine if isinstance(machine, str) else next(iter(machine), "?"))
+                machine = machine.split(" (")[0].split(",")[0]
+                date, ranks, shared = str(check.get("date", ""))[:10], check.get("ranks", 0), check.get("jobs", 1)
+                for entry in check.get("notebooks", []):
+                    key = (folder.name, ranks)
+                    if entry.get("notebook") == name and entry.get("ok") and date >= latest.get(key, ("",))[0]:
+                        latest[key] = (date, entry["seconds"], machine,
+                                       "alone" if shared == 1 else f"{shared} notebooks at a time")
+    if not latest:
+        return f"No committed check report has timed {name} yet (python3 -m helpers.course check-gpu makes one)."
+    parts = [f"{seconds / 60:.1f} min with {ranks} rank{'' if ranks == 1 else 's'} on {machine} ({date}, {how})"
+             for (_, ranks), (date, seconds, machine, how) in sorted(latest.items())]
+    return f"Executing this notebook took {'; '.join(parts)}."
 
 
 def is_exclusive(path: Path) -> bool:
