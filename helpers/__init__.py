@@ -8,12 +8,13 @@
   ``models``, ``theory`` (the ZeRO paper's formulas) and ``plots``. The core imports no topic.
 - ``helpers.topics``: one module per chapter topic, each with its probes, runs, tables, formulas and
   figures: ``zero`` (03-05), ``offload``, ``precision``, ``accumulation``, ``bandwidth``, ``activations``,
-  ``pipeline``, ``tensor_parallel``, ``compression``, ``checkpoints``, ``frameworks``, ``capstone`` and
-  ``widgets`` (the lab).
+  ``pipeline``, ``tensor_parallel``, ``compression``, ``checkpoints``, ``frameworks``, ``capstone``,
+  ``own_script`` (02b) and ``widgets`` (the lab).
 - ``helpers.tools``: the course's own tooling (``notebooks``: executing notebooks for the GPU check;
   ``multinode``; ``benchmarks``).
 
-On top: ``python3 -m helpers.course`` (set-up, ``lab``, ``test``) and ``python -m helpers`` (the command line).
+On top: ``python3 -m helpers.course`` (set-up, ``lab``, ``test``), ``python -m helpers`` (the command line) and
+``helpers.measure`` (the course's probes in a learner's own DeepSpeed script, chapter 02b).
 
 This file imports nothing, so ``python3 -m helpers.course`` works before torch is installed.
 """

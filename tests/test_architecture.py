@@ -2,7 +2,8 @@
 
 ``helpers/`` has three layers, each a folder: ``core`` (environment, configs, launch, the ranks' loop,
 probes, records, models, theory), ``topics`` (one module per chapter topic) and ``tools`` (the course's
-own tooling), with the two commands (``helpers/__main__.py``, ``helpers/course.py``) on top. A layer
+own tooling), with the two commands (``helpers/__main__.py``, ``helpers/course.py``) and the public API for a learner's
+own script (``helpers/measure.py``) on top. A layer
 imports only the layers below it; the core names no topic, not even as a string a run would import;
 there is no cycle; and an import inside a function is there on purpose, saying why.
 
@@ -168,7 +169,7 @@ def report(root: Path = REPO_ROOT) -> dict:
 def test_the_layers_are_folders_and_every_module_has_one():
     modules, _ = read_imports()
     assert {layer_of(m) for m in modules} == set(LAYERS)
-    assert [m for m in modules if layer_of(m) == "entry"] == ["helpers", "helpers.__main__", "helpers.course"]
+    assert [m for m in modules if layer_of(m) == "entry"] == ["helpers", "helpers.__main__", "helpers.course", "helpers.measure"]
 
 
 def test_no_import_cycle():

@@ -80,6 +80,10 @@ def lab_server(browser_ready, tmp_path_factory):
     docmanager = home / "settings" / "@jupyterlab" / "docmanager-extension"
     docmanager.mkdir(parents=True)
     (docmanager / "plugin.jupyterlab-settings").write_text(json.dumps({"autosave": False}))
+    # every cell in the page, not only those in view (JupyterLab 4 renders the visible ones by default)
+    tracker = home / "settings" / "@jupyterlab" / "notebook-extension"
+    tracker.mkdir(parents=True)
+    (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     port, token = _free_port(), secrets.token_hex(16)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JUPYTER_CONFIG_DIR": str(home / "config"),
            "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
@@ -284,6 +288,21 @@ def test_config_lab_in_jupyterlab(lab_server, driver):
     # my runs lists it at once
     _wait(driver, "my runs table", lambda d: f"{RUN_NAME}-{MODEL}-2r" in _text(d, ".course-my-runs-table"))
     _shot(driver, ".course-my-runs", "lab-my-runs.png")
+
+    # an exercise, as a learner answers it: replace the ... of its cell, run it, read the verdict
+    cell = driver.execute_script("""return [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')].find(c =>
+        (c.querySelector('.cm-content') || {}).innerText?.includes('exercise_smallest_stage(answer)'))""")
+    assert cell is not None, "the lab's exercise cell is not in the page"
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'}); arguments[0].classList.add('course-exercise')", cell)
+    _wait(driver, "the exercise's editor to take a click", lambda d: _click(d, ".course-exercise .cm-content"))
+    ActionChains(driver).key_down(Keys.CONTROL).send_keys("a").key_up(Keys.CONTROL).perform()
+    ActionChains(driver).send_keys("answer = 1").send_keys(Keys.ENTER).send_keys("widgets.exercise_smallest_stage(answer").perform()
+    typed = _text(driver, ".course-exercise .cm-content")
+    if not typed.rstrip().endswith(")"):  # the editor closes brackets by itself, or not
+        ActionChains(driver).send_keys(")").perform()
+    ActionChains(driver).key_down(Keys.SHIFT).send_keys(Keys.ENTER).key_up(Keys.SHIFT).perform()
+    _wait(driver, "the exercise's verdict", lambda d: "[smallest stage] right:" in _text(d, ".course-exercise .jp-OutputArea"), 60)
+    _shot(driver, ".course-exercise", "lab-exercise.png")
     driver.set_window_size(1400, 1000)  # the whole JupyterLab window, as a learner sees it
     driver.execute_script("document.querySelector('.course-live').scrollIntoView({block: 'center'})")
     time.sleep(0.5)

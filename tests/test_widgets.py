@@ -294,3 +294,12 @@ def test_my_runs_lists_the_new_record_and_skips_what_is_not_one(launched):
     assert "last loss" in records.runs_table(found)
     with pytest.raises(FileNotFoundError, match="nope"):
         records.load_all(folder / "runs", names=["nope"])
+
+
+def test_the_labs_exercise_is_the_smallest_stage_the_calculator_fits():
+    assert not widgets.exercise_smallest_stage(...).answered
+    assert widgets.exercise_smallest_stage(1) and not widgets.exercise_smallest_stage(2)
+    assert "is not one of the choices" in str(widgets.exercise_smallest_stage(5))
+    # 7B's 16 bytes a parameter (100 GiB) fit no 80 GiB GPU unpartitioned; a 200 GiB GPU holds them at stage 0
+    assert widgets.exercise_smallest_stage(0, gpu_gib=200)
+    assert "None does" in str(widgets.exercise_smallest_stage(3, preset="70B", gpu_gib=4))

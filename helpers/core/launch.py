@@ -890,6 +890,93 @@ def _is_record(summary: dict) -> bool:
     return True
 
 
+#: The stock commands a learner's own script can be started with (:func:`run_script`).
+SCRIPT_LAUNCHERS = ("deepspeed", "accelerate")
+
+
+def script_command(script: str | Path, args: Sequence[str] = (), world_size: int | None = None,
+                   port: int | None = None, launcher: str = "deepspeed",
+                   deepspeed_config: str | Path | None = None) -> list[str]:
+    """The stock command that starts ``script`` on ``world_size`` ranks of this machine (its GPUs, or CPU
+    ranks), as a learner would type it: ``deepspeed --num_gpus N --master_port P script ARGS``, or with
+    ``launcher="accelerate"``, ``accelerate launch --num_processes N --use_deepspeed --deepspeed_config_file
+    CONFIG ... script ARGS`` (Hugging Face Accelerate's launcher with DeepSpeed, which needs ``deepspeed_config``)."""
+    if launcher not in SCRIPT_LAUNCHERS:
+        raise ValueError(f"launcher={launcher!r}: choose one of {', '.join(SCRIPT_LAUNCHERS)}")
+    if launcher == "accelerate" and deepspeed_config is None:
+        raise ValueError("launcher='accelerate' needs deepspeed_config: the path of the DeepSpeed config (JSON) "
+                         "that `accelerate launch --deepspeed_config_file` hands to the script")
+    env = environment.detect(world_size)
+    world = env.default_world_size if world_size is None else world_size
+    port = port or free_port()
+    program = Path(sys.executable).with_name(launcher)
+    program = str(program) if program.exists() else launcher
+    if launcher == "accelerate":
+        return [program, "launch", "--num_processes", str(world), "--num_machines", "1", "--use_deepspeed",
+                "--deepspeed_config_file", str(deepspeed_config), "--main_process_port", str(port),
+                *(["--gpu_ids", ",".join(map(str, env.gpu_ids[:world]))] if env.gpu_ids else []),
+                str(script), *map(str, args)]
+    where = (["--include", "localhost:" + ",".join(map(str, env.gpu_ids[:world]))] if env.gpu_ids
+             else ["--num_gpus", str(world)])
+    return [program, *where, "--master_port", str(port), str(script), *map(str, args)]
+
+
+def run_script(script: str | Path, args: Sequence[str] = (), *, world_size: int | None = None,
+               launcher: str = "deepspeed", deepspeed_config: str | Path | None = None, timeout: float = 600,
+               show: bool = True) -> str:
+    """Run a learner's own training ``script`` with a stock command (:func:`script_command`), its output shown
+    as it comes (``show``); return the output. A script that fails, hangs past ``timeout`` seconds or is
+    interrupted ends with every process it started and the shared memory of its CPU ranks removed, and raises
+    :class:`RunFailed` with the end of its output."""
+    script = Path(script)
+    if not script.is_file():
+        raise ValueError(f"script {str(script)!r} does not exist: write it first (%%writefile {script.name})")
+    if deepspeed_config is not None and not Path(deepspeed_config).is_file():
+        raise ValueError(f"deepspeed_config {str(deepspeed_config)!r} does not exist: write the config file first")
+    env = environment.detect(world_size)
+    world = env.default_world_size if world_size is None else world_size
+    argv = script_command(script, args, world, port := free_port(), launcher, deepspeed_config)
+    child, _ = environment.child_env(env, world)
+    # the script imports the course's package (helpers.measure) from this checkout
+    child["PYTHONPATH"] = os.pathsep.join(filter(None, [str(environment.REPO_ROOT), child.get("PYTHONPATH", "")]))
+    if show:
+        print("$ " + shlex.join([launcher, *argv[1:]]), flush=True)
+    process = subprocess.Popen(argv, env=child, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(process.stdout, lines), daemon=True).start()
+    output: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=0.2)
+            except queue.Empty:
+                line = ""
+            if line is None:  # the reader saw the end of the output
+                break
+            if line:
+                output.append(line)
+                if show:
+                    print(line, end="", flush=True)
+            if time.monotonic() > deadline:
+                raise RunFailed(f"{script.name} ran past its timeout of {timeout:.0f} s: stopped",
+                                log_tail="".join(output[-40:]))
+        code = process.wait()
+        if code != 0:
+            raise RunFailed(f"{script.name} failed (exit code {code}); the end of its output:\n"
+                            + "".join(output[-25:]), log_tail="".join(output[-40:]))
+    finally:
+        if process.poll() is None:
+            _kill_group(process)
+        try:  # ranks that outlive their launcher share its process group
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        remove_shared_memory(port)
+    return "".join(output)
+
+
 def run_expecting_failure(config: str | Path | dict, **kwargs) -> RunFailed:
     """Run something that should fail and return the failure, to show a real DeepSpeed error.
 

@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 import traceback
+from typing import Sequence
 
 import psutil
 import torch
@@ -222,73 +223,106 @@ def release_zero3_references(module) -> None:
             cached.cache_clear()
 
 
+class Recorder:
+    """One run's probes on one rank, and its record: call :meth:`before_step`, :meth:`after_backward` and
+    :meth:`after_step` around the training loop, then :meth:`finish`. Every rank's findings reach rank 0
+    through files in ``out`` (no collective the comms logger would count, nothing in flight at teardown);
+    rank 0 returns the summary (core keys, the caller's fields, then each probe's sections).
+
+    The course's rank loop (:func:`train_and_record`) and a learner's own script (:mod:`helpers.measure`)
+    record through it, so their records have the same schema and read the same way.
+    """
+
+    def __init__(self, ctx: RunContext, probes: Sequence[str], out: str, name: str, model: str,
+                 seed: int | None = None, plan: str = "", position: int = 0, count: int = 1):
+        self.ctx, self.out, self.name, self.model, self.seed = ctx, out, name, model, seed
+        self.plan, self.position, self.count = plan, position, count
+        self.probes = [resolve_probe(reference)() for reference in probes]
+        self.losses: list[float] = []
+        for probe in self.probes:
+            probe.start(ctx)
+
+    def before_step(self, step: int) -> None:
+        for probe in self.probes:
+            probe.before_step(self.ctx, step)
+
+    def after_backward(self, step: int, micro_step: int) -> None:
+        for probe in self.probes:
+            probe.after_backward(self.ctx, step, micro_step)
+
+    def after_step(self, step: int, micro_losses: Sequence[float]) -> float:
+        """Close optimizer step ``step`` (0-based); return its loss on this rank (the mean of its micro-batches)."""
+        for probe in self.probes:
+            probe.after_step(self.ctx, step)
+        self.losses.append(statistics.fmean(micro_losses))
+        return self.losses[-1]
+
+    def finish(self, fields: dict) -> dict | None:
+        """Write this rank's findings; on rank 0, wait for the others' and return the run's summary
+        (``fields`` may replace any core key, ``theory`` included); None on the other ranks."""
+        ctx, probes, losses = self.ctx, self.probes, self.losses
+        mine = {"losses": losses, "probes": {p.name: p.finish(ctx) for p in probes}}
+        write_json(os.path.join(self.out, f"rank{ctx.rank}.json"), mine)
+        if ctx.rank != 0:
+            return None
+        ranks = [mine] + [_wait_for_json(os.path.join(self.out, f"rank{r}.json")) for r in range(1, ctx.world_size)]
+        psi, stage, world, precision = ctx.params, ctx.stage, ctx.world_size, ctx.precision
+        summary = {
+            "name": self.name,
+            "world_size": world,
+            "backend": torch.distributed.get_backend(),
+            "device": ctx.device_type,
+            "device_name": torch.cuda.get_device_name(0) if ctx.device_type == "cuda" else "cpu",
+            "zero_stage": stage,
+            "precision": precision,
+            "micro_batch": ctx.micro_batch,
+            "grad_accum": ctx.grad_accum,
+            # samples one optimizer step consumes: every rank reads its own, unless tensor or pipeline
+            # parallelism makes several ranks share a micro-batch
+            "train_batch": ctx.micro_batch * ctx.grad_accum * ctx.dp_size,
+            "data_parallel_size": ctx.dp_size,
+            "steps": ctx.steps,
+            "seed": self.seed,
+            "model": {"name": self.model, "params": psi},
+            "first_step": ctx.first_step,
+            "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(len(losses))],
+            "losses_per_rank": [r["losses"] for r in ranks],
+            "probes": [p.name for p in probes if not isinstance(p, Faults)],
+            "probe_keys": {p.name: list(p.keys) for p in probes if p.keys},
+            "launch": {"position": self.position + 1, "of": self.count, "plan": self.plan},
+            "theory": {
+                "model_states_bytes_per_rank": theory.model_state_bytes(psi, stage, world, precision),
+                "comm_bytes_per_step": theory.comm_bytes_per_step(psi, stage, precision),
+                "comm_wire_bytes_per_step": theory.comm_bytes_per_step(psi, stage, precision) * theory.ring_factor(world),
+            },
+            **fields,
+            "config": ctx.config,
+        }
+        for probe in probes:
+            deep_update(summary, probe.combine([r["probes"][probe.name] for r in ranks], ctx))
+            missing = missing_keys(summary, probe.keys)
+            if missing:
+                raise RuntimeError(f"probe {probe.name!r} ({type(probe).__module__}.{type(probe).__qualname__}) declares "
+                                   f"keys {missing} but did not write them: fix its combine() or its keys")
+        return summary
+
+
 def train_and_record(ctx: RunContext, run: PlannedRun, position: int, count: int, trainer, fields: dict) -> None:
-    """The training loop with the run's probes around it, then the run's record: every rank's findings
-    reach rank 0, which writes ``summary.json`` (core keys, ``fields``, then each probe's sections).
+    """The training loop with the run's probes around it (:class:`Recorder`), then the run's record:
+    rank 0 writes ``summary.json`` into the run's folder.
 
     Shared by every way of training (DeepSpeed's engine here, PyTorch's DDP and FSDP2 in
     :mod:`helpers.topics.frameworks`): ``trainer(ctx, run, step, probes)`` takes one optimizer step and
     returns this rank's micro-batch losses. ``fields`` may replace any core key (``theory`` included).
     """
-    probes = [resolve_probe(reference)() for reference in run.probes]
-    for probe in probes:
-        probe.start(ctx)
-    losses = []
+    recorder = Recorder(ctx, run.probes, run.out, run.name, run.model, run.seed, run.plan, position, count)
     for step in range(ctx.first_step, ctx.steps):
-        for probe in probes:
-            probe.before_step(ctx, step)
-        micro_losses = trainer(ctx, run, step, probes)
-        for probe in probes:
-            probe.after_step(ctx, step)
-        losses.append(statistics.fmean(micro_losses))
-        emit("step", run=position, rank=ctx.rank, step=step + 1, steps=ctx.steps, loss=losses[-1])
-
-    # Per-rank findings reach rank 0 through files in the run's folder: no collective that the
-    # comms logger would count, and nothing left in flight at teardown.
-    mine = {"losses": losses, "probes": {p.name: p.finish(ctx) for p in probes}}
-    write_json(os.path.join(run.out, f"rank{ctx.rank}.json"), mine)
-    if ctx.rank != 0:
-        return
-    ranks = [mine] + [_wait_for_json(os.path.join(run.out, f"rank{r}.json")) for r in range(1, ctx.world_size)]
-    psi, stage, world, precision = ctx.params, ctx.stage, ctx.world_size, ctx.precision
-    summary = {
-        "name": run.name,
-        "world_size": world,
-        "backend": torch.distributed.get_backend(),
-        "device": ctx.device_type,
-        "device_name": torch.cuda.get_device_name(0) if ctx.device_type == "cuda" else "cpu",
-        "zero_stage": stage,
-        "precision": precision,
-        "micro_batch": ctx.micro_batch,
-        "grad_accum": ctx.grad_accum,
-        # samples one optimizer step consumes: every rank reads its own, unless tensor or pipeline
-        # parallelism makes several ranks share a micro-batch
-        "train_batch": ctx.micro_batch * ctx.grad_accum * ctx.dp_size,
-        "data_parallel_size": ctx.dp_size,
-        "steps": ctx.steps,
-        "seed": run.seed,
-        "model": {"name": run.model, "params": psi},
-        "first_step": ctx.first_step,
-        "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(len(losses))],
-        "losses_per_rank": [r["losses"] for r in ranks],
-        "probes": [p.name for p in probes if not isinstance(p, Faults)],
-        "probe_keys": {p.name: list(p.keys) for p in probes if p.keys},
-        "launch": {"position": position + 1, "of": count, "plan": run.plan},
-        "theory": {
-            "model_states_bytes_per_rank": theory.model_state_bytes(psi, stage, world, precision),
-            "comm_bytes_per_step": theory.comm_bytes_per_step(psi, stage, precision),
-            "comm_wire_bytes_per_step": theory.comm_bytes_per_step(psi, stage, precision) * theory.ring_factor(world),
-        },
-        **fields,
-        "config": ctx.config,
-    }
-    for probe in probes:
-        deep_update(summary, probe.combine([r["probes"][probe.name] for r in ranks], ctx))
-        missing = missing_keys(summary, probe.keys)
-        if missing:
-            raise RuntimeError(f"probe {probe.name!r} ({type(probe).__module__}.{type(probe).__qualname__}) declares "
-                               f"keys {missing} but did not write them: fix its combine() or its keys")
-    publish(run, position, summary)
+        recorder.before_step(step)
+        loss = recorder.after_step(step, trainer(ctx, run, step, recorder.probes))
+        emit("step", run=position, rank=ctx.rank, step=step + 1, steps=ctx.steps, loss=loss)
+    summary = recorder.finish(fields)
+    if summary is not None:
+        publish(run, position, summary)
 
 
 def init_process_group(launcher: str):

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ipywidgets as w
 
-from helpers.core import configs, environment, launch, models, plots, records, theory
+from helpers.core import configs, environment, exercises, launch, models, plots, records, theory
 
 #: Where the builder saves the learner's configs (git-ignored; ``python -m helpers check my_configs/x.json``).
 MY_CONFIGS = environment.REPO_ROOT / "my_configs"
@@ -798,3 +798,26 @@ def calculator_bars(rows: Sequence[tuple[str, Mapping[str, float]]], gpu_memory_
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+# --- the lab's exercise ------------------------------------------------------------------------------
+
+def exercise_smallest_stage(answer: Any, preset: str = "7B", gpus: int = 8, gpu_gib: float = 80,
+                            precision: str = "bf16") -> exercises.Verdict:
+    """The smallest ZeRO stage, without offload, whose model states for ``preset`` fit one of ``gpus`` GPUs of
+    ``gpu_gib`` GiB, as the calculator computes it (``theory.placement``, the ZeRO paper's formulas)."""
+    psi = models.LLAMA_PRESETS[preset].parameters()
+    cluster = theory.Cluster(gpus_per_node=gpus, nodes=1, gpu_memory_bytes=gpu_gib * 2**30)
+    rows = [r for r in calculator_rows(psi, cluster, precision) if r.offload == "none"]
+    fitting = [r for r in rows if r.gpu["total"] <= cluster.gpu_memory_bytes]
+    states = ", ".join(f"ZeRO-{r.stage} {records.format_bytes(r.gpu['total'])}" for r in rows)
+    task = (f"Which is the smallest ZeRO stage (0-3, no offload) whose model states for the {preset} preset "
+            f"({psi:,} parameters, {precision} mixed precision) fit one GPU of {gpu_gib:g} GiB, on {gpus} GPUs?")
+    if not fitting:
+        return exercises.Verdict("smallest stage", False, f"{task} None does: {states}.", answered=answer is not exercises.BLANK)
+    smallest = min(r.stage for r in fitting)
+    return exercises.choice(
+        "smallest stage", answer, smallest, choices=tuple(theory.STAGES), task=task,
+        hint="set the calculator to this preset, 1 node of 8 GPUs, and read the GPU states column of the rows "
+             "without offload; mixed precision keeps 2 + 2 + 12 bytes per parameter before ZeRO divides them",
+        why=f"Model states per GPU: {states}; the GPU holds {records.format_bytes(cluster.gpu_memory_bytes)}.")
