@@ -542,3 +542,34 @@ def test_a_ladder_that_started_elsewhere_says_from_where_in_its_summary():
     assert "MFU 50.5% (target 50%: reached)" in text
     ladder["baseline"] = dataclasses.asdict(capstone.GPU_BASELINE)
     assert "started from" not in capstone.summary(ladder)
+
+
+# --- the chapter's exercises, against the committed GPU ladders ------------------------------------
+
+def test_exercise_mfu_is_the_probes_mfu_from_the_courses_formula():
+    ladder = capstone.key_ladder("2.7b", world_size=4)
+    c = ladder["candidates"][0]
+    shape = performance.config_shape(capstone.model_config("2.7b", seq_len=c["setting"]["seq_len"]))
+    flops = performance.flops_per_token(ladder["params"], shape["layers"], shape["hidden"], shape["seq_len"],
+                                        shape["lookup_params"])["total"]
+    peak, _ = performance.peak_tflops(ladder["device"])
+    assert capstone.exercise_mfu(flops * c["tokens_per_s"] / ladder["world_size"] / (peak * 1e12), ladder)
+    assert "per cent" in str(capstone.exercise_mfu(50, ladder))
+    assert not capstone.exercise_mfu(0.3, ladder)
+    assert "to do:" in str(capstone.exercise_mfu(..., ladder))
+
+
+def test_exercise_slower_knob_is_the_single_knob_candidate_that_lost_most():
+    ladder = capstone.key_ladder("2.7b", world_size=2)
+    assert capstone.exercise_slower_knob("overlap_comm", ladder)
+    assert not capstone.exercise_slower_knob("checkpointing", ladder)  # it changed the micro-batch too
+    assert "to do:" in str(capstone.exercise_slower_knob(..., ladder))
+
+
+def test_exercise_next_config_is_the_committed_walks_baseline_on_its_ranks():
+    ladder = capstone.key_ladder("2.7b", world_size=4)
+    setting = capstone.Setting(**ladder["baseline"])
+    assert capstone.exercise_next_config(setting.config(ladder["world_size"]), ladder)
+    assert not capstone.exercise_next_config(capstone.GPU_BASELINE.config(ladder["world_size"]), ladder)
+    assert not capstone.exercise_next_config(setting.config(2), ladder)  # a global batch for 2 GPUs
+    assert "to do:" in str(capstone.exercise_next_config(..., ladder))

@@ -127,3 +127,37 @@ def test_bad_16bit_options_are_refused_before_any_process_starts(monkeypatch):
     with pytest.raises(ValueError, match=r"options\['model16_after'\]=9"):
         launch.run("zero3", probes=(checkpoints.Model16bit,), steps=4, world_size=2,
                    options={"model16_dir": "x", "model16_after": 9})
+
+
+# --- the chapter's exercises, against the module's runs ------------------------------------------
+
+def test_exercise_bytes_per_rank_is_right_from_the_model_states_and_wrong_for_a_replica(crashed):
+    params = crashed.uninterrupted[3].summary["model"]["params"]
+    shard = params // 2
+    # stage 3: no rank writes whole weights; each its shard of Adam's two moments and of the master copy
+    assert checkpoints.exercise_zero2_bytes_per_rank({0: 12 * shard, 1: 12 * shard}, crashed, stage=3)
+    assert not checkpoints.exercise_zero2_bytes_per_rank({0: 4 * params + 12 * shard, 1: 12 * shard}, crashed, stage=3)
+    assert "one entry per rank" in str(checkpoints.exercise_zero2_bytes_per_rank([1, 2], crashed, stage=3))
+    assert "to do:" in str(checkpoints.exercise_zero2_bytes_per_rank(..., crashed, stage=3))
+
+
+def test_exercise_save_16bit_needs_the_method_and_the_gather_switch(crashed):
+    switch = {"stage": 3, checkpoints.GATHER_KEY: True}
+    right = checkpoints.exercise_save_16bit(switch, "engine.save_16bit_model(save_dir)", crashed)
+    assert right and "pytorch_model.bin" in str(right)
+    without = checkpoints.exercise_save_16bit({"stage": 3}, "engine.save_16bit_model(save_dir)", crashed)
+    assert not without and "wrote nothing" in str(without)
+    assert not checkpoints.exercise_save_16bit(switch, "engine.save_checkpoint(save_dir)", crashed)
+    assert "no method" in str(checkpoints.exercise_save_16bit(switch, "engine.save_16bit(save_dir)", crashed))
+    assert "to do:" in str(checkpoints.exercise_save_16bit(..., ..., crashed))
+
+
+def test_exercise_universal_config_keeps_the_global_batch_and_loads_universal(crashed):
+    base = crashed.uninterrupted[3].summary["config"]
+    accum = base["gradient_accumulation_steps"] * 2  # two ranks become one
+    assert checkpoints.exercise_universal_config(
+        {"gradient_accumulation_steps": accum, "checkpoint": {"load_universal": True}}, crashed)
+    assert not checkpoints.exercise_universal_config(
+        {"gradient_accumulation_steps": accum // 2, "checkpoint": {"load_universal": True}}, crashed)
+    assert "load_universal" in str(checkpoints.exercise_universal_config({"gradient_accumulation_steps": accum}, crashed))
+    assert "to do:" in str(checkpoints.exercise_universal_config(..., crashed))

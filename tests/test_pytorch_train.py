@@ -179,3 +179,53 @@ def test_a_profile_of_many_steps_is_read_in_one_pass():
     found = frameworks.collectives_from_profile(events, fallback_dtype_bytes=4)
     assert time.monotonic() - started < 5
     assert found == {"all_gather_into_tensor | [Caller Func: backward: X]": {16: {"count": 2_000}}}
+
+
+# --- the chapter's exercises ----------------------------------------------------------------------
+
+class _Held:
+    """A stand-in for a DeepSpeed run of the chapter: its model states on rank 0, config and losses."""
+
+    def __init__(self, states: dict, config: dict | None = None, losses: list | None = None):
+        self._states, self.summary, self.losses = states, {"config": config or {}}, losses or []
+
+    def states(self, rank: int = 0) -> dict:
+        return self._states
+
+
+def _labelled(torch_runs, **deepspeed) -> dict:
+    return {"DDP": torch_runs["ddp"], "DDP + ZeroRedundancyOptimizer": torch_runs["ddp-zero1"],
+            "FSDP2 full": torch_runs["fsdp2"], **deepspeed}
+
+
+def test_exercise_pytorch_equivalent_finds_zero_redundancy_for_zero1_and_nothing_for_zero2(torch_runs):
+    ddp = torch_runs["ddp"].states()
+    zero1 = _Held({**ddp, "optimizer": ddp["optimizer"] // 2})
+    zero2 = _Held({**ddp, "grads": ddp["grads"] // 2, "optimizer": ddp["optimizer"] // 2})
+    runs = _labelled(torch_runs, **{"ZeRO-1": zero1, "ZeRO-2": zero2})
+    assert frameworks.exercise_pytorch_equivalent("DDP + ZeroRedundancyOptimizer", runs, stage=1)
+    assert not frameworks.exercise_pytorch_equivalent("DDP", runs, stage=1)
+    assert frameworks.exercise_pytorch_equivalent("none", runs, stage=2)
+    assert not frameworks.exercise_pytorch_equivalent("FSDP2 full", runs, stage=2)
+    assert "not one of the choices" in str(frameworks.exercise_pytorch_equivalent("FSDP", runs, stage=2))
+    assert "to do:" in str(frameworks.exercise_pytorch_equivalent(..., runs, stage=2))
+
+
+def test_exercise_zero_redundancy_bytes_is_twice_the_gradients_as_measured(torch_runs):
+    runs = _labelled(torch_runs)
+    grads = torch_runs["ddp-zero1"].states()["grads"]
+    assert frameworks.exercise_zero_redundancy_bytes(2 * grads, runs)
+    assert not frameworks.exercise_zero_redundancy_bytes(grads, runs)
+    assert "to do:" in str(frameworks.exercise_zero_redundancy_bytes(..., runs))
+
+
+def test_exercise_zero1_config_needs_stage_1_and_the_pytorch_runs_hyperparameters(torch_runs):
+    from helpers.core import configs
+
+    zero1 = configs.load("zero1")
+    runs = _labelled(torch_runs, **{"ZeRO-1": _Held({}, zero1, torch_runs["ddp-zero1"].losses)})
+    assert frameworks.exercise_zero1_config(zero1, runs)
+    assert not frameworks.exercise_zero1_config(configs.load("zero2"), runs)
+    wrong_lr = configs.merged(zero1, {"optimizer": {"params": {"lr": 1e-2}}})
+    assert "optimizer.lr" in str(frameworks.exercise_zero1_config(wrong_lr, runs))
+    assert "to do:" in str(frameworks.exercise_zero1_config(..., runs))

@@ -214,3 +214,34 @@ def test_one_node_slowdowns_are_the_committed_step_times_with_layers_released():
             assert device not in found or found[device] != pytest.approx(
                 runs["time: ZeRO++ (all three)"].timing.median_s / runs["time: ZeRO-3"].timing.median_s)
     assert found, "the committed references hold at least one run with layers released after use"
+
+
+# --- the chapter's exercises ----------------------------------------------------------------------
+
+def test_exercise_zeropp_block_is_read_by_deepspeed_and_needs_all_three_switches_with_one_node_for_hpz():
+    right = {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 8,
+             "zero_quantized_gradients": True}
+    assert compression.exercise_zeropp_block(right, gpus_per_node=8, nodes=4)
+    assert "0.75M" in str(compression.exercise_zeropp_block(right, gpus_per_node=8, nodes=4))
+    too_wide = compression.exercise_zeropp_block({**right, "zero_hpz_partition_size": 32}, gpus_per_node=8)
+    assert not too_wide and "1.25M" in str(too_wide)
+    misspelt = compression.exercise_zeropp_block({"stage": 3, "zero_quantized_weight": True})
+    assert not misspelt and "DeepSpeed refuses" in str(misspelt)
+    assert not compression.exercise_zeropp_block({**right, "stage": 2})
+    blank = compression.exercise_zeropp_block(...)
+    assert not blank and "to do:" in str(blank)
+
+
+def test_exercise_cross_node_bytes_is_one_and_a_half_models_for_qwz_and_hpz():
+    assert compression.exercise_cross_node_bytes(1.5 * M, PSI)
+    assert not compression.exercise_cross_node_bytes(0.75 * M, PSI)
+    assert "to do:" in str(compression.exercise_cross_node_bytes(..., PSI))
+
+
+def test_exercise_qwz_gather_bytes_is_the_committed_measurement_about_half_of_zero3s():
+    device, runs = compression.measured_bytes()
+    assert device and {"ZeRO-3", "qwZ (quantized weights)"} <= set(runs)
+    zero3 = runs["ZeRO-3"].comm_ops()["all_gather_into_tensor"]["bytes"]
+    assert compression.exercise_qwz_gather_bytes(zero3 / 2, device, runs)
+    assert not compression.exercise_qwz_gather_bytes(zero3, device, runs)
+    assert "to do:" in str(compression.exercise_qwz_gather_bytes(..., device, runs))

@@ -27,11 +27,11 @@ import re
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
-from helpers.core import environment, launch, models, plots, records, references
+from helpers.core import configs, environment, exercises, launch, models, performance, plots, records, references
 from helpers.core.plan import PlannedRun, reference_of
 from helpers.core.probes import Probe, RunContext
 from helpers.topics import frameworks
@@ -1035,33 +1035,163 @@ def _mark_peaks(ladder: dict, runs: dict) -> dict:
 
 # --- figures ----------------------------------------------------------------------------------------
 
-def ladder(ladder: dict, title: str | None = None):
+def ladder(ladder: dict, title: str | None = None, horizontal: bool = False):
     """One bar per candidate of a capstone ladder (``Ladder.to_dict()``): its model TFLOP/s per GPU (or
     tokens/s), coloured by verdict, with the baseline's mean as a line and, where the device has a known
-    peak, the MFU target as a second line."""
+    peak, the MFU target as a second line. ``horizontal``: one row per candidate, top to bottom in the
+    order they trained (readable for a long ladder)."""
     plt = plots.pyplot()
     rows = [c for c in ladder["candidates"] if "metric" in c]
     colours = {"baseline": "#8C8C8C", "kept": "#55A868", "dropped": "#C44E52", "not eligible": "#DD8452"}
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * max(1, len(rows)), 3.8))
+    size = (7.0, 1.0 + 0.26 * max(1, len(rows))) if horizontal else (1.2 + 0.9 * max(1, len(rows)), 3.8)
+    fig, ax = plt.subplots(figsize=size)
     values = [c["metric"] for c in rows]
-    ax.bar(range(len(rows)), values, color=[next((v for k, v in colours.items() if c["verdict"].startswith(k)),
-                                                  "#4C72B0") for c in rows])
-    ax.set_xticks(range(len(rows)), [f"{c['rung']}: {c['label']}" for c in rows], rotation=45, ha="right",
-                  fontsize=7)
+    colour = [next((v for k, v in colours.items() if c["verdict"].startswith(k)), "#4C72B0") for c in rows]
+    names = [f"{c['rung']}: {c['label']}" for c in rows]
+    line = ax.axvline if horizontal else ax.axhline
+    if horizontal:
+        ax.barh(range(len(rows)), values, color=colour)
+        ax.set_yticks(range(len(rows)), names, fontsize=7)
+        ax.invert_yaxis()  # the first candidate on top
+    else:
+        ax.bar(range(len(rows)), values, color=colour)
+        ax.set_xticks(range(len(rows)), names, rotation=45, ha="right", fontsize=7)
     uses_flops = bool(rows) and rows[0].get("tflops_per_gpu") is not None
     per = "rank" if ladder["device"].startswith("CPU") else "GPU"
-    ax.set_ylabel(f"model TFLOP/s per {per}" if uses_flops else "tokens/s")
+    (ax.set_xlabel if horizontal else ax.set_ylabel)(f"model TFLOP/s per {per}" if uses_flops else "tokens/s")
     base = [c["metric"] for c in rows if c["verdict"] == "baseline"]
     if base:
-        ax.axhline(sum(base) / len(base), color="#8C8C8C", linestyle="--", linewidth=1, label="baseline (mean)")
+        line(sum(base) / len(base), color="#8C8C8C", linestyle="--", linewidth=1, label="baseline (mean)")
     peak_rows = [c for c in rows if c.get("mfu")]
     if uses_flops and peak_rows:
         peak = peak_rows[0]["tflops_per_gpu"] / peak_rows[0]["mfu"]
-        ax.axhline(ladder["target_mfu"] * peak, color="#4C72B0", linestyle=":", linewidth=1,
-                   label=f"{ladder['target_mfu']:.0%} MFU target")
+        line(ladder["target_mfu"] * peak, color="#4C72B0", linestyle=":", linewidth=1,
+             label=f"{ladder['target_mfu']:.0%} MFU target")
     if base:
         ax.legend(fontsize=8)
     ax.set_title(title or f"Capstone ladder: {ladder['device']}, {ladder['world_size']} rank(s)", fontsize=10)
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+# --- the key result and the exercises -------------------------------------------------------------
+
+def key_ladder(size: str = "2.7b", world_size: int = 2) -> dict | None:
+    """The committed GPU ladder of ``size`` climbed on ``world_size`` GPUs (the newest such file), or None."""
+    found = [entry[4] for entry in reference_ladders(size) if entry[4]["world_size"] == world_size]
+    return found[-1] if found else None
+
+
+def _judged(ladder: dict) -> list[tuple[dict, dict]]:
+    """Each candidate that trained, with the setting it was judged against: the best setting at the start of
+    its rung (or the rung's "best so far, again", which a resumed walk trains first)."""
+    best, pairs, i, rows = dict(ladder["baseline"]), [], 0, ladder["candidates"]
+    while i < len(rows):
+        j = i
+        while j < len(rows) and rows[j]["rung"] == rows[i]["rung"]:
+            j += 1
+        group = rows[i:j]
+        again = [c for c in group if c["label"] == AGAIN]
+        reference = dict(again[0]["setting"]) if again else best
+        pairs += [(c, reference) for c in group if c["label"] not in (AGAIN, "baseline", "baseline, again")
+                  and "metric" in c]
+        kept = [c for c in group if c["verdict"].startswith("kept")]
+        best = dict(kept[0]["setting"]) if kept else reference
+        i = j
+    return pairs
+
+
+def _change(verdict: str) -> float | None:
+    """The relative change a ladder verdict states ("dropped: -6.6%, ..." -> -0.066)."""
+    found = re.search(r"([+-]\d+(?:\.\d+)?)%", verdict)
+    return float(found.group(1)) / 100 if found else None
+
+
+def exercise_slower_knob(answer: Any, ladder: dict) -> exercises.Verdict:
+    """Exercise: in a committed ladder, find the knob of the candidate that changed one knob only from the
+    setting it was judged against and lost the most; the answer is computed from the ladder's settings."""
+    single = []
+    for c, reference in _judged(ladder):
+        changed = [f.name for f in dataclasses.fields(Setting) if c["setting"].get(f.name) != reference.get(f.name)]
+        if len(changed) == 1 and _change(c["verdict"]) is not None:
+            single.append((_change(c["verdict"]), changed[0], c))
+    loss, knob, c = min(single, key=lambda item: item[0])
+    where = f"the {ladder['params'] / 1e9:.2f}B ladder on {ladder['device']}"
+    return exercises.choice(
+        "the knob that cost", answer, knob, choices=tuple(f.name for f in dataclasses.fields(Setting)),
+        task=(f"In {where}, find the candidate that changed a single knob from the setting it was judged against "
+              "and lost the most. Name that knob (a field of capstone.Setting)."),
+        hint="compare each candidate's label and verdict in the GPU table; a label that names two changes "
+             "(micro x2, accumulation /2) changed two knobs.",
+        why=(f"Rung {c['rung']!r}, candidate {c['label']!r}: {c['verdict'].split(',')[0]} against the best setting "
+             f"so far, changing {knob} alone ({_short(c['setting'][knob])}). The ladder measured it and dropped it: "
+             "a knob is worth what it measures on your model and GPUs."))
+
+
+def exercise_next_config(answer: Any, ladder: dict) -> exercises.Verdict:
+    """Exercise: write the DeepSpeed config a walk on ``ladder``'s GPUs starts from (its baseline setting).
+    The expected config is :meth:`Setting.config` of the committed ladder's baseline on its ranks; the course's
+    checker and DeepSpeed's parser read the answer for that many ranks."""
+    world = ladder["world_size"]
+    setting = Setting(**ladder["baseline"])
+    wanted = setting.config(world)
+
+    def test(config: Any) -> tuple[bool, str]:
+        if not isinstance(config, dict):
+            return False, f"{type(config).__name__} is not a ds_config: write a dict."
+        errors = [f for f in configs.check(config, world) if f.severity == "error"]
+        if errors:
+            return False, f"the course's checker: {errors[0].key}: {errors[0].rule}."
+        refused = configs.deepspeed_parse(config, world)
+        if refused is not None:
+            return False, f"DeepSpeed refuses it on {world} ranks: {str(refused).splitlines()[0]}."
+        micro, accum = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps", 1)
+        got = {"micro-batch": micro, "accumulation": accum, "global batch": config.get("train_batch_size") or
+               (micro or 0) * accum * world, "ZeRO stage": config.get("zero_optimization", {}).get("stage", 0),
+               "bf16": bool(config.get("bf16", {}).get("enabled")),
+               "optimizer": str(config.get("optimizer", {}).get("type", "")).lower()}
+        want = {"micro-batch": wanted["train_micro_batch_size_per_gpu"],
+                "accumulation": wanted["gradient_accumulation_steps"], "global batch": wanted["train_batch_size"],
+                "ZeRO stage": wanted["zero_optimization"]["stage"], "bf16": "bf16" in wanted,
+                "optimizer": wanted["optimizer"]["type"].lower()}
+        differ = [f"{k} {got[k]!r} (the walk: {v!r})" for k, v in want.items() if got[k] != v]
+        if differ:
+            return False, "not the setting the walk started from: " + "; ".join(differ) + "."
+        return True, (f"micro-batch {got['micro-batch']} x accumulation {got['accumulation']} x {world} GPUs = "
+                      f"{got['global batch']} sequences a step, ZeRO-{got['ZeRO stage']}, bf16, AdamW: the config of "
+                      "the committed walk's baseline (capstone.Setting.config). compile is not a config key: "
+                      "the walk calls engine.compile() after deepspeed.initialize.")
+    return exercises.satisfies(
+        "the next walk's config", answer, test,
+        task=(f"Write the DeepSpeed config of the setting the 2-GPU walks of this model ended with, for a walk on "
+              f"{world} GPUs ({setting.changes_from(GPU_BASELINE)} from the GPU baseline; leave compile out, "
+              "it is an engine call)."),
+        hint=(f"start from the GPU baseline (ZeRO-2, bf16, AdamW, micro-batch {GPU_BASELINE.micro_batch} x "
+              f"accumulation {GPU_BASELINE.grad_accum}); train_batch_size, if you give it, is micro x accumulation "
+              "x GPUs."))
+
+
+def exercise_mfu(answer: Any, ladder: dict, label: str = "baseline") -> exercises.Verdict:
+    """Exercise: compute the MFU of one candidate of a committed ladder from its tokens/s with the course's
+    formula (:func:`helpers.core.performance.flops_per_token`, the device's dense bf16 peak); the answer is the
+    MFU the throughput probe recorded for it."""
+    c = next(c for c in ladder["candidates"] if c["label"] == label)
+    shape = performance.config_shape(model_config(ladder["size"], seq_len=c["setting"]["seq_len"]))
+    flops = performance.flops_per_token(ladder["params"], shape["layers"], shape["hidden"], shape["seq_len"],
+                                        shape["lookup_params"])["total"]
+    peak, _ = performance.peak_tflops(ladder["device"])
+    gpus = ladder["world_size"]
+    task = (f"The {label} of the {ladder['params'] / 1e9:.2f}B ladder on {ladder['device']} trained "
+            f"{c['tokens_per_s']:,.0f} tokens/s over its {gpus} GPUs, sequences of {shape['seq_len']} tokens. "
+            "Compute its MFU, as a fraction (0.5 for 50%).")
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool) and 1 < answer <= 100:
+        return exercises.Verdict("MFU", False, f"{answer:g} looks like a per cent: write MFU as a fraction "
+                                               f"({answer / 100:g}).")
+    return exercises.number(
+        "MFU", answer, c["mfu"], relative=0.02, task=task,
+        hint=("FLOPs per token from section 2 (the 2.7b row at T=2048), times tokens/s, divided by the GPUs and "
+              "by one GPU's dense bf16 peak (the table above)."),
+        why=(f"{flops:.4g} FLOPs/token x {c['tokens_per_s']:,.0f} tokens/s / {gpus} GPUs = "
+             f"{flops * c['tokens_per_s'] / gpus / 1e12:.4g} TFLOP/s per GPU, over {peak:g} TFLOP/s dense bf16: "
+             f"{c['mfu']:.1%}, the MFU the throughput probe recorded."))

@@ -27,11 +27,11 @@ import shutil
 import statistics
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from helpers.core import launch, models, plots, records
+from helpers.core import configs, exercises, launch, models, plots, records
 from helpers.core.plan import PlannedRun, reference_of
 from helpers.core.probes import Probe, RunContext
 from helpers.core.environment import REPO_ROOT, quiet_deepspeed_import
@@ -684,3 +684,127 @@ def resumed_losses(uninterrupted: Mapping[str, Sequence[float]], resumed: Mappin
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+# --- exercises ---------------------------------------------------------------------------------------
+
+def exercise_zero2_bytes_per_rank(answer: Any, result: CrashAndResume, stage: int = 2) -> exercises.Verdict:
+    """Exercise: predict the bytes on disk each rank writes for one checkpoint of the ``stage`` run (fp32,
+    AdamW); the answer is what the chapter's run wrote (:func:`saved_by_rank`), within 2% for each rank."""
+    record = result.uninterrupted[stage]
+    folder = result.checkpoint_dir(stage) / tag_of(result.crash_after)
+    saved = saved_by_rank(folder, record.world_size)
+    params = record.summary["model"]["params"]
+    files = {rank: [row["file"] for row in files_per_rank(folder) if row["rank"] == rank] for rank in saved}
+    task = (f"Predict the bytes on disk each of the {record.world_size} ranks writes for one ZeRO-{stage} "
+            f"checkpoint of this {params:,}-parameter model (fp32 weights, AdamW), as {{rank: bytes}}.")
+    hint = ("which rank writes the weights, and what does every rank write of Adam's two moments and of the "
+            "fp32 master copy at this stage? 4 bytes a number; the files add a little of their own.")
+    if answer is exercises.BLANK:
+        return exercises.blank(f"ZeRO-{stage} checkpoint", task, hint)
+
+    def test(guess: Any) -> tuple[bool, str]:
+        if not isinstance(guess, Mapping) or set(guess) != set(saved):
+            return False, f"write a dict with one entry per rank: {{{', '.join(f'{r}: ...' for r in saved)}}}."
+        off = {rank: guess[rank] / saved[rank]["bytes"] - 1 for rank in saved}
+        wrote = "; ".join(f"rank {rank}: {saved[rank]['bytes']:,} bytes in {', '.join(files[rank])}"
+                          for rank in saved)
+        if all(abs(x) <= 0.02 for x in off.values()):
+            return True, (f"The run wrote {wrote}. Rank 0 alone writes the weights "
+                          f"({saved[0]['params']:,} bytes, fp32); every rank writes its own shard of Adam's moments "
+                          f"({saved[0]['optimizer']:,} bytes) and of the fp32 master copy ({saved[0]['master']:,}): "
+                          "the states it held in memory while training. Gradients are never saved.")
+        wrong = ", ".join(f"rank {r} {x:+.0%}" for r, x in off.items() if abs(x) > 0.02)
+        return False, f"off by more than 2%: {wrong}."
+    return exercises.satisfies(f"ZeRO-{stage} checkpoint", answer, test, task=task, hint=hint)
+
+
+def exercise_save_16bit(answer: Any, call: Any, result: CrashAndResume) -> exercises.Verdict:
+    """Exercise: write the ``zero_optimization`` block of a ZeRO-3 run (``answer``) and the line every rank
+    runs (``call``, a string) so that rank 0 writes the whole weights in 16 bits. The block is read by DeepSpeed's
+    config class, the call is checked against ``DeepSpeedEngine``'s methods, and the outcome for the block's
+    :data:`GATHER_KEY` is what the chapter's two bf16 ZeRO-3 runs measured (``result.model16``)."""
+    import ast  # the learner's line is parsed, never run
+
+    task = ("Write the zero_optimization block of a ZeRO-3 run (answer) and, as a string, the line every rank "
+            "runs (call) so that rank 0 writes the whole model's weights in 16 bits into save_dir.")
+    hint = "the section above names the engine's method and the one ZeRO-3 switch it depends on."
+    if answer is exercises.BLANK or call is exercises.BLANK:
+        return exercises.blank("save_16bit_model", task, hint)
+
+    def test(block: Any) -> tuple[bool, str]:
+        from deepspeed.runtime.engine import DeepSpeedEngine  # deferred: DeepSpeed imports slowly
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        try:
+            expression = ast.parse(str(call).strip(), mode="eval").body
+        except SyntaxError as error:
+            return False, f"call is not a Python expression: {error.msg}."
+        if not (isinstance(expression, ast.Call) and isinstance(expression.func, ast.Attribute)
+                and isinstance(expression.func.value, ast.Name) and expression.func.value.id == "engine"):
+            return False, "call must call a method of the engine: engine.<method>(...)."
+        method = expression.func.attr
+        if not hasattr(DeepSpeedEngine, method):
+            return False, f"DeepSpeedEngine has no method {method!r}."
+        if method != "save_16bit_model":
+            return False, (f"engine.{method} is a DeepSpeedEngine method, but not the one that writes the weights "
+                           "alone: save_checkpoint writes the sharded checkpoint (optimizer states included).")
+        if not expression.args and not expression.keywords:
+            return False, "engine.save_16bit_model needs the folder to write into (save_dir)."
+        try:
+            zero = DeepSpeedZeroConfig(**block)
+        except Exception as error:  # noqa: BLE001 - DeepSpeed's refusal is the answer
+            lines = [line.strip() for line in str(error).splitlines()[1:3]]
+            return False, f"DeepSpeed refuses the block: {': '.join(lines) or error}."
+        if zero.stage != 3:
+            return False, f"stage {int(zero.stage)}: the task is a ZeRO-3 run."
+        gather = bool(zero.gather_16bit_weights_on_model_save)  # the field behind GATHER_KEY
+        run = result.model16[gather]
+        returned = run.section("model_16bit")["returned"]
+        written = _model16_file(result, gather)
+        if not gather:
+            return False, (f"with {GATHER_KEY} false (DeepSpeed's default) the chapter's run returned "
+                           f"{' / '.join(map(str, returned))} on ranks 0 / 1 and wrote nothing: no rank holds the "
+                           "whole weights at stage 3, and DeepSpeed only gathers them with the switch on.")
+        return True, (f"engine.save_16bit_model(...) on every rank with {GATHER_KEY} true: the chapter's run "
+                      f"returned {' / '.join(map(str, returned))} on ranks 0 / 1 and rank 0 wrote "
+                      f"{written.name}, {written.stat().st_size:,} bytes, the weights gathered layer by layer. "
+                      "Call it on every rank: each must hand over its shards.")
+    return exercises.satisfies("save_16bit_model", answer, test, task=task, hint=hint)
+
+
+def exercise_universal_config(answer: Any, result: CrashAndResume, world_size: int = 1,
+                              stage: int = 3) -> exercises.Verdict:
+    """Exercise: write the config changes that resume the ``stage`` run (saved on its ranks) on ``world_size``
+    ranks from a universal checkpoint with the same global batch. DeepSpeed's config parser reads the merged
+    config for ``world_size`` ranks; the global batch is compared with the saved run's."""
+    saved = result.uninterrupted[stage]
+    base = saved.summary["config"]
+    micro, accum = base["train_micro_batch_size_per_gpu"], base.get("gradient_accumulation_steps", 1)
+    global_batch = micro * accum * saved.world_size
+    task = (f"Write the config keys that change to resume the ZeRO-{stage} run, saved on {saved.world_size} "
+            f"ranks with micro-batch {micro} x accumulation {accum}, on {world_size} rank(s) from a universal "
+            "checkpoint, keeping the global batch.")
+    hint = ("the global batch is micro-batch x accumulation x ranks; the section above names the key that makes "
+            "load_checkpoint read a universal checkpoint (a block of its own).")
+
+    def test(changes: Any) -> tuple[bool, str]:
+        if not isinstance(changes, dict):
+            return False, f"{type(changes).__name__} is not a config: write a dict of the keys that change."
+        config = configs.merged(base, changes)
+        error = configs.deepspeed_parse(config, world_size)
+        if error is not None:
+            return False, f"DeepSpeed refuses it on {world_size} rank(s): {str(error).splitlines()[0]}."
+        new_micro = config.get("train_micro_batch_size_per_gpu", micro)
+        new_accum = config.get("gradient_accumulation_steps", 1)
+        batch = config.get("train_batch_size") or new_micro * new_accum * world_size
+        if batch != global_batch:
+            return False, (f"global batch {batch} against the saved run's {micro} x {accum} x {saved.world_size} = "
+                           f"{global_batch}: other samples per step, so not the same training.")
+        if not config.get("checkpoint", {}).get("load_universal"):
+            return False, ("the batch is right, but without \"checkpoint\": {\"load_universal\": true} "
+                           "load_checkpoint reads the folder as a sharded checkpoint of this many ranks.")
+        return True, (f"{new_micro} x {new_accum} x {world_size} = {global_batch}, the saved run's global batch, and "
+                      "load_universal on: the chapter's runs below resume this way and match the uninterrupted "
+                      "losses.")
+    return exercises.satisfies("universal resume", answer, test, task=task, hint=hint)

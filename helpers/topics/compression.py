@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from helpers.core import configs, environment, launch, plots, records, references, theory
+from helpers.core import configs, environment, exercises, launch, plots, records, references, theory
 from helpers.topics import frameworks
 
 #: The model's assumptions, stated as parameters, not measurements. The bandwidth chapter's measured
@@ -646,3 +646,110 @@ def zeropp_step_prediction(psi: float, layers: int, tokens_per_gpu: int, nodes: 
     zero3 = compute + zeropp_comm_seconds(psi, layers, nodes, intra=intra, inter=inter)
     zeropp = compute + zeropp_comm_seconds(psi, layers, nodes, True, True, True, intra=intra, inter=inter) + overhead_s
     return {"compute_s": compute, "zero3_s": zero3, "zeropp_s": zeropp, "speedup": zero3 / zeropp}
+
+
+# --- the key figure and the exercises ---------------------------------------------------------------
+
+def cpu_bytes_figure(results: Mapping[str, records.Record | launch.RunFailed]):
+    """Bars: bytes per step of each collective, for every setting that trained on these ranks
+    (:func:`cpu_attempts`); a refused setting gets no bar and says so under its name."""
+    plt = plots.pyplot()
+    ops = sorted({op for r in results.values() if isinstance(r, records.Record) for op in _ops(r)},
+                 key=lambda op: -max(_ops(r).get(op, (0, 0))[1] for r in results.values()
+                                     if isinstance(r, records.Record)))[:2]  # the two largest collectives
+    fig, ax = plt.subplots(figsize=(7.2, 3.6))
+    width = 0.8 / max(len(ops), 1)
+    names = list(results)
+    for j, op in enumerate(ops):
+        values = [_ops(r).get(op, (0, 0))[1] / 2**20 if isinstance(r, records.Record) else 0 for r in results.values()]
+        ax.bar([i + j * width for i in range(len(names))], values, width, label=op)
+    labels = [(n.split(" (")[0] if isinstance(results[n], records.Record) else n.split(" (")[0] + "\n(refused)")
+              for n in names]
+    ax.set_xticks([i + width * (len(ops) - 1) / 2 for i in range(len(names))], labels, rotation=30, ha="right",
+                  fontsize=8)
+    ax.set(ylabel="MiB per step and rank", title="What each setting sent on these CPU ranks")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def exercise_zeropp_block(answer: Any, gpus_per_node: int = 8, nodes: int = 4) -> exercises.Verdict:
+    """Exercise: write the ``zero_optimization`` block that turns on all three ZeRO++ switches for ``nodes``
+    nodes of ``gpus_per_node`` GPUs. DeepSpeed's own config class parses it (a misspelt key is refused as
+    DeepSpeed refuses it); the verdict gives what it sends across nodes by :func:`zeropp_volume`."""
+    def test(block: Any) -> tuple[bool, str]:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # deferred: DeepSpeed imports slowly
+
+        if not isinstance(block, dict):
+            return False, f"{type(block).__name__} is not a block: write a dict, {{\"stage\": 3, ...}}."
+        try:
+            zero = DeepSpeedZeroConfig(**block)
+        except Exception as error:  # noqa: BLE001 - DeepSpeed's refusal is the answer
+            lines = [line.strip() for line in str(error).splitlines()[1:3]]
+            return False, f"DeepSpeed refuses the block: {': '.join(lines) or error}."
+        if zero.stage != 3:
+            return False, f"stage {int(zero.stage)}: ZeRO++ is built into ZeRO-3's partitioner, so only stage 3 reads it."
+        qwz, qgz, hpz = zero.zero_quantized_weights, zero.zero_quantized_gradients, zero.zero_hpz_partition_size
+        across = zeropp_cross_node_bytes(1.0, qwz, hpz == gpus_per_node, qgz) / 2.0
+        if not (qwz and qgz):
+            return False, (f"zero_quantized_weights={qwz}, zero_quantized_gradients={qgz}: this block sends "
+                           f"{across:g}M across nodes, not all three switches' 0.75M.")
+        if hpz != gpus_per_node:
+            return False, (f"zero_hpz_partition_size={hpz}: hpZ's secondary copy of the weights must live inside "
+                           f"one node, so its group is one node's {gpus_per_node} GPUs (1, the default, turns hpZ "
+                           f"off; more than a node spans the network again). This block sends {across:g}M across "
+                           "nodes, not 0.75M.")
+        return True, (f"DeepSpeed reads stage 3, int8 weights, int4 gradients and a secondary partition of "
+                      f"{hpz} GPUs (one node): {across:g}M across nodes per GPU and step instead of ZeRO-3's 3M "
+                      f"(M = the model in 16 bits; zeropp_volume). On these {nodes} x {gpus_per_node} GPUs hpZ "
+                      "keeps a second copy of the weight shards per node: memory, not bytes.")
+    return exercises.satisfies(
+        "ZeRO++ block", answer, test,
+        task=(f"Write the zero_optimization block that turns on qwZ, hpZ and qgZ for {nodes} nodes of "
+              f"{gpus_per_node} GPUs."),
+        hint="the three switches are in the table at the top of the chapter; hpZ's value is a number of GPUs: "
+             "how many share a node's fast links?")
+
+
+def exercise_cross_node_bytes(answer: Any, psi: float) -> exercises.Verdict:
+    """Exercise: predict the bytes per GPU and step that cross nodes with qwZ and hpZ on but not qgZ, for a
+    model of ``psi`` parameters in 16 bits; the answer is :func:`zeropp_cross_node_bytes`."""
+    expected = zeropp_cross_node_bytes(psi, qwz=True, hpz=True)
+    m = 2.0 * psi
+    return exercises.number(
+        "qwZ + hpZ across nodes", answer, expected, relative=0.02, unit=" bytes",
+        task=f"Predict the bytes one GPU sends across nodes per step for {psi:,.0f} parameters with qwZ and hpZ on, qgZ off.",
+        hint=(f"M = 2 x {psi:,.0f} bytes. Go phase by phase through the accounting table: what does qwZ do to a "
+              "gather, where does hpZ move the backward gather, and what is left of the reduce-scatter?"),
+        why=(f"Forward gather 0.5M (int8), backward gather 0M across nodes (hpZ gathers inside the node), "
+             f"gradient reduce-scatter 1M (qgZ off): 1.5M = 1.5 x {m:,.0f} bytes, half of ZeRO-3's 3M. "
+             "The gradients are now two thirds of what crosses: qgZ is the switch that cuts them."))
+
+
+def measured_bytes(name: str = "zeropp") -> tuple[str, dict[str, records.Record]]:
+    """(device, {setting: record}) of the first committed reference whose bytes runs of ZeRO-3 and qwZ are
+    records (the profiler's counts per step); ("", {}) when none is committed."""
+    for device, _, _, runs in references.reference_runs(name):
+        found = {k.removeprefix("bytes: "): r for k, r in runs.items()
+                 if k.startswith("bytes: ") and isinstance(r, records.Record)}
+        if {"ZeRO-3", "qwZ (quantized weights)"} <= set(found):
+            return device, found
+    return "", {}
+
+
+def exercise_qwz_gather_bytes(answer: Any, device: str, runs: Mapping[str, records.Record]) -> exercises.Verdict:
+    """Exercise: from ZeRO-3's all-gather bytes per step measured on ``device`` (``runs`` from
+    :func:`measured_bytes`), predict qwZ's; the answer is qwZ's measured record."""
+    op = "all_gather_into_tensor"
+    base = runs["ZeRO-3"].comm_ops()[op]
+    qwz = runs["qwZ (quantized weights)"].comm_ops()[op]
+    extra = qwz["bytes"] - base["bytes"] / 2
+    return exercises.number(
+        "qwZ's gathers", answer, qwz["bytes"], relative=0.05, unit=" bytes",
+        task=(f"On {device} ZeRO-3 sent {base['bytes']:,.0f} bytes per step in {base['count']:g} "
+              f"{op} calls (bf16 weights). Predict the bytes per step qwZ's gathers send."),
+        hint="qwZ sends each weight as int8 instead of bf16, plus a small scale per block of weights.",
+        why=(f"Measured by the profiler on {device}: {qwz['count']:g} calls, {qwz['bytes'] / base['bytes']:.3f} of "
+             f"ZeRO-3's bytes. int8 halves the weights, and the per-block scales add {extra:,.0f} bytes "
+             f"({extra / base['bytes']:.2%} of ZeRO-3's), which travel in gathers of their own: twice the calls."))

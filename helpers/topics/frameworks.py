@@ -66,7 +66,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.profiler import ProfilerActivity, profile
 
-from helpers.core import communication, launch, models, plots, probes, records, references, theory, train
+from helpers.core import (communication, configs, exercises, launch, models, plots, probes, records, references,
+                          theory, train)
 from helpers.core.plan import PlannedRun, reference_of, resolve
 from helpers.core.probes import Probe, RunContext
 
@@ -823,3 +824,130 @@ def bytes_per_step_figure(runs: Sequence[records.Record], title: str = "Bytes pe
     plt.close(fig)
     return fig
 
+
+
+# --- the key figure and the exercises ---------------------------------------------------------------
+
+def tradeoff_figure(runs: Mapping[str, records.Record], baseline: str = "DDP",
+                    title: str = "Memory against traffic: each run against DDP"):
+    """One point per run: model states per rank (x) and wire bytes per step (y), both against ``baseline``'s;
+    PyTorch's runs as circles, DeepSpeed's as squares. Left and low is cheap in both."""
+    plt = plots.pyplot()
+    base = runs[baseline]
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    for name, r in runs.items():
+        x = r.model_state_bytes() / base.model_state_bytes()
+        y = r.comm.wire_bytes_per_step / base.comm.wire_bytes_per_step
+        deepspeed = name.startswith("ZeRO-")
+        ax.scatter(x, y, marker="s" if deepspeed else "o", s=50, color="#C44E52" if deepspeed else "#4C72B0")
+        # PyTorch's labels above their points, DeepSpeed's below: neighbours such as DDP and ZeRO-0 coincide
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(6, -11) if deepspeed else (6, 4), fontsize=7)
+    ax.scatter([], [], marker="o", color="#4C72B0", label="PyTorch")
+    ax.scatter([], [], marker="s", color="#C44E52", label="DeepSpeed")
+    ax.set(xlabel=f"model states per rank, x {baseline}'s", ylabel=f"wire bytes per step, x {baseline}'s",
+           title=title)
+    ax.set_xlim(0.4, 1.15)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def _pytorch_like(runs: Mapping[str, records.Record], stage: int, rank: int = 0) -> list[str]:
+    """PyTorch runs that hold what ZeRO-``stage`` holds on ``rank``: the same parameter and gradient bytes,
+    and Adam's states within 5% (the master copy and buffers aside)."""
+    zero = runs[f"ZeRO-{stage}"].states(rank)
+    return [name for name, r in runs.items() if not name.startswith("ZeRO-")
+            and r.states(rank)["params"] == zero["params"] and r.states(rank)["grads"] == zero["grads"]
+            and abs(r.states(rank)["optimizer"] / zero["optimizer"] - 1) <= 0.05]
+
+
+def exercise_pytorch_equivalent(answer: Any, runs: Mapping[str, records.Record], stage: int = 2) -> exercises.Verdict:
+    """Exercise: name the PyTorch run that holds per rank what ZeRO-``stage`` holds (weights, gradients, Adam's
+    states), or "none"; the answer comes from the measured model states of the chapter's runs."""
+    names = tuple(n for n in runs if not n.startswith("ZeRO-")) + ("none",)
+    matches = _pytorch_like(runs, stage)
+    zero = runs[f"ZeRO-{stage}"].states()
+    held = lambda s: f"weights {s['params']:,}, gradients {s['grads']:,}, Adam {s['optimizer']:,}"
+    expected = answer if answer in matches else (matches[0] if matches else "none")
+    if matches:
+        why = (f"ZeRO-{stage} holds {held(zero)} bytes on rank 0; {' and '.join(matches)} the same "
+               f"({held(runs[matches[0]].states())}).")
+    else:
+        near = {n: runs[n].states() for n in names[:-1]}
+        why = (f"ZeRO-{stage} holds {held(zero)} bytes on rank 0: whole weights, sharded gradients. No PyTorch run "
+               "does: DDP and ZeroRedundancyOptimizer keep the gradients whole, FSDP2 shards the weights too ("
+               + "; ".join(f"{n}: {held(s)}" for n, s in near.items() if n.startswith("FSDP2 grad")) + "). "
+               "FSDP2 grad-op has ZeRO-2's traffic, not its memory.")
+    return exercises.choice(
+        f"PyTorch's ZeRO-{stage}", answer, expected, choices=names, why=why,
+        task=f"Name the PyTorch run that holds per rank what ZeRO-{stage} holds (or \"none\").",
+        hint=(f"ZeRO-{stage} keeps every weight whole and shards the gradients and Adam's states: which PyTorch "
+              "wrapper shards gradients without sharding the weights?" if stage == 2 else
+              f"go through what ZeRO-{stage} shards: Adam's states, gradients, weights."))
+
+
+def exercise_zero_redundancy_bytes(answer: Any, runs: Mapping[str, records.Record],
+                                   name: str = "DDP + ZeroRedundancyOptimizer") -> exercises.Verdict:
+    """Exercise: predict the bytes per step (as logged) of DDP with ZeroRedundancyOptimizer; the answer is the
+    profiler's count on the chapter's run, within 2%."""
+    run = runs[name]
+    params = run.summary["model"]["params"]
+    grads = run.states()["grads"]
+    return exercises.number(
+        "ZeroRedundancyOptimizer's bytes", answer, run.comm.bytes_per_step, relative=0.02, unit=" bytes",
+        task=(f"Predict the bytes per optimizer step that {name} logs for this {params:,}-parameter fp32 model "
+              "(all_reduce: the whole tensor; broadcast: the whole message)."),
+        hint=("DDP's part reduces the gradients once a step (no_sync skips the first micro-step); after "
+              "step() each parameter's owner broadcasts it to the others. 4 bytes a number."),
+        why=(f"Measured by the profiler: DDP all-reduces the whole gradients once ({grads:,} bytes), then every "
+             f"parameter is broadcast by the rank that updated it (the same {grads:,} again), plus the few bytes "
+             "of DDP's bucket rebuild: twice DDP's traffic, where DeepSpeed's ZeRO-1 gathers only each rank's "
+             "shard."))
+
+
+def exercise_zero1_config(answer: Any, runs: Mapping[str, records.Record], world_size: int = 2) -> exercises.Verdict:
+    """Exercise: write the ds_config of DeepSpeed's side of PyTorch's ZeRO-1 comparison: the PyTorch runs'
+    hyperparameters (the DDP record's config) at the ZeRO stage the ZeRO-1 run used. The course's checker and
+    DeepSpeed's parser read it for ``world_size`` ranks."""
+    torch_config = runs["DDP"].summary["config"]
+    stage = runs["ZeRO-1"].summary["config"]["zero_optimization"]["stage"]
+
+    def test(config: Any) -> tuple[bool, str]:
+        if not isinstance(config, dict):
+            return False, f"{type(config).__name__} is not a ds_config: write a dict."
+        errors = [f for f in configs.check(config, world_size) if f.severity == "error"]
+        if errors:
+            return False, f"the course's checker: {errors[0].key}: {errors[0].rule}."
+        refused = configs.deepspeed_parse(config, world_size)
+        if refused is not None:
+            return False, f"DeepSpeed refuses it: {str(refused).splitlines()[0]}."
+        got_stage = config.get("zero_optimization", {}).get("stage", 0)
+        if got_stage != stage:
+            return False, (f"stage {got_stage}: ZeroRedundancyOptimizer shards Adam's states only, and so does "
+                           f"stage {stage}.")
+        wanted = {"train_micro_batch_size_per_gpu": torch_config["train_micro_batch_size_per_gpu"],
+                  "gradient_accumulation_steps": torch_config.get("gradient_accumulation_steps", 1),
+                  "gradient_clipping": torch_config.get("gradient_clipping", 0.0),
+                  "optimizer.type": torch_config["optimizer"]["type"].lower(),
+                  "optimizer.lr": torch_config["optimizer"]["params"]["lr"],
+                  "optimizer.weight_decay": torch_config["optimizer"]["params"].get("weight_decay", 0.0)}
+        optimizer = config.get("optimizer", {})
+        got = {"train_micro_batch_size_per_gpu": config.get("train_micro_batch_size_per_gpu"),
+               "gradient_accumulation_steps": config.get("gradient_accumulation_steps", 1),
+               "gradient_clipping": config.get("gradient_clipping", 0.0),
+               "optimizer.type": str(optimizer.get("type", "")).lower(),
+               "optimizer.lr": optimizer.get("params", {}).get("lr"),
+               "optimizer.weight_decay": optimizer.get("params", {}).get("weight_decay", 0.0)}
+        differ = [f"{k} {got[k]!r} (the PyTorch runs: {v!r})" for k, v in wanted.items() if got[k] != v]
+        if differ:
+            return False, "not the PyTorch runs' hyperparameters: " + "; ".join(differ) + "."
+        return True, (f"stage {stage} with the PyTorch runs' batch, AdamW and clipping: the config of this "
+                      f"chapter's ZeRO-1 run, whose losses matched ZeroRedundancyOptimizer's "
+                      f"({records.loss_agreement(runs['DDP + ZeroRedundancyOptimizer'].losses, runs['ZeRO-1'].losses, 'fp32')}).")
+    return exercises.satisfies(
+        "ZeRO-1 config", answer, test,
+        task=("Write the whole ds_config for DeepSpeed's counterpart of DDP + ZeroRedundancyOptimizer, with the "
+              "PyTorch runs' hyperparameters (the list at the top of the chapter)."),
+        hint="four top-level keys and a zero_optimization block; the optimizer is a dict with type and params.")
