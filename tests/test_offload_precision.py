@@ -344,3 +344,33 @@ def test_the_fit_exercise_wants_stage_3_with_pinned_optimizer_offload(swept):
     assert "TypeError" in str(check([3]))
     small_host = dict(offload.FIT_TASK, host_gb=100)  # 13B x 18 host bytes is more than 100 GB
     assert "host memory limits" in str(offload.exercise_fit_config({"stage": 3, "offload_optimizer": cpu}, runs, small_host))
+
+
+# --- the exercises of chapter 07 ---------------------------------------------------------------------
+
+def test_the_loss_scale_exercise_follows_deepspeeds_scaler_step_by_step():
+    check = precision.exercise_loss_scale
+    assert not check(...).answered
+    assert check(2**15) and "5 overflow -> 2^14 (h 1)" in str(check(2**15))  # the second halving
+    assert not check(2**14) and not check(2**16)
+    path = precision.drive_loss_scaler({"hysteresis": 1, "min_loss_scale": 32768}, [True, True, True])
+    assert path == [(32768, 1), (32768, -1)]  # the floor, then DeepSpeed ends the run
+
+
+def test_the_fp16_block_exercise_reads_back_what_deepspeed_built():
+    check = precision.exercise_fp16_block
+    right = {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 100, "hysteresis": 1,
+             "min_loss_scale": 1024}
+    assert not check(...).answered
+    assert check(right) and "2048, 1024, and overflow 3 ends the run" in str(check(right))
+    assert "hysteresis is 2, not 1" in str(check({**right, "hysteresis": 2}))
+    assert "static scale" in str(check({**right, "loss_scale": 1024}))
+    assert "not enabled" in str(check({k: v for k, v in right.items() if k != "enabled"}))
+    assert "checker finds" in str(check({**right, "loss_scale_window": 0}))
+
+
+def test_the_bf16_bytes_exercise_divides_the_measured_states_by_the_parameters(swept):
+    check = lambda answer: precision.exercise_bf16_bytes(answer, swept, key="accum bf16")  # ZeRO-2, 2 ranks
+    assert not check(...).answered
+    assert check(9) and "bf16 parameters 2.00 + bf16 gradients 1.00" in str(check(9))  # 2 + (2 + 12) / 2
+    assert not check(16)
