@@ -1078,7 +1078,8 @@ def exercise_bf16_bytes(answer: float, runs: Mapping[Any, Any], key: Any = ("acc
            f"{per['grads']:.2f} + Adam's fp32 moments {per['optimizer']:.2f} + the fp32 master {per['master']:.2f}. "
            f"The paper's 2 + 2 + K, with ZeRO-{stage} dividing {split} by N_d = {world}: mixed precision halves "
            "the 16-bit states, never the fp32 ones.")
-    return exercises.number("bf16 bytes per parameter", answer, r.model_state_bytes(rank) / r.params, relative=0.01,
+    measured_total = round(r.model_state_bytes(rank) / r.params, 2)  # a few bytes of step counters aside
+    return exercises.number("bf16 bytes per parameter", answer, measured_total, relative=0.01,
                             task=f"Predict the model-state bytes per parameter on one rank of ZeRO-{stage} in bf16 "
                                  f"({world} ranks).",
                             hint="list the four states with their dtype (2 or 4 bytes; Adam has two moments), then "
