@@ -255,3 +255,35 @@ def test_gpu_reference_commands_refuse_a_machine_without_gpus(capsys):
     assert cli.main(["reference", "grad-accum-claim"]) == 2
     assert cli.main(["reference", "bandwidth-sockets"]) == 2
     assert "need GPUs" in capsys.readouterr().err
+
+
+# --- the exercises of chapter 08 ---------------------------------------------------------------------
+
+def _stage2_acc4() -> records.Record:
+    phases = {**{f"micro-step {i}": {AR: {"count": 1.0, "bytes": 400.0}} for i in range(1, 5)},
+              "optimizer step": {AG: {"count": 1.0, "bytes": 100.0}, AR: {"count": 1.0, "bytes": 4.0}}}
+    return _run(2, 4, 4, {AR: (5, 1604), AG: (1, 100)}, phases=phases)
+
+
+def test_the_stage2_bytes_exercise_reads_the_measured_record_phase_by_phase():
+    grid = accumulation.Grid({(2, 4): _stage2_acc4()}, {}, 32, 16)
+    check = lambda answer: accumulation.exercise_stage2_bytes(answer, grid)
+    assert not check(...).answered and "to do" in str(check(...))
+    right = check(1704)  # 4 all_reduces of the gradient, the all_gather of a shard, the norm
+    assert right and "micro-step 4: all_reduce 400" in str(right) and "all_gather 100 + all_reduce 4" in str(right)
+    assert not check(504) and "Hint" in str(check(504))  # one all_reduce per step: stage 0's pattern
+
+
+def test_the_batch_exercise_is_checked_by_deepspeeds_own_batch_arithmetic():
+    one, eight = _run(2, 1, 16, {AR: (2, 8)}), _run(2, 8, 2, {AR: (9, 72), AG: (1, 4)})
+    grid = accumulation.Grid({(2, 1): one, (2, 8): eight}, {}, 32, 16)
+    check = lambda lines: accumulation.exercise_batch_config(lines, grid)
+    assert not check(...).answered
+    assert check({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8})
+    derived = check({"train_batch_size": 32, "gradient_accumulation_steps": 8})  # DeepSpeed derives the micro batch
+    assert derived and "32 = 2 x 8 x 2 ranks" in str(derived) and "all_reduce:9" in str(derived)
+    assert "train_batch_size 64" in str(check({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8}))
+    assert "checker finds" in str(check({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                                         "gradient_accumulation_steps": 8}))
+    assert "only the batch lines" in str(check({"zero_optimization": {"stage": 2}}))
+    assert accumulation.deepspeed_batch({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, 2) == (64, 4, 8)

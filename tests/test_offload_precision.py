@@ -317,3 +317,60 @@ def test_the_committed_speed_reference_explains_itself():
 def test_formats_come_from_torch():
     table = precision.formats_table()
     assert "1 / 8 / 23" in table and "1 / 8 / 7" in table and "1 / 5 / 10" in table and "6.55e+04" in table
+
+
+# --- the exercises of chapter 06 ---------------------------------------------------------------------
+
+def test_the_host_bytes_exercise_counts_what_the_probe_found_on_the_host(swept):
+    runs = {"stage 2 + optimizer offload": swept["stage 2 offload"]}
+    check = lambda answer: offload.exercise_host_bytes(answer, runs, name="stage 2 + optimizer offload")
+    assert not check(...).answered and "to do" in str(check(...))
+    assert check(18) and "8 + the fp32 master 4 + gradients 6" in str(check(18))  # 8 + 4 + (4 + 2)
+    assert not check(14) and "Hint" in str(check(14))  # the paper's 2 + K
+
+
+def test_the_fit_exercise_wants_stage_3_with_pinned_optimizer_offload(swept):
+    runs = {"stage 2 offload": swept["stage 2 offload"], "stage 3 offload": swept["stage 3 offload"]}
+    check = lambda zero: offload.exercise_fit_config(zero, runs)
+    cpu = {"device": "cpu", "pin_memory": True}
+    assert not check(...).answered
+    assert check({"stage": 3, "offload_optimizer": cpu})
+    assert check({"stage": 3, "offload_optimizer": {"device": "cpu"}})  # DeepSpeed pins by default
+    assert check({"stage": 3, "offload_optimizer": cpu, "offload_param": cpu})
+    assert "at most 12.0B" in str(check({"stage": 2, "offload_optimizer": cpu}))  # 24 GB / 2 bytes per parameter
+    assert not check({"stage": 3})
+    assert "pin_memory is false" in str(check({"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False}}))
+    assert "checker finds" in str(check({"stage": 3, "offload_optimizer": {"device": "disk"}}))
+    assert "TypeError" in str(check([3]))
+    small_host = dict(offload.FIT_TASK, host_gb=100)  # 13B x 18 host bytes is more than 100 GB
+    assert "host memory limits" in str(offload.exercise_fit_config({"stage": 3, "offload_optimizer": cpu}, runs, small_host))
+
+
+# --- the exercises of chapter 07 ---------------------------------------------------------------------
+
+def test_the_loss_scale_exercise_follows_deepspeeds_scaler_step_by_step():
+    check = precision.exercise_loss_scale
+    assert not check(...).answered
+    assert check(2**15) and "5 overflow -> 2^14 (h 1)" in str(check(2**15))  # the second halving
+    assert not check(2**14) and not check(2**16)
+    path = precision.drive_loss_scaler({"hysteresis": 1, "min_loss_scale": 32768}, [True, True, True])
+    assert path == [(32768, 1), (32768, -1)]  # the floor, then DeepSpeed ends the run
+
+
+def test_the_fp16_block_exercise_reads_back_what_deepspeed_built():
+    check = precision.exercise_fp16_block
+    right = {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 100, "hysteresis": 1,
+             "min_loss_scale": 1024}
+    assert not check(...).answered
+    assert check(right) and "2048, 1024, and overflow 3 ends the run" in str(check(right))
+    assert "hysteresis is 2, not 1" in str(check({**right, "hysteresis": 2}))
+    assert "static scale" in str(check({**right, "loss_scale": 1024}))
+    assert "not enabled" in str(check({k: v for k, v in right.items() if k != "enabled"}))
+    assert "checker finds" in str(check({**right, "loss_scale_window": 0}))
+
+
+def test_the_bf16_bytes_exercise_divides_the_measured_states_by_the_parameters(swept):
+    check = lambda answer: precision.exercise_bf16_bytes(answer, swept, key="accum bf16")  # ZeRO-2, 2 ranks
+    assert not check(...).answered
+    assert check(9) and "bf16 parameters 2.00 + bf16 gradients 1.00" in str(check(9))  # 2 + (2 + 12) / 2
+    assert not check(16)

@@ -13,12 +13,14 @@ the step issued them: micro-step 1, 2, ... or the optimizer step).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Mapping, Sequence
+from unittest import mock
 
 import torch
 
-from helpers.core import environment, launch, models, plots, records, references
+from helpers.core import configs, environment, exercises, launch, models, plots, records, references
 from helpers.core import probes as probe_registry
 
 STAGES = (0, 1, 2, 3)
@@ -357,3 +359,85 @@ def loss_vs_samples(curves: Mapping[str, tuple[int, Sequence[float]]], title: st
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+# --- exercises ----------------------------------------------------------------------------------------
+
+def exercise_stage2_bytes(answer: float, grid: Grid, stage: int = 2, accum: int = 4) -> exercises.Verdict:
+    """Exercise: predict the bytes one optimizer step of ZeRO-``stage`` logs at accumulation ``accum`` (fixed
+    global batch), checked against the chapter's measured record, phase by phase."""
+    r = grid.fixed_global[(stage, accum)]
+    by_phase = r["micro_steps"]["by_phase"]
+    parts = "; ".join(f"{phase}: " + (" + ".join(f"{op.split('_into')[0]} {row['bytes']:,.0f}"
+                                                  for op, row in sorted(ops.items())) or "nothing")
+                      for phase, ops in by_phase.items())
+    gradient = 4 * r.params
+    why = (f"the record of ZeRO-{stage}, accumulation {accum}, {r['world_size']} ranks: {parts}. Each micro-step "
+           f"all-reduces the whole fp32 gradient ({gradient:,} bytes) as its backward produces it, because a rank "
+           "keeps only its own partition; the optimizer step adds the all_gather of the updated parameter shards "
+           "(the logger records one rank's shard) and the 4-byte gradient norm.")
+    return exercises.number("stage-2 bytes", answer, r.comm.bytes_per_step, relative=0.01, unit=" bytes",
+                            task=f"Predict the bytes one optimizer step of ZeRO-{stage} sends at accumulation {accum} "
+                                 f"(fixed global batch), as DeepSpeed's comms logger records them.",
+                            hint="when does ZeRO-2 reduce gradients: once per step, or in every micro-step? The "
+                                 "gradient's size is in the first cell; all_reduce logs the whole tensor, all_gather "
+                                 "one rank's shard (1/N_d of the parameters)",
+                            why=why)
+
+
+def deepspeed_batch(config: dict, world_size: int) -> tuple[int, int, int]:
+    """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps) as DeepSpeed's own
+    ``DeepSpeedConfig`` resolves ``config`` on ``world_size`` ranks (deriving what the config leaves out)."""
+    environment.quiet_deepspeed_import()
+    from deepspeed.runtime import config as ds_config  # deferred: after the course has chosen its accelerator
+
+    ranks = mock.Mock(get_rank=lambda *a, **k: 0, get_world_size=lambda *a, **k: world_size)
+    with mock.patch.object(ds_config, "dist", ranks):
+        parsed = ds_config.DeepSpeedConfig(copy.deepcopy(config))
+    return parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps
+
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def exercise_batch_config(answer: dict, grid: Grid, accum: int = 8, stage: int = 2) -> exercises.Verdict:
+    """Exercise: write the batch lines of a ds_config with ``accum`` accumulation steps that keep the chapter's
+    global batch (``grid.global_batch``); checked by the course's checker and by DeepSpeed's own batch
+    arithmetic on the chapter's ranks, and told what the chapter measured at that point."""
+    world = next(iter(grid.fixed_global.values()))["world_size"]
+
+    def test(lines: dict) -> tuple[bool, str]:
+        if not isinstance(lines, dict):
+            raise TypeError("write the batch lines as a dict, e.g. {\"gradient_accumulation_steps\": 2}")
+        other = sorted(set(lines) - set(BATCH_KEYS))
+        if other:
+            return False, f"only the batch lines, please ({', '.join(BATCH_KEYS)}); not {', '.join(other)}."
+        base = {k: v for k, v in configs.load(f"zero{stage}").items() if k not in BATCH_KEYS}
+        config = {**base, **lines}
+        errors = [f for f in configs.check(config, world) if f.severity == "error"]
+        if errors:
+            return False, "the checker finds: " + "; ".join(f"{f.key}: {f.rule}" for f in errors) + "."
+        train, micro, steps = deepspeed_batch(config, world)
+        read = f"DeepSpeed reads train_batch_size {train} = {micro} x {steps} x {world} ranks"
+        if steps != accum or train != grid.global_batch:
+            return False, f"{read}; wanted accumulation {accum} and the global batch {grid.global_batch}."
+        measured, one = grid.fixed_global.get((stage, accum)), grid.fixed_global.get((stage, 1))
+        cost = (f" The chapter trained exactly this at ZeRO-{stage}: {_ops(measured)} per step, "
+                f"{measured.comm.bytes_per_step:,.0f} bytes; losses against accumulation 1: "
+                f"{records.loss_agreement(one.losses, measured.losses, measured.precision)}." if measured and one else "")
+        return True, f"{read}: the same samples per optimizer step, in {steps} micro-steps of {micro}.{cost}"
+
+    return exercises.satisfies("batch config", answer, test,
+                               task=f"Write the batch lines of a ds_config with gradient_accumulation_steps {accum} "
+                                    f"that keep the global batch of {grid.global_batch} samples on {world} ranks.",
+                               hint="train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps "
+                                    "x ranks; DeepSpeed derives whichever one you leave out")
+
+
+def how_measured(name: str = "grad-accum-claim") -> str:
+    """What measured each committed GPU result of the claim experiment: device, date, note and conditions."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    return "\n".join(f"Measured on {device}, {date} ({note}).\nConditions: {conditions}"
+                     for (device, date, note, _), conditions in zip(found, references.reference_conditions(name)))

@@ -21,9 +21,9 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed
 
-from helpers.core import configs, launch, plots, records, references, theory
+from helpers.core import configs, exercises, launch, plots, records, references, theory
 from helpers.core.configs import merged
-from helpers.core.environment import REPO_ROOT
+from helpers.core.environment import REPO_ROOT, quiet_deepspeed_import
 from helpers.core.records import format_bytes
 from helpers.core.plan import PlannedRun, emit, publish, reference_of
 
@@ -640,3 +640,94 @@ def offload_step_cost_s(psi: float, world_size: int, offload: str, to_host_bytes
     copies = traffic["to_host"] / to_host_bytes_per_s + traffic["to_accelerator"] / to_accelerator_bytes_per_s
     adam = shard * (cpu_adam_s_per_param - accelerator_adam_s_per_param)
     return {"copies_s": copies, "adam_s": adam, "total_s": copies + adam}
+
+
+# --- exercises ----------------------------------------------------------------------------------------
+
+#: Exercise 2's cluster: a 13B-parameter model in bf16 on 8 GPUs of 32 GB, 8 GB of each kept for
+#: activations and buffers, 512 GB of host memory for all the ranks.
+FIT_TASK = {"params": 13e9, "gpus": 8, "gpu_gb": 32, "reserve_gb": 8, "host_gb": 512}
+
+
+def exercise_host_bytes(answer: float, runs: Mapping[str, records.Record], name: str = "stage 3 + optimizer offload",
+                        rank: int = 0) -> exercises.Verdict:
+    """Exercise: predict the host bytes of model states per element of a rank's partition in run ``name``
+    (checked against what the ``placement`` probe found on the host side of ``rank``)."""
+    r = runs[name]
+    host = r.memory.placement(rank)["host"]
+    total = sum(host[k] for k in STATE_NAMES)
+    shard = r.params / r["world_size"]
+    formula = theory.bytes_per_parameter(r.stage, r["world_size"], offload_mode(r), r["precision"])["host"]
+    per = {k: host[k] / shard for k in STATE_NAMES}
+    why = (f"rank {rank} keeps {total:,} bytes of model states on the host for its {shard:,.0f} partition elements: "
+           f"Adam's two moments {per['optimizer']:.0f} + the fp32 master {per['master']:.0f} + gradients "
+           f"{per['grads']:.0f} per element. The paper's (2 + K) counts {formula * r['world_size']:.0f}, one 16-bit "
+           "gradient; DeepSpeed keeps the fp32 gradient its CPU Adam reads and a 16-bit accumulator beside it, "
+           "so plan host memory with the measured figure.")
+    return exercises.number("host bytes per parameter", answer, total / shard, relative=0.01,
+                            task=f"Predict the host bytes per partition element in the run '{name}'.",
+                            hint="add up what the host keeps per element: Adam's moments, the fp32 master and the "
+                                 "gradients as DeepSpeed stores them (the 'host gradient bytes' lines above)",
+                            why=why)
+
+
+def _parsed_zero(zero: dict):
+    """``zero`` as DeepSpeed reads a ``zero_optimization`` block (its pydantic model, with its defaults)."""
+    quiet_deepspeed_import()
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # deferred: after the course has chosen its accelerator
+
+    return DeepSpeedZeroConfig(**zero)
+
+
+def exercise_fit_config(answer: dict, runs: Mapping[str, records.Record], task: Mapping[str, float] = FIT_TASK) -> exercises.Verdict:
+    """Exercise: write a ``zero_optimization`` block that fits ``task["params"]`` parameters on the task's
+    cluster. The block is checked by the course's config checker (with DeepSpeed's Adam, bf16) and read by
+    DeepSpeed's own config model; the fit is the offload formulas with the host gradient bytes measured in
+    ``runs`` (:func:`measured_host_grad_bytes`); and the optimizer's offload must keep host memory pinned
+    (DeepSpeed's default, read from its config model)."""
+    gpus, params = int(task["gpus"]), task["params"]
+    measured = measured_host_grad_bytes(runs)
+
+    def test(zero: dict) -> tuple[bool, str]:
+        if not isinstance(zero, dict):
+            raise TypeError("write the zero_optimization block as a dict, e.g. {\"stage\": 1}")
+        config = {**configs.merged(configs.load("zero3"), merged(DEEPSPEED_ADAM, PRECISION)), "zero_optimization": zero}
+        problems = [f for f in configs.check(config, gpus)]
+        if problems:
+            return False, "the checker finds: " + "; ".join(f"{f.severity} {f.key}: {f.rule}" for f in problems) + "."
+        parsed = _parsed_zero(zero)
+        stage = int(parsed.stage)
+        optimizer = parsed.offload_optimizer is not None and parsed.offload_optimizer.device != "none"
+        param = stage == 3 and parsed.offload_param is not None and parsed.offload_param.device != "none"
+        mode = "optimizer+params" if optimizer and param else "optimizer" if optimizer else "none"
+        slope = host_bytes_per_parameter(stage, gpus, mode, measured.get(stage), "bf16")
+        fits, limit = _largest(task["gpu_gb"], stage, gpus, mode, task["host_gb"], task["reserve_gb"], slope, "bf16")
+        plan = (f"stage {stage}, offload {mode}: {theory.bytes_per_parameter(stage, gpus, mode, 'bf16')['accelerator']:.2f} "
+                f"bytes per parameter on each GPU and {slope * gpus:.2f} on the host (as DeepSpeed keeps gradients), "
+                f"so at most {fits / 1e9:.1f}B parameters fit ({limit} limits)")
+        if fits < params:
+            return False, f"{plan}: not the {params / 1e9:.0f}B asked for."
+        if optimizer and not parsed.offload_optimizer.pin_memory:
+            return False, (f"{plan}, but offload_optimizer.pin_memory is false (DeepSpeed's default is true): unpinned "
+                           "host memory cannot be copied by the GPU's DMA engines, so every copy goes through a bounce buffer.")
+        return True, (f"{plan}: {params / 1e9:.0f}B fits. Stage 3 divides the 16-bit parameters by the {gpus} GPUs and "
+                      "optimizer offload takes gradients, Adam's states and the fp32 master to the host, which the "
+                      f"{task['host_gb']:.0f} GB still hold.")
+
+    return exercises.satisfies("fit with offload", answer, test,
+                               task=(f"Write the zero_optimization block that fits {params / 1e9:.0f}B parameters (bf16) "
+                                     f"on {gpus} GPUs of {task['gpu_gb']:.0f} GB, keeping {task['reserve_gb']:.0f} GB "
+                                     f"free on each, with {task['host_gb']:.0f} GB of host memory."),
+                               hint="the largest-model table above: which rows keep under "
+                                    f"{(task['gpu_gb'] - task['reserve_gb']) * 1e9 / params:.2f} bytes per parameter "
+                                    "on each GPU? An offload block is {\"device\": \"cpu\", \"pin_memory\": True}.")
+
+
+def how_measured(name: str = "offload") -> str:
+    """What measured each committed GPU result of the chapter's experiment: device, date, the run's note and
+    the conditions stored with it (what else ran on the machine)."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    return "\n".join(f"Measured on {device}, {date} ({note}).\nConditions: {conditions}"
+                     for (device, date, note, _), conditions in zip(found, references.reference_conditions(name)))

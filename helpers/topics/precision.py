@@ -18,10 +18,11 @@ import math
 import re
 import statistics
 from typing import Any, Mapping
+from unittest import mock
 
 import torch
 
-from helpers.core import configs, environment, launch, models, performance, plots, records, references, theory
+from helpers.core import configs, environment, exercises, launch, models, performance, plots, records, references, theory
 from helpers.core.configs import merged
 from helpers.core.environment import quiet_deepspeed_import
 from helpers.core.plan import PlannedRun, emit, publish, reference_of
@@ -1004,3 +1005,153 @@ def loss_scale_trajectories(trajectories: Mapping[str, dict], title: str = "fp16
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+def bytes_per_parameter_bars(runs: Mapping[tuple[int, str], Any], rank: int = 0):
+    """One stacked bar per run: measured model-state bytes per parameter on ``rank``, by kind of state,
+    with the paper's total for the run's stage and precision marked."""
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(runs), 3.6))
+    labelled = set()
+    for i, ((stage, precision), r) in enumerate(runs.items()):
+        bottom, measured = 0.0, r.states(rank)
+        for key in records.MODEL_STATE_KEYS:
+            value = measured[key] / r.params
+            if value:
+                ax.bar(i, value, 0.6, bottom=bottom, color=plots.STATE_COLOURS[key],
+                       label=None if key in labelled else key)
+                labelled.add(key)
+                bottom += value
+        paper = theory.model_state_bytes(r.params, stage, r["world_size"], precision)["total"] / r.params
+        ax.plot([i - 0.35, i + 0.35], [paper, paper], color="black", linewidth=1.2,
+                label=None if "paper" in labelled else "paper's total")
+        labelled.add("paper")
+    ax.set_xticks(range(len(runs)), [f"ZeRO-{stage}\n{precision}" for stage, precision in runs])
+    ax.set_ylabel(f"bytes per parameter, rank {rank}")
+    ax.set_title("Model states per parameter, by precision and stage")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+# --- exercises ----------------------------------------------------------------------------------------
+
+#: Exercise 2: an fp16 section and the overflow verdicts of ten optimizer steps (True: inf/NaN found).
+SCALE_TASK_SECTION = {"initial_scale_power": 16, "loss_scale_window": 4, "hysteresis": 2}
+SCALE_TASK_OVERFLOWS = (False, True, False, True, True, False, False, False, False, False)
+#: Exercise 3: what the learner's fp16 section must make DeepSpeed's scaler do.
+SCALER_TASK = {"initial scale": 4096, "loss_scale_window": 100, "hysteresis": 1, "min_loss_scale": 1024}
+
+
+def drive_loss_scaler(section: Mapping[str, Any], overflows: tuple[bool, ...] | list[bool]) -> list[tuple[float, int]]:
+    """(scale, hysteresis left) after each of ``overflows`` as DeepSpeed's own scaler, built from ``section`` by
+    :func:`make_loss_scaler`, updates them (``update_scale``); ends early where DeepSpeed ends the run (at
+    ``min_loss_scale``), the last entry then ``(scale, -1)``. Outside a launch no process group exists, so
+    the rank DeepSpeed asks for (only to decide which rank logs) is taken as 0."""
+    from deepspeed.runtime.fp16 import loss_scaler  # deferred, as in make_loss_scaler
+
+    scaler, found = make_loss_scaler(section), []
+    with mock.patch.object(loss_scaler.dist, "get_rank", lambda: 0):
+        for overflow in overflows:
+            try:
+                scaler.update_scale(overflow)
+            except Exception as error:  # DeepSpeed's own end of the run
+                if "minimum" not in str(error):
+                    raise
+                found.append((scaler.cur_scale, -1))
+                break
+            found.append((scaler.cur_scale, getattr(scaler, "cur_hysteresis", 0)))
+    return found
+
+
+def exercise_bf16_bytes(answer: float, runs: Mapping[Any, Any], key: Any = ("accum", (3, "bf16")),
+                        rank: int = 0) -> exercises.Verdict:
+    """Exercise: predict the model-state bytes per parameter on ``rank`` of the chapter's run ``key`` (default:
+    ZeRO-3 in bf16, gradients accumulated in bf16), checked against the states the run measured."""
+    r = runs[key]
+    world, stage, measured = r["world_size"], r.stage, r.states(rank)
+    per = {k: measured[k] / r.params for k in records.MODEL_STATE_KEYS}
+    split = {0: "nothing", 1: "Adam's states and the master", 2: "the gradients, Adam's states and the master",
+             3: "every state"}[stage]
+    why = (f"measured on rank {rank} of {world}: bf16 parameters {per['params']:.2f} + bf16 gradients "
+           f"{per['grads']:.2f} + Adam's fp32 moments {per['optimizer']:.2f} + the fp32 master {per['master']:.2f}. "
+           f"The paper's 2 + 2 + K, with ZeRO-{stage} dividing {split} by N_d = {world}: mixed precision halves "
+           "the 16-bit states, never the fp32 ones.")
+    measured_total = round(r.model_state_bytes(rank) / r.params, 2)  # a few bytes of step counters aside
+    return exercises.number("bf16 bytes per parameter", answer, measured_total, relative=0.01,
+                            task=f"Predict the model-state bytes per parameter on one rank of ZeRO-{stage} in bf16 "
+                                 f"({world} ranks).",
+                            hint="list the four states with their dtype (2 or 4 bytes; Adam has two moments), then "
+                                 f"divide what ZeRO-{stage} partitions by the number of ranks",
+                            why=why)
+
+
+def exercise_loss_scale(answer: float, section: Mapping[str, Any] = SCALE_TASK_SECTION,
+                        overflows: tuple[bool, ...] = SCALE_TASK_OVERFLOWS) -> exercises.Verdict:
+    """Exercise: predict the loss scale after ``overflows`` with the fp16 ``section``, checked by driving
+    DeepSpeed's own loss scaler through them (:func:`drive_loss_scaler`)."""
+    path = drive_loss_scaler(section, overflows)
+    trace = "; ".join(f"{i} {'overflow' if o else 'ok'} -> 2^{math.log2(s):.0f}" + (f" (h {h})" if h >= 0 else " (ended)")
+                      for i, (o, (s, h)) in enumerate(zip(overflows, path), 1))
+    steps = "".join("X" if o else "." for o in overflows)
+    why = (f"DeepSpeed's DynamicLossScaler, step by step (scale after the step, h = hysteresis left): {trace}. "
+           "An overflow uses up one unit of hysteresis, and halves the scale once only one unit is left; the scale "
+           "doubles, and hysteresis is refilled, on the first clean step after loss_scale_window clean steps in a "
+           "row (update_scale's stable_interval in DeepSpeed 0.19.8).")
+    return exercises.number("loss scale", answer, path[-1][0],
+                            task=f"Predict the loss scale after the steps {steps} (X: overflow) with fp16 {dict(section)}.",
+                            hint="start at 2**initial_scale_power; an overflow halves it only when hysteresis is down "
+                                 "to 1; clean steps double it only after a whole window without overflow",
+                            why=why)
+
+
+def exercise_fp16_block(answer: dict, task: Mapping[str, float] = SCALER_TASK, world_size: int = 2) -> exercises.Verdict:
+    """Exercise: write an ``fp16`` block whose dynamic loss scaler, as DeepSpeed builds it (:func:`make_loss_scaler`),
+    has the ``task``'s initial scale, window, hysteresis and floor; the block must also pass the course's checker
+    on ``ds_configs/zero2.json``."""
+    from deepspeed.runtime.fp16 import loss_scaler  # deferred, as in make_loss_scaler
+
+    def test(block: dict) -> tuple[bool, str]:
+        if not isinstance(block, dict):
+            raise TypeError("write the fp16 block as a dict, e.g. {\"enabled\": True}")
+        if block.get("enabled") is not True:
+            return False, "fp16 is not enabled: DeepSpeed ignores the block unless it says \"enabled\": True."
+        findings = configs.check(configs.merged(configs.load("zero2"), {"fp16": block}), world_size)
+        if findings:
+            return False, "the checker finds: " + "; ".join(f"{f.severity} {f.key}: {f.rule}" for f in findings) + "."
+        scaler = make_loss_scaler({k: v for k, v in block.items() if k != "enabled"})
+        if not isinstance(scaler, loss_scaler.DynamicLossScaler):
+            return False, f"DeepSpeed builds a static scale of {scaler.cur_scale:g} from it: loss_scale must be 0 (dynamic)."
+        got = {"initial scale": scaler.cur_scale, "loss_scale_window": scaler.scale_window,
+               "hysteresis": scaler.delayed_shift, "min_loss_scale": scaler.min_scale}
+        path = drive_loss_scaler(block, [True] * 4)
+        scales = [f"{s:g}" for s, left in path if left >= 0]
+        story = (f"DeepSpeed's scaler starts at {got['initial scale']:g}; after each of four overflows in a row it is "
+                 f"{', '.join(scales) or 'the floor'}" + (f", and overflow {len(path)} ends the run (the scale is "
+                                                          "already at min_loss_scale)" if path[-1][1] < 0 else ""))
+        wrong = [f"{k} is {got[k]:g}, not {v:g}" for k, v in task.items() if got[k] != v]
+        if wrong:
+            return False, f"{story}; but {', '.join(wrong)}."
+        return True, (f"{story}. initial_scale_power sets 2^power, hysteresis 1 halves at the first overflow, "
+                      "and min_loss_scale is the floor where DeepSpeed's ZeRO optimizers end the run.")
+
+    wanted = ", ".join(f"{k} {v:g}" for k, v in task.items())
+    return exercises.satisfies("fp16 block", answer, test,
+                               task=f"Write an fp16 block for dynamic loss scaling with {wanted}.",
+                               hint="the knobs are loss_scale (0: dynamic), initial_scale_power (the scale starts at "
+                                    "2**power), loss_scale_window, hysteresis and min_loss_scale; the checker's cases "
+                                    "above show the block's form")
+
+
+def how_measured(names: tuple[str, ...] = ("precision-speed", "loss-scale")) -> str:
+    """What measured each committed GPU result the chapter reads (experiments ``names``): device, date, the
+    note stored with it and the conditions (what else ran on the machine)."""
+    lines = []
+    for name in names:
+        found = references.reference_runs(name)
+        if not found:
+            lines.append(references.no_references(name, references.GPU_HOW))
+        for (device, date, note, _), conditions in zip(found, references.reference_conditions(name)):
+            lines.append(f"{name}: measured on {device}, {date} ({note}).\nConditions: {conditions}")
+    return "\n".join(lines)
