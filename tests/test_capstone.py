@@ -350,13 +350,18 @@ def test_shortfall_bounds_what_hiding_communication_could_give():
     ladder["candidates"][2]["comm_exposed_share"] = 0.1
     assert capstone.shortfall(ladder).endswith("the communication left is what stands in the way.")
     # an overlap rung that was measured and dropped: hiding was tried and did not pay
+    setting = dataclasses.asdict(capstone.Setting())
+    for candidate in ladder["candidates"]:
+        candidate["setting"] = setting
     ladder["candidates"] += [
-        {"run": "r3", "rung": "overlap", "label": "overlap_comm", "tokens_per_s": 1.0,
+        {"run": "r3", "rung": "overlap", "label": "overlap_comm", "tokens_per_s": 1.0, "setting": setting,
          "verdict": "dropped: -6.6%, not above the 2.0% margin"},
         {"run": "r4", "rung": "overlap", "label": "overlap_comm, buckets 2e8", "verdict": "failed: out of memory"}]
     assert capstone.shortfall(ladder).endswith(
-        "enough for 50% on paper; but the overlap rung did not hide it here (overlap_comm -6.6%): communication that "
-        "the ladder's knobs could not hide is what stands in the way.")
+        "enough for 50% on paper; but the overlap rung did not hide it here (overlap_comm -6.6%).")
+    ladder["candidates"][3]["setting"] = {**setting, "micro_batch": 4, "grad_accum": 4}  # tried on other samples
+    assert capstone.shortfall(ladder).endswith(
+        "(overlap_comm -6.6% (tried on micro batch 4 x accumulation 4, before the kept 8 x 2)).")
     ladder["best_run"] = "r0"  # the baseline: the mean of its two runs
     assert capstone.shortfall(ladder).startswith("best 40.0% MFU with 3.0%")
 
