@@ -236,3 +236,92 @@ def test_the_construction_probe_refuses_a_run_built_otherwise():
 
     with pytest.raises(ValueError, match="give the run builder=zero.BUILDER"):
         zero.Construction().start(Ctx())
+
+
+# --- exercises ----------------------------------------------------------------------------------------------
+
+MLP = zero.model_parameter_sizes("mlp")  # 8 x (65,536 + 256)
+
+
+def _knob(calls: float, zero_block: dict, params: int | None = None) -> records.Record:
+    run = _record({"all_reduce": {"allreduce_bucket": {"count": calls, "bytes": 4000.0}}})
+    run.summary["config"] = {"zero_optimization": zero_block}
+    if params is not None:
+        run.summary["memory"]["model_states_bytes_per_rank"][0] = {**run.states(0), "params": params}
+    return run
+
+
+def test_bucket_calls_follow_deepspeeds_fill_then_send_rule():
+    assert zero.bucket_calls(MLP, 500_000_000) == 1
+    assert zero.bucket_calls(MLP, 100_000) == 8  # one layer per bucket, as the chapter's 1e5 run measured
+    assert zero.bucket_calls(MLP, 150_000) == 4
+
+
+def test_bucket_exercise_right_wrong_blank_and_a_rule_the_runs_contradict():
+    knobs = {"defaults": _knob(1, {"stage": 1}), "reduce_bucket_size=1e5": _knob(8, {"reduce_bucket_size": 100_000})}
+    assert zero.exercise_bucket_for_calls({"stage": 1, "reduce_bucket_size": 150_000}, knobs)
+    assert "3 gradient reduction" in str(zero.exercise_bucket_for_calls({"reduce_bucket_size": 200_000}, knobs))
+    assert "at least the largest" in str(zero.exercise_bucket_for_calls({"reduce_bucket_size": 10}, knobs))
+    assert not zero.exercise_bucket_for_calls(..., knobs).answered
+    wrong = {**knobs, "reduce_bucket_size=1e5": _knob(5, {"reduce_bucket_size": 100_000})}
+    assert "does not reproduce" in str(zero.exercise_bucket_for_calls({"reduce_bucket_size": 150_000}, wrong))
+
+
+def test_state_and_wire_bytes_are_the_records():
+    run = _record({"all_reduce": {"allreduce_bucket": {"count": 1.0, "bytes": 4000.0}}})
+    assert zero.exercise_state_bytes(12_000, run) and not zero.exercise_state_bytes(12_512, run)  # buffers left out
+    assert zero.exercise_wire_bytes(6000, run) and not zero.exercise_wire_bytes(8000, run)
+    assert not zero.exercise_state_bytes(..., run).answered and not zero.exercise_wire_bytes(..., run).answered
+
+
+def test_stage2_bytes_scale_the_gradient_part_with_the_micro_steps():
+    run = _record({"all_reduce": {"allreduce_bucket": {"count": 2.0, "bytes": 4000.0},
+                                  "get_grad_norm_direct": {"count": 1.0, "bytes": 4.0}},
+                   "all_gather_into_tensor": {"all_gather_into_tensor_dp_groups": {"count": 1.0, "bytes": 1000.0}}},
+                  grad_accum=2, train_batch=16)
+    run.summary["comm"]["wire_bytes_per_step"] = 5004.0  # 4000 gradients + 1000 gather + 4 norm, on 2 ranks
+    assert zero.stage2_wire_bytes_at(run, 4) == 9004.0
+    assert zero.exercise_stage2_bytes(9004, {(2, "fp32"): run}, 4)
+    assert not zero.exercise_stage2_bytes(5004, {(2, "fp32"): run}, 4)
+    assert not zero.exercise_stage2_bytes(..., {(2, "fp32"): run}).answered
+
+
+def test_overlap_buckets_counts_two_buckets_and_deepspeeds_defaults():
+    assert zero.bucket_bytes({"overlap_comm": True, "reduce_bucket_size": 10}) == 80
+    assert zero.bucket_bytes({"contiguous_gradients": False}) == 0
+    assert zero.exercise_overlap_buckets({"stage": 2, "overlap_comm": True, "reduce_bucket_size": 12_500_000})
+    assert "4,000,000,000" in str(zero.exercise_overlap_buckets({"stage": 2, "overlap_comm": True}))
+    assert not zero.exercise_overlap_buckets({"stage": 2, "reduce_bucket_size": 12_500_000})  # overlap off
+    assert not zero.exercise_overlap_buckets(...).answered
+
+
+def test_peak_knob_is_the_references_highest_peak():
+    assert zero.exercise_peak_knob("overlap_comm=true")
+    assert not zero.exercise_peak_knob("defaults") and not zero.exercise_peak_knob(...).answered
+
+
+def test_persistence_rule_keeps_small_parameters_whole_besides_every_shard():
+    shards = sum(MLP) // 2 * 4
+    assert zero.persistent_param_bytes(MLP, 0, 2) == shards
+    assert zero.persistent_param_bytes(MLP, 100_000, 2) == shards + sum(MLP) * 4
+    knobs = {"defaults": _knob(1, {"stage3_param_persistence_threshold": 0}, params=shards),
+             "persistence_threshold=1e5": _knob(1, {"stage3_param_persistence_threshold": 100_000},
+                                                params=shards + sum(MLP) * 4)}
+    assert zero.exercise_persistence({"stage": 3, "stage3_param_persistence_threshold": 1000}, knobs)
+    assert not zero.exercise_persistence({"stage3_param_persistence_threshold": 100_000}, knobs)
+    assert not zero.exercise_persistence(..., knobs).answered
+
+
+def test_init_peak_is_the_construction_probes():
+    run = _record({})
+    run.summary["construction"] = {"init": "zero.Init", "per_rank": [
+        {"full_bytes": 2000, "peak_bytes": 1100, "held_bytes": 1000, "largest_module_bytes": 200}]}
+    assert zero.exercise_init_peak(1100, {"zero.Init": run}) and not zero.exercise_init_peak(2000, {"zero.Init": run})
+    assert not zero.exercise_init_peak(..., {"zero.Init": run}).answered
+
+
+def test_bucket_rule_counts_a_reduce_per_owner_when_multi_rank_allreduce_is_off():
+    knobs = {"defaults": _knob(1, {"stage": 1}),
+             "use_multi_rank_bucket_allreduce=false": _knob(2, {"use_multi_rank_bucket_allreduce": False})}
+    assert zero.exercise_bucket_for_calls({"stage": 1, "reduce_bucket_size": 150_000}, knobs)
+    assert not zero.exercise_bucket_for_calls({"reduce_bucket_size": 150_000, "use_multi_rank_bucket_allreduce": False}, knobs)

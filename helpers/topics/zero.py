@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from helpers.core import environment, launch, models, records, references, theory
+from helpers.core import configs, environment, exercises, launch, models, records, references, theory
 from helpers.core.plan import reference_of
 from helpers.core import probes as probes_registry
 from helpers.core.probes import Probe, RunContext
@@ -598,3 +598,253 @@ def construction_estimate_table(psi: int, world_size: int, largest_module_params
                      f"{partitioned * world_size / 1e9:.1f}"])
     return records.format_table(rows, ["parameters in", "built whole: GB/rank", "GB/node",
                                        "zero.Init: GB/rank", "GB/node"])
+
+
+# --- exercises: predict, then check against the chapters' runs ----------------------------------------------
+
+def model_parameter_sizes(name: str = "mlp") -> list[int]:
+    """Elements of each parameter of the course model ``name``, in ``model.parameters()`` order (the order
+    DeepSpeed's ZeRO optimizer walks them)."""
+    return [p.numel() for p in models.build(name).parameters()]
+
+
+def bucket_calls(sizes: Sequence[int], bucket_size: int) -> int:
+    """Gradient reductions for parameters of ``sizes`` elements with ``reduce_bucket_size`` = ``bucket_size``,
+    by DeepSpeed's rule (``reduce_independent_p_g_buckets_and_remove_grads`` in ``stage_1_and_2.py``): a
+    gradient that would overflow the bucket first sends what it holds, and the rest goes at the end. Only for
+    buckets at least as large as the largest parameter (a larger one is reduced outside the bucket)."""
+    calls, filled = 0, 0
+    for n in sizes:
+        if filled + n > bucket_size:
+            calls, filled = calls + 1, 0
+        filled += n
+    return calls + (filled > 0)
+
+
+def exercise_state_bytes(answer: Any, record: records.Record) -> exercises.Verdict:
+    """Exercise: predict the model-state bytes per rank (parameters, gradients, optimizer states and the fp32
+    master copy; not buffers) of ``record``, as its rank 0 measured them."""
+    s, n = record.summary, record.world_size
+    return exercises.number(
+        "state bytes", answer, record.model_state_bytes(0), relative=0.01, unit=" bytes",
+        task=(f"Predict the model-state bytes one rank holds in the {record.label} run: Ψ = {record.params:,} "
+              f"parameters, N_d = {n}, stage {s['zero_stage']}, {s['precision']} (parameters + gradients + Adam's "
+              f"states + fp32 master copy; within 1%)."),
+        hint=("per parameter: 2 bytes of bf16 weights and 2 of gradients (fp32: 4 each), 8 of Adam's two moments "
+              "and 4 of fp32 master weights; which of them does this stage divide by N_d?"),
+        why=(f"The paper's formula for stage {s['zero_stage']} with K = 12, measured on rank 0: "
+             + ", ".join(f"{k} {v:,}" for k, v in record.states(0).items() if k != "buffers")
+             + " (Adam's step counters add a few bytes)."))
+
+
+#: What makes up a stage's bytes on the wire per optimizer step, for the hint of :func:`exercise_wire_bytes`.
+WIRE_HINTS = {
+    1: ("DeepSpeed's stage 1 all-reduces the whole fp32 gradient once per optimizer step (a ring sends "
+        "2(N_d-1)/N_d of it) and all-gathers the updated parameters (each rank sends its shard to N_d - 1 others)"),
+    3: ("with every layer released after use, each micro-step gathers the parameters in forward and again in "
+        "backward (each rank sends its shard to N_d - 1 others, each time) and reduce-scatters the gradients "
+        "((N_d-1)/N_d of them); count the micro-steps"),
+}
+
+
+def exercise_wire_bytes(answer: Any, record: records.Record, name: str = "") -> exercises.Verdict:
+    """Exercise: predict the bytes one rank sends per optimizer step in ``record`` (the comms log, counted on a
+    ring: :attr:`records.CommView.wire_bytes_per_step`), within 1%; ``name`` says which run it is."""
+    s = record.summary
+    parts = ", ".join(f"{op} x{row['count']:g}" for op, row in record.comm_ops().items())
+    return exercises.number(
+        "wire bytes", answer, record.comm.wire_bytes_per_step, relative=0.01, unit=" bytes",
+        task=(f"Predict the bytes one rank sends per optimizer step in the {name or record.label} run: Ψ = {record.params:,} "
+              f"parameters, N_d = {record.world_size}, {s['grad_accum']} micro-steps per optimizer step (within 1%)."),
+        hint=WIRE_HINTS.get(s["zero_stage"], "count each collective of a step and what a ring sends for it"),
+        why=(f"The comms log of the run, per optimizer step: {parts}; on a ring that is what one rank sends "
+             f"(the 4 or 8 bytes of the gradient norm's all_reduce are in it)."))
+
+
+def exercise_bucket_for_calls(answer: Any, knobs: Mapping[str, records.Record], calls: int = 4,
+                              model: str = "mlp") -> exercises.Verdict:
+    """Exercise: a ``zero_optimization`` block whose ``reduce_bucket_size`` makes stage 1 reduce the gradients of
+    ``model`` in ``calls`` calls per optimizer step. :func:`bucket_calls` counts them, once it reproduces the
+    calls the chapter's knob runs measured (``knobs``: each setting's record, with ``defaults``)."""
+    sizes = model_parameter_sizes(model)
+
+    def calls_per_step(zero_block: Mapping, size: int, world_size: int) -> int:
+        # one all_reduce per bucket, or one reduce per owner with use_multi_rank_bucket_allreduce off
+        per_bucket = 1 if zero_block.get("use_multi_rank_bucket_allreduce", True) else world_size
+        return bucket_calls(sizes, size) * per_bucket
+
+    def test(block) -> tuple[bool, str]:
+        if not isinstance(block, dict) or "reduce_bucket_size" not in block:
+            return False, "Write a dict with the key reduce_bucket_size."
+        for name, r in knobs.items():  # the rule against the measured runs
+            zero_block = r.summary.get("config", {}).get("zero_optimization", {})
+            size = int(zero_block.get("reduce_bucket_size", zero_default("reduce_bucket_size")))
+            if size >= max(sizes) and calls_per_step(zero_block, size, r.world_size) != gradient_calls(r):
+                return False, f"The bucketing rule does not reproduce the measured run {name!r}: report it."
+        size = block["reduce_bucket_size"]
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or size < max(sizes):
+            return False, (f"{size!r}: choose a number of elements at least the largest parameter's {max(sizes):,} "
+                           f"(a larger gradient skips the bucket).")
+        found = calls_per_step(block, int(size), knobs["defaults"].world_size)
+        said = (f"reduce_bucket_size {int(size):,} elements: {found} gradient reduction call(s) per optimizer step for "
+                f"parameters of {', '.join(f'{n:,}' for n in sorted(set(sizes), reverse=True))} elements.")
+        if found != calls:
+            return False, said
+        measured = ", ".join(f"{gradient_calls(r):g} with {name}" for name, r in knobs.items())
+        return True, (f"{said} DeepSpeed fills a bucket parameter by parameter and sends it when the next gradient "
+                      f"would overflow it; the same rule gives the calls the chapter's runs measured ({measured}).")
+
+    return exercises.satisfies(
+        "bucket size", answer, test,
+        task=(f"Write a zero_optimization block with a reduce_bucket_size that makes stage 1 reduce this model's "
+              f"gradients in exactly {calls} all_reduce calls per optimizer step."),
+        hint=("a bucket takes whole parameters until the next one would overflow it; each of the 8 layers has a "
+              "weight of 65,536 elements and a bias of 256: how many layers per bucket give that many calls?"))
+
+
+def stage2_wire_bytes_at(record: records.Record, accumulation: int) -> float:
+    """Bytes one rank would send per optimizer step if ``record`` (a stage-2 run) took ``accumulation``
+    micro-steps: its gradient reductions scale with the micro-steps (one per backward, as its comms log shows),
+    the parameters' all-gather and the norm's all_reduce do not."""
+    per_micro_step = sum(gradient_sent_bytes(op, row["bytes"], record.world_size)
+                         for op, _, row in _gradient_rows(record)) / record.summary["grad_accum"]
+    rest = record.comm.wire_bytes_per_step - per_micro_step * record.summary["grad_accum"]
+    return rest + per_micro_step * accumulation
+
+
+def exercise_stage2_bytes(answer: Any, runs: Mapping[tuple[int, str], records.Record],
+                          accumulation: int = 4) -> exercises.Verdict:
+    """Exercise: predict the bytes one rank sends per optimizer step at stage 2 (fp32, the chapter's model and
+    ranks) with ``accumulation`` micro-steps instead of the run's, from the chapter's measured stage-2 record."""
+    r2 = runs[(2, "fp32")]
+    expected = stage2_wire_bytes_at(r2, accumulation)
+    return exercises.number(
+        "stage 2 bytes", answer, expected, relative=0.01, unit=" bytes",
+        task=(f"The stage-2 run took {r2.summary['grad_accum']} micro-steps per optimizer step and each rank sent "
+              f"{r2.comm.wire_bytes_per_step:,.0f} bytes per step. Predict the bytes per step with {accumulation} "
+              f"micro-steps (within 1%)."),
+        hint="which collectives happen once per micro-step, and which once per optimizer step?",
+        why=(f"Stage 2 all-reduces the gradients after every backward "
+             f"({gradient_bytes(r2) / r2.summary['grad_accum']:,.0f} bytes per micro-step in the run's comms log), "
+             f"so that part grows with the micro-steps; the parameters' all-gather and the gradient norm come once "
+             f"per optimizer step. Stage 1 would still send its gradients once."))
+
+
+def bucket_bytes(block: Mapping, element_bytes: int = 4) -> int:
+    """Bytes of the gradient buckets stage 2 allocates for the ``zero_optimization`` ``block`` (DeepSpeed's
+    defaults for the keys it leaves out): one bucket of ``reduce_bucket_size`` elements if
+    ``contiguous_gradients`` is on, two with ``overlap_comm`` (``setup_buckets`` in ``stage_1_and_2.py``)."""
+    def get(key: str):
+        return block[key] if key in block else zero_default(key)
+
+    if not get("contiguous_gradients"):
+        return 0
+    return (2 if get("overlap_comm") else 1) * int(get("reduce_bucket_size")) * element_bytes
+
+
+def exercise_overlap_buckets(answer: Any, low: float = 50e6, high: float = 100e6) -> exercises.Verdict:
+    """Exercise: a stage-2 ``zero_optimization`` block with ``overlap_comm`` and ``contiguous_gradients`` on whose
+    fp32 gradient buckets take between ``low`` and ``high`` bytes per GPU (:func:`bucket_bytes`); the course's
+    checker must find no error in it."""
+    def test(block) -> tuple[bool, str]:
+        if not isinstance(block, dict):
+            return False, f"{block!r} is not a dict of zero_optimization keys."
+        config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": block,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+        errors = [f for f in configs.check(config, 2) if f.severity == "error"]
+        if errors:
+            return False, "The checker finds: " + "; ".join(f"{f.key}: {f.rule}" for f in errors) + "."
+        if block.get("stage") != 2:
+            return False, "This is a stage-2 block: set \"stage\": 2."
+        on = {key: block.get(key, zero_default(key)) for key in ("overlap_comm", "contiguous_gradients")}
+        if not all(on.values()):
+            return False, f"Keep overlap_comm and contiguous_gradients on (here: {on})."
+        found = bucket_bytes(block)
+        said = f"Two buckets (overlap_comm) of {int(block.get('reduce_bucket_size', zero_default('reduce_bucket_size'))):,} fp32 elements: {found:,} bytes per GPU."
+        if not low <= found <= high:
+            return False, f"{said} That is not between {low:,.0f} and {high:,.0f}."
+        return True, (f"{said} DeepSpeed's default of {int(zero_default('reduce_bucket_size')):,} elements would take "
+                      f"{bucket_bytes({'overlap_comm': True}):,}.")
+
+    return exercises.satisfies(
+        "overlap buckets", answer, test,
+        task=(f"Write a stage-2 zero_optimization block with overlap_comm on whose fp32 gradient buckets take "
+              f"between {low:,.0f} and {high:,.0f} bytes per GPU."),
+        hint="overlap_comm allocates two buckets of reduce_bucket_size elements, 4 bytes each in fp32.")
+
+
+def exercise_peak_knob(answer: Any, name: str = "zero2-knobs") -> exercises.Verdict:
+    """Exercise: which knob of the committed GPU reference ``name`` raised the peak memory per rank most above
+    ``defaults`` (rank 0's peak, from the reference)."""
+    device, gpu_runs = latest_reference(name)
+    peaks = {setting: r.memory.peak(0) for setting, r in gpu_runs.items()}
+    expected = max(peaks, key=peaks.get)
+    return exercises.choice(
+        "peak knob", answer, expected, choices=tuple(gpu_runs),
+        task=f"On {device}, which setting of the table raised the peak memory per rank the most?",
+        hint="which knob makes DeepSpeed allocate a second gradient bucket of reduce_bucket_size elements?",
+        why=(f"Its peak on rank 0 was {records.format_bytes(peaks[expected])} against "
+             f"{records.format_bytes(peaks['defaults'])} with defaults: overlap_comm reduces one bucket while "
+             f"backward fills the other, so it allocates two."))
+
+
+def exercise_init_peak(answer: Any, built: Mapping[str, records.Record]) -> exercises.Verdict:
+    """Exercise: predict the highest parameter bytes a rank held while building the model inside
+    ``deepspeed.zero.Init`` (the Construction probe of the ``zero.Init`` run in ``built``)."""
+    found = construction(built["zero.Init"])
+    n = built["zero.Init"].world_size
+    return exercises.number(
+        "zero.Init peak", answer, found["peak_bytes"], unit=" bytes",
+        task=(f"Built whole, a rank holds the whole model: {found['full_bytes']:,} bytes. Predict the most it holds "
+              f"while building it inside zero.Init on {n} ranks (the largest module, one layer, has "
+              f"{found['largest_module_bytes']:,} bytes of parameters)."),
+        hint="once a module's __init__ ends, DeepSpeed keeps only this rank's shard; the module being built is whole until then",
+        why=(f"the shards of the whole model ({found['held_bytes']:,}) plus the largest module whole while it is "
+             f"built ({found['largest_module_bytes']:,}) minus its own shard ({found['largest_module_bytes'] // n:,}), "
+             f"as the ranks measured it."))
+
+
+def persistent_param_bytes(sizes: Sequence[int], threshold: int, world_size: int, element_bytes: int = 4) -> int:
+    """Parameter bytes one rank holds at stage 3: every shard, plus each parameter of at most ``threshold``
+    elements whole (``stage3_param_persistence_threshold``: ``mark_persistent_parameters`` in
+    ``parameter_offload.py`` keeps a parameter with ``ds_numel <= param_threshold`` whole on every rank)."""
+    shards = sum(-(-n // world_size) for n in sizes)  # DeepSpeed pads each parameter to a multiple of N_d
+    whole = sum(n for n in sizes if n <= threshold)
+    return (shards + whole) * element_bytes
+
+
+def exercise_persistence(answer: Any, knobs: Mapping[str, records.Record], model: str = "mlp") -> exercises.Verdict:
+    """Exercise: a stage-3 ``zero_optimization`` block whose ``stage3_param_persistence_threshold`` keeps the
+    biases whole on every rank and partitions every weight. :func:`persistent_param_bytes` gives the bytes
+    per rank, once it reproduces the parameters the chapter's knob runs measured (``knobs``)."""
+    sizes = model_parameter_sizes(model)
+    small, large = min(sizes), max(sizes)
+
+    def test(block) -> tuple[bool, str]:
+        if not isinstance(block, dict) or "stage3_param_persistence_threshold" not in block:
+            return False, "Write a dict with the key stage3_param_persistence_threshold."
+        for name, r in knobs.items():
+            zero_block = r.summary.get("config", {}).get("zero_optimization", {})
+            threshold = zero_block.get("stage3_param_persistence_threshold", zero_default("stage3_param_persistence_threshold"))
+            if name in ("defaults", "persistence_threshold=1e5") and \
+                    persistent_param_bytes(sizes, int(threshold), r.world_size) != r.states(0)["params"]:
+                return False, f"The persistence rule does not reproduce the measured run {name!r}: report it."
+        threshold = block["stage3_param_persistence_threshold"]
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+            return False, f"{threshold!r} is not a number of elements."
+        n = knobs["defaults"].world_size
+        held = persistent_param_bytes(sizes, int(threshold), n)
+        whole = [s for s in sorted(set(sizes)) if s <= threshold]
+        said = (f"threshold {int(threshold):,}: parameters of {', '.join(f'{s:,}' for s in whole) or 'no'} elements "
+                f"stay whole; a rank holds {held:,} bytes of parameters (all shards: "
+                f"{persistent_param_bytes(sizes, 0, n):,}).")
+        if not small <= threshold < large:
+            return False, said
+        return True, (f"{said} The rule reproduces the chapter's runs (threshold 0 and DeepSpeed's default 1e5, "
+                      f"the params column above).")
+
+    return exercises.satisfies(
+        "persistence", answer, test,
+        task=("Write a zero_optimization block (stage 3) whose stage3_param_persistence_threshold keeps every bias "
+              "whole on every rank and partitions every weight."),
+        hint=f"DeepSpeed keeps a parameter whole when its elements are <= the threshold; a bias has {small:,}, a weight {large:,}.")
