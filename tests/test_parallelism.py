@@ -256,3 +256,47 @@ def test_autotp_record(swept):
 def test_deepspeed_checkpoint_keeps_each_layer_input_only(swept):
     found = swept["dsckpt"].summary["activations"]["per_rank"][0]
     assert found["per_layer"] == [4 * 64 * 64 * 4] * 2
+
+
+# --- chapter 10's exercises, on runs made up of what the activations probe records ----------------------
+
+class _Run(dict):
+    """A record stand-in: the summary fields and the activations section the exercises read."""
+
+    def __init__(self, model: str, per_layer: list[int], outside: int = 1000):
+        super().__init__(micro_batch=4, precision="fp32")
+        self.model_name = model
+        self._section = {"per_rank": [{"per_layer": per_layer, "outside": outside,
+                                       "total": sum(per_layer) + outside, "by_device": {"cpu": sum(per_layer) + outside}}]}
+
+    def section(self, name: str) -> dict:
+        assert name == "activations"
+        return self._section
+
+
+def test_exercise_checkpointed_layer_bytes_is_checked_against_the_probes_measurement():
+    shape = models.shape_of("llama-long")
+    kept = 4 * shape.seq * shape.hidden * 4  # b s h elements in fp32
+    runs = {"long-transformers": _Run("llama-long-ckpt", [kept, kept])}
+    assert activations.exercise_checkpointed_layer_bytes(kept, runs)
+    assert not activations.exercise_checkpointed_layer_bytes(kept // 4, runs)  # elements, not bytes
+    assert not activations.exercise_checkpointed_layer_bytes(..., runs).answered
+
+
+def test_exercise_cpu_checkpointing_block_is_parsed_by_deepspeed_and_names_ignored_keys():
+    assert activations.exercise_cpu_checkpointing_block({"cpu_checkpointing": True})
+    assert activations.exercise_cpu_checkpointing_block({"cpu_checkpointing": True, "partition_activations": False})
+    assert not activations.exercise_cpu_checkpointing_block({"cpu_checkpointing": True, "partition_activations": True})
+    ignored = activations.exercise_cpu_checkpointing_block({"cpu_offload": True})
+    assert not ignored and "DeepSpeed ignores 'cpu_offload'" in str(ignored)
+    assert not activations.exercise_cpu_checkpointing_block(...).answered
+
+
+def test_exercise_block_alone_reads_the_block_only_run_against_the_plain_one():
+    same = {"plain": _Run("llama", [500, 500]), "block-only": _Run("llama", [500, 500])}
+    assert activations.exercise_block_alone("nothing", same)
+    assert not activations.exercise_block_alone("checkpoints every layer", same)
+    fewer = {"plain": _Run("llama", [500, 500]), "block-only": _Run("llama", [20, 20])}
+    assert activations.exercise_block_alone("checkpoints every layer", fewer)
+    assert "not one of the choices" in str(activations.exercise_block_alone("everything", same))
+
