@@ -300,3 +300,26 @@ def test_exercise_block_alone_reads_the_block_only_run_against_the_plain_one():
     assert activations.exercise_block_alone("checkpoints every layer", fewer)
     assert "not one of the choices" in str(activations.exercise_block_alone("everything", same))
 
+
+# --- chapter 11's exercises: DeepSpeed's schedule and partitioning, run without processes ---------------
+
+def test_exercise_bubble_counts_deepspeeds_schedule():
+    assert pipeline.exercise_bubble(3 / 9, stages=4, micro_batches=6)
+    assert not pipeline.exercise_bubble(3 / 6, stages=4, micro_batches=6)  # (S-1)/M: the fill counted twice
+    assert not pipeline.exercise_bubble(..., stages=4, micro_batches=6).answered
+
+
+def test_exercise_micro_batches_is_the_smallest_m_below_the_bubble():
+    assert pipeline.exercise_micro_batches(28, stages=4, bubble=0.1)  # 3/31 < 0.1 <= 3/30
+    assert not pipeline.exercise_micro_batches(27, stages=4, bubble=0.1)
+    assert pipeline.exercise_micro_batches(2, stages=2, bubble=0.5)
+
+
+def test_exercise_partition_runs_deepspeeds_own_partitioning():
+    layers = pipeline.pipeline_layers("llama-gpu")
+    assert pipeline.deepspeed_partition(layers, 4, "uniform") == [0, 3, 6, 8, 10]
+    assert pipeline.exercise_partition("parameters") and pipeline.exercise_partition("type:DecoderStage")
+    assert not pipeline.exercise_partition("uniform")
+    assert "DeepSpeed refuses it" in str(pipeline.exercise_partition("profile"))
+    assert not pipeline.exercise_partition(...).answered
+
