@@ -323,3 +323,25 @@ def test_exercise_partition_runs_deepspeeds_own_partitioning():
     assert "DeepSpeed refuses it" in str(pipeline.exercise_partition("profile"))
     assert not pipeline.exercise_partition(...).answered
 
+
+# --- chapter 12's exercises ---------------------------------------------------------------------------
+
+def test_exercise_parameter_bytes_divides_only_what_the_plan_splits():
+    whole, split = tensor_parallel.planned_parameter_count(tensor_parallel.shapes_before("llama"), "llama")
+    assert tensor_parallel.exercise_parameter_bytes((whole + split // 4) * 4, tp=4)
+    assert not tensor_parallel.exercise_parameter_bytes((whole + split) // 4 * 4, tp=4)  # the embedding split too
+    assert not tensor_parallel.exercise_parameter_bytes(..., tp=4).answered
+
+
+def test_exercise_backward_all_reduces_reads_the_gpu_references_comms_logger():
+    assert tensor_parallel.exercise_backward_all_reduces(5 * 8 + 1)  # llama-gpu: 8 layers
+    assert not tensor_parallel.exercise_backward_all_reduces(2 * 8 + 1)  # Megatron-LM's fused count
+
+
+def test_exercise_autotp_config_is_parsed_by_deepspeed_and_counts_the_real_samples():
+    right = {"train_micro_batch_size_per_gpu": 16, "tensor_parallel": {"autotp_size": 4}}
+    assert tensor_parallel.exercise_autotp_config(right, world_size=8, tp=4, samples=32)
+    stated = {**right, "train_batch_size": 32}  # the real batch: DeepSpeed's check counts all 8 ranks
+    assert "DeepSpeed refuses it" in str(tensor_parallel.exercise_autotp_config(stated, world_size=8, tp=4, samples=32))
+    assert not tensor_parallel.exercise_autotp_config({"train_micro_batch_size_per_gpu": 16}, world_size=8, tp=4, samples=32)
+    assert not tensor_parallel.exercise_autotp_config(..., world_size=8, tp=4, samples=32).answered
