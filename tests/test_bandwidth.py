@@ -161,3 +161,34 @@ def test_what_if_puts_slower_links_above_faster_ones_and_overlap_below_serial():
     link = bandwidth.CommModel.for_link(bandwidth.LINKS["10 Gb/s"], 10e-6, 2)
     assert bandwidth.predict_step(p, link, overlap=True)["step_s"] == pytest.approx(max(p.compute_s, rows[0]["comm_s"]))
     assert "10 Gb/s: step (comm)" in bandwidth.what_if_table(rows).splitlines()[0]
+
+
+# --- the chapter's exercises -------------------------------------------------------------------------
+
+def test_exercise_collective_time_is_alpha_plus_beta_times_the_ring_wire_bytes_of_the_reference_fit():
+    _, model = bandwidth.reference_model()
+    ab, n = model.fits["all_reduce"], model.world_size
+    expected_ms = (ab.alpha + ab.beta * 2 * (n - 1) / n * bandwidth.EXERCISE_MESSAGE) * 1e3
+    assert bandwidth.exercise_collective_time(expected_ms)
+    assert bandwidth.exercise_collective_time(expected_ms * 1.04)
+    assert not bandwidth.exercise_collective_time(ab.alpha * 1e3)  # latency alone
+    blank = bandwidth.exercise_collective_time(...)
+    assert not blank.answered and "to do" in str(blank)
+
+
+def test_exercise_latency_bound_size_turns_alpha_over_beta_into_the_gathered_message():
+    _, model = bandwidth.reference_model()
+    ab, n = model.fits["all_gather"], model.world_size
+    assert bandwidth.exercise_latency_bound_size(ab.half_bandwidth_bytes * n / (n - 1))
+    assert not bandwidth.exercise_latency_bound_size(ab.half_bandwidth_bytes)  # wire bytes, not the message
+    assert not bandwidth.exercise_latency_bound_size(...).answered
+
+
+def test_exercise_comms_logger_asks_deepspeed_which_ops_its_logger_records():
+    only = {"prof_all": False, "prof_ops": ["all_reduce"]}
+    assert bandwidth.comms_logger_records(only) == {"all_reduce": True, "all_gather_into_tensor": False,
+                                                    "reduce_scatter_tensor": False}
+    assert bandwidth.exercise_comms_logger({"enabled": True, **only})
+    assert not bandwidth.exercise_comms_logger({"enabled": True})  # prof_all's default records every op
+    assert "ValidationError" in str(bandwidth.exercise_comms_logger({"prof_al": False}))  # DeepSpeed refuses the key
+    assert not bandwidth.exercise_comms_logger(...).answered

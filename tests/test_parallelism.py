@@ -256,3 +256,92 @@ def test_autotp_record(swept):
 def test_deepspeed_checkpoint_keeps_each_layer_input_only(swept):
     found = swept["dsckpt"].summary["activations"]["per_rank"][0]
     assert found["per_layer"] == [4 * 64 * 64 * 4] * 2
+
+
+# --- chapter 10's exercises, on runs made up of what the activations probe records ----------------------
+
+class _Run(dict):
+    """A record stand-in: the summary fields and the activations section the exercises read."""
+
+    def __init__(self, model: str, per_layer: list[int], outside: int = 1000):
+        super().__init__(micro_batch=4, precision="fp32")
+        self.model_name = model
+        self._section = {"per_rank": [{"per_layer": per_layer, "outside": outside,
+                                       "total": sum(per_layer) + outside, "by_device": {"cpu": sum(per_layer) + outside}}]}
+
+    def section(self, name: str) -> dict:
+        assert name == "activations"
+        return self._section
+
+
+def test_exercise_checkpointed_layer_bytes_is_checked_against_the_probes_measurement():
+    shape = models.shape_of("llama-long")
+    kept = 4 * shape.seq * shape.hidden * 4  # b s h elements in fp32
+    runs = {"long-transformers": _Run("llama-long-ckpt", [kept, kept])}
+    assert activations.exercise_checkpointed_layer_bytes(kept, runs)
+    assert not activations.exercise_checkpointed_layer_bytes(kept // 4, runs)  # elements, not bytes
+    assert not activations.exercise_checkpointed_layer_bytes(..., runs).answered
+
+
+def test_exercise_cpu_checkpointing_block_is_parsed_by_deepspeed_and_names_ignored_keys():
+    assert activations.exercise_cpu_checkpointing_block({"cpu_checkpointing": True})
+    assert activations.exercise_cpu_checkpointing_block({"cpu_checkpointing": True, "partition_activations": False})
+    assert not activations.exercise_cpu_checkpointing_block({"cpu_checkpointing": True, "partition_activations": True})
+    ignored = activations.exercise_cpu_checkpointing_block({"cpu_offload": True})
+    assert not ignored and "DeepSpeed ignores 'cpu_offload'" in str(ignored)
+    assert not activations.exercise_cpu_checkpointing_block(...).answered
+
+
+def test_exercise_block_alone_reads_the_block_only_run_against_the_plain_one():
+    same = {"plain": _Run("llama", [500, 500]), "block-only": _Run("llama", [500, 500])}
+    assert activations.exercise_block_alone("nothing", same)
+    assert not activations.exercise_block_alone("checkpoints every layer", same)
+    fewer = {"plain": _Run("llama", [500, 500]), "block-only": _Run("llama", [20, 20])}
+    assert activations.exercise_block_alone("checkpoints every layer", fewer)
+    assert "not one of the choices" in str(activations.exercise_block_alone("everything", same))
+
+
+# --- chapter 11's exercises: DeepSpeed's schedule and partitioning, run without processes ---------------
+
+def test_exercise_bubble_counts_deepspeeds_schedule():
+    assert pipeline.exercise_bubble(3 / 9, stages=4, micro_batches=6)
+    assert not pipeline.exercise_bubble(3 / 6, stages=4, micro_batches=6)  # (S-1)/M: the fill counted twice
+    assert not pipeline.exercise_bubble(..., stages=4, micro_batches=6).answered
+
+
+def test_exercise_micro_batches_is_the_smallest_m_below_the_bubble():
+    assert pipeline.exercise_micro_batches(28, stages=4, bubble=0.1)  # 3/31 < 0.1 <= 3/30
+    assert not pipeline.exercise_micro_batches(27, stages=4, bubble=0.1)
+    assert pipeline.exercise_micro_batches(2, stages=2, bubble=0.5)
+
+
+def test_exercise_partition_runs_deepspeeds_own_partitioning():
+    layers = pipeline.pipeline_layers("llama-gpu")
+    assert pipeline.deepspeed_partition(layers, 4, "uniform") == [0, 3, 6, 8, 10]
+    assert pipeline.exercise_partition("parameters") and pipeline.exercise_partition("type:DecoderStage")
+    assert not pipeline.exercise_partition("uniform")
+    assert "DeepSpeed refuses it" in str(pipeline.exercise_partition("profile"))
+    assert not pipeline.exercise_partition(...).answered
+
+
+# --- chapter 12's exercises ---------------------------------------------------------------------------
+
+def test_exercise_parameter_bytes_divides_only_what_the_plan_splits():
+    whole, split = tensor_parallel.planned_parameter_count(tensor_parallel.shapes_before("llama"), "llama")
+    assert tensor_parallel.exercise_parameter_bytes((whole + split // 4) * 4, tp=4)
+    assert not tensor_parallel.exercise_parameter_bytes((whole + split) // 4 * 4, tp=4)  # the embedding split too
+    assert not tensor_parallel.exercise_parameter_bytes(..., tp=4).answered
+
+
+def test_exercise_backward_all_reduces_reads_the_gpu_references_comms_logger():
+    assert tensor_parallel.exercise_backward_all_reduces(5 * 8 + 1)  # llama-gpu: 8 layers
+    assert not tensor_parallel.exercise_backward_all_reduces(2 * 8 + 1)  # Megatron-LM's fused count
+
+
+def test_exercise_autotp_config_is_parsed_by_deepspeed_and_counts_the_real_samples():
+    right = {"train_micro_batch_size_per_gpu": 16, "tensor_parallel": {"autotp_size": 4}}
+    assert tensor_parallel.exercise_autotp_config(right, world_size=8, tp=4, samples=32)
+    stated = {**right, "train_batch_size": 32}  # the real batch: DeepSpeed's check counts all 8 ranks
+    assert "DeepSpeed refuses it" in str(tensor_parallel.exercise_autotp_config(stated, world_size=8, tp=4, samples=32))
+    assert not tensor_parallel.exercise_autotp_config({"train_micro_batch_size_per_gpu": 16}, world_size=8, tp=4, samples=32)
+    assert not tensor_parallel.exercise_autotp_config(..., world_size=8, tp=4, samples=32).answered

@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from helpers.core import launch, models, plots, records, references, theory
+from helpers.core import exercises, launch, models, plots, records, references, theory
 from helpers.core.probes import Probe, RunContext
 
 
@@ -693,6 +693,90 @@ def reference_report(name: str = "activation-checkpointing") -> str:
     return references.references_report(name, gpu_table)
 
 
+# --- exercises: predict what a checkpointed layer keeps, configure DeepSpeed's checkpoint -----------
+
+def exercise_checkpointed_layer_bytes(answer: object, runs: Mapping[str, Any], name: str = "long-transformers") -> exercises.Verdict:
+    """Exercise: predict the bytes one checkpointed decoder layer of run ``name`` keeps for backward, checked
+    against what the ``activations`` probe measured on rank 0 (its last layer)."""
+    record = runs[name]
+    shape, batch = _shape(record), record["micro_batch"]
+    width = theory.bytes_per_element(record["precision"])
+    expected = measured(record)["per_layer"][-1]
+    formula = batch * shape.seq * shape.hidden * width
+    return exercises.number(
+        "checkpointed layer bytes", answer, expected, relative=0.01, unit=" bytes",
+        task=f"Predict the bytes one checkpointed decoder layer keeps for backward in the run '{name}' "
+             f"(micro-batch {batch}, {shape.seq} tokens, hidden {shape.hidden}, {record['precision']}).",
+        hint="a checkpointed layer keeps only its input, the hidden states entering it: b x s x h elements, "
+             f"at {width} bytes an element in {record['precision']}.",
+        why=f"the probe measured {expected:,} bytes; b x s x h x {width} = {batch} x {shape.seq} x {shape.hidden} x "
+            f"{width} = {formula:,.0f}. Nothing from inside the layer stays, not even the s² softmax: the replay "
+            "recomputes it during backward.")
+
+
+def block_settings() -> tuple[str, ...]:
+    """The keys DeepSpeed 0.19.8 reads from an ``activation_checkpointing`` block (any other key is ignored)."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT
+    return tuple(ACT_CHKPT_DEFAULT)
+
+
+def parse_block(block: dict) -> dict[str, Any]:
+    """The settings DeepSpeed's own parser (``DeepSpeedActivationCheckpointingConfig``, what ``DeepSpeedConfig``
+    and ``deepspeed.checkpointing.configure`` use) makes of ``activation_checkpointing = block``."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
+
+    if not isinstance(block, dict):
+        raise TypeError(f"the block is a dict of settings, not {type(block).__name__}")
+    parsed = DeepSpeedActivationCheckpointingConfig({"activation_checkpointing": block})
+    return {key: getattr(parsed, key) for key in block_settings()}
+
+
+def exercise_cpu_checkpointing_block(answer: object) -> exercises.Verdict:
+    """Exercise: write the ``activation_checkpointing`` block that has DeepSpeed's checkpoint keep each layer's
+    input in host memory and nothing else, checked with DeepSpeed's own parser (unknown keys, which it ignores
+    silently, are named)."""
+    def test(block: dict) -> tuple[bool, str]:
+        ignored = [key for key in block if key not in block_settings()]
+        if ignored:
+            return False, f"DeepSpeed ignores {', '.join(map(repr, ignored))}: its block has only {', '.join(block_settings())}."
+        parsed = parse_block(block)
+        on = [key for key, value in parsed.items() if value not in (False, None)]
+        if on == ["cpu_checkpointing"]:
+            return True, ("DeepSpeed parses it to cpu_checkpointing=True and every other setting off. Alone it does "
+                          "nothing: deepspeed.initialize parses the block and never reads it; only "
+                          "deepspeed.checkpointing.configure(mpu, deepspeed_config=...) reads it, and only "
+                          "deepspeed.checkpointing.checkpoint, called by the model around its layers, acts on it.")
+        return False, f"DeepSpeed parses it to {', '.join(f'{k}={v}' for k, v in parsed.items() if k in on) or 'every setting off'}."
+    return exercises.satisfies(
+        "cpu_checkpointing block", answer, test,
+        task="Write the activation_checkpointing block (a dict) that has DeepSpeed's checkpoint keep each layer's "
+             "input in host memory, with every other setting off.",
+        hint=f"the block's settings are {', '.join(block_settings())}; partitioning is not needed for host memory "
+             "(the chapter's text says why).")
+
+
+#: The choices of :func:`exercise_block_alone`.
+BLOCK_EFFECTS = ("nothing", "checkpoints every layer", "moves activations to host memory")
+
+
+def exercise_block_alone(answer: object, runs: Mapping[str, Any]) -> exercises.Verdict:
+    """Exercise: say what the config block with every setting on does to a model that never calls DeepSpeed's
+    checkpoint (one of :data:`BLOCK_EFFECTS`), checked against the chapter's 'block-only' and 'plain' runs."""
+    plain, block = measured(runs["plain"]), measured(runs["block-only"])
+    same = block["per_layer"] == plain["per_layer"] and block["total"] == plain["total"]
+    fewer = sum(block["per_layer"]) < sum(plain["per_layer"])
+    expected = "nothing" if same else ("checkpoints every layer" if fewer else "moves activations to host memory")
+    return exercises.choice(
+        "the block alone", answer, expected, choices=BLOCK_EFFECTS,
+        task=f"What does the activation_checkpointing block with every setting on do to the plain model? One of: "
+             f"{', '.join(map(repr, BLOCK_EFFECTS))}.",
+        hint="compare the 'block-only' run's saved bytes with the plain run's (activations.block_report).",
+        why=f"the block-only run saved {block['total']:,} bytes, {'the same as' if same else 'unlike'} the plain "
+            f"run's {plain['total']:,}: deepspeed.initialize parses the block and never acts on it.")
+
+
 # --- figures ----------------------------------------------------------------------------------------
 
 def activations_vs_sequence(curves: Mapping[str, tuple[Sequence[int], Sequence[float], float]],
@@ -776,3 +860,24 @@ def activation_bytes(layers: int, batch: int, seq: int, hidden: int, heads: int,
     per_layer = activation_bytes_per_layer(batch, seq, hidden, heads, intermediate, precision, checkpointed)["total"]
     rotary = 0 if checkpointed else rotary_bytes(seq, hidden // heads, precision)
     return layers * per_layer + rotary + activation_bytes_outside_layers(batch, seq, hidden, vocab, precision)
+
+
+def checkpointing_figure(runs: Mapping[str, Any], pairs: Sequence[tuple[str, str]] = (("plain", "transformers"),
+                                                                                       ("long", "long-transformers"))):
+    """The chapter's key result: bytes saved for backward in one micro-batch (rank 0), without and with
+    checkpointing, split into the decoder layers and what lies outside them; one panel per sequence length."""
+    plt = plots.pyplot()
+    fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs), 3.4), squeeze=False)
+    for ax, names in zip(axes[0], pairs):
+        found = [measured(runs[n]) for n in names]
+        layers = [sum(m["per_layer"]) / 2**20 for m in found]
+        outside = [m["outside"] / 2**20 for m in found]
+        labels = ["no checkpointing", "checkpointed"][:len(names)]
+        ax.bar(labels, layers, label="in the decoder layers")
+        ax.bar(labels, outside, bottom=layers, label="outside the layers", hatch="//")
+        ax.set(ylabel="MiB saved for backward", title=f"{models.seq_len_of(runs[names[0]].model_name)} tokens")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Activations kept for backward, rank 0, one micro-batch")
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

@@ -94,7 +94,7 @@ import torch
 import torch.distributed
 import torch.distributed as tdist
 
-from helpers.core import environment, launch, plots, records, references, theory
+from helpers.core import environment, exercises, launch, plots, records, references, theory
 from helpers.core.plan import PlannedRun, emit, publish, reference_of
 from helpers.topics import accumulation
 
@@ -1301,3 +1301,103 @@ def slow_link(rows: Sequence[dict], title: str = "Step time on a fast and a slow
     plt.close(fig)
     return fig
 
+
+
+# --- exercises: predict with the model, then configure what DeepSpeed records ----------------------
+
+#: The message of exercise 1: one all_reduce of 64 MiB, as a ZeRO bucket of gradients might be.
+EXERCISE_MESSAGE = 64 * 2**20
+
+
+def reference_model(name: str = "bandwidth-nvlink") -> tuple[str, CommModel]:
+    """The alpha-beta model fitted on the first committed GPU reference of ``name`` (its device and date, and
+    the model): the same on every machine, so exercises can check predictions against it."""
+    found = references.reference_runs(name)
+    if not found:
+        raise ValueError(f"no committed reference {name!r}: " + references.no_references(name))
+    device, date, _, runs = found[0]
+    return f"{device}, {date}", CommModel.from_benchmark(runs["collectives"])
+
+
+def _fit_words(op: str, where: str, model: CommModel) -> str:
+    ab = model.fits[op]
+    return (f"{op} on {where}: alpha = {ab.alpha * 1e6:,.1f} us, 1/beta = {ab.bandwidth / 1e9:.3g} GB/s "
+            f"({model.world_size} ranks)")
+
+
+def exercise_collective_time(answer: object, message_bytes: int = EXERCISE_MESSAGE, op: str = "all_reduce",
+                             reference: str = "bandwidth-nvlink") -> exercises.Verdict:
+    """Exercise: predict the milliseconds one ``op`` of ``message_bytes`` takes on the GPU reference's link, from
+    its fitted alpha and beta (t = alpha + beta x w, w the ring's wire bytes per rank); within 5%."""
+    where, model = reference_model(reference)
+    ab, n = model.fits[op], model.world_size
+    w = wire_bytes(op, message_bytes, n)
+    expected = ab.seconds(w) * 1e3
+    share = ab.beta * w / ab.seconds(w)
+    return exercises.number(
+        f"{op} time", answer, expected, relative=0.05, unit=" ms",
+        task=f"Predict, in milliseconds, one {op} of {records.format_bytes(message_bytes)} with the model fitted on "
+             f"{_fit_words(op, where, model)}.",
+        hint=f"t = alpha + beta x w, with w the bytes one rank sends: 2(n-1)/n x S for {op} on n ranks, and "
+             "beta = 1 / (1/beta); mind the units (us, GB/s = 1e9 bytes/s).",
+        why=f"w = 2(n-1)/n x S = {w:,.0f} bytes on {n} ranks; beta x w is {share:.0%} of the time and alpha the "
+            f"rest: at this size the call is bandwidth-bound, so doubling the message nearly doubles its time.")
+
+
+def exercise_latency_bound_size(answer: object, op: str = "all_gather",
+                                reference: str = "bandwidth-nvlink") -> exercises.Verdict:
+    """Exercise: predict the message size S (bytes; for all_gather the gathered result) at which alpha and
+    beta x w cost the same on the GPU reference's link, i.e. below which ``op`` is latency-bound; within 5%."""
+    where, model = reference_model(reference)
+    ab, n = model.fits[op], model.world_size
+    per_byte = wire_bytes(op, 1.0, n)  # wire bytes per byte of message
+    expected = ab.half_bandwidth_bytes / per_byte
+    return exercises.number(
+        f"{op} latency-bound below", answer, expected, relative=0.05, unit=" bytes",
+        task=f"Predict the message size S, in bytes, at which {op}'s alpha equals its bytes term, with the model "
+             f"fitted on {_fit_words(op, where, model)}.",
+        hint=f"solve alpha = beta x w for w, then turn wire bytes into the message: {op} on n ranks sends "
+             f"w = {per_byte:g} x S per rank (the fit table's alpha/beta column is w, not S).",
+        why=f"alpha / beta = {records.format_bytes(ab.half_bandwidth_bytes)} of wire bytes, and each rank sends "
+            f"{per_byte:g} x S, so S = {records.format_bytes(expected)}: below it a call costs about alpha whatever "
+            "its size, which is why many small collectives (stage 3's per-layer gathers, small buckets) cost more "
+            "than their bytes suggest.")
+
+
+#: The collectives the chapter's ZeRO runs call, as DeepSpeed's comms logger names them.
+LOGGED_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def comms_logger_records(block: dict, ops: Sequence[str] = LOGGED_OPS) -> dict[str, bool]:
+    """Which of ``ops`` DeepSpeed 0.19.8 records with the config block ``comms_logger = block``: DeepSpeed's own
+    config model (``DeepSpeedCommsConfig``, which refuses unknown keys) configures a fresh ``CommsLogger``, and
+    ``timed_op`` profiles a call when the logger is on and ``prof_all`` is set or the op is in ``prof_ops``."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.comm.config import DeepSpeedCommsConfig
+    from deepspeed.utils.comms_logging import CommsLogger
+
+    if not isinstance(block, dict):
+        raise TypeError(f"the block is a dict of settings, not {type(block).__name__}")
+    logger = CommsLogger()
+    logger.configure(DeepSpeedCommsConfig({"comms_logger": block}))
+    return {op: bool(logger.enabled and (logger.prof_all or op in logger.prof_ops)) for op in ops}
+
+
+def exercise_comms_logger(answer: object, wanted: str = "all_reduce") -> exercises.Verdict:
+    """Exercise: write a ``comms_logger`` config block that makes DeepSpeed record ``wanted`` calls only (of the
+    collectives ZeRO calls), checked by configuring DeepSpeed's own logger with it."""
+    def test(block: dict) -> tuple[bool, str]:
+        logged = comms_logger_records(block)
+        found = ", ".join(op for op, on in logged.items() if on) or "nothing"
+        right = logged[wanted] and not any(on for op, on in logged.items() if op != wanted)
+        if right:
+            return True, (f"DeepSpeed records {found}. The block's presence alone turns the logger on "
+                          "(DeepSpeedCommsConfig reads 'comms_logger' in the config, not its 'enabled'); prof_all "
+                          "(default true) records every op, so it must be false for prof_ops to select.")
+        return False, f"With this block DeepSpeed records: {found}."
+    return exercises.satisfies(
+        "comms_logger block", answer, test,
+        task=f"Write the comms_logger block (a dict) that makes DeepSpeed record the {wanted} calls of a ZeRO run "
+             f"and not its {', '.join(op for op in LOGGED_OPS if op != wanted)}.",
+        hint="CommsLoggerConfig's fields are enabled, prof_all, prof_ops, verbose and debug; prof_all is true by "
+             "default and then every op is recorded.")

@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from helpers.core import environment, launch, models, plots, records, references, theory
+from helpers.core import environment, exercises, launch, models, plots, records, references, theory
 from helpers.core.plan import PlannedRun, reference_of
 from helpers.core.probes import Probe, RunContext
 from helpers.topics import activations
@@ -558,6 +558,97 @@ def bubble_vs_micro_batches(measured: Mapping[int, Sequence[float]], stages: int
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+# --- exercises: predict the bubble, partition a pipeline, choose the micro-batches -------------------
+
+def exercise_bubble(answer: object, stages: int = 4, micro_batches: int = 6) -> exercises.Verdict:
+    """Exercise: predict the share of its steps each stage idles in DeepSpeed's schedule of ``stages`` stages and
+    ``micro_batches`` micro-batches, counted in DeepSpeed's own ``TrainSchedule``; within 0.01."""
+    expected = schedule_bubble(stages, micro_batches)
+    steps = len(schedule_grid(stages, micro_batches)[0])
+    return exercises.number(
+        "bubble", answer, expected, absolute=0.01,
+        task=f"Predict the share of its steps (a fraction, 0 to 1) each stage idles in DeepSpeed's schedule with "
+             f"S = {stages} stages and M = {micro_batches} micro-batches.",
+        hint="the schedule has 2(M + S - 1) steps and each stage computes a forward and a backward of each "
+             "micro-batch, 2M of them; the rest is idle.",
+        why=f"DeepSpeed's TrainSchedule has {steps} steps, each stage computes in {2 * micro_batches}: "
+            f"(S-1)/(M+S-1) = {stages - 1}/{micro_batches + stages - 1}. The S-1 idle steps at each end are the "
+            "filling and draining of the pipeline; only more micro-batches per step dilute them.")
+
+
+def exercise_micro_batches(answer: object, stages: int = 4, bubble: float = 0.1) -> exercises.Verdict:
+    """Exercise: the ``gradient_accumulation_steps`` (micro-batches per step, M) that a pipeline of ``stages``
+    stages needs for its schedule to idle less than ``bubble``: the smallest M, counted in DeepSpeed's
+    ``TrainSchedule``."""
+    needed = next(m for m in range(1, 10_000) if schedule_bubble(stages, m) < bubble)
+    return exercises.number(
+        "micro-batches", answer, needed,
+        task=f"Give the smallest gradient_accumulation_steps (M, the micro-batches of one train_batch) for which a "
+             f"{stages}-stage pipeline idles less than {bubble:.0%} of its steps.",
+        hint=f"solve (S-1)/(M+S-1) < {bubble:g} for the smallest whole M; in a pipeline engine "
+             "gradient_accumulation_steps is the number of micro-batches train_batch pushes through.",
+        why=f"at M = {needed} DeepSpeed's schedule idles {schedule_bubble(stages, needed):.3f} of its steps, at "
+            f"M = {needed - 1} {schedule_bubble(stages, needed - 1):.3f}. At a fixed global batch that many "
+            "micro-batches are small ones: the price of a small bubble.")
+
+
+def pipeline_layers(name: str = "llama-gpu") -> list[nn.Module]:
+    """The pipeline layers of the LLaMA-style model ``name`` (:func:`llama_stages`), built on the meta device:
+    their parameters have shapes but no memory, enough for DeepSpeed to count them."""
+    from transformers import LlamaForCausalLM  # deferred: slow to import
+
+    with torch.device("meta"):
+        return llama_stages(LlamaForCausalLM(models.llama_config(name)))
+
+
+def deepspeed_partition(layers: Sequence[nn.Module], num_stages: int, partition_method: str) -> list[int]:
+    """The stage boundaries ``PipelineModule(layers, num_stages, partition_method=...)`` computes, by DeepSpeed's
+    own ``PipelineModule._partition_layers`` (run on a stand-in that has the layers and no process group):
+    stage k holds ``layers[parts[k]:parts[k+1]]``."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.pipe import PipelineModule
+
+    if not isinstance(partition_method, str):
+        raise TypeError(f"partition_method is a string, not {type(partition_method).__name__}")
+    stand_in = type("StandIn", (), {})()
+    stand_in.num_stages, stand_in.global_rank, stand_in.loss_fn = num_stages, 1, None  # rank 1: DeepSpeed prints nothing
+    stand_in._layer_specs = list(layers)
+    stand_in._topo = type("Topology", (), {"get_coord": staticmethod(lambda rank: type("Coord", (), {"pipe": 0})())})()
+    stand_in._count_layer_params = lambda: PipelineModule._count_layer_params(stand_in)
+    stand_in._find_layer_type = lambda name: PipelineModule._find_layer_type(stand_in, name)
+    stand_in._set_bounds = lambda start, stop: None
+    PipelineModule._partition_layers(stand_in, method=partition_method)
+    return [int(part) for part in stand_in.parts]
+
+
+def exercise_partition(answer: object, name: str = "llama-gpu", num_stages: int = 4) -> exercises.Verdict:
+    """Exercise: a ``partition_method`` for ``PipelineModule`` that gives each of ``num_stages`` stages of
+    ``name``'s pipeline layers the same number of decoder layers, checked by DeepSpeed's own partitioning."""
+    layers = pipeline_layers(name)
+
+    def test(method: str) -> tuple[bool, str]:
+        try:
+            parts = deepspeed_partition(layers, num_stages, method)
+        except (NotImplementedError, RuntimeError) as error:  # DeepSpeed's refusals of a method
+            return False, f"DeepSpeed refuses it: {str(error).rstrip('.')}."
+        def decoders(cuts: list[int]) -> list[int]:
+            return [sum(isinstance(layer, DecoderStage) for layer in layers[a:b]) for a, b in zip(cuts, cuts[1:])]
+        found = f"DeepSpeed cuts at {parts}: decoder layers per stage {decoders(parts)}."
+        if len(set(decoders(parts))) == 1:
+            uniform = decoders(deepspeed_partition(layers, num_stages, "uniform"))
+            return True, (f"{found} 'uniform' counts layers, not their weight, and gives {uniform}: the light "
+                          "embedding and head count as much as a decoder layer. 'parameters' and "
+                          "'type:DecoderStage' both balance the decoders here.")
+        return False, found
+    return exercises.satisfies(
+        "partition_method", answer, test,
+        task=f"Write the partition_method of PipelineModule(layers, num_stages={num_stages}, partition_method=...) "
+             f"that gives each stage the same number of decoder layers of {name} ({models.shape_of(name).layers} "
+             f"decoder layers between an embedding and a head: {len(layers)} pipeline layers).",
+        hint="DeepSpeed knows 'uniform' (the same number of layers), 'parameters' (the same number of parameters) "
+             "and 'type:<regex>' (the same number of layers whose class name matches).")
 
 
 # --- formulas ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import fnmatch
 import math
 from typing import Mapping, Sequence
 
-from helpers.core import configs, environment, launch, models, plots, records, references, theory
+from helpers.core import configs, environment, exercises, launch, models, plots, records, references, theory
 from helpers.core.probes import Probe, RunContext
 
 
@@ -322,6 +322,96 @@ def traffic_vs_tokens(tokens: Sequence[int], lines: Mapping[str, Sequence[float]
 
 # --- formulas ---------------------------------------------------------------------------------------
 
+# --- exercises: predict what AutoTP keeps and sends, configure it ----------------------------------------
+
+def exercise_parameter_bytes(answer: object, name: str = "llama", tp: int = 4, precision: str = "fp32") -> exercises.Verdict:
+    """Exercise: predict the parameter bytes each rank holds when AutoTP splits model ``name`` over ``tp`` ranks:
+    the modules transformers' tensor-parallel plan splits, as DeepSpeed converts it (:func:`planned_parameter_count`),
+    divided by ``tp``, the rest whole."""
+    before = shapes_before(name)
+    whole, split = planned_parameter_count(before, name)
+    if split % tp:
+        raise ValueError(f"{split} split elements do not divide by {tp} ranks")
+    width = theory.bytes_per_element(precision)
+    expected = (whole + split // tp) * width
+    return exercises.number(
+        "AutoTP parameter bytes", answer, expected, unit=" bytes",
+        task=f"Predict the parameter bytes each rank holds when AutoTP splits the course's '{name}' model over "
+             f"autotp_size = {tp} ranks ({precision}).",
+        hint="the memory table above gives the elements at autotp_size 2; what the plan splits (shapes table) "
+             f"divides by {tp}, what it keeps whole (the embedding, the norms) stays whole; {width} bytes an element.",
+        why=f"{whole:,} elements kept whole + {split:,} split / {tp} = {whole + split // tp:,} elements x {width} "
+            f"bytes: {(whole + split / tp) / (whole + split):.3f} of the model, not 1/{tp}, because the "
+            "replicated embedding does not shrink with more ranks.")
+
+
+def exercise_backward_all_reduces(answer: object, name: str = "tensor-parallel") -> exercises.Verdict:
+    """Exercise: predict the all-reduces per micro-step in the backward of AutoTP on the GPU reference's model,
+    checked against the count DeepSpeed's comms logger recorded there."""
+    found = references.reference_runs(name)
+    if not found:
+        raise ValueError(references.no_references(name))
+    device, date, _, runs = found[0]
+    record = runs["autotp"]
+    shape = models.shape_of(record.model_name)
+    expected = record.comm.by_caller["all_reduce"]["backward"]["count"] / record["grad_accum"]
+    return exercises.number(
+        "AutoTP backward all-reduces", answer, expected,
+        task=f"Predict how many all_reduce calls AutoTP makes per micro-step in the backward of {record.model_name} "
+             f"({shape.layers} decoder layers), as measured on {device} ({date}).",
+        hint="in backward the input gradient of each column-parallel linear is summed over the ranks; count them "
+             "per layer (attention and MLP), then add the LM head.",
+        why=f"DeepSpeed's comms logger recorded {expected:g} per micro-step: 5 per layer (q_proj, k_proj, v_proj, "
+            f"gate_proj, up_proj) x {shape.layers} + 1 (lm_head). Megatron-LM sums the shared inputs once, 2 per "
+            "layer; AutoTP replaces each linear on its own.")
+
+
+def autotp_config_facts(config: dict, world_size: int) -> dict:
+    """What DeepSpeed makes of ``config`` on ``world_size`` ranks: its refusal (``DeepSpeedConfig``, None when it
+    accepts), ``autotp_size`` (its ``TPTrainingConfig``), the train batch DeepSpeed reports (all ranks counted) and
+    the samples a step really trains on (micro-batch x accumulation x data-parallel ranks = world / autotp_size)."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
+
+    if not isinstance(config, dict):
+        raise TypeError(f"the config is a dict, not {type(config).__name__}")
+    tp = get_tensor_parallel_config(config).autotp_size
+    refusal = configs.deepspeed_parse(config, world_size)
+    micro = config.get("train_micro_batch_size_per_gpu")
+    accum = config.get("gradient_accumulation_steps", 1)
+    reported = config.get("train_batch_size") or ((micro or 0) * accum * world_size)
+    if micro is None and config.get("train_batch_size"):  # DeepSpeed derives the micro-batch from the batch
+        micro = config["train_batch_size"] // (accum * world_size)
+    real = (micro or 0) * accum * (world_size // tp) if tp else None
+    return {"refusal": refusal, "autotp_size": tp, "reported": reported, "real": real}
+
+
+def exercise_autotp_config(answer: object, world_size: int = 8, tp: int = 4, samples: int = 32) -> exercises.Verdict:
+    """Exercise: a DeepSpeed config for AutoTP of ``tp`` ranks on ``world_size`` ranks whose steps train on
+    ``samples`` samples, checked by DeepSpeed's own parser (the batch arithmetic) and the tensor-parallel
+    config model, and by counting the samples its data-parallel ranks really read."""
+    def test(config: dict) -> tuple[bool, str]:
+        facts = autotp_config_facts(config, world_size)
+        if facts["refusal"] is not None:
+            return False, f"DeepSpeed refuses it: {type(facts['refusal']).__name__}: {facts['refusal']}"
+        if facts["autotp_size"] != tp:
+            return False, f"tensor_parallel.autotp_size is {facts['autotp_size']} (0: AutoTP off)."
+        if facts["real"] != samples:
+            return False, (f"DeepSpeed accepts it, but a step trains on {facts['real']} samples: micro-batch x "
+                           f"accumulation x {world_size // tp} data-parallel ranks.")
+        return True, (f"DeepSpeed accepts it with autotp_size {tp}; a step trains on {samples} samples "
+                      f"({world_size // tp} data-parallel ranks), while DeepSpeed reports a train batch of "
+                      f"{facts['reported']}: it counts all {world_size} ranks, each of a tensor-parallel group "
+                      "reading the same samples.")
+    return exercises.satisfies(
+        "AutoTP config", answer, test,
+        task=f"Write a DeepSpeed config (a dict) for {world_size} GPUs with AutoTP over groups of {tp}, whose optimizer "
+             f"steps train on {samples} samples, with no gradient accumulation.",
+        hint=f"the section is 'tensor_parallel': {{'autotp_size': ...}}; {world_size} ranks in groups of {tp} are "
+             f"{world_size // tp} data-parallel ranks, and DeepSpeed's batch check multiplies by all {world_size}: "
+             "set train_micro_batch_size_per_gpu and leave train_batch_size out.")
+
+
 def tensor_parallel_collectives(layers: int, batch: int, seq: int, hidden: int, vocab: int, tp: int,
                                 precision: str = "fp32") -> dict[tuple[str, str], tuple[int, float]]:
     """Collectives per micro-step of DeepSpeed AutoTP on a LLaMA model, as {(op, pass): (count, logged bytes
@@ -348,3 +438,10 @@ def tensor_parallel_wire_bytes(layers: int, batch: int, seq: int, hidden: int, v
     return sum(count * theory.wire_bytes(op, size, tp)
                for (op, _), (count, size) in tensor_parallel_collectives(layers, batch, seq, hidden, vocab, tp,
                                                                         precision).items())
+
+
+def key_figure(runs: Mapping):
+    """The chapter's key result: bytes sent per micro-step by AutoTP and by ZeRO-3 against tokens per
+    micro-step, the formula lines and this run's measurements (:func:`traffic_curves`)."""
+    tokens, lines, measured = traffic_curves(runs["autotp"], runs["zero3"])
+    return traffic_vs_tokens(tokens, lines, measured)
