@@ -909,16 +909,19 @@ def script_command(script: str | Path, args: Sequence[str] = (), world_size: int
     env = environment.detect(world_size)
     world = env.default_world_size if world_size is None else world_size
     port = port or free_port()
-    program = Path(sys.executable).with_name(launcher)
-    program = str(program) if program.exists() else launcher
+    # the command beside this Python; where it was installed without its scripts, the module it runs
+    script_path = Path(sys.executable).with_name(launcher)
+    modules = {"deepspeed": "deepspeed.launcher.runner", "accelerate": "accelerate.commands.launch"}
+    program = [str(script_path)] if script_path.exists() else [sys.executable, "-m", modules[launcher]]
     if launcher == "accelerate":
-        return [program, "launch", "--num_processes", str(world), "--num_machines", "1", "--use_deepspeed",
+        program += ["launch"] if script_path.exists() else []
+        return [*program, "--num_processes", str(world), "--num_machines", "1", "--use_deepspeed",
                 "--deepspeed_config_file", str(deepspeed_config), "--main_process_port", str(port),
                 *(["--gpu_ids", ",".join(map(str, env.gpu_ids[:world]))] if env.gpu_ids else []),
                 str(script), *map(str, args)]
     where = (["--include", "localhost:" + ",".join(map(str, env.gpu_ids[:world]))] if env.gpu_ids
              else ["--num_gpus", str(world)])
-    return [program, *where, "--master_port", str(port), str(script), *map(str, args)]
+    return [*program, *where, "--master_port", str(port), str(script), *map(str, args)]
 
 
 def run_script(script: str | Path, args: Sequence[str] = (), *, world_size: int | None = None,
@@ -939,8 +942,11 @@ def run_script(script: str | Path, args: Sequence[str] = (), *, world_size: int 
     child, _ = environment.child_env(env, world)
     # the script imports the course's package (helpers.measure) from this checkout
     child["PYTHONPATH"] = os.pathsep.join(filter(None, [str(environment.REPO_ROOT), child.get("PYTHONPATH", "")]))
-    if show:
-        print("$ " + shlex.join([launcher, *argv[1:]]), flush=True)
+    if show:  # as a learner types it
+        rest = argv[3:] if argv[1] == "-m" else argv[1:]
+        if launcher == "accelerate" and rest[0] != "launch":
+            rest = ["launch", *rest]
+        print("$ " + shlex.join([launcher, *rest]), flush=True)
     process = subprocess.Popen(argv, env=child, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     lines: queue.Queue = queue.Queue()
