@@ -946,7 +946,7 @@ def run_script(script: str | Path, args: Sequence[str] = (), *, world_size: int 
         rest = argv[3:] if argv[1] == "-m" else argv[1:]
         if launcher == "accelerate" and rest[0] != "launch":
             rest = ["launch", *rest]
-        print("$ " + shlex.join([launcher, *rest]), flush=True)
+        print("$ " + shlex.join([launcher, *rest]).replace(f"{environment.REPO_ROOT}/", ""), flush=True)
     process = subprocess.Popen(argv, env=child, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     lines: queue.Queue = queue.Queue()
@@ -963,8 +963,8 @@ def run_script(script: str | Path, args: Sequence[str] = (), *, world_size: int 
                 break
             if line:
                 output.append(line)
-                if show:
-                    print(line, end="", flush=True)
+                if show:  # paths inside the course's folder shown relative to it, as on any learner's machine
+                    print(line.replace(f"{environment.REPO_ROOT}/", ""), end="", flush=True)
             if time.monotonic() > deadline:
                 raise RunFailed(f"{script.name} ran past its timeout of {timeout:.0f} s: stopped",
                                 log_tail="".join(output[-40:]))
