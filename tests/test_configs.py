@@ -286,3 +286,12 @@ def test_cli_check_clean_config_exits_0():
     result = _cli("check", "zero2", "--world-size", "2")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 error(s), 0 warning(s)" in result.stdout
+
+
+def test_zero_section_reads_a_block_as_deepspeed_does_and_names_its_refusal():
+    assert configs.zero_section({"stage": 3}).stage == 3
+    assert configs.zero_section({"stage": 2}).overlap_comm is not None  # DeepSpeed's default filled in
+    with pytest.raises(ValueError, match="DeepSpeed refuses the block"):
+        configs.zero_section({"stage": 3, "zero_hpz_partition_sise": 8})
+    with pytest.raises(ValueError, match="list is not a block"):
+        configs.zero_section([3])

@@ -41,7 +41,7 @@ from unittest import mock
 
 import torch
 
-from helpers.core.environment import REPO_ROOT, Environment, nvme_offload_support
+from helpers.core.environment import REPO_ROOT, Environment, nvme_offload_support, quiet_deepspeed_import
 
 CONFIG_DIR = REPO_ROOT / "ds_configs"
 
@@ -327,6 +327,22 @@ def deepspeed_parse(config: dict, world_size: int) -> Exception | None:
     except Exception as error:  # noqa: BLE001 - any refusal is the answer
         return error
     return None
+
+
+def zero_section(block: dict) -> Any:
+    """A ``zero_optimization`` block as DeepSpeed reads it: its ``DeepSpeedZeroConfig`` (pydantic, with DeepSpeed's
+    defaults filled in). Raises ValueError with DeepSpeed's own refusal (the first lines of its message)."""
+    quiet_deepspeed_import()
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    if not isinstance(block, dict):
+        raise ValueError(f"{type(block).__name__} is not a block: write a dict, {{\"stage\": 3, ...}}")
+    try:
+        return DeepSpeedZeroConfig(**block)
+    except Exception as error:  # noqa: BLE001 - any refusal is the answer
+        lines = [line.strip() for line in str(error).splitlines()[1:3]]
+        raise ValueError(f"DeepSpeed refuses the block: {': '.join(lines) or error}") from None
 
 
 # --- 2. the course's rules --------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch.distributed
 
 from helpers.core import configs, exercises, launch, plots, records, references, theory
 from helpers.core.configs import merged
-from helpers.core.environment import REPO_ROOT, quiet_deepspeed_import
+from helpers.core.environment import REPO_ROOT
 from helpers.core.records import format_bytes
 from helpers.core.plan import PlannedRun, emit, publish, reference_of
 
@@ -671,14 +671,6 @@ def exercise_host_bytes(answer: float, runs: Mapping[str, records.Record], name:
                             why=why)
 
 
-def _parsed_zero(zero: dict):
-    """``zero`` as DeepSpeed reads a ``zero_optimization`` block (its pydantic model, with its defaults)."""
-    quiet_deepspeed_import()
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # deferred: after the course has chosen its accelerator
-
-    return DeepSpeedZeroConfig(**zero)
-
-
 def exercise_fit_config(answer: dict, runs: Mapping[str, records.Record], task: Mapping[str, float] = FIT_TASK) -> exercises.Verdict:
     """Exercise: write a ``zero_optimization`` block that fits ``task["params"]`` parameters on the task's
     cluster. The block is checked by the course's config checker (with DeepSpeed's Adam, bf16) and read by
@@ -695,7 +687,7 @@ def exercise_fit_config(answer: dict, runs: Mapping[str, records.Record], task: 
         problems = [f for f in configs.check(config, gpus)]
         if problems:
             return False, "the checker finds: " + "; ".join(f"{f.severity} {f.key}: {f.rule}" for f in problems) + "."
-        parsed = _parsed_zero(zero)
+        parsed = configs.zero_section(zero)
         stage = int(parsed.stage)
         optimizer = parsed.offload_optimizer is not None and parsed.offload_optimizer.device != "none"
         param = stage == 3 and parsed.offload_param is not None and parsed.offload_param.device != "none"
