@@ -295,3 +295,11 @@ def test_zero_section_reads_a_block_as_deepspeed_does_and_names_its_refusal():
         configs.zero_section({"stage": 3, "zero_hpz_partition_sise": 8})
     with pytest.raises(ValueError, match="list is not a block"):
         configs.zero_section([3])
+
+
+def test_refusal_gives_the_checkers_findings_then_deepspeeds_own_refusal_in_one_sentence():
+    good = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    assert configs.refusal(good, 2) is None and configs.refusal(good, 2, parse=True) is None
+    bad_batch = {**good, "train_batch_size": 30}
+    assert configs.refusal(bad_batch, 2).startswith("the checker finds: train_batch_size: ")
+    assert configs.refusal(bad_batch, 2, warnings=True).startswith("the checker finds: error train_batch_size: ")

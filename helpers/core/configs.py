@@ -329,6 +329,20 @@ def deepspeed_parse(config: dict, world_size: int) -> Exception | None:
     return None
 
 
+def refusal(config: dict, world_size: int, *, warnings: bool = False, parse: bool = False) -> str | None:
+    """Why ``config`` would not do on ``world_size`` ranks, in one sentence, or None: the course's checker's
+    errors (its warnings too with ``warnings``; each finding ``key: rule``), then, with ``parse``, DeepSpeed's own
+    refusal (:func:`deepspeed_parse`). For the exercises that ask a learner to write a config."""
+    findings = [f for f in check(config, world_size) if warnings or f.severity == "error"]
+    if findings:
+        return "the checker finds: " + "; ".join(
+            f"{f.severity + ' ' if warnings else ''}{f.key}: {f.rule}" for f in findings) + "."
+    refused = deepspeed_parse(config, world_size) if parse else None
+    if refused is not None:
+        return f"DeepSpeed refuses it on {world_size} rank(s): {str(refused).splitlines()[0]}."
+    return None
+
+
 def zero_section(block: dict) -> Any:
     """A ``zero_optimization`` block as DeepSpeed reads it: its ``DeepSpeedZeroConfig`` (pydantic, with DeepSpeed's
     defaults filled in). Raises ValueError with DeepSpeed's own refusal (the first lines of its message)."""

@@ -414,9 +414,8 @@ def exercise_batch_config(answer: dict, grid: Grid, accum: int = 8, stage: int =
             return False, f"only the batch lines, please ({', '.join(BATCH_KEYS)}); not {', '.join(other)}."
         base = {k: v for k, v in configs.load(f"zero{stage}").items() if k not in BATCH_KEYS}
         config = {**base, **lines}
-        errors = [f for f in configs.check(config, world) if f.severity == "error"]
-        if errors:
-            return False, "the checker finds: " + "; ".join(f"{f.key}: {f.rule}" for f in errors) + "."
+        if refused := configs.refusal(config, world):
+            return False, refused
         train, micro, steps = deepspeed_batch(config, world)
         read = f"DeepSpeed reads train_batch_size {train} = {micro} x {steps} x {world} ranks"
         if steps != accum or train != grid.global_batch:

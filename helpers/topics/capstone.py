@@ -1140,12 +1140,8 @@ def exercise_next_config(answer: Any, ladder: dict) -> exercises.Verdict:
     def test(config: Any) -> tuple[bool, str]:
         if not isinstance(config, dict):
             return False, f"{type(config).__name__} is not a ds_config: write a dict."
-        errors = [f for f in configs.check(config, world) if f.severity == "error"]
-        if errors:
-            return False, f"the course's checker: {errors[0].key}: {errors[0].rule}."
-        refused = configs.deepspeed_parse(config, world)
-        if refused is not None:
-            return False, f"DeepSpeed refuses it on {world} ranks: {str(refused).splitlines()[0]}."
+        if refused := configs.refusal(config, world, parse=True):
+            return False, refused
         micro, accum = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps", 1)
         got = {"micro-batch": micro, "accumulation": accum, "global batch": config.get("train_batch_size") or
                (micro or 0) * accum * world, "ZeRO stage": config.get("zero_optimization", {}).get("stage", 0),

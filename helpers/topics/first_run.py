@@ -49,9 +49,8 @@ def exercise_batch_config(answer: Any) -> exercises.Verdict:
     def test(config: Any) -> tuple[bool, str]:
         if not isinstance(config, dict):
             return False, f"{config!r} is not a dict of config keys."
-        errors = [f for f in configs.check(config, BATCH_WORLD) if f.severity == "error"]
-        if errors:
-            return False, "DeepSpeed would refuse it: " + "; ".join(f"{f.key}: {f.rule}" for f in errors) + "."
+        if refused := configs.refusal(config, BATCH_WORLD):
+            return False, refused
         train, micro, accumulation = resolved_batch(config, BATCH_WORLD)
         found = (f"DeepSpeed resolves it to micro batch {micro} x accumulation {accumulation} x {BATCH_WORLD} ranks "
                  f"= train batch {train}.")
@@ -106,9 +105,8 @@ def exercise_warmup_scheduler(answer: Any) -> exercises.Verdict:
             return False, f"{block!r} is not a dict with a 'type' and its 'params'."
         config = {"train_micro_batch_size_per_gpu": 4, "scheduler": block,
                   "optimizer": {"type": "AdamW", "params": {"lr": WARMUP_LR}}}
-        errors = [f for f in configs.check(config, 1) if f.severity == "error"]
-        if errors:
-            return False, "The checker finds: " + "; ".join(f"{f.key}: {f.rule}" for f in errors) + "."
+        if refused := configs.refusal(config, 1):
+            return False, refused
         lrs = warmup_lrs(block)
         top = max(lrs)
         reached = next(i for i, lr in enumerate(lrs, 1) if math.isclose(lr, top, rel_tol=1e-9))

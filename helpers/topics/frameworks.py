@@ -917,12 +917,8 @@ def exercise_zero1_config(answer: Any, runs: Mapping[str, records.Record], world
     def test(config: Any) -> tuple[bool, str]:
         if not isinstance(config, dict):
             return False, f"{type(config).__name__} is not a ds_config: write a dict."
-        errors = [f for f in configs.check(config, world_size) if f.severity == "error"]
-        if errors:
-            return False, f"the course's checker: {errors[0].key}: {errors[0].rule}."
-        refused = configs.deepspeed_parse(config, world_size)
-        if refused is not None:
-            return False, f"DeepSpeed refuses it: {str(refused).splitlines()[0]}."
+        if refused := configs.refusal(config, world_size, parse=True):
+            return False, refused
         got_stage = config.get("zero_optimization", {}).get("stage", 0)
         if got_stage != stage:
             return False, (f"stage {got_stage}: ZeroRedundancyOptimizer shards Adam's states only, and so does "

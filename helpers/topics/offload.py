@@ -684,9 +684,8 @@ def exercise_fit_config(answer: dict, runs: Mapping[str, records.Record], task: 
         if not isinstance(zero, dict):
             raise TypeError("write the zero_optimization block as a dict, e.g. {\"stage\": 1}")
         config = {**configs.merged(configs.load("zero3"), merged(DEEPSPEED_ADAM, PRECISION)), "zero_optimization": zero}
-        problems = [f for f in configs.check(config, gpus)]
-        if problems:
-            return False, "the checker finds: " + "; ".join(f"{f.severity} {f.key}: {f.rule}" for f in problems) + "."
+        if refused := configs.refusal(config, gpus, warnings=True):
+            return False, refused
         parsed = configs.zero_section(zero)
         stage = int(parsed.stage)
         optimizer = parsed.offload_optimizer is not None and parsed.offload_optimizer.device != "none"

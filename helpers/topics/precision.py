@@ -1117,9 +1117,8 @@ def exercise_fp16_block(answer: dict, task: Mapping[str, float] = SCALER_TASK, w
             raise TypeError("write the fp16 block as a dict, e.g. {\"enabled\": True}")
         if block.get("enabled") is not True:
             return False, "fp16 is not enabled: DeepSpeed ignores the block unless it says \"enabled\": True."
-        findings = configs.check(configs.merged(configs.load("zero2"), {"fp16": block}), world_size)
-        if findings:
-            return False, "the checker finds: " + "; ".join(f"{f.severity} {f.key}: {f.rule}" for f in findings) + "."
+        if refused := configs.refusal(configs.merged(configs.load("zero2"), {"fp16": block}), world_size, warnings=True):
+            return False, refused
         scaler = make_loss_scaler({k: v for k, v in block.items() if k != "enabled"})
         if not isinstance(scaler, loss_scaler.DynamicLossScaler):
             return False, f"DeepSpeed builds a static scale of {scaler.cur_scale:g} from it: loss_scale must be 0 (dynamic)."

@@ -751,9 +751,8 @@ def exercise_overlap_buckets(answer: Any, low: float = 50e6, high: float = 100e6
             return False, f"{block!r} is not a dict of zero_optimization keys."
         config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": block,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-        errors = [f for f in configs.check(config, 2) if f.severity == "error"]
-        if errors:
-            return False, "The checker finds: " + "; ".join(f"{f.key}: {f.rule}" for f in errors) + "."
+        if refused := configs.refusal(config, 2):
+            return False, refused
         if block.get("stage") != 2:
             return False, "This is a stage-2 block: set \"stage\": 2."
         on = {key: block.get(key, zero_default(key)) for key in ("overlap_comm", "contiguous_gradients")}
