@@ -16,7 +16,7 @@ import math
 import statistics
 import textwrap
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed
@@ -429,13 +429,19 @@ def host_gradient_bytes(runs: Mapping[str, object], rank: int = 0) -> str:
     return "\n".join(rows)
 
 
-def reference_host_gradient_bytes(name: str = "offload") -> str:
-    """:func:`host_gradient_bytes` of every committed GPU result of the chapter's experiment, labelled with its device."""
+def _per_reference(name: str, table: Callable[[dict], str]) -> str:
+    """``table`` of the runs of every committed GPU result of experiment ``name``, each labelled with its device
+    (the conditions are printed once, by :func:`how_measured`)."""
     found = references.reference_runs(name)
     if not found:
         return references.no_references(name, references.GPU_HOW)
-    return "\n\n".join(f"{device}:\n" + host_gradient_bytes({k: r for k, r in runs.items() if not isinstance(r, dict)})
+    return "\n\n".join(f"{device}:\n" + table({k: r for k, r in runs.items() if not isinstance(r, dict)})
                         for device, date, note, runs in found)
+
+
+def reference_host_gradient_bytes(name: str = "offload") -> str:
+    """:func:`host_gradient_bytes` of every committed GPU result of the chapter's experiment, labelled with its device."""
+    return _per_reference(name, host_gradient_bytes)
 
 
 def pinned_table(runs: Mapping[str, object], rank: int = 0) -> str:
@@ -504,11 +510,7 @@ def headline_sentence(host_grad_bytes: float, host_gb: float = 1500, offload_lar
 
 def reference_pinned_report(name: str = "offload") -> str:
     """:func:`pinned_table` of every committed GPU result of the chapter's experiment, labelled with its device."""
-    found = references.reference_runs(name)
-    if not found:
-        return references.no_references(name, references.GPU_HOW)
-    return "\n\n".join(f"{device}:\n" + pinned_table({k: r for k, r in runs.items() if not isinstance(r, dict)})
-                        for device, date, note, runs in found)
+    return _per_reference(name, pinned_table)
 
 
 def reference_report(name: str = "offload") -> str:
