@@ -8,7 +8,7 @@
   ``models``, ``theory`` (the ZeRO paper's formulas) and ``plots``. The core imports no topic.
 - ``helpers.topics``: one module per chapter topic, each with its probes, runs, tables, formulas and
   figures: ``zero`` (03-05), ``offload``, ``precision``, ``accumulation``, ``bandwidth``, ``activations``,
-  ``pipeline``, ``tensor_parallel``, ``compression``, ``checkpoints``, ``frameworks``, ``capstone``,
+  ``pipeline``, ``tensor_parallel``, ``sequence_parallel`` (12b), ``compression``, ``checkpoints``, ``frameworks``, ``capstone``,
   ``own_script`` (02b) and ``widgets`` (the lab).
 - ``helpers.tools``: the course's own tooling (``notebooks``: executing notebooks for the GPU check;
   ``multinode``; ``benchmarks``).

@@ -371,6 +371,16 @@ def _batch_findings(config: dict, world_size: int) -> list[Finding]:
             return [Finding("error", key, f"must be a positive whole number, got {type(value).__name__} {value!r}",
                             f"set {key} to e.g. 1")]
     findings = []
+    sequence = config.get("sequence_parallel_size", 1)
+    if _is_type(sequence, (int,)) and sequence > 1:
+        if world_size % sequence:
+            return [Finding("error", "sequence_parallel_size",
+                            f"{sequence} does not divide the {world_size} ranks into whole sequence-parallel groups",
+                            f"use a divisor of {world_size} (or launch a multiple of {sequence} ranks)")]
+        # the ranks of one sequence-parallel group share each sample: DeepSpeed counts the groups
+        world_size //= sequence
+    groups = (f" (with sequence_parallel_size {sequence}, DeepSpeed's world size counts the {world_size} "
+              f"sequence-parallel groups, not the ranks)" if _is_type(sequence, (int,)) and sequence > 1 else "")
     if train is None and micro is None:
         findings.append(Finding("error", "train_batch_size",
                                 "DeepSpeed needs train_batch_size or train_micro_batch_size_per_gpu",
@@ -388,7 +398,7 @@ def _batch_findings(config: dict, world_size: int) -> list[Finding]:
             findings.append(Finding(
                 "error", "train_batch_size",
                 f"must equal train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size, "
-                f"but {train} != {micro} * {accum} * {world_size} = {micro * accum * world_size}{counted}",
+                f"but {train} != {micro} * {accum} * {world_size} = {micro * accum * world_size}{counted}{groups}",
                 ", ".join(options)))
     elif train is not None:
         other, other_key = (micro, "train_micro_batch_size_per_gpu") if micro is not None else (accum, "gradient_accumulation_steps")

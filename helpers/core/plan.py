@@ -39,7 +39,8 @@ class PlannedRun:
     ``config`` is the path of the run's checked DeepSpeed config; ``probes`` the import paths of its
     probe classes (``"helpers.core.probes:Timing"``); ``trainer`` takes one optimizer step
     (``function(ctx, run, step, probes) -> micro-batch losses``); ``builder`` builds the model
-    (``function(name, seed, config, **model_options)``); ``task`` is ``"train"`` or the import path of
+    (``function(name, seed, config, **model_options)``, returning the model or (model, more keyword
+    arguments of ``deepspeed.initialize``, such as ``mpu``)); ``task`` is ``"train"`` or the import path of
     other work (``function(run, position, count, born)``); ``before_training`` an optional hook
     (``function(engine, run) -> first step``). ``faults`` are the course's fault injections
     (:mod:`helpers.core.faults`), ``options`` settings that probes, tasks and hooks read.

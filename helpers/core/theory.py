@@ -129,7 +129,7 @@ def wire_bytes(op: str, logged_bytes: float, world_size: int) -> float:
         return 2 * (n - 1) / n * logged_bytes
     if op.startswith("all_gather"):
         return (n - 1) * logged_bytes
-    if op.startswith("reduce_scatter"):
+    if op.startswith(("reduce_scatter", "all_to_all")):  # all_to_all: each rank keeps 1/n of its own tensor
         return (n - 1) / n * logged_bytes
     return float(logged_bytes)  # broadcast, send/recv, ...: the message once
 

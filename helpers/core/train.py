@@ -120,11 +120,15 @@ def data_parallel_coords(engine) -> tuple[int, int]:
     """This rank's place among the ranks that read different samples, and their number.
 
     Every rank with plain data parallelism (ZeRO included); fewer with tensor parallelism (the ranks of
-    one tensor-parallel group read the same samples) or pipeline parallelism (the stages of one pipeline
-    read the same micro-batches).
+    one tensor-parallel group read the same samples), pipeline parallelism (the stages of one pipeline
+    read the same micro-batches) or sequence parallelism (the ranks of one group split each sample's tokens).
     """
     import deepspeed.comm as dist  # deferred: with the other DeepSpeed imports of the ranks (see main)
 
+    if engine.dp_world_size is None:  # a sequence-parallel mpu: the ranks of one group share each sample
+        sequence = int(engine.sequence_parallel_size)
+        return (dist.get_rank(group=engine.seq_data_parallel_group) // sequence,
+                int(engine.seq_dp_world_size) // sequence)
     size = int(engine.dp_world_size)
     group = getattr(engine, "data_parallel_group", None)
     if size == 1:
@@ -152,7 +156,10 @@ def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
     run_started = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
     config = run.read_config()
-    model = resolve(run.builder)(run.model, run.seed, config, **run.model_options)
+    built = resolve(run.builder)(run.model, run.seed, config, **run.model_options)
+    # A builder returns the model, or (model, more keyword arguments of deepspeed.initialize): the ``mpu``
+    # whose groups sequence parallelism needs, say.
+    model, initialize_kwargs = built if isinstance(built, tuple) else (built, {})
     psi = models.count_parameters(model)
     client_optimizer = None
     if run.client_optimizer:
@@ -161,7 +168,7 @@ def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
     # The three lines of the source article: wrap, then backward and step through the engine.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer,
                                            model_parameters=None if client_optimizer else model.parameters(),
-                                           config=config)
+                                           config=config, **initialize_kwargs)
     ctx = None  # holds the engine: dropped with it at teardown
     try:
         first_step = before_training(engine, run)

@@ -1,0 +1,947 @@
+"""Sequence parallelism with DeepSpeed-Ulysses: each rank holds a slice of every sequence, and two
+all-to-alls per attention switch the split from tokens to heads and back.
+
+DeepSpeed 0.19.8 ships it for Hugging Face models as ``UlyssesSPAttentionHF``
+(``deepspeed.runtime.sequence_parallel.ulysses_sp``, part of Arctic Long Sequence Training):
+
+- :func:`build_model`, a run's builder: the course's LLaMA-style model with transformers' ``sdpa``
+  attention; with ``sequence_parallel_size`` above 1 in the config it calls
+  ``UlyssesSPAttentionHF.register_with_transformers``, which puts Ulysses' wrapper in place of ``sdpa``
+  in transformers' attention table and makes the sequence-parallel groups, and returns the ``mpu`` that
+  ``deepspeed.initialize`` needs;
+- :func:`train_step`, a run's trainer: each rank takes its slice of the tokens (with their global
+  ``position_ids``), and the sequence's loss is the mean of the slices' losses, gathered with a
+  differentiable all-gather, as DeepSpeed's tutorial does;
+- :func:`findings`: what DeepSpeed and transformers refuse, checked before any process starts;
+- the formulas: :func:`all_to_all_calls` (every all-to-all of a step, and its bytes),
+  :func:`activation_bytes_per_layer` (chapter 10's formula, with ``sdpa`` in place of eager attention).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from helpers.core import configs, environment, exercises, launch, models, plots, records, references, theory
+from helpers.core.plan import PlannedRun, reference_of
+from helpers.core.probes import Probe, RunContext
+from helpers.topics import activations, bandwidth, pipeline, tensor_parallel
+
+#: The attention Ulysses wraps here: transformers' ``sdpa`` (eager attention is refused: it needs a full
+#: s x s mask that the wrapper cannot pass on).
+ATTENTION = "sdpa"
+#: transformers' own attention functions, kept the first time Ulysses replaces one, so that every build
+#: starts from them (a sweep builds several models in the same processes).
+_ORIGINAL_ATTENTION: dict[str, Any] = {}
+
+
+def _attention_table():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # deferred: slow, and only the ranks need it
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
+def restore_attention() -> None:
+    """Put back the attention functions that Ulysses replaced in transformers' table (a no-op before)."""
+    table = _attention_table()
+    for key, function in _ORIGINAL_ATTENTION.items():
+        table[key] = function
+
+
+def check_options(name: str, options: dict) -> None:
+    """A clear error, before launch, for a model this builder cannot build or an option it does not take."""
+    unknown = set(options) - {"seq", "attention"}
+    if unknown:
+        raise ValueError(f"model_options {sorted(unknown)}: this builder takes 'seq' (tokens per sample) and "
+                         f"'attention' (transformers' attn_implementation)")
+    if not models.is_llama(name) or models.llama_parts(name)[1]:
+        raise ValueError(f"model {name!r}: sequence parallelism here trains a plain LLaMA-style size "
+                         f"({', '.join(models.LLAMA_SHAPES)})")
+    seq = options.get("seq")
+    if seq is not None and (not isinstance(seq, int) or seq < 1):
+        raise ValueError(f"model_options['seq'] = {seq!r}: give the tokens per sample as a positive whole number")
+
+
+def build_model(name: str, seed: int = 0, config: dict | None = None, seq: int | None = None,
+                attention: str = ATTENTION):
+    """The LLaMA-style model ``name`` with transformers' ``attention`` (default ``sdpa``), for samples of ``seq``
+    tokens. With ``sequence_parallel_size`` > 1 in ``config``, Ulysses is registered with transformers
+    and this returns (model, {"mpu": the sequence-parallel groups}) for ``deepspeed.initialize``."""
+    from transformers import LlamaForCausalLM  # deferred: slow, and most runs need none
+
+    check_options(name, {"seq": seq} if seq else {})
+    restore_attention()
+    seq = seq or models.seq_len_of(name)
+    model_config = models.llama_config(name)
+    model_config._attn_implementation = attention
+    model_config.max_position_embeddings = max(model_config.max_position_embeddings, seq)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(model_config)
+    size = (config or {}).get("sequence_parallel_size", 1)
+    if size <= 1:
+        return model
+    # deferred: DeepSpeed is imported on the ranks, after the course chooses its accelerator
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    _ORIGINAL_ATTENTION.setdefault(attention, _attention_table().get(attention))
+    # The DeepSpeed call a learner's script makes: Ulysses' wrapper replaces ``attention`` in transformers'
+    # table, and the returned mpu holds the sequence-parallel groups.
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation=attention, sequence_parallel_size=size,
+        micro_batch_size=config["train_micro_batch_size_per_gpu"], seq_length=seq, seq_length_is_variable=False)
+    return model, {"mpu": mpu}
+
+
+build_model.check_options = check_options
+
+
+def token_slice(seq: int, size: int, rank: int) -> slice:
+    """The tokens rank ``rank`` of a sequence-parallel group of ``size`` holds: the ``rank``-th of ``size``
+    equal parts of ``seq`` tokens."""
+    if seq % size:
+        raise ValueError(f"a sequence of {seq} tokens does not split into {size} equal parts: use a multiple of {size}")
+    part = seq // size
+    return slice(rank * part, (rank + 1) * part)
+
+
+def train_step(ctx: RunContext, run: PlannedRun, step: int, probes: list[Probe]) -> list[float]:
+    """One optimizer step with Ulysses: each micro-step this rank takes its slice of every sample's tokens
+    (and their global positions), and the loss of the sequences is the mean of the group's slice losses
+    (equal slices: equal weights), gathered with ``torch.distributed.nn.functional.all_gather``, which
+    carries the gradient back to each slice. Without sequence parallelism, the whole samples. With
+    ``options["divide_by_group"]``, what goes backward is that loss divided by the group's size (the loss
+    reported is not). Returns this rank's micro-batch losses."""
+    import deepspeed.comm as dist  # deferred: DeepSpeed is imported on the ranks, after its accelerator is chosen
+
+    engine = ctx.engine
+    size = int(getattr(engine, "sequence_parallel_size", 1))
+    group = engine.seq_parallel_group if size > 1 else None
+    seq = run.model_options.get("seq") or models.seq_len_of(run.model)
+    part = token_slice(seq, size, dist.get_rank(group=group) if group is not None else 0)
+    losses = []
+    for micro_step in range(ctx.grad_accum):
+        indices = models.sample_indices(step, micro_step, ctx.dp_rank, ctx.dp_size, ctx.micro_batch, ctx.grad_accum)
+        batch = models.make_batch(run.model, indices, run.seed, seq_len=seq)
+        positions = torch.arange(seq)[part].expand(len(indices), -1)
+        logits = engine(input_ids=batch.inputs[:, part].to(engine.device),
+                        position_ids=positions.to(engine.device)).logits
+        loss = models.lm_loss(logits, batch.targets[:, part].to(engine.device))
+        if group is not None:
+            loss = torch.stack(torch.distributed.nn.functional.all_gather(loss, group=group)).mean()
+        # DeepSpeed sums the group's gradients (ZeRO divides by the data-parallel size alone): the option
+        # divides the loss by the group's size, so that the sum is the whole sequence's gradient
+        scale = size if run.options.get("divide_by_group") else 1
+        engine.backward(loss / scale)
+        for probe in probes:
+            probe.after_backward(ctx, step, micro_step)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+class GradNorm(Probe):
+    """The global gradient norm DeepSpeed computed at each optimizer step (before clipping), on rank 0:
+    equal norms say the slices' gradients were combined as one whole sequence's. Section: ``grad_norm``."""
+
+    name = "grad_norm"
+    keys = ("grad_norm.per_step",)
+
+    def start(self, ctx: RunContext) -> None:
+        self.norms: list[float] = []
+
+    def after_step(self, ctx: RunContext, step: int) -> None:
+        norm = ctx.engine.get_global_grad_norm()
+        self.norms.append(float(norm) if norm is not None else math.nan)
+
+    def finish(self, ctx: RunContext) -> dict:
+        return {"norms": self.norms}
+
+    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
+        return {"grad_norm": {"per_step": ranks[0]["norms"]}}
+
+
+def cap_memory(engine, run: PlannedRun) -> int:
+    """``before_training`` hook: on a GPU, let this process use at most ``options["memory_cap_gib"]`` GiB of the
+    device (``torch.cuda.set_per_process_memory_fraction``; the whole device without the option), so that
+    "fits" means the same on an 80 GB and a 141 GB card. Training starts at step 0."""
+    if torch.cuda.is_available():
+        cap = run.options.get("memory_cap_gib")
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total) if cap else 1.0)
+    return 0
+
+
+BUILDER = reference_of(build_model)
+TRAINER = reference_of(train_step)
+CAP_MEMORY = reference_of(cap_memory)
+PROBES = ("timing", "model_states", "peak_memory", "comm", activations.Activations, GradNorm)
+
+
+# --- what DeepSpeed and transformers refuse, before launch ------------------------------------------
+
+#: Rule -> what happens without the check, as DeepSpeed 0.19.8 and transformers answer it.
+RULES = {
+    "heads": "ValueError from UlyssesSPAttentionHF: 'Attention head count H is not divisible by SP size P'",
+    "kv-heads": "ValueError from UlyssesSPAttentionHF: 'KV attention head count ... is not divisible by SP size "
+                "... or vice versa'",
+    "sequence": "each rank must hold an equal slice: the course's trainer (and DeepSpeed's "
+                "UlyssesSPDataLoaderAdapter) refuses a sequence length that the group size does not divide",
+    "eager": "ValueError from register_with_transformers: 'eager attn_implementation isn't currently supported by "
+             "Ulysses sequence parallelism because it requires a 4D attention_mask'",
+    "world": "RuntimeError from initialize_sequence_parallel: 'world_size (W) is not divisible by "
+             "sequence_parallel_size P'",
+}
+
+
+def findings(config: dict, model: str, world_size: int, seq: int | None = None,
+             attention: str = ATTENTION) -> list[configs.Finding]:
+    """The course's config checker (:func:`helpers.core.configs.check`) plus what Ulysses needs of the model:
+    heads and key/value heads split evenly over the group, tokens split evenly, not eager attention."""
+    found = configs.check(config, world_size)
+    size = config.get("sequence_parallel_size", 1)
+    if not isinstance(size, int) or size <= 1:
+        return found
+    shape = models.shape_of(model)
+    seq = seq or shape.seq
+    if world_size % size:
+        found.append(configs.Finding("error", "sequence_parallel_size", f"{size} does not divide the {world_size} "
+                                     f"ranks ({RULES['world']})", f"use a divisor of {world_size}"))
+    if shape.heads % size:
+        divisors = [d for d in range(2, shape.heads + 1) if shape.heads % d == 0 and world_size % d == 0]
+        found.append(configs.Finding("error", "sequence_parallel_size", f"{size} does not divide the model's "
+                                     f"{shape.heads} attention heads ({RULES['heads']})",
+                                     f"use one of {divisors or 'none on this many ranks'}"))
+    if seq % size:
+        found.append(configs.Finding("error", "model_options.seq", f"{seq} tokens do not split into {size} equal "
+                                     f"slices ({RULES['sequence']})", f"use a multiple of {size}"))
+    if attention == "eager":
+        found.append(configs.Finding("error", "attn_implementation", RULES["eager"],
+                                     f"use '{ATTENTION}' (or a flash-attention implementation on GPUs)"))
+    return sorted(found, key=lambda f: f.severity != "error")
+
+
+def findings_text(found: Sequence[configs.Finding]) -> str:
+    """The findings one per line, errors first ("no finding" when there is none)."""
+    return "\n".join(str(f) for f in found) or "no finding"
+
+
+# --- formulas ---------------------------------------------------------------------------------------
+
+def all_to_all_calls(layers: int, batch: int, seq: int, hidden: int, heads: int, kv_heads: int, size: int,
+                     precision: str = "fp32") -> dict[str, tuple[int, float]]:
+    """Ulysses' all-to-alls in one micro-step, as {what: (calls, logged bytes each)}.
+
+    Forward, in every decoder layer: the queries, keys and values go from a slice of the tokens with every
+    head to every token with ``heads/P`` heads (3 calls), the attention output comes back (1 call).
+    Backward sends the gradients of the same tensors the other way (4 calls). Each call's message is one
+    rank's tensor, b·(s/P)·(heads·d) elements for queries and output and b·(s/P)·(kv_heads·d) for keys and
+    values (d = hidden/heads; with fewer key/value heads than P, each is repeated to P)."""
+    theory.bytes_per_element(precision)  # a clear error for an unknown precision
+    width, head_dim = theory.BYTES_PER_ELEMENT[precision], hidden // heads
+    tokens = batch * (seq // size)
+    query = tokens * heads * head_dim * width
+    key_value = tokens * max(kv_heads, size) * head_dim * width
+    return {"queries and outputs": (4 * layers, query), "keys and values": (4 * layers, key_value)}
+
+
+def all_to_all_bytes(layers: int, batch: int, seq: int, hidden: int, heads: int, kv_heads: int, size: int,
+                     precision: str = "fp32") -> float:
+    """Logged bytes of every all-to-all of one micro-step (:func:`all_to_all_calls`)."""
+    return sum(n * each for n, each in all_to_all_calls(layers, batch, seq, hidden, heads, kv_heads, size,
+                                                          precision).values())
+
+
+def all_to_all_wire_bytes(layers: int, batch: int, seq: int, hidden: int, heads: int, kv_heads: int, size: int,
+                          precision: str = "fp32") -> float:
+    """Bytes one rank sends per micro-step: of each message, the (P-1)/P that goes to the other ranks."""
+    return all_to_all_bytes(layers, batch, seq, hidden, heads, kv_heads, size, precision) * (size - 1) / size
+
+
+def activation_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, intermediate: int,
+                               precision: str = "fp32", size: int = 1) -> float:
+    """Bytes one decoder layer keeps for backward with ``sdpa`` attention, on each of ``size`` Ulysses ranks:
+    chapter 10's formula (:func:`helpers.topics.activations.activation_bytes_per_layer`) without the
+    a·s²·b softmax, which ``sdpa`` does not keep, plus the fp32 log-sum-exp per head and token it keeps
+    instead. Every term counts tokens of one rank: with Ulysses, s/P of them (the heads it attends over
+    see all s tokens, but only heads/P of them: the same count)."""
+    if seq % size:
+        raise ValueError(f"{seq} tokens do not split into {size} equal slices")
+    local = seq // size
+    eager = activations.activation_bytes_per_layer(batch, local, hidden, heads, intermediate, precision)
+    return eager["total"] - eager["a·s²·b"] + 4 * batch * heads * local
+
+
+# --- the chapter's experiment (notebooks/12b_sequence_parallelism.ipynb) ---------------------------
+
+#: Probes of the runs that only watch memory as the sequence grows.
+MEMORY_PROBES = ("timing", "peak_memory", activations.Activations)
+#: Tokens per sample of the runs that grow the sequence (one sample per rank, or one split over the ranks).
+GROWING = (256, 1024, 4096)
+
+
+def _spec(config: str, overrides: dict, size: str, steps: int, seq: int | None = None, probes=PROBES,
+          **kw) -> launch.RunSpec:
+    options = {"seq": seq} if seq else {}
+    return launch.RunSpec(config, model=size, steps=steps, probes=probes, builder=BUILDER, trainer=TRAINER,
+                          overrides=configs.merged(tensor_parallel.SMALL_BUCKETS, overrides),
+                          model_options={**options, **kw.pop("model_options", {})}, **kw)
+
+
+#: A setting whose updates follow the gradient's scale: no clipping, and AdamW's eps as large as its gradients
+#: (Adam's step is g/(sqrt(v) + eps): with a tiny eps it does not depend on the scale of g).
+SCALE_SENSITIVE = {"gradient_clipping": 0.0, "optimizer": {"params": {"eps": 1.0}}}
+
+
+def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, growing: Sequence[int] = GROWING,
+                           world_size: int | None = None, precision: str = "fp32") -> dict:
+    """One launch on N ranks (ZeRO-1 unless named, no accumulation unless said), every model with ``sdpa``:
+
+    - ``data-parallel`` and ``ulysses``: the same ``batch`` samples per step, split by samples (batch/N per
+      rank) or by tokens (every sample, s/N tokens of it per rank): losses, gradient norms, all-to-alls;
+      ``ulysses-zero3`` the same under ZeRO-3;
+    - ``scale-<run>``: data parallelism and Ulysses under ZeRO-1 and ZeRO-3 with :data:`SCALE_SENSITIVE`, each
+      Ulysses loss as DeepSpeed's tutorial writes it or divided by N (``-divided``), and ZeRO-3 with
+      ``reduce_scatter`` off (``-contiguous``, its other reduction path): the gradient's scale;
+    - ``one-sequence-<s>`` and ``ulysses-<s>``: one sample of s tokens per rank, or one split over the
+      N ranks, for each s of ``growing``: activation memory per rank as the sequence grows;
+    - the comparison, N samples per step each way, one sample at a time where the way allows: ``zero3``
+      (one sample per rank), ``autotp`` (chapter 12: every rank the same sample, N micro-steps),
+      ``pipeline`` (chapter 11: one stage per rank, N micro-batches of one), ``ulysses-compare`` (one sample
+      split over the ranks, N micro-steps);
+    - ``ulysses-eager``: Ulysses asked to wrap eager attention (refused by DeepSpeed; recorded).
+
+    Each run's Ulysses constraints are checked first (:func:`findings`). Returns {run name: Record or RunFailed}."""
+    world = environment.detect(world_size).default_world_size
+    if batch % world:
+        raise ValueError(f"batch={batch}: data parallelism needs a multiple of the {world} ranks")
+    half = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    sp = {"sequence_parallel_size": world}
+
+    def batches(micro: int, accum: int = 1, **more) -> dict:
+        return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum, **half, **more}
+
+    norms = ("timing", GradNorm)
+    specs = {"data-parallel": _spec("zero1", batches(batch // world), size, steps),
+             "ulysses": _spec("zero1", batches(batch, **sp), size, steps),
+             "ulysses-zero3": _spec("zero3", batches(batch, **sp), size, steps, probes=norms)}
+    # the same with a setting whose updates follow the gradient's scale, each loss as the tutorial's or divided by N
+    divided = {"divide_by_group": True}
+    specs.update({
+        "scale-data-parallel": _spec("zero1", batches(batch // world, **SCALE_SENSITIVE), size, steps, probes=norms),
+        "scale-ulysses": _spec("zero1", batches(batch, **sp, **SCALE_SENSITIVE), size, steps, probes=norms),
+        "scale-ulysses-divided": _spec("zero1", batches(batch, **sp, **SCALE_SENSITIVE), size, steps, probes=norms,
+                                       options=divided),
+        "scale-ulysses-zero3": _spec("zero3", batches(batch, **sp, **SCALE_SENSITIVE), size, steps, probes=norms),
+        "scale-ulysses-zero3-divided": _spec("zero3", batches(batch, **sp, **SCALE_SENSITIVE), size, steps,
+                                             probes=norms, options=divided),
+        "scale-ulysses-zero3-contiguous": _spec("zero3", batches(batch, **sp, **SCALE_SENSITIVE,
+                                                                 zero_optimization={"reduce_scatter": False}),
+                                                size, steps, probes=norms)})
+    for s in growing:
+        specs[f"one-sequence-{s}"] = _spec("zero1", batches(1), size, steps, s, MEMORY_PROBES)
+        specs[f"ulysses-{s}"] = _spec("zero1", batches(1, **sp), size, steps, s, MEMORY_PROBES)
+    compared = ("timing", "model_states", "peak_memory", "comm")
+    specs["zero3"] = _spec("zero3", batches(1), size, steps, probes=compared)
+    specs["autotp"] = _spec("zero1", batches(1, world, tensor_parallel={"autotp_size": world}), size, steps,
+                            probes=compared)
+    specs["pipeline"] = launch.RunSpec("zero1", model=size + pipeline.SUFFIX, steps=steps, probes=compared,
+                                       builder=pipeline.BUILDER, trainer=pipeline.TRAINER, overrides=batches(1, world))
+    specs["ulysses-compare"] = _spec("zero1", batches(1, world, **sp), size, steps, probes=compared)
+    specs["ulysses-eager"] = _spec("zero1", batches(batch, **sp), size, 1, probes=(),
+                                   model_options={"attention": "eager"}, on_error="record")
+    for name, spec in specs.items():
+        if spec.builder == BUILDER and name != "ulysses-eager":
+            _raise_on_errors(spec, world, name)
+    return launch.sweep(specs, name=f"sequence-parallel-{size}", world_size=world_size)
+
+
+def _raise_on_errors(spec: launch.RunSpec, world: int, name: str) -> None:
+    config = configs.merged(configs.load(spec.config), spec.overrides)
+    found = findings(config, spec.model, world, (spec.model_options or {}).get("seq"),
+                     (spec.model_options or {}).get("attention", ATTENTION))
+    if any(f.severity == "error" for f in found):
+        raise configs.ConfigError(found, f"run {name!r}")
+
+
+# --- the GPU measurement: the longest sequence that fits -------------------------------------------
+
+#: Tokens per sample the GPU search tries, and the memory each rank may use there.
+FIT_SEQUENCES = (16384, 32768, 65536, 131072)
+FIT_CAP_GIB = 20.0
+
+
+def fit_runs(size: str = "llama-gpu", seqs: Sequence[int] = FIT_SEQUENCES, cap_gib: float = FIT_CAP_GIB,
+             steps: int = 3, world_size: int | None = None) -> tuple[dict, list[str]]:
+    """On GPUs: bf16 ZeRO-1 runs of model ``size`` with one sample of each length in ``seqs`` per rank
+    (``one-sequence-<s>``) and one sample split over all ranks by Ulysses (``ulysses-<s>``), each rank
+    allowed ``cap_gib`` GiB (:func:`cap_memory`): peak memory as the sequence grows, and the longest that
+    fits. Runs are ordered by tokens per rank, so those that run out of memory come last; a run after the
+    first failure is trained again in a launch of its own (:func:`helpers.core.launch.sweep_retrying`).
+    Returns ({run name: Record or RunFailed}, the names trained again)."""
+    world = environment.detect(world_size).default_world_size
+    half = {"bf16": {"enabled": True}}
+    probes = ("timing", "peak_memory", "comm")
+    specs = []
+    for s in seqs:
+        for name, overrides, per_rank in ((f"one-sequence-{s}", {}, s),
+                                          (f"ulysses-{s}", {"sequence_parallel_size": world}, s // world)):
+            spec = _spec("zero1", {**overrides, **half, "train_micro_batch_size_per_gpu": 1,
+                                   "gradient_accumulation_steps": 1}, size, steps, s, probes,
+                         name=name, on_error="record", before_training=CAP_MEMORY, options={"memory_cap_gib": cap_gib})
+            specs.append((per_rank, s, spec))
+    ordered = [spec for _, _, spec in sorted(specs, key=lambda t: (t[0], t[1]))]
+    for spec in ordered:
+        _raise_on_errors(spec, world, spec.name)
+    return launch.sweep_retrying(ordered, name=f"sequence-fit-{size}", world_size=world_size, timeout_each=240)
+
+
+def out_of_memory(failure: Exception) -> bool:
+    """Whether a failed run ran out of GPU memory (torch's OutOfMemoryError, as the rank reported it)."""
+    return "OutOfMemoryError" in str(failure) or "out of memory" in str(failure).lower()
+
+
+def fit_outcomes(runs: Mapping[str, Any]) -> dict:
+    """{run name: "fits" or "out of memory" or the error's first line}: the search's answer, kept beside
+    its records in the reference (failed runs have no record)."""
+    found = {}
+    for name, r in runs.items():
+        if isinstance(r, Exception):
+            found[name] = "out of memory" if out_of_memory(r) else str(r).splitlines()[0][:200]
+        else:
+            found[name] = "fits"
+    return found
+
+
+def longest_fitting(outcomes: Mapping[str, str], prefix: str) -> tuple[int | None, int | None]:
+    """(longest sequence that fitted, shortest that did not) among the runs named ``<prefix>-<s>``."""
+    tried = {int(k.rsplit("-", 1)[1]): v for k, v in outcomes.items() if k.rsplit("-", 1)[0] == prefix}
+    fits = [s for s, v in tried.items() if v == "fits"]
+    fails = [s for s, v in tried.items() if v != "fits"]
+    return (max(fits) if fits else None), (min(fails) if fails else None)
+
+
+# --- what the runs show -------------------------------------------------------------------------------
+
+def _shape_of(record: records.Record) -> models.LlamaShape:
+    return models.shape_of(pipeline.base_model(record.model_name) if record.model_name.endswith(pipeline.SUFFIX)
+                           else models.llama_parts(record.model_name)[0])
+
+
+def group_size(record: records.Record) -> int:
+    """The run's ``sequence_parallel_size`` (1 without it)."""
+    return int(record["config"].get("sequence_parallel_size", 1))
+
+
+def equality_table(runs: Mapping[str, Any], baseline: str = "data-parallel",
+                   others: Sequence[str] = ("ulysses", "ulysses-zero3")) -> str:
+    """Each run against ``baseline`` at the same global batch: do the losses agree (within the precision's
+    tolerance for reordered sums), and DeepSpeed's gradient norm over the baseline's at the first step (where
+    both runs measured it), when both have the same weights: a comparison of the gradients alone."""
+    base = runs[baseline]
+    rows = []
+    for name in others:
+        r = runs[name]
+        tolerance = records.REORDERED_TOLERANCE[r.precision]
+        agreement = records.loss_agreement(r.losses, base.losses, r.precision, tolerance)
+        norms = f"{norm_ratio(runs, name, baseline):.3f}" if "grad_norm" in r.probes and "grad_norm" in base.probes \
+            else "(not measured)"
+        loss = "divided by P" if r.config.get("sequence_parallel_size", 1) > 1 and "divided" in name else (
+            "the tutorial's" if r.config.get("sequence_parallel_size", 1) > 1 else "")
+        if r.stage == 3 and r.config.get("zero_optimization", {}).get("reduce_scatter") is False:
+            loss += " (reduce_scatter off)"
+        rows.append([name, f"ZeRO-{r.stage}", loss, agreement, norms])
+    return records.format_table(rows, ["run", "stage", "Ulysses loss", f"losses vs {baseline}",
+                                       "gradient norm / baseline's (step 1)"])
+
+
+SCALE_RUNS = ("scale-ulysses", "scale-ulysses-divided", "scale-ulysses-zero3", "scale-ulysses-zero3-divided",
+              "scale-ulysses-zero3-contiguous")
+
+
+def scale_table(runs: Mapping[str, Any]) -> str:
+    """:func:`equality_table` of the scale-sensitive runs against their data-parallel run."""
+    return equality_table(runs, "scale-data-parallel", SCALE_RUNS)
+
+
+def scale_findings(runs: Mapping[str, Any], names: Sequence[str] = SCALE_RUNS) -> str:
+    """Which scale-sensitive Ulysses runs got data parallelism's gradient (norm ratio at step 1 within 1e-3 of 1
+    and the same losses) and which did not, with their ratios."""
+    base = runs["scale-data-parallel"]
+    right, off = [], []
+    for name in names:
+        ratio = norm_ratio(runs, name, "scale-data-parallel")
+        same = records.max_loss_difference(runs[name].losses, base.losses) <= records.REORDERED_TOLERANCE[base.precision]
+        (right if same and abs(ratio - 1) < 1e-3 else off).append(f"{name} ({ratio:.3f}x)")
+    return (f"data parallelism's gradient: {', '.join(right) or 'none'}\n"
+            f"another scale (and other losses): {', '.join(off) or 'none'}")
+
+
+def norm_ratio(runs: Mapping[str, Any], name: str = "ulysses", baseline: str = "data-parallel") -> float:
+    """Run ``name``'s gradient norm over the baseline's at the first step (the same weights in both runs; later
+    steps start from weights their different updates made)."""
+    return runs[name].section("grad_norm")["per_step"][0] / runs[baseline].section("grad_norm")["per_step"][0]
+
+
+def all_to_all_table(record: records.Record, seq: int | None = None) -> str:
+    """The run's all-to-alls per optimizer step (DeepSpeed's comms logger, rank 0) against
+    :func:`all_to_all_calls` times the micro-steps: calls, bytes each, bytes in all, bytes sent."""
+    shape, size, accum = _shape_of(record), group_size(record), record.grad_accum
+    seq = seq or shape.seq
+    formula = all_to_all_calls(shape.layers, record.micro_batch, seq, shape.hidden, shape.heads, shape.heads, size,
+                               record.precision)
+    calls = sum(n for n, _ in formula.values()) * accum
+    total = sum(n * each for n, each in formula.values()) * accum
+    measured = record.comm.by_op.get("all_to_all_single", {"count": 0, "bytes": 0})
+    sent = theory.wire_bytes("all_to_all_single", measured["bytes"], size)
+    rows = [["measured (comms logger)", f"{measured['count']:g}",
+             f"{measured['bytes'] / max(measured['count'], 1):,.0f}", f"{measured['bytes']:,.0f}", f"{sent:,.0f}"],
+            ["formula", f"{calls:g}", " / ".join(f"{each:,.0f}" for _, each in formula.values()), f"{total:,.0f}",
+             f"{total * (size - 1) / size:,.0f}"]]
+    return records.format_table(rows, ["all-to-alls per step", "calls", "bytes each", "bytes", "sent by a rank"])
+
+
+def all_to_all_agrees(record: records.Record, seq: int | None = None) -> bool:
+    """Whether the measured calls and bytes per step equal the formula's exactly."""
+    shape, size, accum = _shape_of(record), group_size(record), record.grad_accum
+    formula = all_to_all_calls(shape.layers, record.micro_batch, seq or shape.seq, shape.hidden, shape.heads,
+                               shape.heads, size, record.precision)
+    measured = record.comm.by_op.get("all_to_all_single", {"count": 0, "bytes": 0})
+    return (measured["count"] == sum(n for n, _ in formula.values()) * accum
+            and measured["bytes"] == sum(n * each for n, each in formula.values()) * accum)
+
+
+def activation_rows(runs: Mapping[str, Any], growing: Sequence[int] = GROWING) -> list[dict]:
+    """For each sequence length: the bytes one decoder layer (layer 1: layer 0 also keeps the rotary tables)
+    keeps for backward on rank 0, one sequence per rank against one split by Ulysses, each beside
+    :func:`activation_bytes_per_layer`; and the whole forward's bytes (every layer and the rest)."""
+    rows = []
+    for s in growing:
+        whole, split = runs[f"one-sequence-{s}"], runs[f"ulysses-{s}"]
+        shape, size = _shape_of(whole), group_size(split)
+        a_whole, a_split = (r.section("activations")["per_rank"][0] for r in (whole, split))
+        rows.append({
+            "seq": s, "size": size,
+            "layer": a_whole["per_layer"][-1], "layer_split": a_split["per_layer"][-1],
+            "formula": activation_bytes_per_layer(1, s, shape.hidden, shape.heads, shape.intermediate, whole.precision),
+            "formula_split": activation_bytes_per_layer(1, s, shape.hidden, shape.heads, shape.intermediate,
+                                                        split.precision, size)
+            + ulysses_extra_bytes(1, s, shape.hidden, size, split.precision),
+            "total": a_whole["total"], "total_split": a_split["total"]})
+    return rows
+
+
+def ulysses_extra_bytes(batch: int, seq: int, hidden: int, size: int, precision: str = "fp32") -> float:
+    """What a layer keeps under Ulysses beyond :func:`activation_bytes_per_layer` at s/P tokens: the attention's
+    output twice, once as ``sdpa`` returns it (every token, heads/P heads) and once after the all-to-all
+    back (s/P tokens, every head) as ``o_proj``'s input: b·(s/P)·h more elements. Without Ulysses the two
+    are one tensor."""
+    if size <= 1:
+        return 0.0
+    return batch * (seq // size) * hidden * theory.BYTES_PER_ELEMENT[precision]
+
+
+def activation_table(rows: Sequence[dict]) -> str:
+    """:func:`activation_rows` as a table."""
+    table = [[r["seq"], f"{r['layer']:,}", f"{r['formula']:,.0f}", f"{r['layer_split']:,}", f"{r['formula_split']:,.0f}",
+              f"{r['layer_split'] / r['layer']:.3f}", f"{r['total_split'] / r['total']:.3f}"] for r in rows]
+    return records.format_table(table, ["tokens", "one layer, whole", "formula", f"one layer, Ulysses",
+                                        "formula (+ b·(s/P)·h)", "layer ratio", "whole forward ratio"])
+
+
+def activations_agree(rows: Sequence[dict]) -> bool:
+    """Whether every measured layer equals its formula exactly, with and without Ulysses."""
+    return all(r["layer"] == r["formula"] and r["layer_split"] == r["formula_split"] for r in rows)
+
+
+# --- which parallelism for which case ------------------------------------------------------------------
+
+#: The ways of splitting the work the comparison sets side by side: run name -> label.
+COMPARED = {"zero3": "ZeRO-3 (data parallel)", "autotp": "AutoTP (tensor)", "pipeline": "pipeline (1F1B)",
+            "ulysses-compare": "Ulysses (sequence) + ZeRO-1"}
+
+
+#: The functions of DeepSpeed's ZeRO optimizer that issue its collectives over the data-parallel group (as the
+#: comms logger names them): where that group is one rank (AutoTP or a pipeline over all ranks) they move nothing.
+ZERO_CALLERS = ("allreduce_bucket", "all_gather_into_tensor_dp_groups", "reduce_scatter_fn", "allgather_fn",
+                "get_grad_norm_direct", "_model_parallel_all_reduce")
+
+
+def zero_group_size(record: records.Record) -> int:
+    """Ranks ZeRO's collectives run over: the data-parallel ranks, times the sequence-parallel group (ZeRO
+    partitions over both)."""
+    return record["data_parallel_size"] * group_size(record)
+
+
+def sent_bytes_per_step(record: records.Record) -> float:
+    """Bytes rank 0 sent per optimizer step: each collective the comms logger saw, by the ring algorithm
+    (:func:`helpers.core.theory.wire_bytes`; point-to-point sends once, receives nothing), leaving out ZeRO's
+    calls on a group of one rank (the logger logs them; nothing moves)."""
+    return sum(theory.wire_bytes(op, row["bytes"], record.world_size) for op, row in _moving(record))
+
+
+def _moving(record: records.Record) -> list[tuple[str, dict]]:
+    """(op, {count, bytes}) per step of each collective that sends something: receives and ZeRO's calls on a
+    group of one rank left out."""
+    alone = zero_group_size(record) == 1
+    return [(op, row) for op, callers in record.comm.by_caller.items() for caller, row in callers.items()
+            if not op.startswith("recv") and not (alone and caller in ZERO_CALLERS)]
+
+
+def comparison_rows(runs: Mapping[str, Any], names: Mapping[str, str] = COMPARED) -> list[dict]:
+    """Per way of splitting, measured on rank 0: collective calls and bytes sent per step (:func:`_moving`),
+    model states, step time (median) and, on GPUs, peak memory."""
+    rows = []
+    for name, label in names.items():
+        r = runs[name]
+        rows.append({"run": name, "label": label, "sent": sent_bytes_per_step(r),
+                     "calls": sum(row["count"] for _, row in _moving(r)),
+                     "states": r.model_state_bytes(0), "step_s": r.timing.median_s,
+                     "peak": r.memory.peak(0) if r.device == "cuda" else None})
+    return rows
+
+
+def prediction_table(runs: Mapping[str, Any], names: Mapping[str, str] = COMPARED) -> str:
+    """Bytes rank 0 sent per step in each comparison run (:func:`sent_bytes_per_step`) beside
+    :func:`predicted_sent_bytes` for the run's model, tokens, ranks and precision."""
+    rows = []
+    for name, label in names.items():
+        r = runs[name]
+        shape = _shape_of(r)
+        predicted = predicted_sent_bytes(name, shape, r.params, shape.seq, r.world_size, r.precision)
+        sent = sent_bytes_per_step(r)
+        rows.append([label, f"{sent:,.0f}", f"{predicted:,.0f}", f"{sent / predicted:.3f}"])
+    return records.format_table(rows, ["way of splitting", "sent by rank 0 per step", "formula", "measured / formula"])
+
+
+def comparison_table(rows: Sequence[dict], timings: bool = False) -> str:
+    """:func:`comparison_rows` as a table; step time and GPU peaks only with ``timings`` (a cell nbval ignores)."""
+    table = []
+    for r in rows:
+        row = [r["label"], f"{r['calls']:g}", f"{r['sent']:,.0f}", f"{r['states']:,}"]
+        if timings:
+            row += [f"{r['step_s'] * 1000:.1f}"] + ([records.format_bytes(r["peak"])] if r["peak"] is not None else [])
+        table.append(row)
+    headers = ["way of splitting", "calls/step (that send)", "bytes sent/step", "model states (rank 0)"]
+    if timings:
+        headers += ["step ms"] + (["peak (max allocated)"] if rows and rows[0]["peak"] is not None else [])
+    return records.format_table(table, headers)
+
+
+def predicted_sent_bytes(way: str, shape: models.LlamaShape, params: int, seq: int, ranks: int,
+                         precision: str = "bf16") -> float:
+    """Bytes one rank sends per optimizer step of ``ranks`` samples of ``seq`` tokens on ``ranks`` ranks, each
+    way taking one sample at a time where it can (as :func:`sequence_parallel_runs`' comparison runs do), by
+    the course's formulas:
+
+    - ZeRO-3, one sample per rank: the parameters gathered and the gradients reduce-scattered once
+      (:func:`helpers.core.theory.zero3_wire_bytes`), whatever the tokens;
+    - AutoTP, the same sample on every rank, ``ranks`` micro-steps: activations all-reduced in every layer
+      (:func:`helpers.topics.tensor_parallel.tensor_parallel_wire_bytes`);
+    - pipeline, ``ranks`` micro-batches of one: the first stage sends each micro-batch's output forward, the
+      last its gradient back, a middle stage both (b·s·h each, :func:`helpers.topics.pipeline.pipeline_p2p_bytes`);
+    - Ulysses, one sample split over the ranks, ``ranks`` micro-steps: :func:`all_to_all_wire_bytes` and the
+      token positions each layer gathers, then DeepSpeed's ZeRO-1 over all ranks: the gradients all-reduced
+      and the parameters all-gathered (chapter 03), 3Ψ(n-1)/n elements."""
+    width = theory.BYTES_PER_ELEMENT[precision]
+    ring = theory.ring_factor(ranks)
+    if way == "zero3":
+        return theory.zero3_wire_bytes(params, ranks, precision)
+    if way == "autotp":
+        return ranks * tensor_parallel.tensor_parallel_wire_bytes(shape.layers, 1, seq, shape.hidden, shape.vocab,
+                                                                  ranks, precision)
+    if way == "pipeline":  # the first and the last stage send one way, a middle stage both
+        return ranks * (2 if ranks > 2 else 1) * pipeline.pipeline_p2p_bytes(1, seq, shape.hidden, precision)
+    if way in ("ulysses", "ulysses-compare"):
+        positions = shape.layers * (seq // ranks) * POSITION_BYTES * (ranks - 1)  # each layer gathers the token positions
+        zero1 = 3 * params * width * ring  # DeepSpeed's stage 1: gradients all-reduced, parameters all-gathered
+        return ranks * (all_to_all_wire_bytes(shape.layers, 1, seq, shape.hidden, shape.heads, shape.heads, ranks,
+                                              precision) + positions) + zero1
+    raise ValueError(f"way={way!r}: one of {', '.join(COMPARED)}")
+
+
+#: Bytes of one token's position id (int64), which Ulysses' attention gathers from the group in every layer.
+POSITION_BYTES = 8
+
+
+def what_if_rows(shape: models.LlamaShape, params: int, ranks: int, seqs: Sequence[int], precision: str = "bf16",
+                 links: Mapping[str, float] | None = None) -> list[dict]:
+    """For each sequence length and way of splitting: bytes each rank sends per step (:func:`predicted_sent_bytes`)
+    and the seconds that takes on each link (bandwidth only, no overlap: the course's
+    :class:`helpers.core.theory.AlphaBeta`), with the memory each rank holds (:func:`memory_rows`)."""
+    links = links or {k: bandwidth.LINKS[k] for k in ("25 Gb/s", "NVLink 4")}
+    rows = []
+    for seq in seqs:
+        held = {m["way"]: m for m in memory_rows(shape, params, ranks, seq, precision)}
+        for way in COMPARED:
+            sent = predicted_sent_bytes(way, shape, params, seq, ranks, precision)
+            rows.append({"seq": seq, "way": way, "sent": sent, **held[way],
+                         **{link: theory.AlphaBeta.link(bw).seconds(sent) for link, bw in links.items()}})
+    return rows
+
+
+def cheapest(rows: Sequence[dict], key: str) -> dict[int, str]:
+    """{sequence length: the way of splitting with the least ``key`` (a link's seconds, "sent", "activations")}."""
+    best: dict[int, tuple[float, str]] = {}
+    for r in rows:
+        if r["seq"] not in best or r[key] < best[r["seq"]][0]:
+            best[r["seq"]] = (r[key], r["way"])
+    return {seq: way for seq, (_, way) in best.items()}
+
+
+def what_if_table(rows: Sequence[dict], links: Sequence[str] = ("25 Gb/s", "NVLink 4")) -> str:
+    """:func:`what_if_rows` as a table: one row per sequence length and way."""
+    table = [[r["seq"], COMPARED[r["way"]], records.format_bytes(r["sent"]),
+              *(f"{r[link] * 1000:,.1f}" for link in links), records.format_bytes(r["states"]),
+              records.format_bytes(r["activations"])] for r in rows]
+    return records.format_table(table, ["tokens", "way of splitting", "sent per rank per step",
+                                        *(f"ms on {link}" for link in links), "model states per rank",
+                                        "activations per rank"])
+
+
+def memory_rows(shape: models.LlamaShape, params: int, ranks: int, seq: int, precision: str = "bf16") -> list[dict]:
+    """Per way of splitting (as :func:`predicted_sent_bytes` runs them), what each rank holds, by the course's
+    formulas: model states in mixed precision (16 bytes per parameter; ZeRO-3 divides all of them, AutoTP and
+    the pipeline about all (their replicated norms and embeddings left out), ZeRO-1 under Ulysses only the
+    optimizer's 12) and activations (:func:`activation_bytes_per_layer`): one whole sample through every
+    layer on a ZeRO-3 rank; the same on an AutoTP rank (an upper bound: its split matrices keep 1/P of their
+    outputs); L/P layers with up to P micro-batches of one in flight on the first pipeline stage (1F1B),
+    the same total; every layer at s/P tokens under Ulysses."""
+    L, h, a, i = shape.layers, shape.hidden, shape.heads, shape.intermediate
+    whole = L * activation_bytes_per_layer(1, seq, h, a, i, precision)
+    split = L * (activation_bytes_per_layer(1, seq, h, a, i, precision, ranks)
+                 + ulysses_extra_bytes(1, seq, h, ranks, precision))
+    states = {"zero3": 16 * params / ranks, "autotp": 16 * params / ranks, "pipeline": 16 * params / ranks,
+              "ulysses-compare": 4 * params + 12 * params / ranks}
+    acts = {"zero3": whole, "autotp": whole, "pipeline": whole, "ulysses-compare": split}
+    return [{"way": way, "states": states[way], "activations": acts[way]} for way in COMPARED]
+
+
+# --- GPU references ----------------------------------------------------------------------------------
+
+REFERENCE = "sequence-parallel"
+
+
+def gpu_measurement(world_size: int | None = None) -> Any:
+    """On a GPU machine: this chapter's runs on ``llama-gpu`` in bf16 (:func:`sequence_parallel_runs`, no
+    growing runs) and the search for the longest sequence (:func:`fit_runs`), kept as the reference
+    ``sequence-parallel`` (:func:`helpers.core.references.save_reference`) with the search's outcomes.
+    Returns the file written."""
+    world = environment.detect(world_size).default_world_size
+    runs = sequence_parallel_runs(size="llama-gpu", batch=2 * world, steps=4, growing=(), world_size=world_size,
+                                  precision="bf16")
+    fits, again = fit_runs(world_size=world_size)
+    kept = {**{k: v for k, v in runs.items() if not isinstance(v, Exception)},
+            **{f"fit: {k}": v for k, v in fits.items() if not isinstance(v, Exception)},
+            "fit outcomes": {"outcomes": fit_outcomes(fits), "cap_gib": FIT_CAP_GIB, "trained again": again,
+                             "sequences": list(FIT_SEQUENCES)}}
+    return references.save_reference(REFERENCE, kept, note=f"llama-gpu, bf16, {world} ranks; the search capped each "
+                                                           f"rank at {FIT_CAP_GIB:g} GiB")
+
+
+def fit_table(runs: Mapping[str, Any]) -> str:
+    """The GPU search (``fit: <run>`` records and the ``fit outcomes`` of a reference): per run, tokens per
+    rank, outcome, peak memory (rank 0) and all-to-all bytes per step against the formula."""
+    found = runs["fit outcomes"]
+    rows = []
+    for name, outcome in sorted(found["outcomes"].items(), key=lambda kv: (kv[0].split("-")[0], int(kv[0].rsplit("-", 1)[1]))):
+        seq = int(name.rsplit("-", 1)[1])
+        r = runs.get(f"fit: {name}")
+        size = group_size(r) if r is not None else (1 if name.startswith("one") else None)
+        per_rank = seq // size if size else "?"
+        peak = records.format_bytes(r.memory.peak(0)) if r is not None else "-"
+        a2a = "-"
+        if r is not None and size and size > 1:
+            shape = _shape_of(r)
+            formula = all_to_all_bytes(shape.layers, 1, seq, shape.hidden, shape.heads, shape.heads, size, r.precision)
+            measured = r.comm.by_op.get("all_to_all_single", {}).get("bytes", 0)
+            a2a = f"{measured:,.0f} ({'= formula' if measured == formula * r.grad_accum else f'formula {formula:,.0f}'})"
+        rows.append([name, per_rank, outcome, peak, a2a])
+    return records.format_table(rows, ["run", "tokens per rank", f"within {found['cap_gib']:g} GiB", "peak (rank 0)",
+                                       "all-to-all bytes/step"])
+
+
+def fit_sentence(runs: Mapping[str, Any]) -> str:
+    """The search's answer in one sentence: the longest sequence that fitted each way (and the first that did not)."""
+    found = runs["fit outcomes"]["outcomes"]
+    ranks = next(r.world_size for k, r in runs.items() if k.startswith("fit: "))
+    parts = []
+    for prefix, label in (("one-sequence", "one sequence per GPU"), ("ulysses", f"Ulysses over {ranks} GPUs")):
+        fits, fails = longest_fitting(found, prefix)
+        parts.append(f"{label}: {fits:,} tokens fit" if fits else f"{label}: none of the lengths fit")
+        if fails:
+            parts[-1] += f", {fails:,} did not"
+    return "; ".join(parts) + f" (each GPU capped at {runs['fit outcomes']['cap_gib']:g} GiB)."
+
+
+def reference_report(name: str = REFERENCE) -> str:
+    """Every committed GPU result of this chapter: the losses against data parallelism, the all-to-alls against
+    the formula, the comparison with timings and the longest-sequence search; or a plain statement that none is."""
+    def render(runs: dict) -> str:
+        return "\n".join([equality_table(runs), all_to_all_table(runs["ulysses"]),
+                          comparison_table(comparison_rows(runs), timings=True), fit_table(runs), fit_sentence(runs)])
+    return references.references_report(name, render)
+
+
+# --- figures -----------------------------------------------------------------------------------------
+
+def layout_figure(ranks: int = 2, tokens: int = 8, heads: int = 4):
+    """Who holds what around Ulysses' attention, one square per (token, head), coloured by the rank that holds
+    it: before the all-to-all each rank holds a slice of the tokens with every head; after it, every token of
+    heads/P heads; the second all-to-all goes back."""
+    plt = plots.pyplot()
+    from matplotlib.colors import ListedColormap  # deferred: with pyplot
+
+    colours = ListedColormap(["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"][:ranks])
+    by_tokens = [[t * ranks // tokens for _ in range(heads)] for t in range(tokens)]
+    by_heads = [[h * ranks // heads for h in range(heads)] for _ in range(tokens)]
+    fig, axes = plt.subplots(1, 3, figsize=(8.4, 3.0), gridspec_kw={"width_ratios": [1, 0.35, 1]})
+    for ax, grid, title in ((axes[0], by_tokens, "q, k, v: rank r holds tokens\nr·s/P..(r+1)·s/P, every head"),
+                            (axes[2], by_heads, "attention: rank r holds every token\nof heads r·a/P..(r+1)·a/P")):
+        ax.imshow(grid, cmap=colours, vmin=-0.5, vmax=ranks - 0.5, aspect="auto")
+        ax.set(xticks=range(heads), yticks=range(tokens), xlabel="head", ylabel="token", title=title)
+        ax.title.set_fontsize(8)
+    axes[1].axis("off")
+    axes[1].annotate("", xy=(1, 0.6), xytext=(0, 0.6), arrowprops={"arrowstyle": "->", "lw": 2})
+    axes[1].annotate("", xy=(0, 0.4), xytext=(1, 0.4), arrowprops={"arrowstyle": "->", "lw": 2})
+    axes[1].text(0.5, 0.68, "all-to-all\n(q, k, v)", ha="center", fontsize=8)
+    axes[1].text(0.5, 0.22, "all-to-all\n(output)", ha="center", fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(r)) for r in range(ranks)]
+    fig.legend(handles, [f"rank {r}" for r in range(ranks)], loc="lower center", ncol=ranks, fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    plt.close(fig)
+    return fig
+
+
+def key_figure(rows: Sequence[dict]):
+    """The chapter's key result: bytes one decoder layer keeps for backward on a rank, one whole sequence
+    against one split by Ulysses, as the sequence grows: measured (points) and :func:`activation_bytes_per_layer`
+    (lines)."""
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(6.0, 3.6))
+    seqs = [r["seq"] for r in rows]
+    size = rows[0]["size"]
+    ax.plot(seqs, [r["formula"] / 2**20 for r in rows], "-", color="#4c72b0", label="one sequence per rank (formula)")
+    ax.plot(seqs, [r["layer"] / 2**20 for r in rows], "o", color="#4c72b0", label="measured")
+    ax.plot(seqs, [r["formula_split"] / 2**20 for r in rows], "-", color="#dd8452",
+            label=f"one sequence over {size} ranks, Ulysses (formula)")
+    ax.plot(seqs, [r["layer_split"] / 2**20 for r in rows], "o", color="#dd8452", label="measured")
+    ax.set(xscale="log", yscale="log", xlabel="tokens per sequence", ylabel="MiB per rank, one decoder layer",
+           title="Activations one layer keeps for backward")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def what_if_figure(rows: Sequence[dict], link: str = "NVLink 4", title: str | None = None):
+    """Per way of splitting, against tokens per sequence: bytes sent per rank and step (left) and activations
+    per rank (right), from :func:`what_if_rows`."""
+    plt = plots.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9.0, 3.4))
+    for way, label in COMPARED.items():
+        mine = [r for r in rows if r["way"] == way]
+        axes[0].plot([r["seq"] for r in mine], [r["sent"] / 2**30 for r in mine], marker=".", label=label)
+        axes[1].plot([r["seq"] for r in mine], [r["activations"] / 2**30 for r in mine], marker=".", label=label)
+    axes[0].set(xscale="log", yscale="log", xlabel="tokens per sequence", ylabel="GiB sent per rank and step",
+                title=title or "Communication")
+    axes[1].set(xscale="log", yscale="log", xlabel="tokens per sequence", ylabel="GiB of activations per rank",
+                title="Activation memory")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+# --- exercises ----------------------------------------------------------------------------------------
+
+def exercise_all_to_all_bytes(answer: object, record: records.Record) -> exercises.Verdict:
+    """Exercise: predict the bytes of every all-to-all of one optimizer step of the run (as DeepSpeed's comms
+    logger records them); checked against what it recorded."""
+    measured = record.comm.by_op.get("all_to_all_single", {"bytes": 0})["bytes"]
+    shape = _shape_of(record)
+    return exercises.number(
+        "all-to-all bytes", answer, measured, relative=0.001,
+        task=(f"Predict the bytes of all the all-to-alls of one optimizer step of the '{record.name}' run "
+              f"({shape.layers} layers, hidden {shape.hidden}, micro-batch {record.micro_batch}, "
+              f"{record.grad_accum} micro-step(s), {shape.seq} tokens, {group_size(record)} ranks, {record.precision})."),
+        hint="per layer and micro-step, 4 all-to-alls in forward (q, k, v, output) and 4 in backward, each of one "
+             "rank's tensor: micro-batch x s/P tokens x hidden x bytes per element",
+        why="DeepSpeed's comms logger recorded exactly that: 8 per layer and micro-step, each b·(s/P)·h elements.")
+
+
+def ulysses_config_test(world_size: int, model: str, seq: int, samples: int) -> Any:
+    """The test of :func:`exercise_ulysses_config`: the config passes :func:`findings` on ``world_size`` ranks,
+    splits each sequence over the largest group the model's heads and the ranks allow, and its optimizer
+    steps train on ``samples`` samples."""
+    heads = models.shape_of(model).heads
+    largest = max(d for d in range(1, world_size + 1) if world_size % d == 0 and heads % d == 0 and seq % d == 0)
+
+    def test(config: Any) -> tuple[bool, str]:
+        if not isinstance(config, dict):
+            return False, f"{type(config).__name__} is not a config: write a dict"
+        errors = [f for f in findings(config, model, world_size, seq) if f.severity == "error"]
+        if errors:
+            return False, "the checker refuses it:\n" + findings_text(errors)
+        size = config.get("sequence_parallel_size", 1)
+        if size != largest:
+            return False, f"sequence_parallel_size {size} is allowed, but not the largest group this model allows here"
+        micro = config.get("train_micro_batch_size_per_gpu")
+        accum = config.get("gradient_accumulation_steps", 1)
+        train = config.get("train_batch_size")
+        groups = world_size // size
+        steps_samples = train if train is not None else (micro or 0) * accum * groups
+        if steps_samples != samples:
+            return False, (f"an optimizer step would train on {steps_samples} samples ({groups} groups read different "
+                           f"samples), not {samples}")
+        return True, (f"sequence_parallel_size {size}: {heads} heads / {size} = {heads // size} per rank, "
+                      f"{seq} tokens / {size} = {seq // size} per rank, {groups} groups x {samples // groups} "
+                      f"samples = {samples} per step; the checker and DeepSpeed's parser accept it.")
+    return test
+
+
+def exercise_ulysses_config(answer: object, world_size: int = 8, model: str = "llama-medium", seq: int = 6144,
+                            samples: int = 16) -> exercises.Verdict:
+    """Exercise: write the DeepSpeed config that splits each sequence over the largest Ulysses group the model
+    allows on ``world_size`` GPUs, with ``samples`` samples per optimizer step."""
+    shape = models.shape_of(model)
+    return exercises.satisfies(
+        "Ulysses config", answer, ulysses_config_test(world_size, model, seq, samples),
+        task=(f"Write the DeepSpeed config (a dict: batch keys, sequence_parallel_size, an optimizer, ZeRO-1) for "
+              f"{world_size} GPUs training '{model}' ({shape.heads} heads) on sequences of {seq} tokens, split over "
+              f"the largest Ulysses group it allows, {samples} samples per optimizer step."),
+        hint="the group size must divide the ranks, the heads and the tokens; DeepSpeed's batch arithmetic counts "
+             "groups, not ranks (world size / sequence_parallel_size)")
+
+
+def exercise_layer_bytes(answer: object, runs: Mapping[str, Any], seq: int = 4096) -> exercises.Verdict:
+    """Exercise: predict the bytes one decoder layer keeps for backward on a Ulysses rank at ``seq`` tokens;
+    checked against the run's activations probe."""
+    r = runs[f"ulysses-{seq}"]
+    measured = r.section("activations")["per_rank"][0]["per_layer"][-1]
+    shape = _shape_of(r)
+    return exercises.number(
+        "Ulysses layer bytes", answer, measured, relative=0.001,
+        task=(f"Predict the bytes decoder layer 1 keeps for backward on rank 0 of 'ulysses-{seq}' (one sequence of "
+              f"{seq} tokens over {group_size(r)} ranks; hidden {shape.hidden}, {shape.heads} heads, MLP "
+              f"{shape.intermediate}, {r.precision})."),
+        hint="chapter 10's formula at s/P tokens without the s² softmax (sdpa keeps a log-sum-exp per head and "
+             "token instead), plus the attention output kept a second time after the all-to-all: "
+             "sequence_parallel.activation_bytes_per_layer and ulysses_extra_bytes",
+        why="the activations probe counted exactly that on rank 0.")
+
+
+#: The source article's model, LLaMA-7B's shape (hidden 4096, 32 layers and heads, MLP 11008, 32k vocabulary).
+ARTICLE_SHAPE = models.LlamaShape(hidden=4096, layers=32, heads=32, intermediate=11008, seq=4096, vocab=32000)
+#: The sequence lengths of the what-if comparison.
+WHAT_IF_SEQUENCES = (4096, 16384, 65536, 262144)
+
+
+def what_if_sentence(rows: Sequence[dict], link: str = "NVLink 4") -> str:
+    """Which way sends the fewest bytes and which holds the fewest activations per rank, at each sequence
+    length of :func:`what_if_rows`, in one sentence each."""
+    sends, holds = cheapest(rows, link), cheapest(rows, "activations")
+    def runs_of(best: Mapping[int, str]) -> str:
+        return "; ".join(f"{seq:,} tokens: {COMPARED[way]}" for seq, way in best.items())
+    return f"Fewest bytes sent per step: {runs_of(sends)}.\nFewest activations per rank: {runs_of(holds)}."

@@ -1,0 +1,139 @@
+"""Sequence parallelism (chapter 12b): the formulas, the checks before launch, the search's bookkeeping, the
+exercises' checks and the core pieces Ulysses needs (a builder's initialize arguments, the data-parallel
+coordinates of a sequence-parallel engine, the batch arithmetic of the config checker)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from helpers.core import configs, models, theory, train
+from helpers.topics import activations, sequence_parallel as sp
+
+OPTIMIZER = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+
+def test_all_to_all_calls_count_eight_per_layer_of_one_ranks_tensor_and_repeat_few_kv_heads():
+    calls = sp.all_to_all_calls(layers=2, batch=4, seq=64, hidden=64, heads=4, kv_heads=4, size=2)
+    assert calls == {"queries and outputs": (8, 4 * 32 * 64 * 4), "keys and values": (8, 4 * 32 * 64 * 4)}
+    # 2 key/value heads of 16 values on 4 ranks: each repeated to 4
+    gqa = sp.all_to_all_calls(layers=1, batch=1, seq=8, hidden=128, heads=8, kv_heads=2, size=4, precision="bf16")
+    assert gqa["keys and values"] == (4, 1 * 2 * 4 * 16 * 2)
+    assert sp.all_to_all_wire_bytes(2, 4, 64, 64, 4, 4, 2) == sp.all_to_all_bytes(2, 4, 64, 64, 4, 4, 2) / 2
+
+
+def test_the_wire_bytes_of_an_all_to_all_leave_out_the_part_a_rank_keeps():
+    assert theory.wire_bytes("all_to_all_single", 1000, 4) == 750
+    assert theory.wire_bytes("all_to_all_single", 1000, 1) == 0
+
+
+def test_the_layer_formula_is_chapter_10s_without_the_softmax_plus_a_log_sum_exp_and_splits_the_tokens():
+    eager = activations.activation_bytes_per_layer(2, 128, 64, 4, 172)
+    assert sp.activation_bytes_per_layer(2, 128, 64, 4, 172) == eager["total"] - eager["a·s²·b"] + 4 * 2 * 4 * 128
+    assert sp.activation_bytes_per_layer(2, 128, 64, 4, 172, size=4) == sp.activation_bytes_per_layer(2, 32, 64, 4, 172)
+    assert sp.ulysses_extra_bytes(2, 128, 64, 4) == 2 * 32 * 64 * 4 and sp.ulysses_extra_bytes(2, 128, 64, 1) == 0
+    with pytest.raises(ValueError, match="equal slices"):
+        sp.activation_bytes_per_layer(1, 100, 64, 4, 172, size=8)
+
+
+def test_token_slices_cover_the_sequence_once_and_refuse_an_uneven_split():
+    parts = [sp.token_slice(12, 3, r) for r in range(3)]
+    assert [i for part in parts for i in range(12)[part]] == list(range(12))
+    with pytest.raises(ValueError, match="multiple of 5"):
+        sp.token_slice(12, 5, 0)
+
+
+def _errors(config, model="llama", world=8, seq=None, attention="sdpa"):
+    return [(f.key, f.rule) for f in sp.findings({**config, **OPTIMIZER}, model, world, seq, attention)
+            if f.severity == "error"]
+
+
+def test_findings_name_the_key_and_the_rule_deepspeed_would_raise_before_any_process_starts():
+    base = {"train_micro_batch_size_per_gpu": 1}
+    assert _errors({**base, "sequence_parallel_size": 4}) == []
+    heads = _errors({**base, "sequence_parallel_size": 8}, "llama-medium")
+    assert heads and heads[0][0] == "sequence_parallel_size" and "12 attention heads" in heads[0][1]
+    assert _errors({**base, "sequence_parallel_size": 4}, seq=102)[0][0] == "model_options.seq"
+    assert _errors({**base, "sequence_parallel_size": 2}, world=2, attention="eager")[0][0] == "attn_implementation"
+    world = _errors({**base, "sequence_parallel_size": 3})
+    assert world and world[0][0] == "sequence_parallel_size" and "whole sequence-parallel groups" in world[0][1]
+
+
+def test_the_config_checker_counts_sequence_parallel_groups_in_the_batch_as_deepspeed_does():
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "sequence_parallel_size": 4, **OPTIMIZER}
+    found = [f for f in configs.check(config, 8) if f.key == "train_batch_size"]
+    assert found and "counts the 2 sequence-parallel groups" in found[0].rule
+    assert not [f for f in configs.check({**config, "train_batch_size": 2}, 8) if f.severity == "error"]
+    assert configs.deepspeed_parse({**config, "train_batch_size": 2}, 8) is None
+
+
+def test_the_builder_returns_the_model_alone_without_a_group_and_checks_its_options():
+    model = sp.build_model("llama", config={"train_micro_batch_size_per_gpu": 1})
+    assert model.config._attn_implementation == "sdpa"
+    assert sp.build_model("llama", seq=256).config.max_position_embeddings == 256
+    with pytest.raises(ValueError, match="'seq'"):
+        sp.check_options("llama", {"sequence": 8})
+    with pytest.raises(ValueError, match="plain LLaMA-style size"):
+        sp.check_options("mlp", {})
+
+
+def test_restore_attention_puts_back_what_ulysses_replaced():
+    table = sp._attention_table()
+    original = table["sdpa"]
+    sp._ORIGINAL_ATTENTION.setdefault("sdpa", original)
+    try:
+        table["sdpa"] = lambda *a, **k: None  # as register_with_transformers replaces it
+        sp.restore_attention()
+        assert table["sdpa"] is original
+    finally:
+        table["sdpa"] = original
+
+
+def test_a_sequence_parallel_engine_gives_one_data_parallel_coordinate_per_group(monkeypatch):
+    import deepspeed.comm as dist
+
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 5)
+    engine = types.SimpleNamespace(dp_world_size=None, sequence_parallel_size=2, seq_dp_world_size=8,
+                                   seq_data_parallel_group=object())
+    assert train.data_parallel_coords(engine) == (2, 4)
+
+
+def test_the_search_reads_the_longest_sequence_that_fitted_and_the_first_that_did_not():
+    outcomes = sp.fit_outcomes({"ulysses-1024": object(), "ulysses-2048": RuntimeError("rank 0 failed: "
+                                "OutOfMemoryError: CUDA out of memory"), "one-sequence-1024": RuntimeError("boom\nmore")})
+    assert outcomes == {"ulysses-1024": "fits", "ulysses-2048": "out of memory", "one-sequence-1024": "boom"}
+    assert sp.longest_fitting(outcomes, "ulysses") == (1024, 2048)
+    assert sp.longest_fitting(outcomes, "one-sequence") == (None, 1024)
+
+
+def test_the_predicted_bytes_follow_each_ways_formula():
+    shape = models.shape_of("llama")
+    psi = models.parameters_of("llama")
+    assert sp.predicted_sent_bytes("zero3", shape, psi, 64, 2, "fp32") == theory.zero3_wire_bytes(psi, 2, "fp32")
+    two, four = (sp.predicted_sent_bytes("pipeline", shape, psi, 64, n, "fp32") for n in (2, 4))
+    assert four == 4 * two  # twice the micro-batches, and a middle stage sends both ways
+    with pytest.raises(ValueError, match="one of"):
+        sp.predicted_sent_bytes("fsdp", shape, psi, 64, 2)
+
+
+def test_what_if_rows_pick_the_cheapest_way_per_length():
+    rows = sp.what_if_rows(sp.ARTICLE_SHAPE, models.llama_7b_parameters(), 8, (4096, 262144))
+    assert len(rows) == 2 * len(sp.COMPARED)
+    holds = sp.cheapest(rows, "activations")
+    assert holds == {4096: "ulysses-compare", 262144: "ulysses-compare"}
+    sends = sp.cheapest(rows, "NVLink 4")
+    assert all(min(r["NVLink 4"] for r in rows if r["seq"] == s) ==
+               next(r["NVLink 4"] for r in rows if r["seq"] == s and r["way"] == way) for s, way in sends.items())
+
+
+def test_the_config_exercise_wants_the_largest_group_and_the_asked_samples():
+    test = sp.ulysses_config_test(8, "llama-medium", 6144, 16)
+    right = {"train_micro_batch_size_per_gpu": 8, "sequence_parallel_size": 4, **OPTIMIZER}
+    assert test(right)[0]
+    assert not test({**right, "sequence_parallel_size": 2})[0]  # allowed, not the largest
+    assert not test({**right, "sequence_parallel_size": 8})[0]  # 12 heads
+    assert not test({**right, "train_micro_batch_size_per_gpu": 4})[0]  # 8 samples
+    assert "not a config" in test([1])[1]
+    assert not sp.exercise_ulysses_config(...).answered
