@@ -309,7 +309,7 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
     - the comparison, N samples per step each way, one sample at a time where the way allows: ``zero3``
       (one sample per rank), ``autotp`` (chapter 12: every rank the same sample, N micro-steps),
       ``pipeline`` (chapter 11: one stage per rank, N micro-batches of one), ``ulysses-compare`` (one sample
-      split over the ranks, N micro-steps);
+      split over the ranks, N micro-steps, with ZeRO-3 for the model states, as Arctic Long Sequence Training runs it);
     - ``ulysses-eager``: Ulysses asked to wrap eager attention (refused by DeepSpeed; recorded).
 
     Each run's Ulysses constraints are checked first (:func:`findings`). Returns {run name: Record or RunFailed}."""
@@ -348,7 +348,7 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
                             probes=compared)
     specs["pipeline"] = launch.RunSpec("zero1", model=size + pipeline.SUFFIX, steps=steps, probes=compared,
                                        builder=pipeline.BUILDER, trainer=pipeline.TRAINER, overrides=batches(1, world))
-    specs["ulysses-compare"] = _spec("zero1", batches(1, world, **sp), size, steps, probes=compared)
+    specs["ulysses-compare"] = _spec("zero3", batches(1, world, **sp), size, steps, probes=compared)
     specs["ulysses-eager"] = _spec("zero1", batches(batch, **sp), size, 1, probes=(),
                                    model_options={"attention": "eager"}, on_error="record")
     for name, spec in specs.items():
@@ -559,7 +559,7 @@ def activations_agree(rows: Sequence[dict]) -> bool:
 
 #: The ways of splitting the work the comparison sets side by side: run name -> label.
 COMPARED = {"zero3": "ZeRO-3 (data parallel)", "autotp": "AutoTP (tensor)", "pipeline": "pipeline (1F1B)",
-            "ulysses-compare": "Ulysses (sequence) + ZeRO-1"}
+            "ulysses-compare": "Ulysses (sequence) + ZeRO-3"}
 
 
 #: The functions of DeepSpeed's ZeRO optimizer that issue its collectives over the data-parallel group (as the
@@ -641,9 +641,9 @@ def predicted_sent_bytes(way: str, shape: models.LlamaShape, params: int, seq: i
       (:func:`helpers.topics.tensor_parallel.tensor_parallel_wire_bytes`);
     - pipeline, ``ranks`` micro-batches of one: the first stage sends each micro-batch's output forward, the
       last its gradient back, a middle stage both (b·s·h each, :func:`helpers.topics.pipeline.pipeline_p2p_bytes`);
-    - Ulysses, one sample split over the ranks, ``ranks`` micro-steps: :func:`all_to_all_wire_bytes` and the
-      token positions each layer gathers, then DeepSpeed's ZeRO-1 over all ranks: the gradients all-reduced
-      and the parameters all-gathered (chapter 03), 3Ψ(n-1)/n elements."""
+    - Ulysses with ZeRO-3, one sample split over the ranks, ``ranks`` micro-steps: each, :func:`all_to_all_wire_bytes`,
+      the token positions each layer gathers, and ZeRO-3's gather and reduce-scatter over all ranks (it
+      gathers the parameters and reduces the gradients in every micro-step)."""
     width = theory.BYTES_PER_ELEMENT[precision]
     ring = theory.ring_factor(ranks)
     if way == "zero3":
@@ -655,9 +655,8 @@ def predicted_sent_bytes(way: str, shape: models.LlamaShape, params: int, seq: i
         return ranks * (2 if ranks > 2 else 1) * pipeline.pipeline_p2p_bytes(1, seq, shape.hidden, precision)
     if way in ("ulysses", "ulysses-compare"):
         positions = shape.layers * (seq // ranks) * POSITION_BYTES * (ranks - 1)  # each layer gathers the token positions
-        zero1 = 3 * params * width * ring  # DeepSpeed's stage 1: gradients all-reduced, parameters all-gathered
         return ranks * (all_to_all_wire_bytes(shape.layers, 1, seq, shape.hidden, shape.heads, shape.heads, ranks,
-                                              precision) + positions) + zero1
+                                              precision) + positions + theory.zero3_wire_bytes(params, ranks, precision))
     raise ValueError(f"way={way!r}: one of {', '.join(COMPARED)}")
 
 
@@ -702,9 +701,8 @@ def what_if_table(rows: Sequence[dict], links: Sequence[str] = ("25 Gb/s", "NVLi
 
 def memory_rows(shape: models.LlamaShape, params: int, ranks: int, seq: int, precision: str = "bf16") -> list[dict]:
     """Per way of splitting (as :func:`predicted_sent_bytes` runs them), what each rank holds, by the course's
-    formulas: model states in mixed precision (16 bytes per parameter; ZeRO-3 divides all of them, AutoTP and
-    the pipeline about all (their replicated norms and embeddings left out), ZeRO-1 under Ulysses only the
-    optimizer's 12) and activations (:func:`activation_bytes_per_layer`): one whole sample through every
+    formulas: model states in mixed precision (16 bytes per parameter; ZeRO-3, with or without Ulysses, divides
+    all of them, AutoTP and the pipeline about all: their replicated norms and embeddings left out) and activations (:func:`activation_bytes_per_layer`): one whole sample through every
     layer on a ZeRO-3 rank; the same on an AutoTP rank (an upper bound: its split matrices keep 1/P of their
     outputs); L/P layers with up to P micro-batches of one in flight on the first pipeline stage (1F1B),
     the same total; every layer at s/P tokens under Ulysses."""
@@ -713,7 +711,7 @@ def memory_rows(shape: models.LlamaShape, params: int, ranks: int, seq: int, pre
     split = L * (activation_bytes_per_layer(1, seq, h, a, i, precision, ranks)
                  + ulysses_extra_bytes(1, seq, h, ranks, precision))
     states = {"zero3": 16 * params / ranks, "autotp": 16 * params / ranks, "pipeline": 16 * params / ranks,
-              "ulysses-compare": 4 * params + 12 * params / ranks}
+              "ulysses-compare": 16 * params / ranks}
     acts = {"zero3": whole, "autotp": whole, "pipeline": whole, "ulysses-compare": split}
     return [{"way": way, "states": states[way], "activations": acts[way]} for way in COMPARED]
 
@@ -938,10 +936,17 @@ ARTICLE_SHAPE = models.LlamaShape(hidden=4096, layers=32, heads=32, intermediate
 WHAT_IF_SEQUENCES = (4096, 16384, 65536, 262144)
 
 
-def what_if_sentence(rows: Sequence[dict], link: str = "NVLink 4") -> str:
-    """Which way sends the fewest bytes and which holds the fewest activations per rank, at each sequence
-    length of :func:`what_if_rows`, in one sentence each."""
+def what_if_sentence(rows: Sequence[dict], link: str = "NVLink 4", gpu_bytes: float = 80 * 2**30) -> str:
+    """Which way sends the fewest bytes, which holds the fewest activations per rank, and which fit model states
+    and activations in ``gpu_bytes`` per GPU (an 80 GiB card by default), at each sequence length of
+    :func:`what_if_rows`, one sentence each."""
     sends, holds = cheapest(rows, link), cheapest(rows, "activations")
     def runs_of(best: Mapping[int, str]) -> str:
         return "; ".join(f"{seq:,} tokens: {COMPARED[way]}" for seq, way in best.items())
-    return f"Fewest bytes sent per step: {runs_of(sends)}.\nFewest activations per rank: {runs_of(holds)}."
+    fits = {}
+    for r in rows:
+        if r["states"] + r["activations"] <= gpu_bytes:
+            fits.setdefault(r["seq"], []).append(COMPARED[r["way"]])
+    within = "; ".join(f"{seq:,} tokens: {', '.join(fits.get(seq, [])) or 'none'}" for seq in sends)
+    return (f"Fewest bytes sent per step: {runs_of(sends)}.\nFewest activations per rank: {runs_of(holds)}.\n"
+            f"Model states and activations within {records.format_bytes(gpu_bytes)} per GPU: {within}.")
