@@ -61,6 +61,112 @@ def test_deepspeeds_schedule_idles_as_the_bubble_formula_says(stages, micro_batc
         assert all(row.index(f"F{m}") < row.index(f"B{m}") for m in range(micro_batches))
 
 
+# --- other schedules: DualPipeV, read from DeepSpeed's classes without processes ---------------------
+
+def test_the_builder_takes_a_schedule_and_nothing_else():
+    pipeline.check_options("llama-pipe", {"schedule": "dualpipev"})
+    pipeline.check_options("llama-pipe", {})
+    with pytest.raises(ValueError, match="choose one of '1f1b', 'dualpipev'"):
+        pipeline.check_options("llama-pipe", {"schedule": "interleaved"})
+    with pytest.raises(ValueError, match="only the model_option 'schedule'"):
+        pipeline.check_options("llama-pipe", {"partition_method": "uniform"})
+
+
+def test_the_shipped_schedules_are_read_from_deepspeeds_module_with_the_engines_that_build_them():
+    found = {s["name"]: s for s in pipeline.shipped_schedules()}
+    assert set(found) == {"TrainSchedule", "InferenceSchedule", "DataParallelSchedule", "DualPipeVSchedule"}
+    assert found["TrainSchedule"]["built_by"] == ["PipelineEngine._train_schedule"]
+    assert found["DualPipeVSchedule"]["built_by"] == ["DualPipeVEngine._train_schedule",
+                                                      "DualPipeVEngine._inference_schedule"]
+    assert found["DataParallelSchedule"]["built_by"] == []
+    assert found["DualPipeVSchedule"]["doc"] == "The DualPipeV schedule of DeepSeek-V3."
+    assert "built by: no engine" in pipeline.shipped_schedules_text()
+
+
+@pytest.mark.parametrize("ranks, micro_batches", [(2, 4), (3, 7), (4, 8)])
+def test_dualpipev_runs_each_phase_of_each_micro_batch_forward_then_backward_once_per_rank(ranks, micro_batches):
+    for steps in pipeline.schedule_instructions("dualpipev", ranks, micro_batches):
+        flat = [i for step in steps for i in step]
+        for kind in ("ForwardPass", "BackwardPass"):  # buffer = phase * M + micro-batch: every one, once
+            assert sorted(i.buffer_id for i in flat if i.name == kind) == list(range(2 * micro_batches))
+        order = [(i.name, i.buffer_id) for i in flat if i.name in pipeline.COMPUTE]
+        assert all(order.index(("ForwardPass", b)) < order.index(("BackwardPass", b)) for b in range(2 * micro_batches))
+    with pytest.raises(ValueError, match="at least 2 \\* 2 micro-batches"):
+        pipeline.schedule_instructions("dualpipev", 2, 3)
+
+
+def test_instruction_labels_name_the_buffer_and_mark_the_way_back():
+    steps = pipeline.schedule_instructions("dualpipev", 2, 4)
+    labels = [pipeline.instruction_label(i) for step in steps[0] for i in step]
+    assert labels[:4] == ["commit", "Load0", "F0", "sendA0"]
+    assert "recvA4'" in labels and "F4" not in labels and labels[-3:] == ["reduceTied", "reduce", "step"]
+    text = pipeline.instruction_text("1f1b", 2, 4)
+    assert text.splitlines()[:3] == ["rank 0:", "  step 0: Load0 F0", "  step 1: sendA0"]
+    assert "  step 8: (nothing)" in text
+
+
+@pytest.mark.parametrize("ranks, micro_batches", [(2, 1), (2, 4), (3, 5), (4, 8), (8, 16)])
+def test_replaying_deepspeeds_1f1b_lists_gives_its_bubble_formula(ranks, micro_batches):
+    played = pipeline.replay("1f1b", ranks, micro_batches, forward=2.0, backward=4.0)
+    assert played["busy"] == [6.0 * micro_batches] * ranks
+    assert played["idle"] == pytest.approx([pipeline.bubble_fraction(ranks, micro_batches)] * ranks)
+    assert played["span"] - played["busy"][0] == pytest.approx(pipeline.bubble_time("1f1b", ranks))
+
+
+def test_replaying_dualpipev_idles_less_than_1f1b_and_no_more_than_the_readmes_formula():
+    played = pipeline.replay("dualpipev", 2, 4)  # chunks: forward 1, backward 2
+    assert played["busy"] == [24.0, 24.0] and played["span"] == 28.0
+    for ranks, m in [(2, 4), (3, 6), (4, 8), (4, 16)]:
+        dual = pipeline.replay("dualpipev", ranks, m)
+        one = pipeline.replay("1f1b", ranks, m, 2.0, 4.0)
+        assert dual["busy"] == one["busy"] and dual["span"] < one["span"]
+        assert dual["span"] - dual["busy"][0] <= pipeline.bubble_time("dualpipev", ranks)
+    # a backward as long as a forward: the replay is the formula
+    assert pipeline.replay("dualpipev", 3, 7, 1.0, 1.0)["span"] - 28.0 == pipeline.bubble_time("dualpipev", 3, 1.0, 1.0)
+
+
+def test_bubble_formulas_of_the_dualpipe_readme():
+    assert pipeline.bubble_time("1f1b", 4, 1.0, 2.0) == 3 * 2 * 3.0  # (PP-1)(F+B), a stage two chunks
+    assert pipeline.bubble_time("dualpipev", 4, 1.0, 2.0) == 3 * (3.0 + 2.0)  # (PP/2-1)(F&B+B-3W), F&B=F+B, W=0
+    assert pipeline.bubble_time("dualpipev", 4, 1.0, 2.0, weight=0.5, overlapped=2.0) == 3 * (2.0 + 2.0 - 1.5)
+    for ranks, m in [(2, 4), (4, 6)]:
+        assert pipeline.bubble_share("1f1b", ranks, m) == pytest.approx(pipeline.bubble_fraction(ranks, m))
+    assert pipeline.bubble_share("dualpipev", 2, 4) == pytest.approx(5 / (5 + 24))
+    table = pipeline.schedule_bubble_table(cases=((2, 4),))
+    assert table.splitlines()[2].split() == ["2", "4", "6", "6", "0.200", "0.200", "5", "4", "0.172", "0.143"]
+
+
+def test_dualpipev_lists_twice_the_transfers_of_1f1b():
+    assert [pipeline.schedule_transfers("1f1b", 3, 6, r) for r in range(3)] == [12, 24, 12]
+    assert [pipeline.schedule_transfers("dualpipev", 3, 6, r) for r in range(3)] == [24, 48, 24]
+
+
+def test_p2p_per_step_adds_every_point_to_point_op_and_no_collective():
+    record = types.SimpleNamespace(comm_ops=lambda: {
+        "send": {"count": 4.0, "bytes": 400.0}, "recv": {"count": 4.0, "bytes": 400.0},
+        "batch_isend_irecv": {"count": 2.0, "bytes": 1000.0}, "all_reduce": {"count": 1.0, "bytes": 9999.0}})
+    assert pipeline.p2p_per_step(record) == {"count": 10.0, "bytes": 1800.0}
+
+
+def test_a_schedule_that_did_not_train_is_shown_by_its_error_and_kept_nowhere(monkeypatch):
+    failed = launch.RunFailed("rank 0 failed: AssertionError: DualPipeV needs gradient_accumulation_steps >= 2 * 4, got 4")
+    runs = {pipeline.DEFAULT: object(), pipeline.DUALPIPEV: failed}
+    expected = f"did not train: {pipeline.DUALPIPEV}: {failed}"
+    assert pipeline.schedule_comparison(runs) == expected == pipeline.schedule_timing_table(runs)
+    monkeypatch.setattr(pipeline.references, "save_reference", lambda *a, **k: pytest.fail("saved"))
+    assert pipeline.save_schedules_reference(runs, note="") is None
+    assert pipeline.schedule_comparison({pipeline.DEFAULT: object()}) == f"did not train: {pipeline.DUALPIPEV}: not in these runs"
+
+
+def test_the_chapters_sweep_repeats_its_pipeline_run_under_dualpipev(monkeypatch):
+    captured = {}
+    monkeypatch.setattr(pipeline.launch, "sweep", lambda specs, **kw: captured.update(specs) or {})
+    pipeline.pipeline_runs(world_size=2)
+    default, dual = captured[pipeline.DEFAULT], captured[pipeline.DUALPIPEV]
+    assert dual.model_options == {"schedule": "dualpipev"} and dual.on_error == "record"
+    assert {**dual.__dict__, "model_options": None, "on_error": "raise"} == default.__dict__
+
+
 @pytest.mark.parametrize("name, checkpointed", [("llama", False), ("llama-ckpt", True)])
 def test_saved_tensor_counter_matches_the_formula_in_process(name, checkpointed):
     model = models.build(name)
@@ -197,6 +303,10 @@ def swept(tmp_path_factory):
         "tp": launch.RunSpec("zero0", model="llama", steps=STEPS, probes=("model_states", "comm", tensor_parallel.ParamShards),
                              overrides={"tensor_parallel": {"autotp_size": 2}, "train_micro_batch_size_per_gpu": 8,
                                         "gradient_accumulation_steps": 1}),
+        "dualpipev": launch.RunSpec("zero1", model="llama-pipe", steps=STEPS, builder=pipeline.BUILDER,
+                                    trainer=pipeline.TRAINER, probes=("model_states", "comm", pipeline.PipelineTimeline),
+                                    model_options={"schedule": "dualpipev"},  # 2 x 4 micro-batches = 8
+                                    overrides={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}),
         "dsckpt": launch.RunSpec("zero0", model="llama-dsckpt", steps=STEPS, probes=(activations.Activations,),
                                  overrides={"gradient_accumulation_steps": 1}),
         "dp-after": dp,
@@ -212,7 +322,7 @@ def test_data_parallelism_after_a_pipeline_and_autotp_in_the_same_ranks_is_uncha
     assert after["memory"]["model_states_bytes_per_rank"] == before["memory"]["model_states_bytes_per_rank"]
 
 
-@pytest.mark.parametrize("name", ["pipe", "tp", "dsckpt"])
+@pytest.mark.parametrize("name", ["pipe", "dualpipev", "tp", "dsckpt"])
 def test_every_way_of_splitting_lands_on_data_parallel_losses(swept, name):
     tolerance = records.REORDERED_TOLERANCE["fp32"]
     assert records.loss_agreement(swept[name].losses, swept["dp-before"].losses, tolerance=tolerance) == "within 1e-05"
@@ -238,6 +348,25 @@ def test_pipeline_record(swept):
     assert all(0 <= b < 1 for b in section["bubble_per_rank"])
     kinds = {kind for kind, _, _ in section["last_step"][0]}
     assert {"ForwardPass", "BackwardPass", "SendActivation", "RecvGrad", "OptimizerStep"} <= kinds
+
+
+def test_dualpipev_record(swept):
+    dual = swept["dualpipev"]
+    section = dual.summary["pipeline"]
+    assert section["schedule"] == "dualpipev" and swept["pipe"].summary["pipeline"]["schedule"] == "1f1b"
+    # rank 0 holds stages 0 and 3 (the embedding and the head), rank 1 stages 1 and 2 (the decoder layers)
+    assert [[(f["stage"], f["layers"]) for f in r["phases"]] for r in section["per_rank"]] == [
+        [(0, ["EmbeddingStage"]), (3, ["HeadStage"])], [(1, ["DecoderStage"]), (2, ["DecoderStage"])]]
+    assert "3         0      1       HeadStage" in pipeline.phase_table(dual)
+    # model_states fired once both backwards of a micro-batch had run on the rank: every parameter has its gradient
+    assert all(dual.states(r)["grads"] == dual.states(r)["params"] for r in range(2))
+    assert dual.states(0)["params"] + dual.states(1)["params"] == swept["dp-before"].states(0)["params"]
+    # out and back: 4 transfers of one b·s·h activation or gradient per micro-batch on rank 0, in batches
+    assert "send" not in dual.comm_ops()
+    assert pipeline.p2p_per_step(dual)["bytes"] == 4 * 4 * pipeline.pipeline_p2p_bytes(2, 64, 64)
+    assert "  16  " in pipeline.schedule_p2p_table(swept, ["dualpipev"])
+    kinds = {kind for kind, _, _ in section["last_step"][0]}
+    assert {"CommitP2P", "ForwardPass", "BackwardPass", "OptimizerStep"} <= kinds
 
 
 def test_autotp_record(swept):

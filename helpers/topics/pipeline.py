@@ -10,6 +10,10 @@
   ``engine.train_batch``; :func:`dispatch_after_backward` lets the probes' ``after_backward`` fire inside it.
 - The ``pipeline`` probe times every instruction each stage executes (forward, backward, send, receive,
   ...): busy time against the time the whole pipeline took, the measured bubble.
+- The other schedules DeepSpeed ships (:func:`shipped_schedules`): DualPipeV, switched on by building a
+  ``DualPipeVModule`` (``model_options={"schedule": "dualpipev"}``), its instruction lists
+  (:func:`instruction_text`), its bubble by the DualPipe README's formulas and by replaying DeepSpeed's lists
+  (:func:`bubble_time`, :func:`replay`), and its run beside the default's (:func:`schedule_comparison`).
 """
 
 from __future__ import annotations
@@ -96,15 +100,32 @@ def llama_stages(model) -> list[nn.Module]:
     return [EmbeddingStage(inner.embed_tokens), *decoders, HeadStage(inner.norm, model.lm_head)]
 
 
-def llama_pipeline(model, num_stages: int | None = None, partition_method: str = "parameters"):
-    """``model`` as a ``deepspeed.pipe.PipelineModule`` of ``num_stages`` stages (default: one per rank),
-    balanced by parameter count; the loss is :func:`helpers.core.models.lm_loss`. Needs the process group."""
-    import deepspeed.comm as dist  # deferred: on the ranks only, after DeepSpeed's accelerator is chosen
-    from deepspeed.pipe import PipelineModule
+#: The pipeline schedules a run can train with (a run's ``model_options={"schedule": ...}``): DeepSpeed's
+#: default 1F1B (``PipelineModule``, trained by ``PipelineEngine`` with ``TrainSchedule``) and DualPipeV
+#: (``DualPipeVModule``, which ``deepspeed.initialize`` hands to ``DualPipeVEngine`` with ``DualPipeVSchedule``).
+SCHEDULES = ("1f1b", "dualpipev")
 
+
+def llama_pipeline(model, num_stages: int | None = None, partition_method: str = "parameters",
+                   schedule: str = "1f1b"):
+    """``model`` as a ``deepspeed.pipe.PipelineModule`` of ``num_stages`` stages (default: one per rank),
+    balanced by parameter count; the loss is :func:`helpers.core.models.lm_loss`. With ``schedule="dualpipev"``
+    a ``deepspeed.pipe.DualPipeVModule`` instead, which cuts the layers into ``2 * num_stages`` stages, two per
+    rank (rank r holds stage r and stage 2·num_stages-1-r). Needs the process group."""
+    import deepspeed.comm as dist  # deferred: on the ranks only, after DeepSpeed's accelerator is chosen
+    from deepspeed.pipe import DualPipeVModule, PipelineModule
+
+    check_schedule(schedule)
     stages = num_stages or dist.get_world_size()
-    return PipelineModule(layers=llama_stages(model), num_stages=stages, loss_fn=models.lm_loss,
-                          partition_method=partition_method)
+    module = DualPipeVModule if schedule == "dualpipev" else PipelineModule
+    return module(layers=llama_stages(model), num_stages=stages, loss_fn=models.lm_loss,
+                  partition_method=partition_method)
+
+
+def check_schedule(schedule: object) -> None:
+    """Raise a ValueError naming the choices when ``schedule`` is not one of :data:`SCHEDULES`."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(map(repr, SCHEDULES))}")
 
 
 #: The suffix of a pipeline model's name: ``"llama-pipe"`` is ``llama`` cut into stages.
@@ -119,20 +140,27 @@ def base_model(name: str) -> str:
 
 
 def check_options(name: str, options: dict) -> None:
-    """Raise a ValueError naming the fix when ``name`` is no pipeline model or ``options`` are given."""
+    """Raise a ValueError naming the fix when ``name`` is no pipeline model or ``options`` are other than
+    ``schedule`` (one of :data:`SCHEDULES`)."""
     base = base_model(name)
     if not models.is_llama(base) or models.llama_parts(base)[1]:
         raise ValueError(f"model {name!r}: cut a plain LLaMA-style model ({', '.join(models.LLAMA_SHAPES)}) into "
                          f"stages, e.g. 'llama{SUFFIX}'")
-    models.check_model_options(name, options)
+    options = dict(options)
+    if "schedule" in options:
+        check_schedule(options.pop("schedule"))
+    if options:
+        raise ValueError(f"model {name!r} takes only the model_option 'schedule' (got {sorted(options)})")
 
 
-def build_model(name: str, seed: int = 0, config: dict | None = None, **options) -> nn.Module:
+def build_model(name: str, seed: int = 0, config: dict | None = None, schedule: str = "1f1b",
+                **options) -> nn.Module:
     """A run's builder: the LLaMA-style model ``base_model(name)`` (the same weights as unsplit) as a
-    ``PipelineModule`` of one stage per rank; each rank keeps only its own stage's layers. Build it on the
+    ``PipelineModule`` of one stage per rank, or with ``schedule="dualpipev"`` (``model_options``) as a
+    ``DualPipeVModule`` of two stages per rank; each rank keeps only its own stages' layers. Build it on the
     ranks: it needs the process group."""
-    check_options(name, options)
-    return llama_pipeline(models.build(base_model(name), seed, config))
+    check_options(name, {"schedule": schedule, **options})
+    return llama_pipeline(models.build(base_model(name), seed, config), schedule=schedule)
 
 
 build_model.check_options = check_options  # the launcher checks a run's model with it
@@ -222,11 +250,13 @@ def instruction_hooks(engine) -> list[Callable]:
 def dispatch_after_backward(ctx: RunContext, step: int, probes: list) -> None:
     """Make every probe's ``after_backward(ctx, step, m)`` fire after the backward of micro-batch ``m`` of
     this stage during the next ``engine.train_batch`` (micro-batches counted in the order this stage runs
-    their backward). Call before each ``train_batch``."""
+    their backward). Under DualPipeV a rank runs two backwards of each micro-batch, phase 1's (the way back)
+    and then phase 0's: it fires after phase 0's, when the micro-batch's gradients on this rank are complete.
+    Call before each ``train_batch``."""
     state = ctx.engine.__dict__.setdefault("_course_backward_state", {})
     if not state:
         def after_instruction(kind: str, started: float, kwargs: dict) -> None:
-            if kind == "BackwardPass":
+            if kind == "BackwardPass" and kwargs.get("phase", 0) == 0:
                 for probe in state["probes"]:
                     probe.after_backward(state["ctx"], state["step"], state["micro"])
                 state["micro"] += 1
@@ -244,7 +274,8 @@ class PipelineTimeline(Probe):
     Per optimizer step (the first is left out: warm-up), the pipeline's span runs from the first
     instruction any stage starts to the end of the last backward any stage finishes; a stage's bubble
     is the share of that span it spent not computing (not in ``ForwardPass`` or ``BackwardPass``).
-    Rank clocks are comparable because all ranks share one host's monotonic clock.
+    Rank clocks are comparable because all ranks share one host's monotonic clock. Under DualPipeV each rank
+    also records its two stages (``phases``: stage r on the way out, stage 2·ranks-1-r on the way back).
     Section: ``pipeline``.
     """
 
@@ -268,11 +299,19 @@ class PipelineTimeline(Probe):
 
     def finish(self, ctx: RunContext) -> dict:
         module = ctx.engine.module
-        return {"stage": int(ctx.engine.stage_id), "stages": int(ctx.engine.num_stages),
-                "layers": [type(layer).__name__ for layer in module.forward_funcs],
-                "first_layer": int(module._local_start),
-                "params": sum(p.numel() for p in module.parameters()),
-                "instructions": self.steps}
+        found = {"stage": int(ctx.engine.stage_id), "stages": int(ctx.engine.num_stages),
+                 "layers": [type(layer).__name__ for layer in module.forward_funcs],
+                 "first_layer": int(module._local_start),
+                 "params": sum(p.numel() for p in module.parameters()),
+                 "instructions": self.steps}
+        if hasattr(module, "phase_funcs"):  # a DualPipeVModule: two stages on this rank, one per phase
+            stages = 2 * int(ctx.engine.num_stages)
+            found["phases"] = [{"stage": stage, "first_layer": int(bounds[0]),
+                                "layers": [type(layer).__name__ for layer in funcs]}
+                               for stage, bounds, funcs in zip((found["stage"], stages - 1 - found["stage"]),
+                                                               module.phase_bounds, module.phase_funcs)]
+            found["layers"], found["first_layer"] = found["phases"][0]["layers"], found["phases"][0]["first_layer"]
+        return found
 
     def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
         measured = list(range(1, ctx.steps)) or [0]
@@ -281,7 +320,9 @@ class PipelineTimeline(Probe):
         last = [[(kind, begin, end) for kind, begin, end in r["instructions"][measured[-1]]] for r in ranks]
         return {"pipeline": {
             "stages": stages, "micro_batches": ctx.grad_accum,
-            "per_rank": [{key: r[key] for key in ("stage", "layers", "first_layer", "params")} for r in ranks],
+            "schedule": "dualpipev" if "phases" in ranks[0] else "1f1b",
+            "per_rank": [{key: r[key] for key in ("stage", "layers", "first_layer", "params", "phases") if key in r}
+                         for r in ranks],
             "bubble_per_rank": [statistics.median(step[rank] for step in per_step) for rank in range(len(ranks))],
             "bubble_per_step": per_step, "measured_steps": [s + 1 for s in measured],
             "seconds_by_instruction": [seconds_by_kind(r["instructions"], measured) for r in ranks],
@@ -316,6 +357,9 @@ def seconds_by_kind(steps: list[list[tuple[str, float, float]]], measured: list[
 PROBES = ("timing", "model_states", "comm", PipelineTimeline, activations.Activations)
 #: Micro-batches per optimizer step for the bubble runs; the micro-batch shrinks so the global batch stays.
 MICRO_BATCH_COUNTS = (1, 2, 4, 8)
+#: The sweep's run of the DualPipeV schedule, and the run of the default 1F1B schedule it repeats (same
+#: config, micro-batches and probes).
+DUALPIPEV, DEFAULT = "pipeline-dualpipev", "pipeline"
 
 
 def _batch(global_batch: int, micro_batches: int, data_parallel: int) -> dict:
@@ -329,8 +373,10 @@ def pipeline_runs(size: str = "llama", global_batch: int = 16, steps: int = 4,
                   micro_batch_counts=MICRO_BATCH_COUNTS, world_size: int | None = None) -> dict:
     """One launch: data parallelism (ZeRO-0) and the same model as a pipeline of one stage per rank, at the
     same global batch: ZeRO-1 with 4 micro-batches (every probe), ZeRO-1 with each of ``micro_batch_counts``
-    (the bubble), ZeRO-0 with and without gradient clipping (beside data parallelism without it), and
-    ZeRO-2 and 3 (refused; recorded). Returns {run name: Record or RunFailed}."""
+    (the bubble), the ``pipeline`` run again under DeepSpeed's DualPipeV schedule (``pipeline-dualpipev``:
+    every probe; recorded if DeepSpeed refuses it, as it does below 2 micro-batches per rank), ZeRO-0 with
+    and without gradient clipping (beside data parallelism without it), and ZeRO-2 and 3 (refused;
+    recorded). Returns {run name: Record or RunFailed}."""
 
     world = environment.detect(world_size).default_world_size
     pipe = size + SUFFIX
@@ -344,6 +390,7 @@ def pipeline_runs(size: str = "llama", global_batch: int = 16, steps: int = 4,
              "pipeline": spec("zero1", pipe, 4, 1)}
     for m in micro_batch_counts:
         specs[f"pipeline-M{m}"] = spec("zero1", pipe, m, 1, ("timing", PipelineTimeline))
+    specs[DUALPIPEV] = spec("zero1", pipe, 4, 1, model_options={"schedule": "dualpipev"}, on_error="record")
     specs.update({
         "pipeline-zero0": spec("zero0", pipe, 4, 1, ("timing",)),
         "data-parallel-noclip": spec("zero0", size, 2, world, ("timing",), noclip),
@@ -505,6 +552,305 @@ def reference_report(name: str = "pipeline") -> str:
         blocks.append(f"Measured on {device}, {date} ({note}):\n{utilization_table(runs, counts)}\n\n"
                       f"{memory_table(runs['pipeline'], runs['data-parallel'])}")
     return "\n\n".join(blocks)
+
+
+# --- other schedules DeepSpeed ships: DualPipeV -------------------------------------------------------
+
+#: Short names of DeepSpeed's pipeline instructions (``deepspeed/runtime/pipe/schedule.py``), for
+#: :func:`instruction_text`.
+SHORT_NAMES = {"LoadMicroBatch": "Load", "ForwardPass": "F", "BackwardPass": "B", "SendActivation": "sendA",
+               "RecvActivation": "recvA", "SendGrad": "sendG", "RecvGrad": "recvG", "CommitP2P": "commit",
+               "ReduceTiedGrads": "reduceTied", "ReduceGrads": "reduce", "OptimizerStep": "step"}
+#: The instructions that move a tensor between pipeline ranks.
+TRANSFERS = ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad")
+#: The comms logger's names for the point-to-point calls of the two engines: ``PipelineEngine`` sends and
+#: receives one tensor a call, ``DualPipeVEngine`` launches a step's queued transfers as one ``batch_isend_irecv``.
+P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+#: Name of the committed GPU reference of DualPipeV against the default schedule (``notebooks/reference/``).
+SCHEDULES_REFERENCE = "dualpipev"
+
+
+def shipped_schedules() -> list[dict]:
+    """The schedule classes DeepSpeed's ``deepspeed.runtime.pipe.schedule`` defines (every ``PipeSchedule``
+    subclass there), each with the first sentence of its docstring and the engine methods whose source builds
+    it (``_train_schedule`` and ``_inference_schedule`` of ``PipelineEngine`` and ``DualPipeVEngine``)."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.runtime.pipe import schedule as ds_schedule
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    methods = {f"{engine.__name__}.{name}": inspect.getsource(vars(engine)[name])
+               for engine in (PipelineEngine, DualPipeVEngine) for name in ("_train_schedule", "_inference_schedule")}
+    found = []
+    for name, cls in vars(ds_schedule).items():
+        if not (isinstance(cls, type) and issubclass(cls, ds_schedule.PipeSchedule) and cls is not ds_schedule.PipeSchedule):
+            continue
+        paragraph = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())
+        found.append({"name": name, "doc": paragraph.split(". ")[0].rstrip(".") + ".",
+                      "built_by": [method for method, source in methods.items() if f"{name}(" in source]})
+    return found
+
+
+def shipped_schedules_text() -> str:
+    """:func:`shipped_schedules` as text: per class, its docstring's first sentence and who builds it."""
+    return "\n".join(f"{s['name']}: \"{s['doc']}\"\n    built by: {', '.join(s['built_by']) or 'no engine'}"
+                     for s in shipped_schedules())
+
+
+def schedule_class(schedule: str):
+    """DeepSpeed's schedule class that trains with ``schedule``: ``TrainSchedule`` (1F1B, what
+    ``PipelineEngine`` runs) or ``DualPipeVSchedule`` (what ``DualPipeVEngine`` runs)."""
+    from deepspeed.runtime.pipe import schedule as ds_schedule  # deferred: after the course chose the accelerator
+
+    check_schedule(schedule)
+    return ds_schedule.DualPipeVSchedule if schedule == "dualpipev" else ds_schedule.TrainSchedule
+
+
+def schedule_instructions(schedule: str, ranks: int, micro_batches: int) -> list[list[list]]:
+    """The instructions of one ``train_batch`` as DeepSpeed's schedule class yields them to its engine: per
+    pipeline rank, per schedule step, the list of ``PipeInstruction`` objects. Pure Python, no process group.
+    DualPipeVSchedule raises a ValueError below ``2 * ranks`` micro-batches."""
+    cls = schedule_class(schedule)
+    return [[list(step) for step in cls(micro_batches=micro_batches, stages=ranks, stage_id=rank)]
+            for rank in range(ranks)]
+
+
+def instruction_label(instruction) -> str:
+    """One instruction in a few characters: its short name (:data:`SHORT_NAMES`), then the buffer it works
+    on, then ``'`` where it belongs to DualPipeV's phase 1 (the way back): ``F0``, ``recvA5'``, ``commit``."""
+    label = SHORT_NAMES.get(instruction.name, instruction.name)
+    if "buffer_id" in instruction.kwargs:
+        label += str(instruction.kwargs["buffer_id"])
+    return label + ("'" if instruction.kwargs.get("phase") == 1 else "")
+
+
+def instruction_text(schedule: str, ranks: int, micro_batches: int) -> str:
+    """DeepSpeed's schedule for ``ranks`` pipeline ranks and ``micro_batches`` micro-batches as text: per rank,
+    one line per schedule step with that step's instructions (:func:`instruction_label`), as the engine runs them."""
+    lines = []
+    for rank, steps in enumerate(schedule_instructions(schedule, ranks, micro_batches)):
+        lines.append(f"rank {rank}:")
+        width = len(str(len(steps) - 1))
+        lines += [f"  step {i:>{width}}: " + (" ".join(map(instruction_label, step)) or "(nothing)")
+                  for i, step in enumerate(steps)]
+    return "\n".join(lines)
+
+
+def _peer(rank: int, name: str, phase: int) -> int:
+    """The pipeline rank a transfer instruction sends to or receives from. Phase 0 (1F1B's only one) flows
+    towards the last rank, DualPipeV's phase 1 back towards rank 0."""
+    downstream, upstream = (rank + 1, rank - 1) if phase == 0 else (rank - 1, rank + 1)
+    return downstream if name in ("SendActivation", "RecvGrad") else upstream
+
+
+def replay(schedule: str, ranks: int, micro_batches: int, forward: float = 1.0, backward: float = 2.0) -> dict:
+    """Play DeepSpeed's instruction lists (:func:`schedule_instructions`) on a model clock: each rank runs its
+    instructions in order; a ``ForwardPass`` takes ``forward``, a ``BackwardPass`` ``backward``, everything
+    else no time. Transfers rendezvous: ``PipelineEngine``'s sends and receives each block until the other side
+    has launched its half; ``DualPipeVEngine`` queues them and its next ``CommitP2P`` launches them all and waits
+    until every other side has launched its half (the k-th send from one rank to another matches the k-th
+    receive there; moving the tensor takes no time). ``forward`` and ``backward`` are one stage's times: at the
+    same model and ranks, a 1F1B stage holds the layers of two DualPipeV stages.
+
+    Returns {"span": when the last rank finishes, "busy": compute time per rank, "idle": per rank, the share
+    of the span it does not compute}."""
+    programs = []
+    for steps in schedule_instructions(schedule, ranks, micro_batches):
+        program = []
+        for instruction in (i for step in steps for i in step):
+            program.append((instruction.name, instruction.kwargs.get("phase", 0)))
+            if schedule == "1f1b" and instruction.name in TRANSFERS:
+                program.append(("CommitP2P", 0))  # a blocking send or receive: a rendezvous of its own
+        programs.append(program)
+
+    pc, clock, busy = [0] * ranks, [0.0] * ranks, [0.0] * ranks
+    queued: list[list[tuple]] = [[] for _ in range(ranks)]  # (sender, receiver, k, is_send) not yet committed
+    launched: dict[tuple, float] = {}  # the same keys -> when that side launched its half
+    sent: dict[tuple, int] = {}  # (sender, receiver, is_send) -> transfers counted so far
+    waiting = [False] * ranks  # a rank whose CommitP2P launched its transfers and waits for the other sides
+    while any(pc[r] < len(programs[r]) for r in range(ranks)):
+        moved = False
+        for rank in range(ranks):
+            while pc[rank] < len(programs[rank]):
+                name, phase = programs[rank][pc[rank]]
+                if name in TRANSFERS:
+                    send = name.startswith("Send")
+                    peer = _peer(rank, name, phase)
+                    link = (rank, peer) if send else (peer, rank)
+                    k = sent[(*link, send)] = sent.get((*link, send), -1) + 1
+                    queued[rank].append((*link, k, send))
+                elif name == "CommitP2P":
+                    if not waiting[rank]:
+                        launched.update({op: clock[rank] for op in queued[rank]})
+                        waiting[rank] = moved = True
+                    partners = [(a, b, k, not send) for a, b, k, send in queued[rank]]
+                    if not all(p in launched for p in partners):
+                        break
+                    clock[rank] = max([clock[rank], *(launched[p] for p in partners)])
+                    queued[rank], waiting[rank] = [], False
+                elif name in COMPUTE:
+                    took = forward if name == "ForwardPass" else backward
+                    clock[rank] += took
+                    busy[rank] += took
+                pc[rank] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"the {schedule} schedule of {ranks} ranks and {micro_batches} micro-batches deadlocks "
+                               f"in the replay, at instructions {pc}")
+    span = max(clock)
+    return {"span": span, "busy": busy, "idle": [1 - b / span for b in busy]}
+
+
+def bubble_time(schedule: str, ranks: int, forward: float = 1.0, backward: float = 2.0, weight: float = 0.0,
+                overlapped: float | None = None) -> float:
+    """The idle time per rank of one step by the formulas of the DualPipe repository's README (table "Pipeline
+    Bubbles and Memory Usage Comparison"), in the time of one DualPipeV stage's ``forward`` and ``backward`` at
+    the same model and ranks: 1F1B (PP-1)(F+B) with PP = ``ranks`` stages, each the layers of two DualPipeV
+    stages, so (ranks-1)·2(F+B); DualPipeV (PP/2-1)(F&B+B-3W) with PP = 2·``ranks`` stages. ``weight`` (W) is
+    the part of a backward that computes weight gradients and DualPipe defers; DeepSpeed's DualPipeVSchedule
+    keeps it inside ``BackwardPass``: 0. ``overlapped`` (F&B) is a forward and a backward run overlapped; one
+    after the other (DeepSpeed's engine, one instruction at a time): F + B, the default."""
+    check_schedule(schedule)
+    if schedule == "1f1b":
+        return (ranks - 1) * 2 * (forward + backward)
+    both = forward + backward if overlapped is None else overlapped
+    return (ranks - 1) * (both + backward - 3 * weight)
+
+
+def bubble_share(schedule: str, ranks: int, micro_batches: int, forward: float = 1.0, backward: float = 2.0) -> float:
+    """The share of a step each rank idles by :func:`bubble_time`: idle / (idle + compute), a rank computing
+    the forward and backward of every micro-batch through the layers it holds (2·M DualPipeV stages' worth).
+    For 1F1B it is (S-1)/(M+S-1)."""
+    idle = bubble_time(schedule, ranks, forward, backward)
+    return idle / (idle + 2 * micro_batches * (forward + backward))
+
+
+def schedule_bubble_table(cases=((2, 4), (2, 8), (4, 8), (4, 16)), forward: float = 1.0, backward: float = 2.0) -> str:
+    """Per (ranks, micro-batches): the idle time per rank of 1F1B and DualPipeV by the formulas
+    (:func:`bubble_time`) and by replaying DeepSpeed's own instruction lists (:func:`replay`), in units of one
+    DualPipeV stage's forward, and the share of the step it is."""
+    rows = []
+    for ranks, m in cases:
+        one = replay("1f1b", ranks, m, 2 * forward, 2 * backward)  # a 1F1B stage: two DualPipeV stages' layers
+        two = replay("dualpipev", ranks, m, forward, backward)
+        idle = [run["span"] - max(run["busy"]) for run in (one, two)]
+        rows.append([ranks, m, f"{bubble_time('1f1b', ranks, forward, backward):g}", f"{idle[0]:g}",
+                     f"{bubble_share('1f1b', ranks, m, forward, backward):.3f}", f"{max(one['idle']):.3f}",
+                     f"{bubble_time('dualpipev', ranks, forward, backward):g}", f"{idle[1]:g}",
+                     f"{bubble_share('dualpipev', ranks, m, forward, backward):.3f}", f"{max(two['idle']):.3f}"])
+    return records.format_table(rows, ["ranks", "M", "1F1B idle: formula", "replayed", "share: formula", "replayed",
+                                       "DualPipeV idle: formula", "replayed", "share: formula", "replayed"])
+
+
+def schedule_transfers(schedule: str, ranks: int, micro_batches: int, rank: int = 0) -> int:
+    """How many tensors ``rank`` sends or receives in one step of DeepSpeed's schedule (its ``SendActivation``,
+    ``RecvActivation``, ``SendGrad`` and ``RecvGrad`` instructions)."""
+    steps = schedule_instructions(schedule, ranks, micro_batches)[rank]
+    return sum(i.name in TRANSFERS for step in steps for i in step)
+
+
+def p2p_per_step(record) -> dict[str, float]:
+    """Point-to-point traffic of rank 0 per optimizer step, from the comms logger (:data:`P2P_OPS`):
+    {"calls", "bytes"}, a ``batch_isend_irecv`` counted as one call with the bytes of every tensor it moves."""
+    ops = record.comm_ops()
+    return {key: sum(ops.get(op, {}).get(key, 0) for op in P2P_OPS) for key in ("count", "bytes")}
+
+
+def _failed(runs: Mapping, name: str) -> str | None:
+    """Why run ``name`` of a sweep did not train (its recorded failure), or None when it did."""
+    run = runs.get(name)
+    if run is None:
+        return f"{name}: not in these runs"
+    return f"{name}: {run}" if isinstance(run, Exception) else None
+
+
+def schedule_p2p_table(runs: Mapping, names=(DEFAULT, DUALPIPEV)) -> str:
+    """Per schedule: rank 0's send/recv calls and bytes per step (comms logger) against the transfers its
+    DeepSpeed schedule lists times one micro-batch's activation, b·s·h·bytes (:func:`pipeline_p2p_bytes`)."""
+    rows = []
+    for name in names:
+        r = runs[name]
+        schedule = r.summary["pipeline"]["schedule"]
+        shape, ranks, m = models.shape_of(r.model_name), r.summary["pipeline"]["stages"], r["grad_accum"]
+        transfers = schedule_transfers(schedule, ranks, m)
+        expected = transfers * pipeline_p2p_bytes(r["micro_batch"], shape.seq, shape.hidden, r["precision"])
+        measured = p2p_per_step(r)
+        rows.append([name, schedule, m, f"{measured['count']:g}", f"{measured['bytes']:,.0f}", transfers,
+                     f"{expected:,.0f}"])
+    return records.format_table(rows, ["run", "schedule", "M", "p2p calls/step", "bytes/step (rank 0)",
+                                       "transfers in schedule", "transfers x b·s·h·bytes"])
+
+
+def phase_table(record) -> str:
+    """Which layers each stage of a DualPipeV run holds, and on which rank: stage r (phase 0, the way out) and
+    stage 2·ranks-1-r (phase 1, the way back) on rank r; parameters per rank."""
+    section = record.summary["pipeline"]
+    rows = []
+    for r in section["per_rank"]:
+        for phase, found in enumerate(r["phases"]):
+            last = found["first_layer"] + len(found["layers"]) - 1
+            rows.append([found["stage"], r["stage"], phase, ", ".join(found["layers"]),
+                         f"{found['first_layer']}..{last}", f"{r['params']:,}" if phase == 0 else ""])
+    rows.sort(key=lambda row: row[0])
+    return records.format_table(rows, ["stage", "rank", "phase", "layers", "layer indices", "parameters (rank)"])
+
+
+def schedule_comparison(runs: Mapping, names=(DEFAULT, DUALPIPEV), baseline: str = "data-parallel") -> str:
+    """DualPipeV against the default schedule in one sweep, in what does not depend on the processor: whether
+    their losses agree (within :data:`helpers.core.records.LOSS_TOLERANCE`: the same micro-batches, added in the
+    same order) and with data parallelism's (:data:`helpers.core.records.REORDERED_TOLERANCE`), which layers each
+    DualPipeV stage holds, and the point-to-point traffic. Where DualPipeV did not train: its recorded error."""
+    failure = next(filter(None, (_failed(runs, n) for n in names)), None)
+    if failure:
+        return f"did not train: {failure}"
+    default, other = (runs[n] for n in names)
+    lines = [f"losses, {names[1]} against {names[0]}: "
+             + records.loss_agreement(other.losses, default.losses, default["precision"])]
+    if baseline in runs and not isinstance(runs[baseline], Exception):
+        tolerance = records.REORDERED_TOLERANCE[default["precision"]]
+        lines.append(f"losses, {names[1]} against {baseline}: "
+                     + records.loss_agreement(other.losses, runs[baseline].losses, tolerance=tolerance))
+    bytes_ = [p2p_per_step(r)["bytes"] for r in (default, other)]
+    lines += ["", phase_table(other), "", schedule_p2p_table(runs, names), "",
+              f"{names[1]} moves {records.format_ratio(bytes_[1], bytes_[0], suffix='x')} the point-to-point bytes "
+              f"of {names[0]} per step"]
+    return "\n".join(lines)
+
+
+def schedule_timing_table(runs: Mapping, names=(DEFAULT, DUALPIPEV)) -> str:
+    """Per schedule: step time (median), against the first, and each rank's measured idle share (the
+    ``pipeline`` probe) beside the formula's (:func:`bubble_share`, backward = 2 x forward). Timings: print in
+    a cell nbval does not compare."""
+    failure = next(filter(None, (_failed(runs, n) for n in names)), None)
+    if failure:
+        return f"did not train: {failure}"
+    base = runs[names[0]].timing.median_s
+    rows = []
+    for name in names:
+        r = runs[name]
+        section = r.summary["pipeline"]
+        rows.append([name, section["schedule"], f"{r.timing.median_s * 1000:.1f}", f"{r.timing.median_s / base:.2f}x",
+                     *(f"{b:.2f}" for b in section["bubble_per_rank"]),
+                     f"{bubble_share(section['schedule'], section['stages'], section['micro_batches']):.3f}"])
+    ranks = runs[names[0]].summary["pipeline"]["stages"]
+    return records.format_table(rows, ["run", "schedule", "step ms", "vs first", *(f"rank {s} idle" for s in range(ranks)),
+                                       "idle by formula"])
+
+
+def save_schedules_reference(runs: Mapping, note: str, names=(DEFAULT, DUALPIPEV)):
+    """On GPUs, keep the default schedule's run and DualPipeV's (:data:`SCHEDULES_REFERENCE`) the way
+    :func:`helpers.core.references.save_reference` keeps a chapter's results, when both trained. Returns the
+    file written, or None (CPU runs, or a schedule that did not train)."""
+    if any(_failed(runs, n) for n in names):
+        return None
+    return references.save_reference(SCHEDULES_REFERENCE, {n: runs[n] for n in names}, note=note)
+
+
+def schedules_reference_report() -> str:
+    """Every committed GPU comparison of DualPipeV with the default schedule, or a plain statement that none is."""
+    def render(runs: dict) -> str:
+        return f"{schedule_timing_table(runs)}\n\n{schedule_comparison(runs)}"
+    return references.references_report(SCHEDULES_REFERENCE, render, references.GPU_HOW)
 
 
 # --- figures ----------------------------------------------------------------------------------------
