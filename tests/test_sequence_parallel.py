@@ -137,3 +137,20 @@ def test_the_config_exercise_wants_the_largest_group_and_the_asked_samples():
     assert not test({**right, "train_micro_batch_size_per_gpu": 4})[0]  # 8 samples
     assert "not a config" in test([1])[1]
     assert not sp.exercise_ulysses_config(...).answered
+
+
+def test_ulysses_gradients_travel_in_deepspeeds_sequence_parallel_communication_type():
+    from deepspeed.runtime import constants
+
+    assert sp.GRADIENT_COMMUNICATION == constants.SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT
+    shape, psi = models.shape_of("llama-gpu"), models.parameters_of("llama-gpu")
+    fp32, bf16 = (sp.predicted_sent_bytes("ulysses-compare", shape, psi, 1024, 2, "bf16", g) for g in ("fp32", "bf16"))
+    assert fp32 - bf16 == 2 * psi * 2 * theory.ring_factor(2)  # 2 micro-steps, 2 more bytes a gradient, half sent
+
+
+def test_the_scale_findings_sort_runs_by_their_step_one_gradient_and_losses():
+    def run(norm, losses):
+        return types.SimpleNamespace(section=lambda name: {"per_step": [norm]}, losses=losses, precision="fp32")
+    runs = {"scale-data-parallel": run(2.0, [5.0, 4.0]), "a": run(2.0, [5.0, 4.0]), "b": run(4.0, [5.0, 3.9])}
+    assert sp.scale_findings(runs, ("a", "b")) == ("data parallelism's gradient: a (1.000x)\n"
+                                                   "another scale (and other losses): b (2.000x)")

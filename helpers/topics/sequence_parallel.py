@@ -629,8 +629,14 @@ def comparison_table(rows: Sequence[dict], timings: bool = False) -> str:
     return records.format_table(table, headers)
 
 
+#: What DeepSpeed reduces gradients in under Ulysses unless the config's ``seq_parallel_communication_data_type``
+#: says otherwise: the engine takes that key's value as its communication type (``runtime/engine.py``), and its
+#: default is fp32 (``runtime/constants.py``, whatever the precision of training).
+GRADIENT_COMMUNICATION = "fp32"
+
+
 def predicted_sent_bytes(way: str, shape: models.LlamaShape, params: int, seq: int, ranks: int,
-                         precision: str = "bf16") -> float:
+                         precision: str = "bf16", gradient_precision: str = GRADIENT_COMMUNICATION) -> float:
     """Bytes one rank sends per optimizer step of ``ranks`` samples of ``seq`` tokens on ``ranks`` ranks, each
     way taking one sample at a time where it can (as :func:`sequence_parallel_runs`' comparison runs do), by
     the course's formulas:
@@ -643,7 +649,8 @@ def predicted_sent_bytes(way: str, shape: models.LlamaShape, params: int, seq: i
       last its gradient back, a middle stage both (b·s·h each, :func:`helpers.topics.pipeline.pipeline_p2p_bytes`);
     - Ulysses with ZeRO-3, one sample split over the ranks, ``ranks`` micro-steps: each, :func:`all_to_all_wire_bytes`,
       the token positions each layer gathers, and ZeRO-3's gather and reduce-scatter over all ranks (it
-      gathers the parameters and reduces the gradients in every micro-step)."""
+      gathers the parameters and reduces the gradients in every micro-step), the gradients in
+      ``gradient_precision`` (:data:`GRADIENT_COMMUNICATION`)."""
     width = theory.BYTES_PER_ELEMENT[precision]
     ring = theory.ring_factor(ranks)
     if way == "zero3":
@@ -655,8 +662,9 @@ def predicted_sent_bytes(way: str, shape: models.LlamaShape, params: int, seq: i
         return ranks * (2 if ranks > 2 else 1) * pipeline.pipeline_p2p_bytes(1, seq, shape.hidden, precision)
     if way in ("ulysses", "ulysses-compare"):
         positions = shape.layers * (seq // ranks) * POSITION_BYTES * (ranks - 1)  # each layer gathers the token positions
+        zero3 = params * (width + theory.BYTES_PER_ELEMENT[gradient_precision]) * ring  # gradients in gradient_precision
         return ranks * (all_to_all_wire_bytes(shape.layers, 1, seq, shape.hidden, shape.heads, shape.heads, ranks,
-                                              precision) + positions + theory.zero3_wire_bytes(params, ranks, precision))
+                                              precision) + positions + zero3)
     raise ValueError(f"way={way!r}: one of {', '.join(COMPARED)}")
 
 
@@ -742,12 +750,13 @@ def fit_table(runs: Mapping[str, Any]) -> str:
     """The GPU search (``fit: <run>`` records and the ``fit outcomes`` of a reference): per run, tokens per
     rank, outcome, peak memory (rank 0) and all-to-all bytes per step against the formula."""
     found = runs["fit outcomes"]
+    ranks = next(r.world_size for k, r in runs.items() if k.startswith("fit: "))
     rows = []
     for name, outcome in sorted(found["outcomes"].items(), key=lambda kv: (kv[0].split("-")[0], int(kv[0].rsplit("-", 1)[1]))):
         seq = int(name.rsplit("-", 1)[1])
         r = runs.get(f"fit: {name}")
-        size = group_size(r) if r is not None else (1 if name.startswith("one") else None)
-        per_rank = seq // size if size else "?"
+        size = group_size(r) if r is not None else (1 if name.startswith("one") else ranks)
+        per_rank = seq // size
         peak = records.format_bytes(r.memory.peak(0)) if r is not None else "-"
         a2a = "-"
         if r is not None and size and size > 1:
@@ -774,11 +783,13 @@ def fit_sentence(runs: Mapping[str, Any]) -> str:
 
 
 def reference_report(name: str = REFERENCE) -> str:
-    """Every committed GPU result of this chapter: the losses against data parallelism, the all-to-alls against
-    the formula, the comparison with timings and the longest-sequence search; or a plain statement that none is."""
+    """Every committed GPU result of this chapter: the losses and gradient scales against data parallelism, the
+    all-to-alls and each way's bytes against their formulas, the comparison with timings and the
+    longest-sequence search; or a plain statement that none is."""
     def render(runs: dict) -> str:
-        return "\n".join([equality_table(runs), all_to_all_table(runs["ulysses"]),
-                          comparison_table(comparison_rows(runs), timings=True), fit_table(runs), fit_sentence(runs)])
+        return "\n".join([equality_table(runs), scale_table(runs), scale_findings(runs), all_to_all_table(runs["ulysses"]),
+                          prediction_table(runs), comparison_table(comparison_rows(runs), timings=True), fit_table(runs),
+                          fit_sentence(runs)])
     return references.references_report(name, render)
 
 
