@@ -160,6 +160,7 @@ def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
     # A builder returns the model, or (model, more keyword arguments of deepspeed.initialize): the ``mpu``
     # whose groups sequence parallelism needs, say.
     model, initialize_kwargs = built if isinstance(built, tuple) else (built, {})
+    del built  # the teardown below must hold the last references to the model
     psi = models.count_parameters(model)
     client_optimizer = None
     if run.client_optimizer:

@@ -598,7 +598,7 @@ def comparison_rows(runs: Mapping[str, Any], names: Mapping[str, str] = COMPARED
         rows.append({"run": name, "label": label, "sent": sent_bytes_per_step(r),
                      "calls": sum(row["count"] for _, row in _moving(r)),
                      "states": r.model_state_bytes(0), "step_s": r.timing.median_s,
-                     "peak": r.memory.peak(0) if r.device == "cuda" else None})
+                     "peak": records.format_peak(r, 0) if r.device == "cuda" else None})
     return rows
 
 
@@ -621,7 +621,7 @@ def comparison_table(rows: Sequence[dict], timings: bool = False) -> str:
     for r in rows:
         row = [r["label"], f"{r['calls']:g}", f"{r['sent']:,.0f}", f"{r['states']:,}"]
         if timings:
-            row += [f"{r['step_s'] * 1000:.1f}"] + ([records.format_bytes(r["peak"])] if r["peak"] is not None else [])
+            row += [f"{r['step_s'] * 1000:.1f}"] + ([r["peak"]] if r["peak"] is not None else [])
         table.append(row)
     headers = ["way of splitting", "calls/step (that send)", "bytes sent/step", "model states (rank 0)"]
     if timings:
@@ -757,7 +757,7 @@ def fit_table(runs: Mapping[str, Any]) -> str:
         r = runs.get(f"fit: {name}")
         size = group_size(r) if r is not None else (1 if name.startswith("one") else ranks)
         per_rank = seq // size
-        peak = records.format_bytes(r.memory.peak(0)) if r is not None else "-"
+        peak = records.format_peak(r, 0) if r is not None else "-"
         a2a = "-"
         if r is not None and size and size > 1:
             shape = _shape_of(r)
