@@ -190,14 +190,13 @@ RULES = {
                 "UlyssesSPDataLoaderAdapter) refuses a sequence length that the group size does not divide",
     "eager": "ValueError from register_with_transformers: 'eager attn_implementation isn't currently supported by "
              "Ulysses sequence parallelism because it requires a 4D attention_mask'",
-    "world": "RuntimeError from initialize_sequence_parallel: 'world_size (W) is not divisible by "
-             "sequence_parallel_size P'",
 }
 
 
 def findings(config: dict, model: str, world_size: int, seq: int | None = None,
              attention: str = ATTENTION) -> list[configs.Finding]:
-    """The course's config checker (:func:`helpers.core.configs.check`) plus what Ulysses needs of the model:
+    """The course's config checker (:func:`helpers.core.configs.check`, which also refuses a group that does not
+    divide the ranks) plus what Ulysses needs of the model:
     heads and key/value heads split evenly over the group, tokens split evenly, not eager attention."""
     found = configs.check(config, world_size)
     size = config.get("sequence_parallel_size", 1)
@@ -205,9 +204,6 @@ def findings(config: dict, model: str, world_size: int, seq: int | None = None,
         return found
     shape = models.shape_of(model)
     seq = seq or shape.seq
-    if world_size % size:
-        found.append(configs.Finding("error", "sequence_parallel_size", f"{size} does not divide the {world_size} "
-                                     f"ranks ({RULES['world']})", f"use a divisor of {world_size}"))
     if shape.heads % size:
         divisors = [d for d in range(2, shape.heads + 1) if shape.heads % d == 0 and world_size % d == 0]
         found.append(configs.Finding("error", "sequence_parallel_size", f"{size} does not divide the model's "
@@ -546,7 +542,7 @@ def activation_table(rows: Sequence[dict]) -> str:
     """:func:`activation_rows` as a table."""
     table = [[r["seq"], f"{r['layer']:,}", f"{r['formula']:,.0f}", f"{r['layer_split']:,}", f"{r['formula_split']:,.0f}",
               f"{r['layer_split'] / r['layer']:.3f}", f"{r['total_split'] / r['total']:.3f}"] for r in rows]
-    return records.format_table(table, ["tokens", "one layer, whole", "formula", f"one layer, Ulysses",
+    return records.format_table(table, ["tokens", "one layer, whole", "formula", "one layer, Ulysses",
                                         "formula (+ b·(s/P)·h)", "layer ratio", "whole forward ratio"])
 
 
