@@ -5,7 +5,7 @@ interface only, with a random token; headless Chromium, driven by Selenium, open
 ``notebooks/17_config_lab.ipynb``, runs its lab cell, changes the builder (the config and the
 calculator's marked row follow), changes the calculator's model (its figures follow), breaks the batch
 arithmetic (the checker names it and Launch turns off), launches a short run and waits for its progress,
-loss plot and record. Screenshots go to ``docs/images/`` (shown in the README).
+loss plot and record. Screenshots go to ``docs/images/`` (shown in docs/architecture.md).
 
 Needs Debian's ``chromium`` and ``chromium-driver`` and the pinned ``selenium``; without them the test
 is skipped with that reason. ``.ci/run`` installs them and sets ``COURSE_REQUIRE_BROWSER=1``, which

@@ -1,0 +1,65 @@
+"""The README a newcomer reads: short, with a chapter table that lists every chapter notebook and whose CPU
+minutes are the committed check report's (``docs/cpu-check/``), so a re-measured report changes the README."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+README = REPO_ROOT / "README.md"
+#: What a newcomer reads before they start (nanoGPT's README is about 2,000 words).
+MAX_WORDS = 1500
+
+
+def words(text: str) -> int:
+    """Words outside code blocks, counted as the course's prose checks count them."""
+    return len(re.findall(r"[A-Za-z0-9][\w'.,%/-]*", re.sub(r"```.*?```", " ", text, flags=re.S)))
+
+
+def table_rows(text: str) -> dict[str, str]:
+    """Notebook file name -> the CPU minutes the README's chapter table gives it."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        link = re.search(r"\(notebooks/([^)]+\.ipynb)\)", cells[0]) if cells else None
+        if link and len(cells) >= 3:
+            rows[link.group(1)] = cells[2]
+    return rows
+
+
+def latest_cpu_seconds() -> dict[str, float]:
+    """Each notebook's seconds in the newest 2-core check report that timed it."""
+    seconds: dict[str, tuple[str, float]] = {}
+    for path in sorted((REPO_ROOT / "docs" / "cpu-check").glob("*.json")):
+        for check in json.loads(path.read_text()).get("checks", []):
+            date = str(check.get("date", ""))
+            for entry in check.get("notebooks", []):
+                name = entry["notebook"]
+                if entry.get("ok") and date >= seconds.get(name, ("",))[0]:
+                    seconds[name] = (date, entry["seconds"])
+    return {name: s for name, (_, s) in seconds.items()}
+
+
+def test_readme_is_short():
+    assert words(README.read_text()) <= MAX_WORDS
+
+
+def test_readme_has_no_dates():
+    assert re.findall(r"\b20\d\d-\d\d-\d\d\b", README.read_text()) == []
+
+
+def test_chapter_table_lists_every_chapter_with_its_measured_cpu_minutes():
+    rows = table_rows(README.read_text())
+    chapters = sorted(p.name for p in (REPO_ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
+    assert sorted(rows) == chapters
+    measured = latest_cpu_seconds()
+    for name, minutes in rows.items():
+        expected = f"{measured[name] / 60:.1f}" if name in measured else "not yet timed"
+        assert minutes == expected, f"{name}: the README says {minutes!r}, docs/cpu-check says {expected}"
+
+
+def test_table_reader_finds_rows_and_minutes():
+    sample = "| [00 · A](notebooks/00_a.ipynb) | learn | 0.5 | |\n| not a row |\n"
+    assert table_rows(sample) == {"00_a.ipynb": "0.5"}
