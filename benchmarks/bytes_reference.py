@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from helpers.topics import compression, frameworks  # noqa: E402
-from helpers.core import references  # noqa: E402
+from helpers.core import profiler_comm, references  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         print(references.save_reference("frameworks-bytes", {f"bytes: {k}": r for k, r in by_bytes.items()},
                                          "frameworks chapter, one node; bytes only"))
         print(frameworks.gpu_table(by_bytes, {}))
-        print(frameworks.profiler_check_table(by_bytes))
+        print(profiler_comm.profiler_check_table(by_bytes))
     return 0
 
 

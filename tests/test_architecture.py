@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import dataclasses
 import sys
 from pathlib import Path
@@ -22,6 +23,13 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Layers from the bottom up: a module may import its own layer and the ones before it.
 LAYERS = ("core", "topics", "tools", "entry")
+#: The chapter each topic module belongs to (its notebook's number): a topic imports the core and the topics of
+#: its own and earlier chapters only, and so does a chapter's notebook. ``widgets`` serves the lab (17) and is
+#: first used in chapter 03.
+TOPIC_CHAPTERS = {"first_run": "02", "own_script": "02b", "zero": "03", "widgets": "03", "offload": "06",
+                  "precision": "07", "accumulation": "08", "bandwidth": "09", "activations": "10", "pipeline": "11",
+                  "tensor_parallel": "12", "sequence_parallel": "12b", "compression": "13", "checkpoints": "14",
+                  "frameworks": "15", "capstone": "16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +151,33 @@ def upward(imports: list[Import]) -> list[Import]:
             and LAYERS.index(layer_of(i.target)) > LAYERS.index(layer_of(i.source))]
 
 
+def topic_of(module: str) -> str | None:
+    """``helpers.topics.zero`` (or ``helpers.topics.zero.x``) -> "zero"; None for a module outside the topics."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["helpers", "topics"] else None
+
+
+def later_chapters(imports: list[Import], chapters: dict[str, str] = TOPIC_CHAPTERS) -> list[Import]:
+    """Imports of a topic by a topic of an earlier chapter (chapter labels compare as text: 02 < 02b < 03)."""
+    return [i for i in imports if topic_of(i.source) and topic_of(i.target) and topic_of(i.source) != topic_of(i.target)
+            and chapters[topic_of(i.target)] > chapters[topic_of(i.source)]]
+
+
+def notebook_topics(notebook: Path) -> set[str]:
+    """The topic modules a notebook's code cells import (``from helpers.topics import a, b``)."""
+    found: set[str] = set()
+    for cell in json.loads(notebook.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        for line in "".join(cell["source"]).splitlines():
+            words = line.split("#")[0].split()
+            if words[:2] == ["from", "helpers.topics"] and len(words) > 3 and words[2] == "import":
+                found.update(w.strip(",()") for w in words[3:] if w.strip(",()"))
+            elif words[:1] == ["from"] and len(words) > 1 and topic_of(words[1]):
+                found.add(topic_of(words[1]))
+    return found
+
+
 def _strings(tree: ast.AST) -> list[ast.Constant]:
     """String constants that are not docstrings."""
     docs = {id(node.body[0].value) for node in ast.walk(tree)
@@ -204,6 +239,25 @@ def test_imports_inside_functions_are_deferred_on_purpose():
     assert hidden == []
 
 
+def test_every_topic_has_a_chapter():
+    modules, _ = read_imports()
+    assert sorted({topic_of(m) for m in modules if topic_of(m)}) == sorted(TOPIC_CHAPTERS)
+
+
+def test_a_topic_imports_only_its_own_and_earlier_chapters():
+    assert [f"{i.source}:{i.line} imports {i.target} (chapter {TOPIC_CHAPTERS[topic_of(i.target)]})"
+            for i in later_chapters(read_imports()[1])] == []
+
+
+def test_a_chapter_imports_only_its_own_and_earlier_chapters_topics():
+    found = []
+    for notebook in sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb")):
+        chapter = notebook.name.split("_")[0]
+        found += [f"{notebook.name} imports {t} (chapter {TOPIC_CHAPTERS.get(t, '?')})"
+                  for t in sorted(notebook_topics(notebook)) if TOPIC_CHAPTERS.get(t, "99") > chapter]
+    assert found == []
+
+
 def test_the_rules_catch_what_they_are_about(tmp_path):
     """A planted cycle, an upward import, a topic named by string and an unexplained deferred import are found."""
     (tmp_path / "helpers" / "core").mkdir(parents=True)
@@ -216,6 +270,15 @@ def test_the_rules_catch_what_they_are_about(tmp_path):
     assert [(i.source, i.target) for i in upward(imports)] == [("helpers.core.a", "helpers.topics.t")]
     assert [i.target for i in imports if i.in_function and not i.commented] == ["json"]
     assert [n.value for n in _strings(ast.parse((tmp_path / "helpers/core/a.py").read_text()))] == ["helpers.topics.t:f"]
+    (tmp_path / "helpers" / "topics" / "early.py").write_text("from helpers.topics import late\n")
+    (tmp_path / "helpers" / "topics" / "late.py").write_text("from helpers.topics import early\n")
+    _, imports = read_imports(tmp_path)
+    assert [(i.source, i.target) for i in later_chapters(imports, {"t": "01", "early": "03", "late": "12b"})] == \
+        [("helpers.topics.early", "helpers.topics.late")]
+    notebook = tmp_path / "09_x.ipynb"
+    notebook.write_text(json.dumps({"cells": [{"cell_type": "code", "source": [
+        "from helpers.topics import zero, bandwidth  # two\n", "from helpers.topics.capstone import BUILDER\n"]}]}))
+    assert notebook_topics(notebook) == {"zero", "bandwidth", "capstone"}
 
 
 if __name__ == "__main__":

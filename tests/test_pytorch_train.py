@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers.core import launch, models, records
+from helpers.core import launch, models, profiler_comm, records
 from helpers.topics import frameworks
 from helpers.core.environment import WORLD_SIZE_VARIABLE
 
 STEPS = 3
-PROBES = ("timing", "model_states", frameworks.TorchComm)
+PROBES = ("timing", "model_states", profiler_comm.TorchComm)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_collectives_from_profile_counts_nested_ops_once_and_sizes_them_like_the
         FakeEvent("c10d::allreduce_", 400, 10, [[[1000], [24]], []], ["TensorList", ""]),  # a bucket: no dtype
         FakeEvent("c10d::_reduce_scatter_base_", 500, 10, [[50], [100]], ["float", "float"]),
     ]
-    found = frameworks.collectives_from_profile(events, fallback_dtype_bytes=4)
+    found = profiler_comm.collectives_from_profile(events, fallback_dtype_bytes=4)
     assert found["all_gather_into_tensor | [Caller Func: FSDP::all_gather]"] == {200: {"count": 1}}  # shard, bf16
     assert found["all_reduce | [Caller Func: aten::linalg_vector_norm]"] == {16: {"count": 1}}
     assert found["all_reduce"] == {4096: {"count": 1}}  # 1024 elements at the fallback width
@@ -135,11 +135,11 @@ def test_a_list_op_takes_its_size_and_dtype_from_its_backends_event_in_issue_ord
         OldTorchEvent("c10d::allreduce_", 700, 20, [[], [], []], ["TensorList", "", ""]),
         OldTorchEvent("gloo:all_reduce", 900, 5, [[1]], ["double"], thread=7),
     ]
-    found = frameworks.collectives_from_profile(events, fallback_dtype_bytes=4)
+    found = profiler_comm.collectives_from_profile(events, fallback_dtype_bytes=4)
     assert found["all_reduce"] == {6000: {"count": 1}, 8: {"count": 1}}
     assert found["reduce_scatter_tensor"] == {400: {"count": 1}}
     # an op whose backend event fell outside the profile: nothing paired, the fallback width
-    cut = frameworks.collectives_from_profile(events + [FakeEvent("c10d::allreduce_", 950, 5, [[[10]]], ["TensorList"])], 4)
+    cut = profiler_comm.collectives_from_profile(events + [FakeEvent("c10d::allreduce_", 950, 5, [[[10]]], ["TensorList"])], 4)
     assert cut["all_reduce"] == {0: {"count": 2}, 40: {"count": 1}}
 
 
@@ -176,7 +176,7 @@ def test_a_profile_of_many_steps_is_read_in_one_pass():
         events += [FakeEvent("aten::mm", base + 10 + j * 20, 10, [], []) for j in range(30)]
         events.append(FakeEvent("c10d::_allgather_base_", base + 700, 50, [[8], [4]], ["float", "float"]))
     started = time.monotonic()
-    found = frameworks.collectives_from_profile(events, fallback_dtype_bytes=4)
+    found = profiler_comm.collectives_from_profile(events, fallback_dtype_bytes=4)
     assert time.monotonic() - started < 5
     assert found == {"all_gather_into_tensor | [Caller Func: backward: X]": {16: {"count": 2_000}}}
 

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Sequence
 
 #: Repository root (the folder holding ``helpers/``, ``notebooks/``, ``ds_configs/``).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -438,3 +439,20 @@ def build_ops(env: Environment | None = None, only: list[str] | None = None) -> 
         print(f"  {name}: ready in {seconds:.1f} s", flush=True)
         done.append((name, seconds))
     return done
+
+
+def deepspeed_source(relative: str, patterns: Sequence[str], context: int = 0) -> str:
+    """Lines of DeepSpeed's installed source ``relative`` (e.g. ``runtime/zero/stage3.py``) that match any
+    of ``patterns`` (regular expressions), with ``context`` lines after each, numbered as in the file."""
+    quiet_deepspeed_import()
+    import deepspeed  # deferred: DeepSpeed is imported after the course has chosen its accelerator
+
+    path = Path(deepspeed.__file__).parent / relative
+    lines = path.read_text().splitlines()
+    shown: dict[int, str] = {}
+    for i, line in enumerate(lines):
+        if any(re.search(p, line) for p in patterns):
+            for j in range(i, min(len(lines), i + 1 + context)):
+                shown[j] = lines[j]
+    body = "\n".join(f"{j + 1:5d}  {text}" for j, text in sorted(shown.items()))
+    return f"deepspeed/{relative} (deepspeed {deepspeed.__version__}):\n{body}"

@@ -5,7 +5,8 @@
   with ``on_error="record"``: the real error, or a run whose collectives can be compared with plain ZeRO-3.
 - :func:`gpu_runs`: on GPUs, ZeRO-3 against each ZeRO++ part: step time (every setting in one launch), bytes
   per collective (the PyTorch profiler, one launch), and the comms logger on ZeRO-3 as a cross-check.
-- :func:`deepspeed_source`: the lines of DeepSpeed's installed code that decide what applies on one node.
+- the lines of DeepSpeed's installed code that decide what applies on one node
+  (:func:`helpers.core.environment.deepspeed_source`).
 - :func:`prediction_table`: the cross-node gain from :func:`zeropp_step_prediction`, by the paper's accounting
   and with the cost of ZeRO++'s own work that the one-node GPU runs measured (:func:`one_node_slowdowns`).
 """
@@ -16,8 +17,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from helpers.core import configs, environment, exercises, launch, plots, records, references, theory
-from helpers.topics import frameworks
+from helpers.core import configs, environment, exercises, launch, plots, profiler_comm, records, references, theory
 
 #: The model's assumptions, stated as parameters, not measurements. The bandwidth chapter's measured
 #: fits (helpers/topics/bandwidth.py) are the same class: pass one of them instead of these defaults.
@@ -133,23 +133,6 @@ def removed_features_issue() -> str:
     return _REMOVED_FEATURES_ISSUE
 
 
-def deepspeed_source(relative: str, patterns: Sequence[str], context: int = 0) -> str:
-    """Lines of DeepSpeed's installed source ``relative`` (e.g. ``runtime/zero/stage3.py``) that match any
-    of ``patterns`` (regular expressions), with ``context`` lines after each, numbered as in the file."""
-    environment.quiet_deepspeed_import()
-    import deepspeed  # deferred: DeepSpeed is imported after the course has chosen its accelerator
-
-    path = Path(deepspeed.__file__).parent / relative
-    lines = path.read_text().splitlines()
-    shown: dict[int, str] = {}
-    for i, line in enumerate(lines):
-        if any(re.search(p, line) for p in patterns):
-            for j in range(i, min(len(lines), i + 1 + context)):
-                shown[j] = lines[j]
-    body = "\n".join(f"{j + 1:5d}  {text}" for j, text in sorted(shown.items()))
-    return f"deepspeed/{relative} (deepspeed {deepspeed.__version__}):\n{body}"
-
-
 # --- on GPUs ----------------------------------------------------------------------------------
 
 #: The GPU runs' model and shape: LLaMA-style, 85M parameters, bf16; layers released after use, as a model
@@ -168,15 +151,15 @@ DEEPSPEED_DEFAULTS = {"stage3_max_live_parameters": 1_000_000_000, "stage3_max_r
 #: The bytes pass counts collectives with the PyTorch profiler (``torch_comm``), which only watches the
 #: ops as they are issued: DeepSpeed's comms logger synchronizes the device after every collective, and
 #: with ZeRO++ on GPUs a launch with it did not finish (see :data:`LOGGER_CHECKS`).
-BYTES_PROBES = ("model_states", "peak_memory", frameworks.TorchComm)
+BYTES_PROBES = ("model_states", "peak_memory", profiler_comm.TorchComm)
 #: Steps of a bytes run: one to warm up, then the profiled ones (bytes are per step). The profiler records
 #: every CPU op of those steps with its shapes, read in Python when the run ends: on 4 x H200 the bytes
 #: launch of five 12-step runs took 147 s for about 26 s of training, and 74 s with 4 steps each (chapter
 #: 13's check, 2026-11-27).
 BYTES_STEPS = 4
 #: The comms logger and the profiler on the same run: section ``comm`` from the logger, ``comm_profiler``
-#: from the profiler, so the two methods can be compared (``frameworks.profiler_check_table``).
-LOGGER_PROBES = ("comm", frameworks.TorchComm)
+#: from the profiler, so the two methods can be compared (``profiler_comm.profiler_check_table``).
+LOGGER_PROBES = ("comm", profiler_comm.TorchComm)
 #: Settings also run with the comms logger, in one launch after the bytes pass: plain ZeRO-3, the
 #: cross-check of the profiler's bytes. Not qwZ: on 4 x H200 its logger run (3 steps, then 2) had printed
 #: the logger's summary, its all-gathers timed at 5.0 s each on average against ZeRO-3's 0.35-0.77 s, but
@@ -277,7 +260,7 @@ def logger_check_table(by_bytes: Mapping[str, records.Record]) -> str:
         else:
             done[name] = result if isinstance(result, records.Record) else records.Record(result)
     table = records.format_table(rows, ["setting", "with the comms logger", "where each stack was"]) if rows else ""
-    return "\n\n".join(t for t in (frameworks.profiler_check_table(done) if done else "", table) if t)
+    return "\n\n".join(t for t in (profiler_comm.profiler_check_table(done) if done else "", table) if t)
 
 
 def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record] | None = None,
