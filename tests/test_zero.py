@@ -80,6 +80,16 @@ def test_step_spread_says_whether_the_steps_after_the_first_can_tell_two_setting
     assert "10.0-12.0 ms with fast" in zero.step_spread("x", "a", "fast")  # the warm-up step left out
 
 
+def test_peak_contrast_leaves_the_step_times_out_when_asked(monkeypatch):
+    runs = {"defaults": _timed([900, 12, 12], 3, 2 * 2**30), "small": _timed([900, 19, 19], 10, 70 * 2**20)}
+    monkeypatch.setattr(zero, "latest_reference", lambda name: ("2 x GPU", runs))
+    timed = zero.peak_contrast("x", "defaults", "small")
+    assert "median step 19.0 ms against 12.0 ms" in timed and timed.endswith("(10 collective calls per step against 3).")
+    untimed = zero.peak_contrast("x", "defaults", "small", times=False)
+    assert " ms " not in untimed and untimed.startswith("On 2 x GPU, small: peak 70 MiB per rank against 2 GiB")
+    assert untimed.endswith("apart; 10 collective calls per step against 3).")
+
+
 def test_calls_and_step_times_says_when_time_does_not_follow_the_calls(monkeypatch):
     rising = {"few": _timed([1, 10, 10], 2, 1), "many": _timed([1, 20, 20], 9, 1)}
     monkeypatch.setattr(zero, "latest_reference", lambda name: ("2 x GPU", rising))
@@ -93,6 +103,87 @@ def test_not_in_reference_names_the_settings_without_a_gpu_row():
     assert "no GPU row for it" in zero.not_in_reference("zero1-knobs", ["defaults", "no-such-setting"])
     assert "no-such-setting" in zero.not_in_reference("zero1-knobs", ["defaults", "no-such-setting"])
     assert zero.not_in_reference("zero1-knobs", ["defaults"]).endswith("a run for every setting above.")
+
+
+# --- chapter 03's script: its records, the bytes, the step-time verdict ------------------------------
+
+def _named(name: str, **changes) -> dict:
+    return {**minimal_summary(), "name": name, **changes}
+
+
+def test_chapter_records_sorts_baselines_from_settings_and_leaves_out_older_runs(tmp_path):
+    import json
+    import os
+    import time
+
+    def write(name: str, mtime: float) -> None:
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "summary.json"
+        path.write_text(json.dumps(_named(name)))
+        os.utime(path, (mtime, mtime))
+
+    now = time.time()
+    write("zero1-renamed-knob", now - 100)  # from an earlier launch
+    for i, name in enumerate(["zero0-fp32", "zero1-fp32", "zero1-defaults", "zero1-small", "zero1-defaults-again"]):
+        write(name, now + i)
+    runs, settings = zero.chapter_records(tmp_path, since=now - 1, precisions=("fp32",))
+    assert list(runs) == [(0, "fp32"), (1, "fp32")]
+    assert list(settings) == ["defaults", "small", "defaults-again"]  # in the order they trained
+    with pytest.raises(FileNotFoundError, match="did the script run"):
+        zero.chapter_records(tmp_path, since=now + 100)
+
+
+def test_logged_table_shows_what_the_logger_recorded_and_wire_note_what_a_rank_sends():
+    by_caller = {"all_reduce": {"allreduce_bucket": {"count": 1.0, "bytes": 4000.0}},
+                 "all_gather_into_tensor": {"all_gather_into_tensor_dp_groups": {"count": 1.0, "bytes": 1000.0}}}
+    four = _record(by_caller)
+    four.summary["world_size"] = 4  # after validation, which would want 4 ranks' states
+    four.summary["comm"].update(bytes_per_step=5000.0, wire_bytes_per_step=9000.0)
+    rows = zero.logged_table([four]).splitlines()[2:]
+    assert rows[0].split()[-1] == "4,000" and rows[1].split()[-1] == "1,000"  # logged, not sent
+    assert rows[-1].split()[-1] == "5,000"
+    note = zero.wire_note([four])
+    # 4 ranks: an all_reduce sends 2(n-1)/n = 1.5 of its tensor, an all-gather its shard to 3 others
+    assert "1.50x an all_reduce's" in note and "3.00x an all-gather's" in note and "9,000" in note
+
+
+def _steps(times_ms: list[float]) -> records.Record:
+    return _timed([1000.0, *times_ms], 2, 1)  # the first step warms up and is left out
+
+
+def test_timing_verdict_needs_the_devices_alone_a_steady_repeat_and_a_clear_difference():
+    settings = {"defaults": _steps([20, 21, 22]), "fast": _steps([10, 11, 12]), "close": _steps([19, 21, 23])}
+    alone, busy = zero.Occupancy(cpu_share=0.01), zero.Occupancy(cpu_share=0.40)
+    verdict = zero.timing_verdict(settings, _steps([21, 21, 21]), alone)
+    assert "fast faster than defaults in every step" in verdict
+    assert "close within defaults's spread" in verdict
+    assert "No verdict: other processes used 40%" in zero.timing_verdict(settings, _steps([21, 21, 21]), busy)
+    drifted = zero.timing_verdict(settings, _steps([15, 15, 15]), alone)
+    assert "No verdict: the same configuration changed its time" in drifted and "in every step" not in drifted
+    assert not zero.Occupancy(cpu_share=0.0, gpu_processes=[123]).alone
+
+
+def test_others_during_counts_the_cpu_time_of_other_processes_and_any_gpu_process(monkeypatch):
+    import os
+
+    snapshots = iter([{1: 10.0, 2: 5.0}, {1: 12.0, 3: 1.0}])  # 2 ended meanwhile, 3 started: 2 + 1 s counted
+    clock = iter([100.0, 103.0])
+    monkeypatch.setattr(zero, "_cpu_seconds", lambda exclude: next(snapshots))
+    monkeypatch.setattr(zero, "_gpu_processes", lambda: {os.getpid(), 77})
+    monkeypatch.setattr(zero.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(zero.os, "cpu_count", lambda: 2)
+    with zero.others_during() as seen:
+        pass
+    assert seen.seconds == 3.0 and seen.cpu_share == pytest.approx(0.5)  # 3 CPU-seconds of 2 cores x 3 s
+    assert seen.gpu_processes == [77] and not seen.alone
+    assert str(seen).startswith("other processes used 50% of this machine's CPU time during the 3 s launch")
+
+
+def test_cpu_seconds_leaves_out_the_processes_named():
+    import os
+
+    assert os.getpid() not in zero._cpu_seconds({os.getpid()})
+    assert os.getpid() in zero._cpu_seconds(set())
 
 
 # --- building the model: the meter, the builder's checks, the estimate -----------------------------

@@ -16,8 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+import psutil
 import torch
 
 from helpers.core import configs, environment, exercises, launch, models, records, references, theory
@@ -92,6 +100,149 @@ def _chapter_runs(stage: int, knobs: Mapping[str, dict], builds: Mapping[str, la
     return ({key: results[spec.name] for key, spec in base.items()},
             {name: results[spec.name] for name, spec in tuned.items()},
             {name: results[spec.name] for name, spec in builds.items()})
+
+
+def chapter_records(folder: str | Path, since: float = 0.0, precisions: Sequence[str] = ("fp32", "bf16"),
+                    stage: int = 1) -> tuple[dict[tuple[int, str], records.Record], dict[str, records.Record]]:
+    """The records a chapter script wrote into ``folder`` (one sub-folder per run, named as the script names
+    them) since ``since`` (a ``time.time()``; older folders, from runs a learner has since renamed, are left
+    out): ``({(stage, precision): record}, {setting: record})``, the baselines ``zero<s>-<precision>`` for
+    each of ``precisions``, and ``zero<stage>-<setting>`` for every other name, in the order they trained."""
+    found = []
+    for summary in Path(folder).glob("*/summary.json"):
+        if summary.stat().st_mtime >= since:
+            found.append((summary.stat().st_mtime, records.load(summary)))
+    if not found:
+        raise FileNotFoundError(f"no record in {folder} newer than the launch: did the script run?")
+    runs: dict[tuple[int, str], records.Record] = {}
+    settings: dict[str, records.Record] = {}
+    for _, record in sorted(found, key=lambda pair: pair[0]):
+        stage_name, _, rest = (record.name or "").partition("-")
+        if rest in precisions:
+            runs[(int(stage_name.removeprefix("zero")), rest)] = record
+        elif stage_name == f"zero{stage}":
+            settings[rest] = record
+    return runs, settings
+
+
+@dataclass
+class Occupancy:
+    """What other processes did on this machine while a launch ran (:func:`others_during`): their share of the
+    CPU time the machine had (all cores over the launch's wall time) and the processes found on its GPUs."""
+
+    cpu_share: float = 0.0
+    gpu_processes: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    limit: float = 0.05
+
+    @property
+    def alone(self) -> bool:
+        """True when the launch had the machine's devices to itself: other processes used less than ``limit``
+        of the CPU time and none ran on the GPUs."""
+        return self.cpu_share < self.limit and not self.gpu_processes
+
+    def __str__(self) -> str:
+        gpus = (f"; processes {self.gpu_processes} on the GPUs" if self.gpu_processes else "")
+        return (f"other processes used {self.cpu_share:.0%} of this machine's CPU time during the "
+                f"{self.seconds:.0f} s launch{gpus}")
+
+
+def _cpu_seconds(exclude: set[int]) -> dict[int, float]:
+    """pid -> user + system CPU seconds of every process not in ``exclude``."""
+    seconds = {}
+    for process in psutil.process_iter(["pid", "cpu_times"]):
+        times = process.info["cpu_times"]
+        if process.info["pid"] not in exclude and times is not None:
+            seconds[process.info["pid"]] = times.user + times.system
+    return seconds
+
+
+def _gpu_processes() -> set[int]:
+    """Process ids that ``nvidia-smi`` lists on this machine's GPUs (none without ``nvidia-smi``)."""
+    if not shutil.which("nvidia-smi"):
+        return set()
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30).stdout
+    return {int(line) for line in out.split() if line.strip().isdigit()}
+
+
+@contextlib.contextmanager
+def others_during(limit: float = 0.05) -> Iterator[Occupancy]:
+    """Watch the other processes of this machine while the body runs (a launch, whose ranks are this
+    process's children): yields an :class:`Occupancy` filled in when the body ends. CPU time is counted for
+    every process that is not this one or its descendants, processes started during the body included; GPU
+    processes are those ``nvidia-smi`` lists before or after the body that are not this one."""
+    me = psutil.Process()
+    result = Occupancy(limit=limit)
+    before, gpus, started = _cpu_seconds({me.pid}), _gpu_processes(), time.monotonic()
+    yield result
+    result.seconds = time.monotonic() - started
+    after = _cpu_seconds({me.pid, *(child.pid for child in me.children(recursive=True))})
+    used = sum(t - before.get(pid, 0.0) for pid, t in after.items())
+    result.cpu_share = max(used, 0.0) / (result.seconds * (os.cpu_count() or 1))
+    result.gpu_processes = sorted((gpus | _gpu_processes()) - {me.pid})
+
+
+def _steps_ms(record: records.Record) -> list[float]:
+    """A run's step times in ms after the first step (which warms up)."""
+    return [t * 1000 for t in record.timing.all_s[1:]]
+
+
+def timing_verdict(settings: Mapping[str, records.Record], again: records.Record, occupancy: Occupancy,
+                   base: str = "defaults") -> str:
+    """Whether each setting's steps were faster or slower than ``base``'s, said only where the data can tell:
+    the launch had its devices to itself (``occupancy``), ``base`` run ``again`` at the end of the launch
+    stayed within the range of its first run's steps (the order of the runs did not change the times), and
+    the setting's steps all lie outside that range. Otherwise the sentence says why it withholds a verdict."""
+    first = _steps_ms(settings[base])
+    lo, hi = min(first), max(first)
+    repeat = statistics.median(_steps_ms(again))
+    head = (f"{base}: steps {lo:.1f}-{hi:.1f} ms at the start of the launch, median {repeat:.1f} ms when run "
+            f"again at its end. ")
+    if not occupancy.alone:
+        return head + f"No verdict: {occupancy}, so the step times measure that load as much as the settings."
+    if not lo <= repeat <= hi:
+        return head + ("No verdict: the same configuration changed its time between the start and the end of "
+                       "the launch, so the order of the runs would decide which looks faster.")
+    lines = []
+    for name, record in settings.items():
+        if name == base:
+            continue
+        steps = _steps_ms(record)
+        if max(steps) < lo:
+            lines.append(f"{name} faster than {base} in every step ({min(steps):.1f}-{max(steps):.1f} ms)")
+        elif min(steps) > hi:
+            lines.append(f"{name} slower than {base} in every step ({min(steps):.1f}-{max(steps):.1f} ms)")
+        else:
+            lines.append(f"{name} within {base}'s spread ({min(steps):.1f}-{max(steps):.1f} ms): no verdict")
+    return head + "The launch had its devices to itself; " + "; ".join(lines) + "."
+
+
+def logged_table(runs: Sequence[records.Record]) -> str:
+    """What DeepSpeed's comms logger recorded per optimizer step, collective by collective with the DeepSpeed
+    function that issued it, and each run's total: the size of the tensor handed to each call (the whole tensor
+    for all_reduce, a rank's own shard for all_gather), not what a rank sends (:func:`wire_note`)."""
+    rows = []
+    for r in runs:
+        callers = r.comm.by_caller or {op: {"-": row} for op, row in r.comm_ops().items()}
+        for op, by_caller in callers.items():
+            for caller, row in by_caller.items():
+                rows.append([r.label, op, caller, f"{row['count']:g}", f"{row['bytes']:,.0f}"])
+        rows.append([r.label, "total", "", "", f"{r.comm.bytes_per_step:,.0f}"])
+    return records.format_table(rows, ["run", "collective", "issued by (DeepSpeed function)", "calls/step",
+                                       "logged bytes/step"])
+
+
+def wire_note(runs: Sequence[records.Record]) -> str:
+    """The ring's factors from logged bytes to bytes one rank sends (:func:`helpers.core.theory.wire_bytes`) for
+    the runs' rank count, and each run's bytes on the wire per rank and optimizer step."""
+    n = runs[0].world_size
+    reduce = theory.wire_bytes("all_reduce", 1.0, n)
+    gather = theory.wire_bytes("all_gather_into_tensor", 1.0, n)
+    sent = ", ".join(f"{r.label} {r.comm.wire_bytes_per_step:,.0f}" for r in runs)
+    return (f"N_d = {n}: a rank sends {reduce:.2f}x an all_reduce's logged bytes (2(N_d-1)/N_d) and {gather:.2f}x "
+            f"an all-gather's (its shard to N_d-1 = {n - 1} other rank{'s' if n > 2 else ''}). Bytes on the wire per rank and optimizer "
+            f"step: {sent}.")
 
 
 def agreement_table(runs: Mapping[tuple[int, str], records.Record], stage: int) -> str:
@@ -255,9 +406,9 @@ def not_in_reference(name: str, settings: Sequence[str]) -> str:
             f"no GPU row for {'it' if len(missing) == 1 else 'them'}.")
 
 
-def peak_contrast(name: str, base: str, other: str) -> str:
-    """One sentence from the newest GPU result of ``name``: rank 0's peak memory and median step time of
-    setting ``other`` against ``base``, with their collective calls per step."""
+def peak_contrast(name: str, base: str, other: str, times: bool = True) -> str:
+    """One sentence from the newest GPU result of ``name``: rank 0's peak memory of setting ``other`` against
+    ``base``, with their collective calls per step, and their median step times unless ``times`` is False."""
     device, runs = latest_reference(name)
     a, b = runs[base], runs[other]
 
@@ -265,10 +416,12 @@ def peak_contrast(name: str, base: str, other: str) -> str:
         return f"{r.comm.calls_per_step:g}"
 
     apart = records.format_bytes(abs(b.memory.peak(0) - a.memory.peak(0)))
-    return (f"On {device}, {other}: peak {records.format_bytes(b.memory.peak(0))} per rank against "
-            f"{records.format_bytes(a.memory.peak(0))} with {base} ({apart} apart), median step "
-            f"{b.timing.median_s * 1000:.1f} ms against {a.timing.median_s * 1000:.1f} ms ({calls(b)} collective "
-            f"calls per step against {calls(a)}).")
+    peaks = (f"On {device}, {other}: peak {records.format_bytes(b.memory.peak(0))} per rank against "
+             f"{records.format_bytes(a.memory.peak(0))} with {base} ({apart} apart")
+    if not times:
+        return f"{peaks}; {calls(b)} collective calls per step against {calls(a)})."
+    return (f"{peaks}), median step {b.timing.median_s * 1000:.1f} ms against {a.timing.median_s * 1000:.1f} ms "
+            f"({calls(b)} collective calls per step against {calls(a)}).")
 
 
 def step_spread(name: str, base: str, other: str) -> str:
@@ -630,8 +783,8 @@ def exercise_state_bytes(answer: Any, record: records.Record) -> exercises.Verdi
         task=(f"Predict the model-state bytes one rank holds in the {record.label} run: Ψ = {record.params:,} "
               f"parameters, N_d = {n}, stage {s['zero_stage']}, {s['precision']} (parameters + gradients + Adam's "
               f"states + fp32 master copy; within 1%)."),
-        hint=("per parameter: 2 bytes of bf16 weights and 2 of gradients (fp32: 4 each), 8 of Adam's two moments "
-              "and 4 of fp32 master weights; which of them does this stage divide by N_d?"),
+        hint=(f"the paper's model-state bytes per rank for stage {s['zero_stage']}, the formula at the top of the "
+              f"chapter, with K = 12 bytes of optimizer state per parameter in mixed precision."),
         why=(f"The paper's formula for stage {s['zero_stage']} with K = 12, measured on rank 0: "
              + ", ".join(f"{k} {v:,}" for k, v in record.states(0).items() if k != "buffers")
              + " (Adam's step counters add a few bytes)."))
@@ -639,8 +792,9 @@ def exercise_state_bytes(answer: Any, record: records.Record) -> exercises.Verdi
 
 #: What makes up a stage's bytes on the wire per optimizer step, for the hint of :func:`exercise_wire_bytes`.
 WIRE_HINTS = {
-    1: ("DeepSpeed's stage 1 all-reduces the whole fp32 gradient once per optimizer step (a ring sends "
-        "2(N_d-1)/N_d of it) and all-gathers the updated parameters (each rank sends its shard to N_d - 1 others)"),
+    1: ("the bytes on the wire per rank: take the two collectives this section says DeepSpeed's stage 1 issues "
+        "once per optimizer step, the tensor each one moves (fp32 here), and the share of it a rank sends on a "
+        "ring, from the formulas of this section"),
     3: ("with every layer released after use, each micro-step gathers the parameters in forward and again in "
         "backward (each rank sends its shard to N_d - 1 others, each time) and reduce-scatters the gradients "
         "((N_d-1)/N_d of them); count the micro-steps"),
