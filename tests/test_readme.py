@@ -7,6 +7,8 @@ import json
 import re
 from pathlib import Path
 
+from helpers.tools import notebooks
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = REPO_ROOT / "README.md"
 #: What a newcomer reads before they start (nanoGPT's README is about 2,000 words).
@@ -58,6 +60,14 @@ def test_chapter_table_lists_every_chapter_with_its_measured_cpu_minutes():
     for name, minutes in rows.items():
         expected = f"{measured[name] / 60:.1f}" if name in measured else "not yet timed"
         assert minutes == expected, f"{name}: the README says {minutes!r}, docs/cpu-check says {expected}"
+
+
+def test_durations_report_sums_each_notebooks_cells():
+    out = ("14.82s call     notebooks/01_plain.ipynb::Cell 4\n1.08s setup    notebooks/01_plain.ipynb::Cell 0\n"
+           "2.00s call     notebooks/02_x.ipynb::Cell 1\n0.5s call tests/test_a.py::test_b\n")
+    report = notebooks.durations_report(out, "2-core CPU, test", "2026-01-01 00:00:00", "n")
+    assert report["checks"][0]["notebooks"] == [{"notebook": "01_plain.ipynb", "ok": True, "seconds": 15.9},
+                                                {"notebook": "02_x.ipynb", "ok": True, "seconds": 2.0}]
 
 
 def test_table_reader_finds_rows_and_minutes():

@@ -158,6 +158,25 @@ def _failure(notebook, error: BaseException, received: list[str], seconds: float
     return {"ok": False, "cell": None, "error": f"{type(error).__name__}: {error}"[:500]}  # the kernel died
 
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)s\s+(?:setup|call|teardown)\s+notebooks/([^:\s]+\.ipynb)::", re.M)
+
+
+def durations_report(pytest_output: str, machine: str, date: str, note: str) -> dict:
+    """The committed CPU check report (``docs/cpu-check/``, read by :func:`chapter_time` and the README's
+    chapter table) from the output of ``pytest --nbval notebooks/ --durations=0``: each notebook's seconds,
+    the sum of its cells' setup, call and teardown durations as pytest reported them."""
+    seconds: dict[str, float] = {}
+    for value, name in _DURATION.findall(pytest_output):
+        seconds[name] = seconds.get(name, 0.0) + float(value)
+    if not seconds:
+        raise ValueError("no notebook durations in this output: run pytest --nbval notebooks/ --durations=0")
+    return {"machine": machine, "command": "python3 -m helpers.course test --durations=0", "note": note,
+            "checks": [{"check": "readme-test", "ranks": 2, "machine": machine.split(",")[0],
+                        "how": "nbval, one notebook at a time", "source": "pytest --durations=0", "jobs": 1,
+                        "date": date, "notebooks": [{"notebook": name, "ok": True, "seconds": round(s, 1)}
+                                                    for name, s in sorted(seconds.items())]}]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("notebook", type=Path)
