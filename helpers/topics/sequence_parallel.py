@@ -21,6 +21,7 @@ DeepSpeed 0.19.8 ships it for Hugging Face models as ``UlyssesSPAttentionHF``
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import sys
@@ -364,8 +365,7 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
     def batches(micro: int, accum: int = 1, **more) -> dict:
         return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum, **half, **more}
 
-    def _spec(*args, **kw) -> launch.RunSpec:
-        return _run_spec(*args, code=code, **kw)
+    _spec = functools.partial(_run_spec, code=code)
 
     norms = ("timing", GradNorm)
     specs = {"data-parallel": _spec("zero1", batches(batch // world), size, steps),
@@ -601,9 +601,9 @@ def activations_agree(rows: Sequence[dict]) -> bool:
     return all(r["layer"] == r["formula"] and r["layer_split"] == r["formula_split"] for r in rows)
 
 
-#: What ``sdpa``'s CUDA kernels (memory-efficient and flash attention) keep for backward beyond the formula, in
-#: each layer: their random-number seed and offset for dropout, two int64 scalars, kept even without dropout.
-#: The CPU kernel keeps none.
+#: What ``sdpa``'s memory-efficient CUDA kernel (the one fp32 training takes) keeps for backward beyond the
+#: formula, in each layer: its random-number seed and offset for dropout, two int64 scalars on the host, kept
+#: even without dropout (seen on an H200 through ``saved_tensors_hooks``). The CPU kernel keeps none.
 SDPA_CUDA_RNG_BYTES = 16
 
 
@@ -620,8 +620,8 @@ def activation_check(rows: Sequence[dict]) -> str:
         text += ": sdpa's random-number seed and offset (two int64), which the formula leaves out"
     else:
         text += ": not explained by the formula"
-    return text + (f"\n(on a GPU, sdpa's CUDA kernel keeps {SDPA_CUDA_RNG_BYTES} bytes more per layer: its "
-                   f"random-number seed and offset, two int64 scalars)" if devices != {"cuda"} else "")
+    return text + (f"\n(on a GPU in fp32, sdpa's memory-efficient kernel keeps {SDPA_CUDA_RNG_BYTES} bytes more per "
+                   f"layer: its random-number seed and offset, two int64 scalars)" if devices != {"cuda"} else "")
 
 
 def tensor_parallel_check(record: records.Record) -> str:
