@@ -79,16 +79,33 @@ def test_the_builder_returns_the_model_alone_without_a_group_and_checks_its_opti
         sp.check_options("mlp", {})
 
 
-def test_restore_attention_puts_back_what_ulysses_replaced():
+def test_reset_attention_puts_back_what_ulysses_replaced_and_keeps_transformers_own():
     table = sp._attention_table()
     original = table["sdpa"]
-    sp._ORIGINAL_ATTENTION.setdefault("sdpa", original)
     try:
+        sp.reset_attention("sdpa")
         table["sdpa"] = lambda *a, **k: None  # as register_with_transformers replaces it
-        sp.restore_attention()
+        sp.reset_attention("sdpa")  # the next build
         assert table["sdpa"] is original
+        assert sp._ORIGINAL_ATTENTION["sdpa"] is original
     finally:
         table["sdpa"] = original
+
+
+def test_rank_code_names_the_chapters_module_and_imports_it_fresh(tmp_path, monkeypatch):
+    from helpers.core import environment, plan
+
+    monkeypatch.setattr(environment, "REPO_ROOT", tmp_path)
+    module = tmp_path / "runs" / "chapter" / "rank_code_probe.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("def build_model(*a):\n    return 1\n\ndef train_step(*a):\n    return [1.0]\n")
+    builder, trainer = sp.rank_code(module)
+    assert (builder, trainer) == ("runs.chapter.rank_code_probe:build_model", "runs.chapter.rank_code_probe:train_step")
+    assert plan.resolve(builder)() == 1
+    module.write_text("def build_model(*a):\n    return 2\n\ndef train_step(*a):\n    return [2.0]\n")
+    assert plan.resolve(sp.rank_code(module)[0])() == 2  # an edited module is read again
+    with pytest.raises(ValueError, match="inside"):
+        sp.rank_code(tmp_path.parent / "elsewhere.py")
 
 
 def test_a_sequence_parallel_engine_gives_one_data_parallel_coordinate_per_group(monkeypatch):
@@ -118,11 +135,43 @@ def test_the_predicted_bytes_follow_each_ways_formula():
         sp.predicted_sent_bytes("fsdp", shape, psi, 64, 2)
 
 
+def test_a_model_larger_than_zero3_keeps_gathered_is_gathered_again_three_messages_as_chapter_13_counts():
+    shape, psi = sp.ARTICLE_SHAPE, models.llama_7b_parameters()
+    assert sp.regathers(psi) and not sp.regathers(models.parameters_of("llama"))
+    once, again = (sp.predicted_sent_bytes("zero3", shape, psi, 4096, 8, "bf16", regather=r) for r in (False, True))
+    assert again == 3 * psi * 2 * theory.ring_factor(8) and once == 2 * psi * 2 * theory.ring_factor(8)
+    u_once, u_again = (sp.predicted_sent_bytes("ulysses-compare", shape, psi, 4096, 8, "bf16", regather=r)
+                       for r in (False, True))
+    assert u_again - u_once == 8 * psi * 2 * theory.ring_factor(8)  # one more bf16 gather in each of 8 micro-steps
+
+
+def test_tensor_parallel_activations_split_the_matrices_outputs_and_keep_the_norms_whole():
+    b, s, h, a, i = 1, 64, 64, 4, 172
+    whole = sp.activation_bytes_per_layer(b, s, h, a, i)
+    assert sp.tensor_parallel_activation_bytes(b, s, h, a, i, size=1) == whole
+    norms = 4 * (6 * b * s * h + 2 * b * s)  # two RMSNorms: input, normalized, weighted (fp32), 1/rms per token
+    split = 4 * (4 * b * s * h + 4 * b * s * i + a * b * s)  # q, k, v, attention output, the MLP's four, log-sum-exp
+    assert sp.tensor_parallel_activation_bytes(b, s, h, a, i, size=2) == norms + split / 2
+    with pytest.raises(ValueError, match="evenly"):
+        sp.tensor_parallel_activation_bytes(b, s, h, a, i, size=3)
+
+
+def test_the_activation_check_says_exact_on_cpu_and_names_cudas_rng_state():
+    def rows(device, extra):
+        return [{"layer": 100 + extra, "formula": 100, "layer_split": 60 + extra, "formula_split": 60, "device": device}]
+    assert "0 bytes: the formula is exact" in sp.activation_check(rows("cpu", 0))
+    assert "seed and offset" in sp.activation_check(rows("cuda", sp.SDPA_CUDA_RNG_BYTES))
+    assert "not explained" in sp.activation_check(rows("cuda", 8))
+    assert "not explained" in sp.activation_check(rows("cpu", 16))
+
+
 def test_what_if_rows_pick_the_cheapest_way_per_length():
     rows = sp.what_if_rows(sp.ARTICLE_SHAPE, models.llama_7b_parameters(), 8, (4096, 262144))
     assert len(rows) == 2 * len(sp.COMPARED)
     holds = sp.cheapest(rows, "activations")
     assert holds == {4096: "ulysses-compare", 262144: "ulysses-compare"}
+    autotp, zero3 = (next(r["activations"] for r in rows if r["seq"] == 4096 and r["way"] == w) for w in ("autotp", "zero3"))
+    assert autotp < zero3 / 2  # its split matrices keep 1/8 of their outputs
     sends = sp.cheapest(rows, "NVLink 4")
     assert all(min(r["NVLink 4"] for r in rows if r["seq"] == s) ==
                next(r["NVLink 4"] for r in rows if r["seq"] == s and r["way"] == way) for s, way in sends.items())

@@ -12,6 +12,8 @@ DeepSpeed 0.19.8 ships it for Hugging Face models as ``UlyssesSPAttentionHF``
 - :func:`train_step`, a run's trainer: each rank takes its slice of the tokens (with their global
   ``position_ids``), and the sequence's loss is the mean of the slices' losses, gathered with a
   differentiable all-gather, as DeepSpeed's tutorial does;
+- :func:`rank_code`: the chapter writes these two functions on its page (``runs/12b/ulysses_rank.py``) and
+  its launch runs that module; this module's copies serve the unit tests and any caller without a page;
 - :func:`findings`: what DeepSpeed and transformers refuse, checked before any process starts;
 - the formulas: :func:`all_to_all_calls` (every all-to-all of a step, and its bytes),
   :func:`activation_bytes_per_layer` (chapter 10's formula, with ``sdpa`` in place of eager attention).
@@ -19,7 +21,11 @@ DeepSpeed 0.19.8 ships it for Hugging Face models as ``UlyssesSPAttentionHF``
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
+import sys
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -50,6 +56,32 @@ def restore_attention() -> None:
         table[key] = function
 
 
+def reset_attention(attention: str = ATTENTION) -> None:
+    """Before a model is built: put back what an earlier run's Ulysses replaced in transformers' attention table
+    (:func:`restore_attention`) and keep transformers' own ``attention`` function, so that registering Ulysses
+    again wraps it, not the previous wrapper (a launch builds several models in the same processes)."""
+    restore_attention()
+    _ORIGINAL_ATTENTION.setdefault(attention, _attention_table().get(attention))
+
+
+def rank_code(path: str | Path) -> tuple[str, str]:
+    """The import paths of ``build_model`` and ``train_step`` in the module the chapter wrote at ``path``
+    (inside the repository, which the ranks import from), as a RunSpec's ``builder`` and ``trainer``; the
+    module is made importable here too (the launcher imports both to check them)."""
+    path = Path(path).resolve()
+    try:
+        relative = path.relative_to(environment.REPO_ROOT).with_suffix("")
+    except ValueError:
+        raise ValueError(f"{path}: write the ranks' module inside {environment.REPO_ROOT} (the ranks import from "
+                         f"there)") from None
+    if str(environment.REPO_ROOT) not in sys.path:
+        sys.path.append(str(environment.REPO_ROOT))
+    module = ".".join(relative.parts)
+    sys.modules.pop(module, None)  # an edited module is read again
+    importlib.invalidate_caches()  # a module written after the first import is found
+    return f"{module}:build_model", f"{module}:train_step"
+
+
 def check_options(name: str, options: dict) -> None:
     """A clear error, before launch, for a model this builder cannot build or an option it does not take."""
     unknown = set(options) - {"seq", "attention"}
@@ -72,7 +104,7 @@ def build_model(name: str, seed: int = 0, config: dict | None = None, seq: int |
     from transformers import LlamaForCausalLM  # deferred: slow, and most runs need none
 
     check_options(name, {"seq": seq} if seq else {})
-    restore_attention()
+    reset_attention(attention)
     seq = seq or models.seq_len_of(name)
     model_config = models.llama_config(name)
     model_config._attn_implementation = attention
@@ -85,7 +117,6 @@ def build_model(name: str, seed: int = 0, config: dict | None = None, seq: int |
     # deferred: DeepSpeed is imported on the ranks, after the course chooses its accelerator
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    _ORIGINAL_ATTENTION.setdefault(attention, _attention_table().get(attention))
     # The DeepSpeed call a learner's script makes: Ulysses' wrapper replaces ``attention`` in transformers'
     # table, and the returned mpu holds the sequence-parallel groups.
     mpu = UlyssesSPAttentionHF.register_with_transformers(
@@ -269,6 +300,19 @@ def activation_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, in
     return eager["total"] - eager["a·s²·b"] + 4 * batch * heads * local
 
 
+def tensor_parallel_activation_bytes(batch: int, seq: int, hidden: int, heads: int, intermediate: int,
+                                     precision: str = "fp32", size: int = 1) -> float:
+    """Bytes one decoder layer keeps for backward with ``sdpa`` on each of ``size`` tensor-parallel ranks (AutoTP,
+    chapter 12): :func:`activation_bytes_per_layer` with the tensors its split matrices produce divided by
+    ``size``: the queries, keys, values and attention output (4·b·s·h), the MLP's four (b·s·i) and the
+    log-sum-exp (a/P heads); the two norms' tensors (whole hidden vectors) stay whole on every rank."""
+    if heads % size or intermediate % size:
+        raise ValueError(f"{size} ranks do not split {heads} heads and an MLP of {intermediate} evenly")
+    eager = activations.activation_bytes_per_layer(batch, seq, hidden, heads, intermediate, precision)
+    split = 4 * batch * seq * hidden * theory.BYTES_PER_ELEMENT[precision] + eager["b·s·i"] + 4 * batch * heads * seq
+    return activation_bytes_per_layer(batch, seq, hidden, heads, intermediate, precision) - split * (1 - 1 / size)
+
+
 # --- the chapter's experiment (notebooks/12b_sequence_parallelism.ipynb) ---------------------------
 
 #: Probes of the runs that only watch memory as the sequence grows.
@@ -277,10 +321,10 @@ MEMORY_PROBES = ("timing", "peak_memory", activations.Activations)
 GROWING = (256, 1024, 4096)
 
 
-def _spec(config: str, overrides: dict, size: str, steps: int, seq: int | None = None, probes=PROBES,
-          **kw) -> launch.RunSpec:
+def _run_spec(config: str, overrides: dict, size: str, steps: int, seq: int | None = None, probes=PROBES,
+          code: tuple[str, str] = (BUILDER, TRAINER), **kw) -> launch.RunSpec:
     options = {"seq": seq} if seq else {}
-    return launch.RunSpec(config, model=size, steps=steps, probes=probes, builder=BUILDER, trainer=TRAINER,
+    return launch.RunSpec(config, model=size, steps=steps, probes=probes, builder=code[0], trainer=code[1],
                           overrides=configs.merged(tensor_parallel.SMALL_BUCKETS, overrides),
                           model_options={**options, **kw.pop("model_options", {})}, **kw)
 
@@ -291,8 +335,11 @@ SCALE_SENSITIVE = {"gradient_clipping": 0.0, "optimizer": {"params": {"eps": 1.0
 
 
 def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, growing: Sequence[int] = GROWING,
-                           world_size: int | None = None, precision: str = "fp32") -> dict:
-    """One launch on N ranks (ZeRO-1 unless named, no accumulation unless said), every model with ``sdpa``:
+                           world_size: int | None = None, precision: str = "fp32",
+                           code: tuple[str, str] = (BUILDER, TRAINER)) -> dict:
+    """One launch on N ranks (ZeRO-1 unless named, no accumulation unless said), every model with ``sdpa``,
+    built and trained by ``code`` (import paths of a builder and a trainer: the chapter's page, through
+    :func:`rank_code`, or this module's :func:`build_model` and :func:`train_step`):
 
     - ``data-parallel`` and ``ulysses``: the same ``batch`` samples per step, split by samples (batch/N per
       rank) or by tokens (every sample, s/N tokens of it per rank): losses, gradient norms, all-to-alls;
@@ -318,6 +365,8 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
     def batches(micro: int, accum: int = 1, **more) -> dict:
         return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum, **half, **more}
 
+    _spec = functools.partial(_run_spec, code=code)
+
     norms = ("timing", GradNorm)
     specs = {"data-parallel": _spec("zero1", batches(batch // world), size, steps),
              "ulysses": _spec("zero1", batches(batch, **sp), size, steps),
@@ -341,14 +390,14 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
     compared = ("timing", "model_states", "peak_memory", "comm")
     specs["zero3"] = _spec("zero3", batches(1), size, steps, probes=compared)
     specs["autotp"] = _spec("zero1", batches(1, world, tensor_parallel={"autotp_size": world}), size, steps,
-                            probes=compared)
+                            probes=(*compared, activations.Activations))
     specs["pipeline"] = launch.RunSpec("zero1", model=size + pipeline.SUFFIX, steps=steps, probes=compared,
                                        builder=pipeline.BUILDER, trainer=pipeline.TRAINER, overrides=batches(1, world))
     specs["ulysses-compare"] = _spec("zero3", batches(1, world, **sp), size, steps, probes=compared)
     specs["ulysses-eager"] = _spec("zero1", batches(batch, **sp), size, 1, probes=(),
                                    model_options={"attention": "eager"}, on_error="record")
     for name, spec in specs.items():
-        if spec.builder == BUILDER and name != "ulysses-eager":
+        if spec.builder == code[0] and name != "ulysses-eager":
             _raise_on_errors(spec, world, name)
     return launch.sweep(specs, name=f"sequence-parallel-{size}", world_size=world_size)
 
@@ -369,7 +418,8 @@ FIT_CAP_GIB = 20.0
 
 
 def fit_runs(size: str = "llama-gpu", seqs: Sequence[int] = FIT_SEQUENCES, cap_gib: float = FIT_CAP_GIB,
-             steps: int = 3, world_size: int | None = None) -> tuple[dict, list[str]]:
+             steps: int = 3, world_size: int | None = None,
+             code: tuple[str, str] = (BUILDER, TRAINER)) -> tuple[dict, list[str]]:
     """On GPUs: bf16 ZeRO-1 runs of model ``size`` with one sample of each length in ``seqs`` per rank
     (``one-sequence-<s>``) and one sample split over all ranks by Ulysses (``ulysses-<s>``), each rank
     allowed ``cap_gib`` GiB (:func:`cap_memory`): peak memory as the sequence grows, and the longest that
@@ -383,8 +433,8 @@ def fit_runs(size: str = "llama-gpu", seqs: Sequence[int] = FIT_SEQUENCES, cap_g
     for s in seqs:
         for name, overrides, per_rank in ((f"one-sequence-{s}", {}, s),
                                           (f"ulysses-{s}", {"sequence_parallel_size": world}, s // world)):
-            spec = _spec("zero1", {**overrides, **half, "train_micro_batch_size_per_gpu": 1,
-                                   "gradient_accumulation_steps": 1}, size, steps, s, probes,
+            spec = _run_spec("zero1", {**overrides, **half, "train_micro_batch_size_per_gpu": 1,
+                                       "gradient_accumulation_steps": 1}, size, steps, s, probes, code=code,
                          name=name, on_error="record", before_training=CAP_MEMORY, options={"memory_cap_gib": cap_gib})
             specs.append((per_rank, s, spec))
     ordered = [spec for _, _, spec in sorted(specs, key=lambda t: (t[0], t[1]))]
@@ -524,7 +574,7 @@ def activation_rows(runs: Mapping[str, Any], growing: Sequence[int] = GROWING) -
             "formula_split": activation_bytes_per_layer(1, s, shape.hidden, shape.heads, shape.intermediate,
                                                         split.precision, size)
             + ulysses_extra_bytes(1, s, shape.hidden, size, split.precision),
-            "total": a_whole["total"], "total_split": a_split["total"]})
+            "total": a_whole["total"], "total_split": a_split["total"], "device": whole.device})
     return rows
 
 
@@ -549,6 +599,41 @@ def activation_table(rows: Sequence[dict]) -> str:
 def activations_agree(rows: Sequence[dict]) -> bool:
     """Whether every measured layer equals its formula exactly, with and without Ulysses."""
     return all(r["layer"] == r["formula"] and r["layer_split"] == r["formula_split"] for r in rows)
+
+
+#: What ``sdpa``'s memory-efficient CUDA kernel (the one fp32 training takes) keeps for backward beyond the
+#: formula, in each layer: its random-number seed and offset for dropout, two int64 scalars on the host, kept
+#: even without dropout (seen on an H200 through ``saved_tensors_hooks``). The CPU kernel keeps none.
+SDPA_CUDA_RNG_BYTES = 16
+
+
+def activation_check(rows: Sequence[dict]) -> str:
+    """Measured minus formula for every layer of :func:`activation_rows`, with and without Ulysses, and what the
+    difference is: nothing on a CPU; :data:`SDPA_CUDA_RNG_BYTES` on a GPU."""
+    differences = sorted({r[m] - r[f] for r in rows for m, f in (("layer", "formula"), ("layer_split", "formula_split"))})
+    devices = {r["device"] for r in rows}
+    text = (f"measured - formula, every layer, with and without Ulysses ({', '.join(sorted(devices))}): "
+            f"{', '.join(f'{d:,.0f}' for d in differences)} bytes")
+    if differences == [0]:
+        text += ": the formula is exact"
+    elif devices == {"cuda"} and differences == [SDPA_CUDA_RNG_BYTES]:
+        text += ": sdpa's random-number seed and offset (two int64), which the formula leaves out"
+    else:
+        text += ": not explained by the formula"
+    return text + (f"\n(on a GPU in fp32, sdpa's memory-efficient kernel keeps {SDPA_CUDA_RNG_BYTES} bytes more per "
+                   f"layer: its random-number seed and offset, two int64 scalars)" if devices != {"cuda"} else "")
+
+
+def tensor_parallel_check(record: records.Record) -> str:
+    """The AutoTP run's layer 1 on rank 0 (activations probe) against :func:`tensor_parallel_activation_bytes`,
+    and against one whole sequence's layer by :func:`activation_bytes_per_layer`."""
+    shape, size = _shape_of(record), record.world_size
+    measured = record.section("activations")["per_rank"][0]["per_layer"][-1]
+    formula = tensor_parallel_activation_bytes(1, shape.seq, shape.hidden, shape.heads, shape.intermediate,
+                                               record.precision, size)
+    whole = activation_bytes_per_layer(1, shape.seq, shape.hidden, shape.heads, shape.intermediate, record.precision)
+    return (f"AutoTP over {size} ranks, one layer on rank 0: measured {measured:,} bytes, formula {formula:,.0f} "
+            f"(measured - formula: {measured - formula:,.0f}), {measured / whole:.3f} of a whole layer's {whole:,.0f}")
 
 
 # --- which parallelism for which case ------------------------------------------------------------------
@@ -632,25 +717,29 @@ GRADIENT_COMMUNICATION = "fp32"
 
 
 def predicted_sent_bytes(way: str, shape: models.LlamaShape, params: int, seq: int, ranks: int,
-                         precision: str = "bf16", gradient_precision: str = GRADIENT_COMMUNICATION) -> float:
+                         precision: str = "bf16", gradient_precision: str = GRADIENT_COMMUNICATION,
+                         regather: bool = False) -> float:
     """Bytes one rank sends per optimizer step of ``ranks`` samples of ``seq`` tokens on ``ranks`` ranks, each
     way taking one sample at a time where it can (as :func:`sequence_parallel_runs`' comparison runs do), by
     the course's formulas:
 
     - ZeRO-3, one sample per rank: the parameters gathered and the gradients reduce-scattered once
-      (:func:`helpers.core.theory.zero3_wire_bytes`), whatever the tokens;
+      (:func:`helpers.core.theory.zero3_wire_bytes`), whatever the tokens; with ``regather`` (a model larger
+      than ZeRO-3 keeps gathered, :func:`regathers`) the parameters are gathered again for backward: three
+      model-sized messages, chapter 13's count;
     - AutoTP, the same sample on every rank, ``ranks`` micro-steps: activations all-reduced in every layer
       (:func:`helpers.topics.tensor_parallel.tensor_parallel_wire_bytes`);
     - pipeline, ``ranks`` micro-batches of one: the first stage sends each micro-batch's output forward, the
       last its gradient back, a middle stage both (b·s·h each, :func:`helpers.topics.pipeline.pipeline_p2p_bytes`);
     - Ulysses with ZeRO-3, one sample split over the ranks, ``ranks`` micro-steps: each, :func:`all_to_all_wire_bytes`,
-      the token positions each layer gathers, and ZeRO-3's gather and reduce-scatter over all ranks (it
-      gathers the parameters and reduces the gradients in every micro-step), the gradients in
-      ``gradient_precision`` (:data:`GRADIENT_COMMUNICATION`)."""
+      the token positions each layer gathers, and ZeRO-3's gather (two with ``regather``) and reduce-scatter
+      over all ranks (it gathers the parameters and reduces the gradients in every micro-step), the
+      gradients in ``gradient_precision`` (:data:`GRADIENT_COMMUNICATION`)."""
     width = theory.BYTES_PER_ELEMENT[precision]
     ring = theory.ring_factor(ranks)
+    gathers = 2 if regather else 1
     if way == "zero3":
-        return theory.zero3_wire_bytes(params, ranks, precision)
+        return theory.zero3_wire_bytes(params, ranks, precision) + (gathers - 1) * params * width * ring
     if way == "autotp":
         return ranks * tensor_parallel.tensor_parallel_wire_bytes(shape.layers, 1, seq, shape.hidden, shape.vocab,
                                                                   ranks, precision)
@@ -658,7 +747,7 @@ def predicted_sent_bytes(way: str, shape: models.LlamaShape, params: int, seq: i
         return ranks * (2 if ranks > 2 else 1) * pipeline.pipeline_p2p_bytes(1, seq, shape.hidden, precision)
     if way in ("ulysses", "ulysses-compare"):
         positions = shape.layers * (seq // ranks) * POSITION_BYTES * (ranks - 1)  # each layer gathers the token positions
-        zero3 = params * (width + theory.BYTES_PER_ELEMENT[gradient_precision]) * ring  # gradients in gradient_precision
+        zero3 = params * (gathers * width + theory.BYTES_PER_ELEMENT[gradient_precision]) * ring  # gradients in gradient_precision
         return ranks * (all_to_all_wire_bytes(shape.layers, 1, seq, shape.hidden, shape.heads, shape.heads, ranks,
                                               precision) + positions + zero3)
     raise ValueError(f"way={way!r}: one of {', '.join(COMPARED)}")
@@ -666,11 +755,22 @@ def predicted_sent_bytes(way: str, shape: models.LlamaShape, params: int, seq: i
 
 #: Bytes of one token's position id (int64), which Ulysses' attention gathers from the group in every layer.
 POSITION_BYTES = 8
+#: DeepSpeed's default ``stage3_max_live_parameters``: ZeRO-3 keeps at most this many gathered parameters, so a
+#: larger model is released after forward and gathered again for backward.
+LIVE_PARAMETERS = 1_000_000_000
+
+
+def regathers(params: int, live: int = LIVE_PARAMETERS) -> bool:
+    """Whether ZeRO-3 gathers a model of ``params`` parameters again for backward (three model-sized messages
+    per micro-step, as chapter 13 counts them): when it is larger than the ``live`` parameters it keeps
+    gathered. The chapter's CPU model is far smaller: one gather."""
+    return params > live
 
 
 def what_if_rows(shape: models.LlamaShape, params: int, ranks: int, seqs: Sequence[int], precision: str = "bf16",
                  links: Mapping[str, float] | None = None) -> list[dict]:
-    """For each sequence length and way of splitting: bytes each rank sends per step (:func:`predicted_sent_bytes`)
+    """For each sequence length and way of splitting: bytes each rank sends per step (:func:`predicted_sent_bytes`,
+    ZeRO-3 gathering again for backward when :func:`regathers` says so)
     and the seconds that takes on each link (bandwidth only, no overlap: the course's
     :class:`helpers.core.theory.AlphaBeta`), with the memory each rank holds (:func:`memory_rows`)."""
     links = links or {k: bandwidth.LINKS[k] for k in ("25 Gb/s", "NVLink 4")}
@@ -678,7 +778,7 @@ def what_if_rows(shape: models.LlamaShape, params: int, ranks: int, seqs: Sequen
     for seq in seqs:
         held = {m["way"]: m for m in memory_rows(shape, params, ranks, seq, precision)}
         for way in COMPARED:
-            sent = predicted_sent_bytes(way, shape, params, seq, ranks, precision)
+            sent = predicted_sent_bytes(way, shape, params, seq, ranks, precision, regather=regathers(params))
             rows.append({"seq": seq, "way": way, "sent": sent, **held[way],
                          **{link: theory.AlphaBeta.link(bw).seconds(sent) for link, bw in links.items()}})
     return rows
@@ -706,17 +806,19 @@ def what_if_table(rows: Sequence[dict], links: Sequence[str] = ("25 Gb/s", "NVLi
 def memory_rows(shape: models.LlamaShape, params: int, ranks: int, seq: int, precision: str = "bf16") -> list[dict]:
     """Per way of splitting (as :func:`predicted_sent_bytes` runs them), what each rank holds, by the course's
     formulas: model states in mixed precision (16 bytes per parameter; ZeRO-3, with or without Ulysses, divides
-    all of them, AutoTP and the pipeline about all: their replicated norms and embeddings left out) and activations (:func:`activation_bytes_per_layer`): one whole sample through every
-    layer on a ZeRO-3 rank; the same on an AutoTP rank (an upper bound: its split matrices keep 1/P of their
-    outputs); L/P layers with up to P micro-batches of one in flight on the first pipeline stage (1F1B),
-    the same total; every layer at s/P tokens under Ulysses."""
+    all of them, AutoTP and the pipeline about all: their replicated norms and embeddings left out) and
+    activations: one whole sample through every layer on a ZeRO-3 rank (:func:`activation_bytes_per_layer`);
+    every layer with its split matrices' outputs divided by P on an AutoTP rank
+    (:func:`tensor_parallel_activation_bytes`); L/P layers with up to P micro-batches of one in flight on the
+    first pipeline stage (1F1B), a whole sample's total; every layer at s/P tokens under Ulysses."""
     L, h, a, i = shape.layers, shape.hidden, shape.heads, shape.intermediate
     whole = L * activation_bytes_per_layer(1, seq, h, a, i, precision)
     split = L * (activation_bytes_per_layer(1, seq, h, a, i, precision, ranks)
                  + ulysses_extra_bytes(1, seq, h, ranks, precision))
     states = {"zero3": 16 * params / ranks, "autotp": 16 * params / ranks, "pipeline": 16 * params / ranks,
               "ulysses-compare": 16 * params / ranks}
-    acts = {"zero3": whole, "autotp": whole, "pipeline": whole, "ulysses-compare": split}
+    tensor = L * tensor_parallel_activation_bytes(1, seq, h, a, i, precision, ranks)
+    acts = {"zero3": whole, "autotp": tensor, "pipeline": whole, "ulysses-compare": split}
     return [{"way": way, "states": states[way], "activations": acts[way]} for way in COMPARED]
 
 
@@ -725,15 +827,15 @@ def memory_rows(shape: models.LlamaShape, params: int, ranks: int, seq: int, pre
 REFERENCE = "sequence-parallel"
 
 
-def gpu_measurement(world_size: int | None = None) -> Any:
+def gpu_measurement(world_size: int | None = None, code: tuple[str, str] = (BUILDER, TRAINER)) -> Any:
     """On a GPU machine: this chapter's runs on ``llama-gpu`` in bf16 (:func:`sequence_parallel_runs`, no
     growing runs) and the search for the longest sequence (:func:`fit_runs`), kept as the reference
     ``sequence-parallel`` (:func:`helpers.core.references.save_reference`) with the search's outcomes.
     Returns the file written."""
     world = environment.detect(world_size).default_world_size
     runs = sequence_parallel_runs(size="llama-gpu", batch=2 * world, steps=4, growing=(), world_size=world_size,
-                                  precision="bf16")
-    fits, again = fit_runs(world_size=world_size)
+                                  precision="bf16", code=code)
+    fits, again = fit_runs(world_size=world_size, code=code)
     kept = {**{k: v for k, v in runs.items() if not isinstance(v, Exception)},
             **{f"fit: {k}": v for k, v in fits.items() if not isinstance(v, Exception)},
             "fit outcomes": {"outcomes": fit_outcomes(fits), "cap_gib": FIT_CAP_GIB, "trained again": again,
@@ -871,8 +973,8 @@ def exercise_all_to_all_bytes(answer: object, record: records.Record) -> exercis
         task=(f"Predict the bytes of all the all-to-alls of one optimizer step of the '{record.name}' run "
               f"({shape.layers} layers, hidden {shape.hidden}, micro-batch {record.micro_batch}, "
               f"{record.grad_accum} micro-step(s), {shape.seq} tokens, {group_size(record)} ranks, {record.precision})."),
-        hint="per layer and micro-step, 4 all-to-alls in forward (q, k, v, output) and 4 in backward, each of one "
-             "rank's tensor: micro-batch x s/P tokens x hidden x bytes per element",
+        hint="the section's count: the all-to-alls of one layer in one micro-step (forward and backward), each "
+             "logged as one rank's whole tensor of b·(s/P)·(a·d) values; then every layer and micro-step of the run",
         why="DeepSpeed's comms logger recorded exactly that: 8 per layer and micro-step, each b·(s/P)·h elements.")
 
 
@@ -931,9 +1033,9 @@ def exercise_layer_bytes(answer: object, runs: Mapping[str, Any], seq: int = 409
         task=(f"Predict the bytes decoder layer 1 keeps for backward on rank 0 of 'ulysses-{seq}' (one sequence of "
               f"{seq} tokens over {group_size(r)} ranks; hidden {shape.hidden}, {shape.heads} heads, MLP "
               f"{shape.intermediate}, {r.precision})."),
-        hint="chapter 10's formula at s/P tokens without the s² softmax (sdpa keeps a log-sum-exp per head and "
-             "token instead), plus the attention output kept a second time after the all-to-all: "
-             "sequence_parallel.activation_bytes_per_layer and ulysses_extra_bytes",
+        hint="the section's formula: chapter 10's per-layer count for sdpa at s/P tokens "
+             "(sequence_parallel.activation_bytes_per_layer takes the group size), plus the one tensor Ulysses "
+             "keeps twice",
         why="the activations probe counted exactly that on rank 0.")
 
 
