@@ -192,14 +192,14 @@ def main(argv: list[str] | None = None) -> int:
 
     check = verbs.add_parser("check", help="lint a DeepSpeed config (exit 1 on errors)")
     check.add_argument("config", help="name in ds_configs/ or path to a JSON file")
-    check.add_argument("--world-size", type=int)
+    check.add_argument("--world-size", type=int, help="ranks to check for (default: this machine's, or the target's)")
     check.add_argument("--client-optimizer", action="store_true",
                        help="the script passes its own optimizer to deepspeed.initialize")
     check.add_argument("--for", dest="starter", choices=("deepspeed", "trainer"), default="deepspeed",
                        help="what starts the config: deepspeed (default), plain deepspeed.initialize, which takes "
                        "\"auto\" as written; trainer: Hugging Face's Trainer, which fills each \"auto\" it knows "
-                       "from its TrainingArguments (accelerate fills the batch sizes, accumulation, clipping and "
-                       "bucket sizes the same way) and passes its own optimizer when the config has none")
+                       "from its TrainingArguments and passes its own optimizer when the config has none (accelerate "
+                       "alone fills the same batch, clipping and bucket keys from its own arguments)")
     check.add_argument("--target", help="check for another machine: cuda (compute capability 8.0 or above: "
                        "fp32, bf16, fp16), cuda:7.0 (e.g. V100: no bf16), or cpu; the device findings then "
                        "name the target (default: this machine)")

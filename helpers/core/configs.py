@@ -1206,7 +1206,7 @@ def check(config: dict, world_size: int, env: Environment | None = None, client_
         return [Finding("error", "(top level)", "a DeepSpeed config is a JSON object", "wrap the settings in { }")]
     if starter not in STARTERS:
         raise ValueError(f"starter {starter!r}: use one of {', '.join(STARTERS)}")
-    paths = _auto_paths(config)
+    paths = auto_paths(config)
     if not paths and starter == "deepspeed":
         return _check(config, world_size, env, client_optimizer)
     filled, fills = trainer_fills(config, world_size) if paths else (copy.deepcopy(config), {})
@@ -1284,9 +1284,10 @@ class AutoFill:
     source: str
 
 
-def _auto_paths(config: Any, prefix: str = "") -> list[str]:
+def auto_paths(config: Any, prefix: str = "") -> list[str]:
+    """The dotted paths of every ``"auto"`` value of a DeepSpeed config, in order."""
     if isinstance(config, dict):
-        return [p for k, v in config.items() for p in _auto_paths(v, f"{prefix}{k}.")]
+        return [p for k, v in config.items() for p in auto_paths(v, f"{prefix}{k}.")]
     return [prefix[:-1]] if config == "auto" else []
 
 
