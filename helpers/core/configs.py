@@ -15,7 +15,13 @@ and unquoted keys are fine) and duplicate keys refused. :func:`check` returns ev
    (:func:`optimizer_builder`): their signatures (unknown keys, types, required ones), and their
    constructors themselves, run on a stand-in parameter (the values they refuse).
 3. The device: precisions DeepSpeed refuses here, NVMe offload without DeepSpeed's async I/O op,
-   more ranks than GPUs.
+   more ranks than GPUs; or, for a config meant for another machine, on that machine (:func:`target`:
+   ``python -m helpers check --target cuda --gpus 8``), each such finding naming the target.
+
+``"auto"`` is Hugging Face's placeholder, filled by its Trainer and by accelerate before DeepSpeed sees the
+config: for plain ``deepspeed.initialize`` each one is a finding that says so and names the value to write; for
+a config the Trainer starts (``starter="trainer"``, ``--for trainer``) the config is checked as the Trainer fills
+it (:func:`trainer_fills`, transformers' own code).
 
 :func:`helpers.core.launch.run` calls :func:`check` before any process starts, so a bad config fails in
 a second with a readable message instead of after a launch with a stack trace from every rank.
@@ -43,6 +49,7 @@ from unittest import mock
 import torch
 
 from helpers.core.environment import REPO_ROOT, Environment, nvme_offload_support, quiet_deepspeed_import
+from helpers.core.environment import _cpu_precisions as cpu_precisions
 
 CONFIG_DIR = REPO_ROOT / "ds_configs"
 
@@ -1386,11 +1393,9 @@ CUDA_PRECISIONS = ((8.0, ("fp32", "bf16", "fp16")), (7.0, ("fp32", "fp16")), (0.
 def target(device: str, gpus: int | None = None) -> Target:
     """The machine to check a config for: ``"cuda"`` (a GPU of compute capability 8.0 or above: A100, H100, ...),
     ``"cuda:7.0"`` (V100: no bf16) or ``"cpu"`` (DeepSpeed's CPU accelerator, as here), with ``gpus`` GPUs."""
-    from helpers.core import environment  # deferred: the CPU's precisions ask DeepSpeed
-
     kind, _, capability = device.partition(":")
     if kind == "cpu":
-        return Target("cpu", "the target: CPU", 0, 0, "gloo", gpus or 2, "--target", environment._cpu_precisions(),
+        return Target("cpu", "the target: CPU", 0, 0, "gloo", gpus or 2, "--target", cpu_precisions(),
                       torch.__version__, "")
     if kind != "cuda":
         raise ValueError(f"--target {device!r}: give cpu, cuda, or cuda:<compute capability> (e.g. cuda:7.0)")
