@@ -51,7 +51,8 @@ def _check(args: argparse.Namespace) -> int:
         env = environment.detect()  # a config may be checked for more ranks than this machine has
         world = args.world_size or env.default_world_size
     starter = {"deepspeed": "plain deepspeed.initialize", "trainer": "Hugging Face's Trainer"}[args.starter]
-    print(f"{configs.path_of(args.config).name} on {world} rank(s), device checks for {env.device_name}"
+    elsewhere = "" if args.target or env.is_gpu else " (for the GPUs a config is meant for: --target cuda --gpus N)"
+    print(f"{configs.path_of(args.config).name} on {world} rank(s), device checks for {env.device_name}{elsewhere}"
           + (f", started by {starter}:" if args.starter != "deepspeed" else ":"))
     try:
         config = configs.load(args.config)
