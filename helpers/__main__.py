@@ -1,7 +1,8 @@
 """Command line for instructors and scripts: the same code the notebooks call.
 
     python -m helpers env                          what the course uses on this machine, and why
-    python -m helpers check CONFIG [--world-size N] [--client-optimizer]
+    python -m helpers check CONFIG [--world-size N] [--client-optimizer] [--for deepspeed|trainer]
+                          [--target cuda|cuda:7.0|cpu [--gpus N]]
     python -m helpers run CONFIG [--world-size N] [--steps S] [--model NAME] [--out DIR] [--gpus 0,1]
                           [--hostfile FILE [--include SPEC | --exclude SPEC] [--master-addr A]]
     python -m helpers multinode-check              2 local "hosts" through DeepSpeed's pdsh runner
@@ -41,9 +42,18 @@ def _env(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from helpers.core import configs, environment  # deferred
 
-    env = environment.detect()  # a config may be checked for more ranks than this machine has
-    world = args.world_size or env.default_world_size
-    print(f"{configs.path_of(args.config).name} on {world} rank(s), device checks for {env.device_name}:")
+    if args.target:
+        env = configs.target(args.target, args.gpus or args.world_size)
+        world = args.world_size or env.default_world_size
+    else:
+        if args.gpus:
+            raise ValueError("--gpus needs --target (this machine's GPUs are counted, not given)")
+        env = environment.detect()  # a config may be checked for more ranks than this machine has
+        world = args.world_size or env.default_world_size
+    starter = {"deepspeed": "plain deepspeed.initialize", "trainer": "Hugging Face's Trainer"}[args.starter]
+    elsewhere = "" if args.target or env.is_gpu else " (for the GPUs a config is meant for: --target cuda --gpus N)"
+    print(f"{configs.path_of(args.config).name} on {world} rank(s), device checks for {env.device_name}{elsewhere}"
+          + (f", started by {starter}:" if args.starter != "deepspeed" else ":"))
     try:
         config = configs.load(args.config)
     except configs.ConfigError as error:  # read, but refused by DeepSpeed's parser (duplicate keys)
@@ -51,7 +61,11 @@ def _check(args: argparse.Namespace) -> int:
             print(finding)
         print(f"{len(error.findings)} error(s), 0 warning(s)")
         return 1
-    findings = configs.check(config, world, env, args.client_optimizer)
+    findings = configs.check(config, world, env, args.client_optimizer, args.starter)
+    if args.starter == "trainer" and isinstance(config, dict):
+        for fill in configs.trainer_fills(config, world)[1].values():
+            shown = "from " + fill.source if fill.path in configs.LATE_FILLS else f"{fill.value!r} ({fill.source})"
+            print(f"filled by the Trainer: {fill.path} \"auto\" -> {shown}")
     for finding in findings:
         print(finding)
     errors = sum(f.severity == "error" for f in findings)
@@ -179,9 +193,19 @@ def main(argv: list[str] | None = None) -> int:
 
     check = verbs.add_parser("check", help="lint a DeepSpeed config (exit 1 on errors)")
     check.add_argument("config", help="name in ds_configs/ or path to a JSON file")
-    check.add_argument("--world-size", type=int)
+    check.add_argument("--world-size", type=int, help="ranks to check for (default: this machine's, or the target's)")
     check.add_argument("--client-optimizer", action="store_true",
                        help="the script passes its own optimizer to deepspeed.initialize")
+    check.add_argument("--for", dest="starter", choices=("deepspeed", "trainer"), default="deepspeed",
+                       help="what starts the config: deepspeed (default), plain deepspeed.initialize, which takes "
+                       "\"auto\" as written; trainer: Hugging Face's Trainer, which fills each \"auto\" it knows "
+                       "from its TrainingArguments and passes its own optimizer when the config has none (accelerate "
+                       "alone fills the same batch, clipping and bucket keys from its own arguments)")
+    check.add_argument("--target", help="check for another machine: cuda (compute capability 8.0 or above: "
+                       "fp32, bf16, fp16), cuda:7.0 (e.g. V100: no bf16), or cpu; the device findings then "
+                       "name the target (default: this machine)")
+    check.add_argument("--gpus", type=int, help="with --target cuda: the target's GPU count (default: the "
+                       "--world-size, else 1)")
     check.set_defaults(func=_check)
 
     run = verbs.add_parser("run", help="launch a real multi-rank run and write its summary.json")

@@ -248,6 +248,8 @@ def _launch_cases(env: environment.Environment, nvme_dir: str) -> dict:
         "small reduce buckets at stage 2": (m(BASE, {"zero_optimization": {"reduce_bucket_size": 10}}), False, None,
                                             None, "ok", COMM),
         # stage-3 failures last: a failed ZeRO-3 initialize leaves the least behind at the end
+        "ZeRO-3 without optimizer": (m(BASE, {"optimizer": None, "zero_optimization": {"stage": 3}}), False,
+                                     "optimizer", "warning", "set_gradient_accumulation_boundary"),
         "nvme without nvme_path": (m(BASE, {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}),
                                    False, "zero_optimization.offload_param.nvme_path", "error", "nvme_path"),
         "nvme here": (m(BASE, {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers.core import configs, environment, probes
 from helpers.core.environment import REPO_ROOT
@@ -303,3 +305,95 @@ def test_refusal_gives_the_checkers_findings_then_deepspeeds_own_refusal_in_one_
     bad_batch = {**good, "train_batch_size": 30}
     assert configs.refusal(bad_batch, 2).startswith("the checker finds: train_batch_size: ")
     assert configs.refusal(bad_batch, 2, warnings=True).startswith("the checker finds: error train_batch_size: ")
+
+
+# --- keywords a constructor hands on, "auto", the machine checked for ---------------------------
+
+class _Forwarding(torch.optim.AdamW):
+    """An optimizer that takes one keyword of its own and hands the rest to torch's AdamW, as ZenFlowCPUAdam does."""
+
+    def __init__(self, *args, extra: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.extra = extra
+
+
+class _ForwardingStep(torch.optim.lr_scheduler.StepLR):
+    def __init__(self, optimizer, *args, verbose_name: str = "", **kwargs):
+        super().__init__(optimizer, *args, **kwargs)
+
+
+def test_keywords_follow_kwargs_through_the_class_hierarchy():
+    keywords = configs._keywords(_Forwarding)
+    assert "extra" in keywords and {"lr", "betas", "eps", "weight_decay"} <= set(keywords)
+    assert "params" not in keywords and "args" not in keywords and "kwargs" not in keywords
+    assert keywords["lr"].default == inspect.signature(torch.optim.AdamW).parameters["lr"].default
+    # the scheduler's own first argument (the optimizer) is left out; StepLR's keywords are followed
+    assert {"verbose_name", "step_size", "gamma"} <= set(configs._keywords(_ForwardingStep))
+    assert "optimizer" not in configs._keywords(_ForwardingStep)
+    # a constructor without **kwargs stops there: torch's AdamW reaches no further than its own signature
+    assert "defaults" not in configs._keywords(torch.optim.AdamW)
+
+
+def test_a_forwarding_optimizer_takes_what_it_forwards():
+    from unittest import mock
+
+    config = configs.merged(BASE, {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.99], "beta": 1}}})
+    builder = configs.OptimizerBuilder(_Forwarding, {}, frozenset(), None)
+    with mock.patch.object(configs, "optimizer_builder", lambda _config: builder):
+        findings = [f for f in configs.check(config, 2) if f.key.startswith("optimizer.params")]
+    assert [f.key for f in findings] == ["optimizer.params.beta"]  # betas reaches AdamW; beta is nobody's
+    assert "'betas'" in findings[0].fix
+
+
+def test_auto_for_plain_deepspeed_names_who_fills_it_and_the_trainer_mode_fills_it():
+    config = configs.merged(BASE, {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+                                   "bf16": {"enabled": "auto"}})
+    plain = {f.key: f for f in configs.check(config, 2)}
+    assert set(plain) == {"train_micro_batch_size_per_gpu", "gradient_clipping", "bf16.enabled"}  # nothing else
+    assert plain["train_micro_batch_size_per_gpu"].severity == "error"
+    assert "Trainer" in plain["gradient_clipping"].rule and "write 1.0 " in plain["gradient_clipping"].fix
+    assert plain["bf16.enabled"].severity == "warning" and "default, false" in plain["bf16.enabled"].rule
+    assert configs.check(config, 2, starter="trainer") == []
+    # an "auto" the Trainer does not fill stays a finding in the Trainer's mode
+    unknown = configs.merged(BASE, {"zero_optimization": {"allgather_bucket_size": "auto"}})
+    (left,) = configs.check(unknown, 2, starter="trainer")
+    assert left.key == "zero_optimization.allgather_bucket_size" and "fills no" in left.rule
+    with pytest.raises(ValueError, match="starter"):
+        configs.check(BASE, 2, starter="accelerator")
+
+
+def test_the_trainer_passes_its_own_optimizer_when_the_config_has_none():
+    config = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}}
+    assert _by_key(configs.check(config, 2), "optimizer", "error")
+    assert configs.check(config, 2, starter="trainer") == []
+
+
+def test_zero_3_without_an_optimizer_is_accepted_for_inference():
+    (finding,) = configs.check({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}, 2)
+    assert finding.key == "optimizer" and finding.severity == "warning" and "first backward" in finding.rule
+
+
+def test_a_gpu_target_accepts_fp16_this_cpu_may_refuse():
+    config = configs.merged(BASE, {"fp16": {"enabled": True}})
+    assert _by_key(configs.check(config, 2, _env(precisions=("fp32",))), "fp16.enabled", "error")
+    assert configs.check(config, 8, configs.target("cuda", 8)) == []
+    target = configs.target("cuda:7.0", 8)
+    assert target.supports("fp16") and not target.supports("bf16") and target.gpu_count == 8
+    (bf16,) = configs.check(configs.merged(BASE, {"bf16": {"enabled": True}}), 8, target)
+    assert bf16.rule.startswith("DeepSpeed refuses bf16 on the target") and "on that device use fp16" in bf16.fix
+
+
+def test_cli_check_for_the_trainer_and_for_a_target(tmp_path, capsys):
+    from helpers.__main__ import main
+
+    path = tmp_path / "hf.json"
+    path.write_text(json.dumps(configs.merged(BASE, {"train_micro_batch_size_per_gpu": "auto",
+                                                     "fp16": {"enabled": True}})))
+    assert main(["check", str(path), "--world-size", "8", "--target", "cuda"]) == 1  # "auto" for plain DeepSpeed
+    out = capsys.readouterr().out
+    assert "device checks for the target: 8 x CUDA GPU" in out and "fp16" not in out.split("\n", 1)[1]
+    assert main(["check", str(path), "--world-size", "8", "--target", "cuda", "--for", "trainer"]) == 0
+    out = capsys.readouterr().out
+    assert "started by Hugging Face's Trainer" in out
+    assert "filled by the Trainer: train_micro_batch_size_per_gpu \"auto\" -> 8" in out
+    assert main(["check", str(path), "--gpus", "8"]) == 2  # --gpus says nothing without --target

@@ -15,7 +15,13 @@ and unquoted keys are fine) and duplicate keys refused. :func:`check` returns ev
    (:func:`optimizer_builder`): their signatures (unknown keys, types, required ones), and their
    constructors themselves, run on a stand-in parameter (the values they refuse).
 3. The device: precisions DeepSpeed refuses here, NVMe offload without DeepSpeed's async I/O op,
-   more ranks than GPUs.
+   more ranks than GPUs; or, for a config meant for another machine, on that machine (:func:`target`:
+   ``python -m helpers check --target cuda --gpus 8``), each such finding naming the target.
+
+``"auto"`` is Hugging Face's placeholder, filled by its Trainer and by accelerate before DeepSpeed sees the
+config: for plain ``deepspeed.initialize`` each one is a finding that says so and names the value to write; for
+a config the Trainer starts (``starter="trainer"``, ``--for trainer``) the config is checked as the Trainer fills
+it (:func:`trainer_fills`, transformers' own code).
 
 :func:`helpers.core.launch.run` calls :func:`check` before any process starts, so a bad config fails in
 a second with a readable message instead of after a launch with a stack trace from every rank.
@@ -28,6 +34,7 @@ import copy
 import dataclasses
 import difflib
 import inspect
+import json
 import logging
 import math
 import re
@@ -42,6 +49,7 @@ from unittest import mock
 import torch
 
 from helpers.core.environment import REPO_ROOT, Environment, nvme_offload_support, quiet_deepspeed_import
+from helpers.core.environment import _cpu_precisions as cpu_precisions
 
 CONFIG_DIR = REPO_ROOT / "ds_configs"
 
@@ -78,7 +86,10 @@ RULES = {
     "optimizer-type": "AssertionError in deepspeed.initialize: '<type> is not a supported DeepSpeed Optimizer'",
     "untested-optimizer": "AssertionError in deepspeed.initialize: 'You are using an untested ZeRO Optimizer'",
     "scheduler-type": "AssertionError in deepspeed.initialize: 'DeepSpeed does not recognize LR scheduler'",
-    "zero-needs-optimizer": "AssertionError in deepspeed.initialize: 'zero stage N requires an optimizer'",
+    "zero-needs-optimizer": "AssertionError in deepspeed.initialize: 'zero stage N requires an optimizer' (stages 1-2)",
+    "zero3-without-optimizer": "accepted by deepspeed.initialize (DeepSpeedZeRoOffload: ZeRO-3's parameter "
+                               "partitioning, as for inference); the first backward fails: AttributeError, no "
+                               "'set_gradient_accumulation_boundary'",
     "offload-client-optimizer": "ZeRORuntimeException in deepspeed.initialize (ZeRO-Offload with a client optimizer)",
     "offload-param-below-3": "accepted; parameters stay where they are (silently ignored)",
     "offload-optimizer-stage-0": "accepted; DeepSpeed builds its CPU Adam, but nothing is partitioned or offloaded",
@@ -293,7 +304,13 @@ def _section_findings(config: dict) -> list[Finding]:
         if not isinstance(config.get(section), dict):
             continue
         try:
-            validate(config[section])
+            with _captured_messages() as messages:
+                validate(config[section])
+            for message in dict.fromkeys(messages):  # DeepSpeed's deprecation warnings, each naming its key
+                named = re.match(r"Config parameter (\w+) is deprecated", message)
+                if named:
+                    findings.append(Finding("warning", f"{section}.{named[1]}", f"DeepSpeed accepts it and warns: "
+                                            f"{message.strip()}", "write the setting DeepSpeed's message names"))
         except Exception as error:  # pydantic's ValidationError: one entry per bad field
             entries = getattr(error, "errors", lambda: [])() or [{"loc": (), "msg": str(error)}]
             for entry in entries:
@@ -314,15 +331,22 @@ def _section_findings(config: dict) -> list[Finding]:
     return findings
 
 
-def deepspeed_parse(config: dict, world_size: int) -> Exception | None:
+def deepspeed_parse(config: dict, world_size: int, device: str | None = None) -> Exception | None:
     """Parse ``config`` with DeepSpeed's own ``DeepSpeedConfig`` as ``world_size`` ranks would, and return
-    the exception it raises (None when it accepts the config). No process group is needed."""
+    the exception it raises (None when it accepts the config). No process group is needed. ``device``: the
+    accelerator the parser's device checks ask about (GPUDirect Storage needs "cuda"), by default this machine's."""
     # deferred: DeepSpeed is imported after the course has chosen its accelerator
     from deepspeed.runtime import config as ds_config
+    from deepspeed.runtime.swap_tensor import aio_config
 
     ranks = mock.Mock(get_rank=lambda *a, **k: 0, get_world_size=lambda *a, **k: world_size)
+    accelerator = mock.Mock(device_name=lambda *a: device)
     try:
-        with mock.patch.object(ds_config, "dist", ranks):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_captured_messages())  # its deprecation warnings: the section findings name them
+            stack.enter_context(mock.patch.object(ds_config, "dist", ranks))
+            if device is not None:
+                stack.enter_context(mock.patch.object(aio_config, "get_accelerator", lambda: accelerator))
             ds_config.DeepSpeedConfig(copy.deepcopy(config))
     except Exception as error:  # noqa: BLE001 - any refusal is the answer
         return error
@@ -449,8 +473,14 @@ def _optimizer_findings(config: dict, stage: int, client_optimizer: bool) -> lis
         if not (is_deepspeed or is_torch):
             choices = list(DEEPSPEED_OPTIMIZERS) + [n for n in dir(torch.optim) if n[:1].isupper()]
             close = difflib.get_close_matches(kind, choices, n=1) or difflib.get_close_matches(kind.lower(), choices, n=1)
-            findings.append(Finding("error", "optimizer.type", f"{kind!r} is not an optimizer DeepSpeed builds "
-                                    "(deepspeed.initialize raises)", f"use {close[0]!r}" if close else 'use "AdamW"'))
+            removed = REMOVED_OPTIMIZERS.get(kind.lower())
+            findings.append(Finding(
+                "error", "optimizer.type", f"{kind!r} is not an optimizer DeepSpeed builds (deepspeed.initialize "
+                "raises)" + (f": DeepSpeed removed {removed[0]} with its other 1-bit optimizers in pull request "
+                             f"deepspeedai/DeepSpeed#8490 (tracking issue {REMOVED_FEATURES_ISSUE}); "
+                             f"{_deepspeed_version()} has none" if removed else ""),
+                f'use "{removed[1]}" (what {removed[0]} runs without its compressed communication)' if removed
+                else f"use {close[0]!r}" if close else 'use "AdamW"'))
         elif is_torch and stage > 0 and not config.get("zero_allow_untested_optimizer"):
             findings.append(Finding("error", "optimizer.type", f"torch.optim.{kind} is untested with ZeRO: "
                                     "deepspeed.initialize refuses it",
@@ -464,10 +494,15 @@ def _optimizer_findings(config: dict, stage: int, client_optimizer: bool) -> lis
         findings.append(Finding("warning", "optimizer", "the script also passes its own optimizer: DeepSpeed uses "
                                 "that one and ignores this section", "keep one: remove the config's optimizer, "
                                 "or pass none to deepspeed.initialize"))
-    if stage > 0 and not isinstance(optimizer, dict) and not client_optimizer:
+    if 0 < stage < 3 and not isinstance(optimizer, dict) and not client_optimizer:
         findings.append(Finding("error", "optimizer", f"ZeRO stage {stage} needs an optimizer, and neither the "
                                 "config nor the script gives one (deepspeed.initialize raises)",
                                 'add "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}'))
+    elif stage == 3 and not isinstance(optimizer, dict) and not client_optimizer:
+        findings.append(Finding("warning", "optimizer", "neither the config nor the script gives an optimizer: "
+                                "deepspeed.initialize builds ZeRO-3's parameter partitioning alone (for inference), "
+                                "and training fails at the first backward (AttributeError)",
+                                'to train, add "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}'))
     scheduler = config.get("scheduler")
     if isinstance(scheduler, dict):
         kind = str(scheduler.get("type", ""))
@@ -480,6 +515,20 @@ def _optimizer_findings(config: dict, stage: int, client_optimizer: bool) -> lis
         else:
             findings += _scheduler_param_findings(config, client_optimizer)
     return findings
+
+
+#: DeepSpeed's removed 1-bit optimizers: the type a config named them by (any case, as DeepSpeed read it) ->
+#: (their name, the optimizer with the same update and no compression).
+REMOVED_OPTIMIZERS = {"onebitadam": ("1-bit Adam", "Adam"), "zerooneadam": ("0/1 Adam", "Adam"),
+                      "onebitlamb": ("1-bit LAMB", "Lamb")}
+#: DeepSpeed's tracking issue for the features it removed (its config parser's messages link to it).
+REMOVED_FEATURES_ISSUE = "https://github.com/deepspeedai/DeepSpeed/issues/8489"
+
+
+def _deepspeed_version() -> str:
+    import deepspeed  # deferred: DeepSpeed is imported after the course has chosen its accelerator
+
+    return deepspeed.__version__
 
 
 def _offload_findings(zero: dict, stage: int, config: dict, client_optimizer: bool,
@@ -520,7 +569,7 @@ def _offload_findings(zero: dict, stage: int, config: dict, client_optimizer: bo
             findings.append(Finding("error", f"{key}.nvme_path", "NVMe offload needs a folder on a fast drive "
                                     "(deepspeed.initialize fails without one)",
                                     f'set {key}.nvme_path, e.g. "runs/nvme"'))
-        usable, reason = nvme_offload_support() if env is not None else (True, "")
+        usable, reason = nvme_offload_support() if env is not None and not isinstance(env, Target) else (True, "")
         if not usable:
             findings.append(Finding("error", f"{key}.device", "NVMe offload needs DeepSpeed's async_io op, which "
                                     f"cannot be built here ({reason})",
@@ -627,16 +676,34 @@ def optimizer_builder(config: dict) -> OptimizerBuilder | None:
     return OptimizerBuilder(cls, dict(passed), frozenset(given) - frozenset(params), counterpart if own else None)
 
 
-def _keywords(cls: type) -> dict[str, inspect.Parameter]:
-    """The constructor's keyword parameters after the first (the parameters to optimize, or the optimizer),
-    with annotations resolved where Python can."""
+def _signature(function: Callable) -> inspect.Signature:
+    """``function``'s signature, with annotations resolved where Python can."""
     try:
-        signature = inspect.signature(cls, eval_str=True)
+        return inspect.signature(function, eval_str=True)
     except Exception:  # noqa: BLE001 - an annotation that cannot be resolved: keep them as text
-        signature = inspect.signature(cls)
-    parameters = [p for p in signature.parameters.values()
-                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    return {p.name: p for p in parameters[1:]}
+        return inspect.signature(function)
+
+
+def _keywords(cls: type) -> dict[str, inspect.Parameter]:
+    """The keyword parameters ``cls(first, **keywords)`` takes, the first argument (the parameters to optimize,
+    or the optimizer) left out. A constructor that ends in ``**kwargs`` (and ``*args``) hands them on to the next
+    ``__init__`` of its class hierarchy, as ``super().__init__(*args, **kwargs)`` does: its keywords are followed
+    there (``ZenFlowCPUAdam(*args, overlap_step=False, **kwargs)`` takes DeepSpeedCPUAdam's lr, betas, ...)."""
+    owners = [owner for owner in cls.__mro__ if "__init__" in vars(owner) and owner is not object]
+    if not owners:
+        return {}
+    found: dict[str, inspect.Parameter] = {}
+    for index, owner in enumerate(owners):
+        signature = _signature(cls) if index == 0 else _signature(owner.__init__)
+        parameters = list(signature.parameters.values())[0 if index == 0 else 1:]  # an __init__'s self
+        named = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if named and named[0].kind is named[0].POSITIONAL_OR_KEYWORD:
+            named = named[1:]  # this level's first positional argument: the parameters (or the optimizer)
+        for parameter in named:
+            found.setdefault(parameter.name, parameter)
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break  # the keywords stop here
+    return found
 
 
 def _annotated_type(annotation: Any) -> tuple[str, Callable[[Any], bool]] | None:
@@ -1102,22 +1169,26 @@ def _precision_findings(config: dict, world_size: int, env: Environment | None) 
         for name, section in (("fp16", fp16), ("bf16", bf16)):
             if section.get("enabled") and not env.supports(name):
                 alternative = next((p for p in ("bf16", "fp16") if p != name and env.supports(p)), "fp32")
-                fix = (f"set {name}.enabled to false; on this device use {alternative}"
+                fix = (f"set {name}.enabled to false; on {'that' if isinstance(env, Target) else 'this'} "
+                       f"device use {alternative}"
                        + (" (\"bf16\": {\"enabled\": true})" if alternative == "bf16" else ""))
                 findings.append(Finding("error", f"{name}.enabled",
                                         f"DeepSpeed refuses {name} on {env.device_name} "
                                         f"(ValueError: Type {name} is not supported on your device)", fix))
         if env.is_gpu and world_size > env.gpu_count:
+            where = "the target" if isinstance(env, Target) else "this machine"
             findings.append(Finding("warning", "(world size)",
-                                    f"checked for {world_size} ranks, but this machine has {env.gpu_count} GPU(s)",
-                                    f"launch it here with at most {env.gpu_count} ranks"))
+                                    f"checked for {world_size} ranks, but {where} has {env.gpu_count} GPU(s)",
+                                    f"launch it {'there' if isinstance(env, Target) else 'here'} with at most "
+                                    f"{env.gpu_count} ranks"))
     return findings
 
 
 def _explained(error: Exception, findings: list[Finding]) -> bool:
     """Whether DeepSpeed's parser refusal is one the findings already name (its first refusal only)."""
     text, errors = str(error), [f for f in findings if f.severity == "error"]
-    if "Check batch related parameters" in text:
+    if "Check batch related parameters" in text or re.match(r"(Gradient accumulation steps|Micro batch size per "
+                                                               r"gpu): 0 has to be greater than 0", text):
         return any(f.key in _BATCH_KEYS for f in errors)
     if "cannot be simultaneously enabled" in text:
         return any(f.key == "fp16.enabled" for f in errors)
@@ -1126,15 +1197,37 @@ def _explained(error: Exception, findings: list[Finding]) -> bool:
     return any(f.key in text for f in errors)  # e.g. a value of the wrong type, named by its key
 
 
-def check(config: dict, world_size: int, env: Environment | None = None, client_optimizer: bool = False) -> list[Finding]:
+def check(config: dict, world_size: int, env: Environment | None = None, client_optimizer: bool = False,
+          starter: str = "deepspeed") -> list[Finding]:
     """Every finding for ``config`` on ``world_size`` ranks (errors first).
 
-    ``env`` (from :func:`helpers.core.environment.detect`) enables the device checks (fp16 on a CPU,
-    NVMe, GPU count); ``client_optimizer=True`` says the script passes its own optimizer to
-    ``deepspeed.initialize``, as the source article's does.
+    ``env`` (from :func:`helpers.core.environment.detect`, or :func:`target` for another machine) enables the
+    device checks (fp16 on a CPU, NVMe, GPU count); ``client_optimizer=True`` says the script passes its own
+    optimizer to ``deepspeed.initialize``, as the source article's does. ``starter`` says what starts the
+    config (:data:`STARTERS`): ``"deepspeed"``, plain ``deepspeed.initialize``, which takes every ``"auto"`` as
+    written; ``"trainer"``, Hugging Face's Trainer, which fills the ``"auto"`` values it knows
+    (:func:`trainer_fills`) and passes its own optimizer when the config has none. Either way each ``"auto"``
+    left for DeepSpeed is one finding, and the rest is checked as the Trainer would fill it.
     """
     if not isinstance(config, dict):
         return [Finding("error", "(top level)", "a DeepSpeed config is a JSON object", "wrap the settings in { }")]
+    if starter not in STARTERS:
+        raise ValueError(f"starter {starter!r}: use one of {', '.join(STARTERS)}")
+    paths = auto_paths(config)
+    if not paths and starter == "deepspeed":
+        return _check(config, world_size, env, client_optimizer)
+    filled, fills = trainer_fills(config, world_size) if paths else (copy.deepcopy(config), {})
+    if starter == "trainer" and "optimizer" not in config:  # the Trainer builds its own and says it is tested
+        client_optimizer = True
+        filled.setdefault("zero_allow_untested_optimizer", True)
+    findings = _auto_findings(config, paths, fills, starter)
+    placeholders = tuple(paths)
+    findings += [f for f in _check(filled, world_size, env, client_optimizer)
+                 if not (f.key in placeholders or f.key.startswith(tuple(p + "." for p in placeholders)))]
+    return sorted(findings, key=lambda f: f.severity != "error")
+
+
+def _check(config: dict, world_size: int, env: Environment | None, client_optimizer: bool) -> list[Finding]:
     findings = _top_level_findings(config) + _batch_findings(config, world_size) + _section_findings(config)
     zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
     stage = zero.get("stage", 0)
@@ -1144,7 +1237,7 @@ def check(config: dict, world_size: int, env: Environment | None = None, client_
     findings += _loss_scale_findings(config, stage)
     findings += _silent_off_findings(config, zero, stage)
     findings += _precision_findings(config, world_size, env)
-    refusal = deepspeed_parse(config, world_size)
+    refusal = deepspeed_parse(config, world_size, env.device if isinstance(env, Target) else None)
     if refusal is not None and not _explained(refusal, findings):
         findings.append(Finding("error", "(DeepSpeed's parser)", f"{type(refusal).__name__}: {refusal}",
                                 "change the setting it names"))
@@ -1152,12 +1245,168 @@ def check(config: dict, world_size: int, env: Environment | None = None, client_
 
 
 def check_or_raise(config: dict, world_size: int, env: Environment | None = None, client_optimizer: bool = False,
-                   source: str = "config") -> list[Finding]:
+                   source: str = "config", starter: str = "deepspeed") -> list[Finding]:
     """Run :func:`check`; raise :class:`ConfigError` if anything is an error, else return the warnings."""
-    findings = check(config, world_size, env, client_optimizer)
+    findings = check(config, world_size, env, client_optimizer, starter)
     if any(f.severity == "error" for f in findings):
         raise ConfigError(findings, source)
     return findings
+
+
+# --- "auto": the placeholder Hugging Face's Trainer and accelerate fill --------------------------------------
+
+#: Who a config is written for: plain ``deepspeed.initialize`` takes the file as written; Hugging Face's Trainer
+#: first fills each ``"auto"`` it knows from its TrainingArguments (transformers'
+#: ``HfTrainerDeepSpeedConfig``), and passes its own optimizer when the config has none.
+STARTERS = ("deepspeed", "trainer")
+
+#: Where the Trainer takes the ``"auto"`` values it fills only once it has the model and the data
+#: (``trainer_config_finalize``); the check fills them with stand-ins and reports none of them.
+LATE_FILLS = {
+    "zero_optimization.reduce_bucket_size": "hidden_size * hidden_size, from the model's config",
+    "zero_optimization.stage3_prefetch_bucket_size": "0.9 * hidden_size * hidden_size, from the model's config",
+    "zero_optimization.stage3_param_persistence_threshold": "10 * hidden_size, from the model's config",
+    "scheduler.params.total_num_steps": "the number of training steps",
+    "scheduler.params.warmup_num_steps": "TrainingArguments.warmup_steps (at least 1)",
+}
+
+#: Where the Trainer's other fills come from, where transformers names no single TrainingArguments field.
+TRAINER_SOURCES = {"train_batch_size": "world size x per_device_train_batch_size x gradient_accumulation_steps",
+                   "scheduler.params.warmup_min_lr": "a constant of the Trainer's"}
+
+#: The "auto" that accelerate's ``Accelerator.prepare`` fills after the Trainer's own fills (accelerate 1.x,
+#: ``accelerate/accelerator.py``: its ``config_kwargs`` for DeepSpeed), with the value it writes.
+ACCELERATE_FILLS = {"zero_optimization.stage3_gather_16bit_weights_on_model_save": False}
+
+_AUTO_SOURCE = ("\"auto\" is a placeholder that Hugging Face's Trainer and accelerate fill from their own arguments; "
+                "plain deepspeed.initialize takes it as written")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoFill:
+    """One ``"auto"`` of a config as the Trainer fills it: the value, and where the Trainer takes it from."""
+
+    path: str
+    value: Any
+    source: str
+
+
+def auto_paths(config: Any, prefix: str = "") -> list[str]:
+    """The dotted paths of every ``"auto"`` value of a DeepSpeed config, in order."""
+    if isinstance(config, dict):
+        return [p for k, v in config.items() for p in auto_paths(v, f"{prefix}{k}.")]
+    return [prefix[:-1]] if config == "auto" else []
+
+
+def trainer_fills(config: dict, world_size: int) -> tuple[dict, dict[str, AutoFill]]:
+    """``config`` as Hugging Face's Trainer hands it to ``deepspeed.initialize`` on ``world_size`` ranks with its
+    default TrainingArguments (transformers' own ``HfTrainerDeepSpeedConfig``: ``trainer_config_process``, then
+    ``trainer_config_finalize`` on a stand-in model and step count, for :data:`LATE_FILLS`), and each ``"auto"``
+    it filled. Values the config states are kept as written (the Trainer would ask its arguments to agree with
+    them). Without transformers: the config unchanged, nothing filled."""
+    try:
+        # deferred: transformers is imported only for a config with "auto" values
+        from transformers import TrainingArguments
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:
+        return copy.deepcopy(config), {}
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)
+                if f.default is not dataclasses.MISSING}
+    args = types.SimpleNamespace(**defaults, world_size=world_size)
+    args.get_warmup_steps = lambda steps: TrainingArguments.get_warmup_steps(args, steps)
+    stand_in_model = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=1024))
+    with _captured_messages():
+        hf = hf_deepspeed.HfTrainerDeepSpeedConfig(copy.deepcopy(config))
+    hf_deepspeed.unset_hf_deepspeed_config()  # the Trainer's global: this check trains nothing
+    fills: dict[str, AutoFill] = {}
+    fill_match = hf.fill_match
+
+    def recorded(path: str, value: Any, hf_key: str | None = None, must_match: bool = True) -> None:
+        if hf.is_auto(path):
+            source = LATE_FILLS.get(path) or TRAINER_SOURCES.get(path) or (
+                f"TrainingArguments.{hf_key.replace('+', ', ').replace('|', ' or ')}" if hf_key else "fixed")
+            fills[path] = AutoFill(path, value, source)
+        fill_match(path, value, hf_key, must_match=False)  # the config's own values stay as written
+
+    hf.fill_match = recorded
+    hf.fill_only = lambda path, value, hf_key=None: recorded(path, value, hf_key, must_match=False)
+    hf.trainer_config_process(args)
+    hf.trainer_config_finalize(args, stand_in_model, 1000)
+    for path, value in ACCELERATE_FILLS.items():  # then the Trainer's accelerate.Accelerator.prepare
+        if hf.is_auto(path):
+            fills[path] = AutoFill(path, value, "accelerate's Accelerator.prepare, which the Trainer calls")
+            hf.fill_only(path, value)
+    return _plain(hf.config), fills
+
+
+def _auto_findings(config: dict, paths: list[str], fills: dict[str, AutoFill], starter: str) -> list[Finding]:
+    """One finding per ``"auto"`` the config's starter leaves unfilled (with the Trainer: those it does not know)."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.autotuning.constants import DEFAULT_HF_CONFIG
+
+    defaults = deepspeed_defaults(config)
+    models = set(_section_validators())
+    tuning = isinstance(config.get("autotuning"), dict) and config["autotuning"].get("enabled") is True
+    findings = []
+    for path in paths:
+        fill = fills.get(path)
+        if starter == "trainer" and fill is not None:
+            continue
+        if starter == "trainer":
+            rule = "the Trainer fills no \"auto\" for this key, so DeepSpeed receives it as written"
+        elif fill is None:
+            rule = f"{_AUTO_SOURCE}, and the Trainer fills no \"auto\" for this key"
+        else:
+            rule = _AUTO_SOURCE
+        if tuning and path in DEFAULT_HF_CONFIG:  # the batch keys DeepSpeed's autotuner searches itself
+            rule += " (with \"autotuning\" enabled, DeepSpeed's autotuner, deepspeed --autotuning, tries values itself)"
+        if fill is None:
+            fix = f"write the value {path} should have"
+        elif path in LATE_FILLS:
+            fix = (f"write a number (the Trainer writes {fill.source}); if the Trainer or accelerate starts this "
+                   "config, check it with --for trainer")
+        else:
+            fix = (f"write {json.dumps(fill.value)} (what the Trainer writes by default: {fill.source}) or your own "
+                   "value; if the Trainer or accelerate starts this config, check it with --for trainer")
+        if path.split(".")[0] in models:  # DeepSpeed's config models drop an "auto" and use their default
+            default = defaults.get(path, NO_DEFAULT)
+            said = "its default" if default is NO_DEFAULT else f"its default, {json.dumps(default)}"
+            findings.append(Finding("warning", path, f"{rule}: DeepSpeed's config model drops an \"auto\" and "
+                                    f"uses {said}", fix))
+        else:
+            findings.append(Finding("error", path, f"{rule}: DeepSpeed receives the string and fails when it uses "
+                                    "it", fix))
+    return findings
+
+
+# --- the machine a config is checked for ----------------------------------------------------------------
+
+class Target(Environment):
+    """A machine other than this one that a config is checked for (``python -m helpers check --target``)."""
+
+
+#: GPUs' precisions by compute capability: DeepSpeed's CUDA accelerator accepts fp16 from 7.0
+#: (``is_fp16_supported``) and bf16 where torch does (``torch.cuda.is_bf16_supported``: from 8.0).
+CUDA_PRECISIONS = ((8.0, ("fp32", "bf16", "fp16")), (7.0, ("fp32", "fp16")), (0.0, ("fp32",)))
+
+
+def target(device: str, gpus: int | None = None) -> Target:
+    """The machine to check a config for: ``"cuda"`` (a GPU of compute capability 8.0 or above: A100, H100, ...),
+    ``"cuda:7.0"`` (V100: no bf16) or ``"cpu"`` (DeepSpeed's CPU accelerator, as here), with ``gpus`` GPUs."""
+    kind, _, capability = device.partition(":")
+    if kind == "cpu":
+        return Target("cpu", "the target: CPU", 0, 0, "gloo", gpus or 2, "--target", cpu_precisions(),
+                      torch.__version__, "")
+    if kind != "cuda":
+        raise ValueError(f"--target {device!r}: give cpu, cuda, or cuda:<compute capability> (e.g. cuda:7.0)")
+    try:
+        level = float(capability) if capability else 8.0
+    except ValueError:
+        raise ValueError(f"--target {device!r}: the compute capability is a number, e.g. cuda:7.0") from None
+    precisions = next(p for floor, p in CUDA_PRECISIONS if level >= floor)
+    count = gpus or 1
+    name = f"the target: {count} x CUDA GPU of compute capability {capability or '8.0 or above'}"
+    return Target("cuda", name, count, 0, "nccl", count, "--target", precisions, torch.__version__, "")
 
 
 # --- DeepSpeed's defaults, line by line -----------------------------------------------------------
