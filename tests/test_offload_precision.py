@@ -299,6 +299,14 @@ def test_a_bad_reference_model_fails_before_launch(monkeypatch):
                    options={"reference_model": "llama"})
 
 
+def test_the_engine_and_the_demo_are_compared_scenario_by_scenario(swept, demos):
+    engine = {"demo": swept["spiked"], "demo at the floor": {"failed": "Exception: minimum", "device": "cuda"}}
+    text = precision.engine_demo_differences(engine, demos, "This run, Test GPU")
+    # the bf16 engine never scales, the fp16 demo does: they differ; both ended at the floor: alike
+    assert text.startswith("This run, Test GPU: the engine and the demo decide 1 of 2 scenarios alike; they differ in 1 (demo)")
+    assert "within 1 halving of an fp16 overflow: none" in text and "exactly those: False" in text
+
+
 def test_the_trajectory_table_reads_both_kinds_of_result(swept, demos):
     table = precision.trajectory_table({"demo": demos["demo"], "engine (bf16)": swept["spiked"]})
     assert "1: steps 2" in table and "2^16 -> 2^16" in table and "2^0 -> 2^0" in table
@@ -326,6 +334,7 @@ def test_committed_gpu_results_are_shown_beside_the_learners(swept, demos, tmp_p
     commit("loss-scale", {"demo": swept["spiked"], "demo at the floor": {"failed": "Exception: minimum", "device": "cuda"}})
     report = precision.loss_scale_reference_report({"demo": demos["demo"], "demo at the floor": demos["demo at the floor"]})
     assert "differ" in report and "both ended by the scaler" in report  # bf16 engine vs fp16 demo: they differ
+    assert precision.reference_demo_differences(demos).startswith("2 x Test GPU, 2026-01-01: the engine and the demo")
     commit("precision-speed", {"ZeRO-2 fp32": swept["accum fp32 training"], "ZeRO-2 bf16": swept["stage 2"]})
     report = precision.speed_reference_report()
     assert "Measured on 2 x Test GPU, 2026-01-01" in report and "ZeRO-2 bf16" in report

@@ -791,31 +791,34 @@ def half_bytes_reference_report(name: str = "precision-speed") -> str:
 EDGE_HALVINGS = 1.0
 
 
-def engine_demo_differences(name: str = "loss-scale", demos: Mapping[str, Any] | None = None) -> str:
-    """Which scenarios the fp16 engine's committed GPU runs and the scaler demo here decide differently,
-    against how close the demo's applied steps came to an fp16 overflow (:data:`EDGE_HALVINGS`): a
-    sentence per reference, from the data."""
+def engine_demo_differences(engine: Mapping[str, Any], demos: Mapping[str, Any], label: str) -> str:
+    """Which scenarios the fp16 engine's runs ``engine`` (records, or ``{"failed": ...}`` where DeepSpeed ended
+    the run) and the scaler demo ``demos`` decide differently, against how close the demo's applied steps came
+    to an fp16 overflow (:data:`EDGE_HALVINGS`): one sentence, from the data, opening with ``label``."""
+    differ, agree = [], []
+    for scenario, run in engine.items():
+        if scenario not in demos:
+            continue
+        demo = trajectory(demos[scenario])
+        if isinstance(run, dict) and "failed" in run:
+            (agree if demo["stopped"] else differ).append(scenario)
+            continue
+        t = trajectory(run)
+        (agree if t["scales"] == demo["scales"] and t["overflow"] == demo["overflow"] else differ).append(scenario)
+    near = {s for s in differ + agree if _min_headroom(demos[s]) < EDGE_HALVINGS}
+    return (f"{label}: the engine and the demo decide {len(agree)} of {len(agree) + len(differ)} scenarios alike; they "
+            f"differ in {len(differ)} ({'; '.join(differ) or 'none'}). Scenarios whose demo came within "
+            f"{EDGE_HALVINGS:g} halving of an fp16 overflow: {'; '.join(sorted(near, key=list(demos).index)) or 'none'}. "
+            f"The scenarios that differ are exactly those: {set(differ) == near}.")
+
+
+def reference_demo_differences(demos: Mapping[str, Any], name: str = "loss-scale") -> str:
+    """:func:`engine_demo_differences` for each committed GPU result of the fp16 engine (experiment ``name``),
+    labelled with its device and date."""
     found = references.reference_runs(name)
-    if not found or demos is None:
+    if not found:
         return references.no_references(name, references.GPU_HOW)
-    lines = []
-    for device, date, note, runs in found:
-        differ, agree = [], []
-        for scenario, run in runs.items():
-            if scenario not in demos:
-                continue
-            demo = trajectory(demos[scenario])
-            if isinstance(run, dict) and "failed" in run:
-                (agree if demo["stopped"] else differ).append(scenario)
-                continue
-            t = trajectory(run)
-            (agree if t["scales"] == demo["scales"] and t["overflow"] == demo["overflow"] else differ).append(scenario)
-        near = {s for s in differ + agree if _min_headroom(demos[s]) < EDGE_HALVINGS}
-        lines.append(f"{device}: the engine and the demo decide {len(agree)} of {len(agree) + len(differ)} scenarios "
-                     f"alike; they differ in {len(differ)} ({'; '.join(differ) or 'none'}). Scenarios whose demo came "
-                     f"within {EDGE_HALVINGS:g} halving of an fp16 overflow: {'; '.join(sorted(near, key=list(demos).index)) or 'none'}. "
-                     f"The scenarios that differ are exactly those: {set(differ) == near}.")
-    return "\n".join(lines)
+    return "\n".join(engine_demo_differences(runs, demos, f"{device}, {date}") for device, date, _, runs in found)
 
 
 def _min_headroom(result: Mapping[str, Any]) -> float:
