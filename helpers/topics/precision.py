@@ -91,12 +91,6 @@ class LossScale(Probe):
                                "fp16": ctx.config.get("fp16") if ctx.precision == "fp16" else None}}
 
 
-def loss_scale(record: records.Record) -> dict:
-    """What the ``loss_scale`` probe recorded: ``scale_per_step``, ``applied_per_step``, ``skipped_steps``,
-    ``final_scale``, ``lr_per_step`` and the run's ``fp16`` section."""
-    return record.section("loss_scale")
-
-
 def spike_steps(value: Any) -> list[int]:
     """``loss_spike_at_step`` as a sorted list of optimizer steps (counted from 1)."""
     return sorted({value} if isinstance(value, int) else set(value))
@@ -203,6 +197,7 @@ def make_loss_scaler(section: Mapping[str, Any]):
 
 # --- the chapter's loss-scaling scenarios -----------------------------------------------------------
 
+#: Optimizer steps of each loss-scaling scenario.
 DEMO_STEPS = 20
 #: name -> (fp16 settings besides DeepSpeed's defaults, optimizer steps whose output spikes). The first is
 #: the source article's fp16 section, which restates DeepSpeed's defaults; each other one turns one knob.
@@ -241,7 +236,7 @@ def _quiet(logger: logging.Logger):
         logger.setLevel(level)
 
 
-def scaler_demo(config: Mapping[str, Any], spikes: list[int] | tuple[int, ...] = (), steps: int = 20,
+def scaler_demo(config: Mapping[str, Any], spikes: list[int] | tuple[int, ...] = (), steps: int = DEMO_STEPS,
                 world: int = 2, model: str = "mlp", seed: int = 0) -> dict:
     """Mixed-precision training of ``model`` in fp16 in this process, with DeepSpeed's own loss scaler
     (:func:`make_loss_scaler`, from ``config["fp16"]``) deciding each step, on every processor alike.
@@ -329,7 +324,7 @@ def scaler_demo(config: Mapping[str, Any], spikes: list[int] | tuple[int, ...] =
             "final_scale": float(scaler.cur_scale)}
 
 
-def scenario_demos(scenarios: Mapping[str, tuple[dict, list[int]]] | None = None, steps: int = 20,
+def scenario_demos(scenarios: Mapping[str, tuple[dict, list[int]]] | None = None, steps: int = DEMO_STEPS,
                    world: int = 2) -> dict[str, dict]:
     """:func:`scaler_demo` for each scenario (default :data:`SCENARIOS`), on ``ds_configs/zero2.json`` with the
     scenario's fp16 settings (:func:`demo_config`); keyed by the scenario's name."""
