@@ -1,10 +1,12 @@
-"""Chapters 06-07: the offload formulas, the placement and loss-scale probes, the loss-spike fault, DeepSpeed's
-loss scaler in the fp16 demo, and the article's line-by-line analysis. One 2-rank launch serves every test
-that needs ranks."""
+"""Chapters 06, 07 and 07b: the offload formulas, the placement and loss-scale probes, the loss-spike fault,
+DeepSpeed's loss scaler in the fp16 demo (in this process), the records of chapter 07's script, the speed
+verdicts and the article's fp16 section. One 2-rank launch serves every test that needs ranks."""
 
 from __future__ import annotations
 
+import copy
 import math
+import statistics
 
 import pytest
 
@@ -149,6 +151,61 @@ def test_step_ranges_read_as_a_learner_writes_them():
     assert precision._ranges([]) == ""
 
 
+ACCUM_PROBES = ("timing", "model_states", "placement", "peak_memory", precision.AccumulatedGradient)
+
+
+# --- DeepSpeed's loss scaler on real fp16 gradients, in this process -----------------------------------
+
+@pytest.fixture(scope="module")
+def demos():
+    steps = dict(steps=4, world=2)
+    return {
+        "demo": precision.scaler_demo(precision.demo_config({"initial_scale_power": 16}), [2], **steps),
+        "demo, two spikes": precision.scaler_demo(precision.demo_config({}), [2, 3], **steps),
+        "demo, consecutive": precision.scaler_demo(precision.demo_config({"consecutive_hysteresis": True}), [2, 4],
+                                                   **steps),
+        "demo at the floor": precision.scaler_demo(precision.demo_config({"hysteresis": 1, "min_loss_scale": 65536}),
+                                                   [2], **steps),
+    }
+
+
+def test_deepspeeds_scaler_skips_the_spiked_step_in_fp16(demos):
+    demo = demos["demo"]
+    assert demo["overflow_per_step"] == [False, True, False, False]
+    assert demo["scale_per_step"] == [65536.0] * 4  # hysteresis 2 absorbs one overflow
+    assert demo["skipped_steps"] == 1 and demo["stopped"] is None
+    assert all(h > 1 for h in demo["headroom_log2"] if h is not None)
+    assert math.isinf(demo["losses"][1])
+
+
+def test_the_scaler_ends_the_run_at_min_loss_scale(demos):
+    floor = demos["demo at the floor"]
+    assert floor["stopped"].startswith("Exception: Current loss scale already at minimum")
+    assert len(floor["scale_per_step"]) == 2  # stopped at the spike, step 2
+
+
+def test_hysteresis_is_refilled_only_when_the_scale_doubles_unless_consecutive(demos):
+    # default: the spike of step 2 uses up hysteresis; step 3's, before any doubling, halves the scale
+    assert demos["demo, two spikes"]["scale_per_step"] == [65536.0, 65536.0, 65536.0, 32768.0]
+    # consecutive_hysteresis: step 3 (no overflow) refills it, so step 4's spike halves nothing
+    assert demos["demo, consecutive"]["overflow_per_step"] == [False, True, False, True]
+    assert demos["demo, consecutive"]["final_scale"] == 65536.0
+
+
+def test_the_demo_plays_every_rank_on_its_own_samples():
+    config = precision.demo_config({})
+    one, two = (precision.scaler_demo(config, steps=2, world=w) for w in (1, 2))
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert one["losses"][0] != two["losses"][0]  # the second rank's samples enter the mean
+    assert one["overflow_per_step"] == two["overflow_per_step"] == [False, False]
+
+
+def test_the_scenarios_table_names_each_scenarios_knobs_and_spikes():
+    table = precision.scenarios_table()
+    assert "consecutive_hysteresis=true" in table and "(the defaults)" in table and "6, 12" in table
+    assert len(table.splitlines()) == 2 + len(precision.SCENARIOS)
+
+
 # --- one launch for the rest -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -168,22 +225,12 @@ def swept(tmp_path_factory):
                                               offload_optimizer=offload.CPU, offload_param=offload.CPU))),
         "spiked": launch.RunSpec("zero2", model="mlp", steps=3, overrides=bf16, probes=probes + (precision.LossSpike,),
                                  out=folder / "spiked", **precision.spike(2)),
-        "demo": launch.RunSpec(precision.demo_config({"initial_scale_power": 16}), model="mlp", steps=4, check=False,
-                               task=precision.SCALER_DEMO, **precision.spike(2), out=folder / "demo"),
-        "demo, two spikes": launch.RunSpec(precision.demo_config({}), model="mlp", steps=4, check=False,
-                                           task=precision.SCALER_DEMO, **precision.spike([2, 3]), out=folder / "two"),
-        "demo, consecutive": launch.RunSpec(precision.demo_config({"consecutive_hysteresis": True}), model="mlp",
-                                            steps=4, check=False, task=precision.SCALER_DEMO, **precision.spike([2, 4]),
-                                            out=folder / "consecutive"),
-        **{f"accum {dtype}": launch.RunSpec("zero2", model="mlp", steps=2, probes=precision.GRAD_ACCUM_PROBES,
+        **{f"accum {dtype}": launch.RunSpec("zero2", model="mlp", steps=2, probes=ACCUM_PROBES,
                                             options={"reference_model": "mlp", "reference_seed": 0}, out=folder / dtype,
                                             overrides={"gradient_accumulation_steps": 4, **changes})
            for dtype, changes in (("bf16", {"bf16": {"enabled": True}}),
                                   ("fp32", {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}),
                                   ("fp32 training", {}))},
-        "demo at the floor": launch.RunSpec(precision.demo_config({"hysteresis": 1, "min_loss_scale": 65536}),
-                                            model="mlp", steps=4, check=False, task=precision.SCALER_DEMO,
-                                            **precision.spike(2), out=folder / "floor"),
     }
     return launch.sweep(specs, name=f"offload-precision-{folder.name}", world_size=2, progress=False)
 
@@ -232,29 +279,6 @@ def test_a_spike_in_bf16_is_a_huge_loss_not_an_overflow(swept):
     assert set(section["scale_per_step"]) == {1.0}  # bf16: no loss scaling
 
 
-def test_deepspeeds_scaler_skips_the_spiked_step_in_fp16(swept):
-    demo = swept["demo"]
-    assert demo["overflow_per_step"] == [False, True, False, False]
-    assert demo["scale_per_step"] == [65536.0] * 4  # hysteresis 2 absorbs one overflow
-    assert demo["skipped_steps"] == 1 and demo["stopped"] is None
-    assert all(h > 1 for h in demo["headroom_log2"] if h is not None)
-    assert math.isinf(demo["losses"][1])
-
-
-def test_the_scaler_ends_the_run_at_min_loss_scale(swept):
-    floor = swept["demo at the floor"]
-    assert floor["stopped"].startswith("Exception: Current loss scale already at minimum")
-    assert len(floor["scale_per_step"]) == 2  # stopped at the spike, step 2
-
-
-def test_hysteresis_is_refilled_only_when_the_scale_doubles_unless_consecutive(swept):
-    # default: the spike of step 2 uses up hysteresis; step 3's, before any doubling, halves the scale
-    assert swept["demo, two spikes"]["scale_per_step"] == [65536.0, 65536.0, 65536.0, 32768.0]
-    # consecutive_hysteresis: step 3 (no overflow) refills it, so step 4's spike halves nothing
-    assert swept["demo, consecutive"]["overflow_per_step"] == [False, True, False, True]
-    assert swept["demo, consecutive"]["final_scale"] == 65536.0
-
-
 def test_the_accumulated_gradient_against_an_fp32_reference(swept):
     fp32 = precision.accumulated_gradient(swept["accum fp32 training"])
     assert fp32["dtypes"] == ["float32"] and fp32["relative_error"] < 1e-5  # two fp32 computations agree
@@ -275,12 +299,20 @@ def test_a_bad_reference_model_fails_before_launch(monkeypatch):
                    options={"reference_model": "llama"})
 
 
-def test_the_trajectory_table_reads_both_kinds_of_result(swept):
-    table = precision.trajectory_table({"demo": swept["demo"], "engine (bf16)": swept["spiked"]})
+def test_the_engine_and_the_demo_are_compared_scenario_by_scenario(swept, demos):
+    engine = {"demo": swept["spiked"], "demo at the floor": {"failed": "Exception: minimum", "device": "cuda"}}
+    text = precision.engine_demo_differences(engine, demos, "This run, Test GPU")
+    # the bf16 engine never scales, the fp16 demo does: they differ; both ended at the floor: alike
+    assert text.startswith("This run, Test GPU: the engine and the demo decide 1 of 2 scenarios alike; they differ in 1 (demo)")
+    assert "within 1 halving of an fp16 overflow: none" in text and "exactly those: False" in text
+
+
+def test_the_trajectory_table_reads_both_kinds_of_result(swept, demos):
+    table = precision.trajectory_table({"demo": demos["demo"], "engine (bf16)": swept["spiked"]})
     assert "1: steps 2" in table and "2^16 -> 2^16" in table and "2^0 -> 2^0" in table
 
 
-def test_committed_gpu_results_are_shown_beside_the_learners(swept, tmp_path, monkeypatch):
+def test_committed_gpu_results_are_shown_beside_the_learners(swept, demos, tmp_path, monkeypatch):
     """The notebooks' GPU sections read notebooks/reference/: render a committed file made of this launch's
     records (relabelled as GPU results) through every report the chapters print."""
     import json
@@ -300,19 +332,92 @@ def test_committed_gpu_results_are_shown_beside_the_learners(swept, tmp_path, mo
     report = offload.reference_report()
     assert "Measured on 2 x Test GPU" in report and "DeepSpeedCPUAdam" in report and "stage 2 offload" in report
     commit("loss-scale", {"demo": swept["spiked"], "demo at the floor": {"failed": "Exception: minimum", "device": "cuda"}})
-    report = precision.loss_scale_reference_report({"demo": swept["demo"], "demo at the floor": swept["demo at the floor"]})
+    report = precision.loss_scale_reference_report({"demo": demos["demo"], "demo at the floor": demos["demo at the floor"]})
     assert "differ" in report and "both ended by the scaler" in report  # bf16 engine vs fp16 demo: they differ
-    commit("precision-speed", {"ZeRO-2 bf16": swept["stage 2"]})
-    assert "ZeRO-2 bf16" in precision.speed_reference_report()
+    assert precision.reference_demo_differences(demos).startswith("2 x Test GPU, 2026-01-01: the engine and the demo")
+    commit("precision-speed", {"ZeRO-2 fp32": swept["accum fp32 training"], "ZeRO-2 bf16": swept["stage 2"]})
+    report = precision.speed_reference_report()
+    assert "Measured on 2 x Test GPU, 2026-01-01" in report and "ZeRO-2 bf16" in report
+    assert "no verdict: the run shared its machine" in report  # its conditions do not say it ran alone
 
 
-def test_the_committed_speed_reference_explains_itself():
-    text = precision.speed_explanation()
-    if "No GPU results" in text:
-        pytest.skip("no committed precision-speed reference")
-    assert "fp32 peak" in text and ("within it" in text or "above it" in text)
+def _timed(record: records.Record, steps_ms: list[float], device: str = "NVIDIA H200") -> records.Record:
+    """``record`` with other step times (ms, the first a warm-up) and another device name."""
+    summary = copy.deepcopy(record.summary)
+    summary["step_time_s"] = {"all": [t / 1e3 for t in steps_ms], "median": statistics.median(steps_ms[1:]) / 1e3}
+    summary["device_name"] = device
+    return records.Record(summary)
+
+
+def test_a_speed_verdict_only_alone_and_beyond_the_spread_of_the_steps(swept):
+    fp32 = _timed(swept["accum fp32 training"], [90, 50, 52, 54])
+    apart = {"ZeRO-2 fp32": fp32, "ZeRO-2 bf16": _timed(swept["stage 2"], [90, 40, 41, 42])}
+    overlapping = {"ZeRO-2 fp32": fp32, "ZeRO-2 bf16": _timed(swept["stage 2"], [90, 45, 51, 53])}
+    assert "1.27x ZeRO-2 fp32's speed (median step), its steps all faster" in precision.speed_explanation(apart, alone=True)
+    shared = precision.speed_explanation(apart, alone=False)
+    assert "no verdict: the run shared its machine with other work." in shared and "all faster" not in shared
+    assert "no verdict: its steps' range overlaps" in precision.speed_explanation(overlapping, alone=True)
+    text = precision.speed_explanation(apart, alone=True)
+    assert "40.0-42.0 ms" in text and "need at least" in text and "lower bounds on the products' time" in text
+    assert "fp32 peak (67 TFLOP/s)" in text  # the H200's datasheet figure
+    assert "no fp32 peak known" in precision.speed_explanation(
+        {k: _timed(r, [90, 50, 52, 54], device="CPU") for k, r in apart.items()}, alone=True)
     assert precision.peak_fp32_tflops("NVIDIA H200")[0] == 67.0 and precision.peak_fp32_tflops("CPU")[0] is None
+    assert precision.ran_alone("alone on the machine: ...") and not precision.ran_alone("beside 2 other notebooks")
 
+
+# --- chapter 07's script: its records, their collectives ------------------------------------------------
+
+def test_the_scripts_run_names_become_the_chapters_keys():
+    assert precision.run_key("zero2-bf16") == (2, "bf16")
+    assert precision.run_key("accum-zero3-fp32") == ("accum", (3, "fp32"))
+    assert precision.run_key("accum-zero2-fp32-training") == ("accum", (2, "fp32 training"))
+    assert precision.run_key("speed-zero2-fp16") == ("speed", "fp16")
+    assert precision.run_key("zero2-int8") is None and precision.run_key("my-run") is None
+
+
+def test_load_runs_reads_records_and_refusals_in_the_tables_order(swept, tmp_path):
+    import json
+
+    for name, record in (("zero2-bf16", swept["stage 2"]), ("zero2-fp32", swept["accum fp32 training"])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(record.summary))
+    (tmp_path / "accum-zero0-fp32").mkdir()
+    (tmp_path / "accum-zero0-fp32" / precision.REFUSED).write_text(json.dumps({"error": "NotImplementedError: no"}))
+    (tmp_path / "notes").mkdir()
+    runs = precision.load_runs(tmp_path)
+    assert list(runs) == [(2, "fp32"), (2, "bf16"), ("accum", (0, "fp32"))]  # fp32 first; other folders left out
+    assert isinstance(runs[(2, "bf16")], records.Record) and str(runs[("accum", (0, "fp32"))]) == "NotImplementedError: no"
+    assert "refused by deepspeed.initialize" in precision.grad_accum_table({("accum", (0, "fp32")): runs[("accum", (0, "fp32"))]})
+
+
+def _comm(record: records.Record, by_caller: dict) -> records.Record:
+    """``record`` with another ``comm`` section (what the collective tables read), made from ``by_caller``."""
+    by_op = {op: {"count": sum(r["count"] for r in rows.values()), "bytes": sum(r["bytes"] for r in rows.values())}
+             for op, rows in by_caller.items()}
+    summary = copy.deepcopy(record.summary)
+    summary["comm"] = {"by_op": by_op, "by_caller": by_caller, "bytes_per_step": sum(r["bytes"] for r in by_op.values())}
+    return records.Record(summary)
+
+
+def test_the_collective_tables_compare_each_precision_with_fp32(swept):
+    runs = {(2, "fp32"): _comm(swept["accum fp32 training"], {"all_reduce": {"allreduce_bucket": {"count": 2, "bytes": 4000},
+                                                          "get_grad_norm_direct": {"count": 1, "bytes": 4}}}),
+            (2, "bf16"): _comm(swept["stage 2"], {"all_reduce": {"allreduce_bucket": {"count": 2, "bytes": 2000},
+                                                          "get_grad_norm_direct": {"count": 1, "bytes": 4}}})}
+    table = precision.collective_bytes_table(runs)
+    assert "all_reduce 2,004" in table and "0.500" in table and "1.000" in table
+    verdict = precision.gradient_bytes_verdict(runs)
+    assert verdict == ("ZeRO-2, gradient reduction (all_reduce issued by DeepSpeed's allreduce_bucket), bytes per step: "
+                       "fp32 4,000; bf16 2,000 (0.50 of fp32's)")
+
+
+def test_the_fp32_reference_probe_for_a_script_names_its_model():
+    probe = precision.against_fp32("mlp", seed=3)
+    assert issubclass(probe, precision.AccumulatedGradient) and (probe.model, probe.seed) == ("mlp", 3)
+    assert probe.name == "accumulated_gradient"  # the same record section
+    with pytest.raises(ValueError, match="fp32 reference needs one of"):
+        precision.against_fp32("llama")
 
 def test_formats_come_from_torch():
     table = precision.formats_table()
@@ -367,6 +472,15 @@ def test_the_fp16_block_exercise_reads_back_what_deepspeed_built():
     assert "static scale" in str(check({**right, "loss_scale": 1024}))
     assert "not enabled" in str(check({k: v for k, v in right.items() if k != "enabled"}))
     assert "checker finds" in str(check({**right, "loss_scale_window": 0}))
+
+
+def test_the_half_ratio_exercise_rescales_what_zero2_splits(swept):
+    runs = {(2, "fp32"): swept["accum fp32 training"], (2, "bf16"): swept["stage 2"]}
+    check = lambda answer, world=8: precision.exercise_half_ratio(answer, runs, world_size=world)
+    assert not check(...).answered
+    assert check(3.75 / 6) and "= 6.000 bytes per parameter" in str(check(3.75 / 6))  # (2 + 14/8) / (4 + 16/8)
+    assert check(9 / 12, world=2)  # the ranks the runs had: their measured totals
+    assert not check(0.5) and "Hint" in str(check(0.5))
 
 
 def test_the_bf16_bytes_exercise_divides_the_measured_states_by_the_parameters(swept):

@@ -1,4 +1,5 @@
-"""Mixed precision (chapter 07): what fp32, bf16 and fp16 keep per rank, and fp16's loss scaling made visible.
+"""Mixed precision: what fp32, bf16 and fp16 keep and communicate per rank (chapter 07), and fp16's dynamic
+loss scaling made visible (chapter 07b).
 
 - Probe ``loss_scale``: on every optimizer step, the loss scale the step used, whether DeepSpeed applied
   the step or skipped it (``engine.was_step_applied()``, ``engine.skipped_steps``) and the learning rate.
@@ -6,26 +7,31 @@
   It multiplies the model's output on the first micro-step of optimizer step ``s`` by :data:`SPIKE_FACTOR`;
   in fp16 that overflows, in bf16 and fp32 it is only a huge loss. The training loop does not change: a
   forward hook does it.
-- Task ``scaler_demo``: where the processor refuses fp16, DeepSpeed's own loss scaler
-  (``CreateLossScaler``, built from the run's ``fp16`` section by DeepSpeed's own config model) drives a
-  small fp16 training loop on real fp16 gradients, on every machine alike (see :func:`scaler_demo`).
+- Probe :class:`AccumulatedGradient` (:func:`against_fp32` in a script): the gradient DeepSpeed accumulated
+  over the first optimizer step against an fp32 reference computed apart.
+- :func:`scaler_demo`: DeepSpeed's own loss scaler (``CreateLossScaler``, built from an ``fp16`` section by
+  DeepSpeed's own config model) driving a small fp16 training loop on real fp16 gradients in this process,
+  on every processor alike, where DeepSpeed's engine refuses fp16.
+- :func:`load_runs`: chapter 07's script's records, keyed as its tables read them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import os
 import re
 import statistics
+from pathlib import Path
 from typing import Any, Mapping
 from unittest import mock
 
 import torch
 
-from helpers.core import configs, environment, exercises, launch, models, performance, plots, records, references, theory
-from helpers.core.configs import merged
+from helpers.core import configs, exercises, models, performance, plots, records, references, theory
 from helpers.core.environment import quiet_deepspeed_import
-from helpers.core.plan import PlannedRun, emit, publish, reference_of
 from helpers.core.probes import Probe, RunContext
 
 #: The largest finite fp16 number: a gradient above it becomes inf.
@@ -83,12 +89,6 @@ class LossScale(Probe):
         return {"loss_scale": {"scale_per_step": r["scales"], "applied_per_step": r["applied"],
                                "skipped_steps": r["skipped"], "final_scale": r["final"], "lr_per_step": r["lrs"],
                                "fp16": ctx.config.get("fp16") if ctx.precision == "fp16" else None}}
-
-
-def loss_scale(record: records.Record) -> dict:
-    """What the ``loss_scale`` probe recorded: ``scale_per_step``, ``applied_per_step``, ``skipped_steps``,
-    ``final_scale``, ``lr_per_step`` and the run's ``fp16`` section."""
-    return record.section("loss_scale")
 
 
 def spike_steps(value: Any) -> list[int]:
@@ -195,109 +195,9 @@ def make_loss_scaler(section: Mapping[str, Any]):
                             dynamic_loss_args=settings.dynamic_loss_scale_args())
 
 
-def scaler_demo(run: PlannedRun, position: int, count: int, born: float) -> None:
-    """A task (``RunSpec(task=SCALER_DEMO)``): mixed-precision training of the run's
-    model in fp16 on every rank's own device, with DeepSpeed's loss scaler deciding each step.
-
-    Per optimizer step, as DeepSpeed's fp16 optimizers do it: the scaler multiplies each micro-step's loss
-    (divided by the accumulation steps) before backward; every rank tests its fp16 gradients for inf/NaN
-    (``deepspeed.runtime.utils.has_inf_or_nan``) and the verdict is all-reduced with MAX; an overflowing
-    step is skipped, otherwise the gradients are averaged in fp32, unscaled, clipped, and AdamW updates the
-    fp32 master weights, copied back to the fp16 model; then ``update_scale(overflow)``. When the scaler
-    raises (an overflow at ``min_loss_scale``), the run stops there and says so. The config gives the
-    ``fp16`` knobs, batch sizes, learning rate and clipping; ``options["loss_spike_at_step"]`` the spikes.
-
-    Rank 0 publishes: the scale each step used, overflow per step, skipped steps, losses, and the
-    headroom of each applied step, log2(FP16_MAX / largest |scaled gradient|), the distance in
-    halvings to an overflow.
-    """
-    # deferred: DeepSpeed is imported on the ranks, after the launcher chose its accelerator
-    import deepspeed.comm as dist
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.utils import has_inf_or_nan
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    config = run.read_config()
-    section = config.get("fp16", {})
-    scaler = make_loss_scaler(section)
-    micro, accum = config.get("train_micro_batch_size_per_gpu", 4), config.get("gradient_accumulation_steps", 1)
-    params = config.get("optimizer", {}).get("params", {})
-    clip = config.get("gradient_clipping", 1.0)
-    device = get_accelerator().current_device_name()
-    name, seed = run.model, run.seed
-
-    model = models.build(name, seed).to(device).half()
-    weights = list(model.parameters())
-    master = [w.detach().float().clone() for w in weights]
-    optimizer = torch.optim.AdamW(master, lr=params.get("lr", 1e-3), weight_decay=params.get("weight_decay", 0.01))
-    spikes = spike_steps(run.options.get("loss_spike_at_step", []))
-    hook = SpikeHook(model, spikes)
-
-    scales, overflows, losses, headroom = [], [], [], []
-    stopped = None
-    for step in range(run.steps):
-        scales.append(float(scaler.cur_scale))
-        hook.arm_for(step)
-        for w in weights:
-            w.grad = None
-        micro_losses = []
-        for micro_step in range(accum):
-            indices = models.sample_indices(step, micro_step, rank, world, micro, accum)
-            batch = models.make_batch(name, indices, seed).to(device, torch.half)
-            loss = models.loss_of(model, name, batch)
-            scaler.backward(loss / accum)
-            micro_losses.append(loss.item())
-        grads = [w.grad for w in weights]
-        overflow = bool(any(has_inf_or_nan(g) for g in grads))
-        largest = 0.0 if overflow else max(float(g.abs().max()) for g in grads)
-        verdict = torch.tensor([float(overflow), largest], device=device)
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-        overflow, largest = bool(verdict[0].item()), float(verdict[1].item())
-        if not overflow:
-            flat = torch.cat([g.float().flatten() for g in grads])
-            dist.all_reduce(flat)
-            flat /= world * scaler.cur_scale
-            norm = float(flat.norm())
-            if clip and norm > clip:
-                flat *= clip / (norm + 1e-6)
-            offset = 0
-            for m in master:
-                m.grad = flat[offset:offset + m.numel()].view_as(m)
-                offset += m.numel()
-            optimizer.step()
-            with torch.no_grad():
-                for w, m in zip(weights, master):
-                    w.copy_(m)
-        overflows.append(overflow)
-        headroom.append(None if overflow else math.log2(FP16_MAX / largest))
-        losses.append(statistics.fmean(micro_losses))
-        emit("step", run=position, rank=rank, step=step + 1, steps=run.steps, loss=losses[-1])
-        try:
-            scaler.update_scale(overflow)
-        except Exception as error:  # DeepSpeed's scaler refuses to go below min_loss_scale
-            stopped = f"{type(error).__name__}: {error}"
-            break
-    hook.remove()
-    if rank == 0:
-        settings = fp16_settings(section)
-        publish(run, position, {
-            "name": run.name, "task": "scaler_demo", "world_size": world, "device": get_accelerator().device_name(),
-            "model": {"name": name, "params": models.count_parameters(model)}, "steps": run.steps,
-            "micro_batch": micro, "grad_accum": accum, "scaler": type(scaler).__name__,
-            "fp16": {"loss_scale": settings.loss_scale, "initial_scale_power": settings.initial_scale_power,
-                     "loss_scale_window": settings.loss_scale_window, "hysteresis": settings.hysteresis,
-                     "min_loss_scale": settings.min_loss_scale},
-            "spikes": spikes, "scale_per_step": scales, "overflow_per_step": overflows,
-            "skipped_steps": sum(overflows), "losses": losses, "headroom_log2": headroom, "stopped": stopped,
-            "final_scale": float(scaler.cur_scale)})
-
-
-#: How a run names the task (``RunSpec(task=SCALER_DEMO)``).
-SCALER_DEMO = reference_of(scaler_demo)
-
-
 # --- the chapter's loss-scaling scenarios -----------------------------------------------------------
 
+#: Optimizer steps of each loss-scaling scenario.
 DEMO_STEPS = 20
 #: name -> (fp16 settings besides DeepSpeed's defaults, optimizer steps whose output spikes). The first is
 #: the source article's fp16 section, which restates DeepSpeed's defaults; each other one turns one knob.
@@ -325,35 +225,124 @@ def demo_config(fp16: Mapping[str, Any], base: str = "zero2") -> dict:
     return configs.merged(configs.load(base), {"fp16": {"enabled": True, **fp16}})
 
 
-def scenario_specs(scenarios: Mapping[str, tuple[dict, list[int]]] | None = None, steps: int = DEMO_STEPS,
-                   engine: bool = False, model: str = "mlp") -> dict:
-    """RunSpecs for each scenario: DeepSpeed's loss scaler in the :func:`scaler_demo` loop (every machine);
-    with ``engine``, also the real fp16 engine at ZeRO-2 with the ``loss_scale`` probe (where the device
-    accepts fp16). Keys ("demo", name) and ("engine", name); an engine run that DeepSpeed ends (an overflow
-    at ``min_loss_scale``) is recorded, not raised."""
-
-    specs = {}
-    for i, (name, (fp16, spikes)) in enumerate((scenarios or SCENARIOS).items()):
-        config = demo_config(fp16)
-        options = spike(spikes)["options"] if spikes else None
-        specs[("demo", name)] = launch.RunSpec(config, model=model, steps=steps, check=False, options=options,
-                                               task=SCALER_DEMO, name=f"scaler-demo-{i}")
-        if engine:
-            specs[("engine", name)] = launch.RunSpec(config, model=model, steps=steps, options=options,
-                                                     probes=(LossScale, "timing") + ((LossSpike,) if spikes else ()),
-                                                     on_error="record", name=f"fp16-engine-{i}")
-    return specs
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger):
+    """``logger`` at ERROR level inside the block, its own level after."""
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
-def trajectory(result) -> dict:
+def scaler_demo(config: Mapping[str, Any], spikes: list[int] | tuple[int, ...] = (), steps: int = DEMO_STEPS,
+                world: int = 2, model: str = "mlp", seed: int = 0) -> dict:
+    """Mixed-precision training of ``model`` in fp16 in this process, with DeepSpeed's own loss scaler
+    (:func:`make_loss_scaler`, from ``config["fp16"]``) deciding each step, on every processor alike.
+
+    ``world`` data-parallel ranks are played one after the other, each on its own samples
+    (:func:`helpers.core.models.sample_indices`), as DeepSpeed's fp16 optimizers do it per optimizer step: the
+    scaler multiplies each micro-step's loss (divided by the accumulation steps) before backward; each rank's
+    fp16 gradients are tested for inf/NaN (``deepspeed.runtime.utils.has_inf_or_nan``) and any rank's
+    overflow skips the step for all; otherwise the gradients are summed over the ranks in fp32, divided by
+    the ranks and the scale, clipped, and AdamW updates the fp32 master weights, copied back to the fp16
+    model; then ``update_scale(overflow)``. When the scaler raises (an overflow at ``min_loss_scale``), the
+    run stops there and says so. ``config`` gives the batch sizes, learning rate and clipping; ``spikes``
+    the optimizer steps (from 1) whose first micro-step's output is multiplied by :data:`SPIKE_FACTOR`.
+
+    Returns the scale each step used, overflow per step, skipped steps, losses (mean over ranks) and the
+    headroom of each applied step, log2(FP16_MAX / largest |scaled gradient|): halvings left before an overflow.
+    """
+    from deepspeed.runtime.fp16 import loss_scaler  # deferred, as in make_loss_scaler
+    from deepspeed.runtime.utils import has_inf_or_nan
+
+    section = {k: v for k, v in config.get("fp16", {}).items() if k != "enabled"}
+    scaler = make_loss_scaler(section)
+    micro, accum = config.get("train_micro_batch_size_per_gpu", 4), config.get("gradient_accumulation_steps", 1)
+    params = config.get("optimizer", {}).get("params", {})
+    clip = config.get("gradient_clipping", 1.0)
+    net = models.build(model, seed).half()
+    weights = list(net.parameters())
+    master = [w.detach().float().clone() for w in weights]
+    optimizer = torch.optim.AdamW(master, lr=params.get("lr", 1e-3), weight_decay=params.get("weight_decay", 0.01))
+    hook = SpikeHook(net, list(spikes))
+    scales, overflows, losses, headroom, stopped = [], [], [], [], None
+    # no process group here: DeepSpeed's scaler asks for the rank only to decide which rank logs, and its
+    # "OVERFLOW! Skipping step" warnings are what overflow_per_step records
+    with mock.patch.object(loss_scaler.dist, "get_rank", lambda: 0), _quiet(loss_scaler.logger):
+        for step in range(steps):
+            scales.append(float(scaler.cur_scale))
+            hook.arm_for(step)
+            summed, overflow, largest, step_losses = None, False, 0.0, []
+            for rank in range(world):
+                for w in weights:
+                    w.grad = None
+                for micro_step in range(accum):
+                    indices = models.sample_indices(step, micro_step, rank, world, micro, accum)
+                    batch = models.make_batch(model, indices, seed).to("cpu", torch.half)
+                    loss = models.loss_of(net, model, batch)
+                    scaler.backward(loss / accum)
+                    step_losses.append(loss.item())
+                grads = [w.grad for w in weights]
+                if any(has_inf_or_nan(g) for g in grads):
+                    overflow = True
+                    continue
+                largest = max(largest, *(float(g.abs().max()) for g in grads))
+                flat = torch.cat([g.float().flatten() for g in grads])
+                summed = flat if summed is None else summed + flat
+            if not overflow:
+                summed /= world * scaler.cur_scale
+                norm = float(summed.norm())
+                if clip and norm > clip:
+                    summed *= clip / (norm + 1e-6)
+                offset = 0
+                for m in master:
+                    m.grad = summed[offset:offset + m.numel()].view_as(m)
+                    offset += m.numel()
+                optimizer.step()
+                with torch.no_grad():
+                    for w, m in zip(weights, master):
+                        w.copy_(m)
+            overflows.append(overflow)
+            headroom.append(None if overflow else math.log2(FP16_MAX / largest))
+            losses.append(statistics.fmean(step_losses))
+            try:
+                scaler.update_scale(overflow)
+            except Exception as error:  # DeepSpeed's scaler refuses to go below min_loss_scale
+                stopped = f"{type(error).__name__}: {error}"
+                break
+    hook.remove()
+    settings = fp16_settings(section)
+    return {"world_size": world, "model": model, "steps": steps, "micro_batch": micro, "grad_accum": accum,
+            "scaler": type(scaler).__name__,
+            "fp16": {"loss_scale": settings.loss_scale, "initial_scale_power": settings.initial_scale_power,
+                     "loss_scale_window": settings.loss_scale_window, "hysteresis": settings.hysteresis,
+                     "min_loss_scale": settings.min_loss_scale},
+            "spikes": list(spikes), "scale_per_step": scales, "overflow_per_step": overflows,
+            "skipped_steps": sum(overflows), "losses": losses, "headroom_log2": headroom, "stopped": stopped,
+            "final_scale": float(scaler.cur_scale)}
+
+
+def scenario_demos(scenarios: Mapping[str, tuple[dict, list[int]]] | None = None, steps: int = DEMO_STEPS,
+                   world: int = 2) -> dict[str, dict]:
+    """:func:`scaler_demo` for each scenario (default :data:`SCENARIOS`), on ``ds_configs/zero2.json`` with the
+    scenario's fp16 settings (:func:`demo_config`); keyed by the scenario's name."""
+    return {name: scaler_demo(demo_config(fp16), spikes, steps=steps, world=world)
+            for name, (fp16, spikes) in (scenarios or SCENARIOS).items()}
+
+
+def trajectory(result, spikes: list[int] | None = None) -> dict:
     """The scale of each step, overflow per step and how the run ended, from a :func:`scaler_demo` result
-    (a dict) or an engine run's record (its ``loss_scale`` section)."""
+    (a dict) or an engine run's record (its ``loss_scale`` section; ``spikes``: the steps the run spiked, where
+    its record does not say)."""
     if isinstance(result, dict):
         return {"scales": result["scale_per_step"], "overflow": result["overflow_per_step"],
                 "stopped": result["stopped"], "spikes": result["spikes"], "fp16": result["fp16"]}
     section = result["loss_scale"]
     return {"scales": section["scale_per_step"], "overflow": [not a for a in section["applied_per_step"]],
-            "stopped": None, "spikes": result.summary.get("faults", {}).get("loss_spike", {}).get("steps", []),
+            "stopped": None,
+            "spikes": result.summary.get("faults", {}).get("loss_spike", {}).get("steps", spikes or []),
             "fp16": section["fp16"]}
 
 
@@ -406,20 +395,6 @@ def headroom_table(results: Mapping[str, Any]) -> str:
 
 # --- what each precision keeps ------------------------------------------------------------------------
 
-def precision_runs(precisions: tuple[str, ...], stages: tuple[int, ...] = (0, 2), model: str = "mlp",
-                   steps: int = 4, overrides: dict | None = None) -> dict:
-    """RunSpecs of each ZeRO stage in each precision (fp32, bf16, fp16), with model-state and placement
-    probes; keys (stage, precision)."""
-    specs = {}
-    for precision in precisions:
-        changes = merged(overrides or {}, {precision: {"enabled": True}} if precision != "fp32" else {})
-        for stage in stages:
-            specs[(stage, precision)] = launch.RunSpec(
-                f"zero{stage}", model=model, steps=steps, overrides=changes, name=f"zero{stage}-{precision}-{model}",
-                probes=("timing", "model_states", "placement", "peak_memory", LossScale))
-    return specs
-
-
 def kept_in_fp32_table(runs: Mapping[tuple[int, str], Any], rank: int = 0) -> str:
     """Per run: the dtype of each kind of model state DeepSpeed holds (from the tensors themselves)."""
 
@@ -464,6 +439,9 @@ class AccumulatedGradient(Probe):
 
     name = "accumulated_gradient"
     keys = ("accumulated_gradient.relative_error", "accumulated_gradient.dtypes")
+    #: The model and seed of the reference where the run's options name none (:func:`against_fp32`).
+    model: str | None = None
+    seed: int | None = None
 
     @classmethod
     def check_options(cls, options: dict, steps: int) -> None:
@@ -485,7 +463,8 @@ class AccumulatedGradient(Probe):
         grads = [safe_get_full_grad(p) for p in ctx.engine.module.parameters()]  # a collective at stage 3
         if ctx.rank != 0:
             return
-        reference = fp32_gradient(ctx.options["reference_model"], ctx.options["reference_seed"], step, ctx.dp_size,
+        reference = fp32_gradient(ctx.options.get("reference_model", self.model),
+                                  ctx.options.get("reference_seed", self.seed), step, ctx.dp_size,
                                   ctx.micro_batch, ctx.grad_accum)
         got = torch.cat([g.detach().float().cpu().flatten() for g in grads])
         self.found = {"dtypes": sorted({str(g.dtype).removeprefix("torch.") for g in grads}),
@@ -499,6 +478,14 @@ class AccumulatedGradient(Probe):
         return {"accumulated_gradient": ranks[0]["found"]}
 
 
+def against_fp32(model: str, seed: int = 0) -> type[AccumulatedGradient]:
+    """The :class:`AccumulatedGradient` probe for a script's own run (``measure.attach(..., probes=...)``, where
+    no RunSpec options exist): its reference is ``model`` built with ``seed``, as the script builds it."""
+    if model not in models.REGRESSION_WIDTH:
+        raise ValueError(f"model {model!r}: the fp32 reference needs one of {', '.join(models.REGRESSION_WIDTH)}")
+    return type("AccumulatedGradientAgainstFp32", (AccumulatedGradient,), {"model": model, "seed": seed})
+
+
 def fp32_gradient(name: str, seed: int, step: int, world: int, micro: int, accum: int) -> torch.Tensor:
     """The gradient of optimizer step ``step`` (0-based; exact for the first, from the seeded weights) computed
     in fp32 by plain autograd on one process: every rank's micro-batches, each loss divided by ``accum``,
@@ -510,38 +497,6 @@ def fp32_gradient(name: str, seed: int, step: int, world: int, micro: int, accum
             (models.loss_of(model, name, batch) / (accum * world)).backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
-
-
-#: Chapter 07's accumulation runs: micro-steps per optimizer step, optimizer steps, and the ZeRO stages
-#: whose optimizers take ``data_types.grad_accum_dtype`` (stage 0 refuses fp32 with bf16: see the chapter).
-GRAD_ACCUM_STEPS = 16
-GRAD_ACCUM_RUN_STEPS = 6
-GRAD_ACCUM_STAGES = (1, 2, 3)
-GRAD_ACCUM_PROBES = ("timing", "model_states", "placement", AccumulatedGradient)
-
-
-def grad_accum_specs(model: str = "mlp", steps: int = GRAD_ACCUM_RUN_STEPS, accum: int = GRAD_ACCUM_STEPS,
-                     stages: tuple[int, ...] = GRAD_ACCUM_STAGES, seed: int = 0) -> dict:
-    """RunSpecs of bf16 training with ``accum`` micro-steps per optimizer step, the gradients accumulated in
-    bf16 (DeepSpeed's default for a bf16 model) and in fp32 (``"data_types": {"grad_accum_dtype": "fp32"}``)
-    at each of ``stages``; the same in fp32 training (ZeRO-2); and stage 0 asked for fp32 accumulation,
-    which DeepSpeed refuses (recorded, not raised). Keys ("accum", (stage, dtype)), and
-    ("accum", (2, "fp32 training")). Each run carries the :class:`AccumulatedGradient` probe."""
-
-    options = {"reference_model": model, "reference_seed": seed}
-
-    def spec(stage: int, overrides: dict, label: str, **extra) -> launch.RunSpec:
-        return launch.RunSpec(f"zero{stage}", model=model, steps=steps, seed=seed, probes=GRAD_ACCUM_PROBES,
-                              options=options, name=f"accum-zero{stage}-{label.replace(' ', '-')}",
-                              overrides=merged({"gradient_accumulation_steps": accum}, overrides), **extra)
-
-    specs = {("accum", (stage, dtype)): spec(stage, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": dtype}},
-                                           f"bf16-{dtype}")
-             for stage in stages for dtype in ("bf16", "fp32")}
-    specs[("accum", (2, "fp32 training"))] = spec(2, {}, "fp32")
-    specs[("accum", (0, "fp32"))] = spec(0, {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
-                                       "bf16-fp32", on_error="record")
-    return specs
 
 
 def accumulated_gradient(record: records.Record) -> dict:
@@ -621,21 +576,6 @@ def grad_accum_error_table(runs: Mapping[Any, Any]) -> str:
 # --- the source article's configuration ---------------------------------------------------------------
 
 ARTICLE = "source_article"
-ARTICLE_PROBES = ("timing", "model_states", "placement", "peak_memory", LossScale)
-
-
-def article_as_run(half: str) -> dict:
-    """The article's config (``ds_configs/source_article.json``) as this chapter runs it: its one line that
-    no world size but 1 accepts removed (``gradient_accumulation_steps``: DeepSpeed derives it from
-    ``train_batch_size``), and its fp16 run as ``half`` ("fp16" as written where the device accepts it,
-    else "bf16"). Every other line as written."""
-
-    config = configs.merged(configs.load(ARTICLE), {"gradient_accumulation_steps": None})
-    if half != "fp16":
-        config = configs.merged(config, {"fp16": None, half: {"enabled": True}})
-    return config
-
-
 def corrected_article(half: str = "bf16") -> dict:
     """The article's config, corrected: ``gradient_accumulation_steps`` left to DeepSpeed (32 samples per
     step on any world size that divides it), ``offload_param`` removed (ignored at stage 2), and bf16 in
@@ -648,120 +588,105 @@ def corrected_article(half: str = "bf16") -> dict:
     return configs.merged(corrected, {"fp16": None, "bf16": {"enabled": True}})
 
 
-def article_specs(half: str, corrected_half: str = "bf16", steps: int = 4) -> dict:
-    """RunSpecs of the article's config on its own model (``nn.Linear(10, 10)``): as run (:func:`article_as_run`),
-    corrected (:func:`corrected_article`), and corrected in fp32 (bf16 off), to weigh the fp16 claim."""
+# --- the chapter's launch: its script's records -------------------------------------------------------
 
-    corrected = corrected_article(corrected_half)
-    fp32 = configs.merged(corrected, {"bf16": None, "fp16": None})
-    return {name: launch.RunSpec(config, model="linear", steps=steps, probes=ARTICLE_PROBES, name=f"article-{slug}")
-            for name, slug, config in (("as run", "as-run", article_as_run(half)), ("corrected", "corrected", corrected),
-                                       ("corrected, fp32", "fp32", fp32))}
+#: How chapter 07's script names its runs' folders (the keys the chapter's tables read them by: run_key).
+RUN_NAME = re.compile(r"^(?:zero(?P<stage>\d)-(?P<precision>fp32|bf16|fp16)"
+                      r"|accum-zero(?P<accum_stage>\d)-(?P<accum>bf16|fp32|fp32-training)"
+                      r"|speed-zero2-(?P<speed>fp32|bf16|fp16))$")
+#: What a run the script could not start leaves in its folder instead of a record.
+REFUSED = "refused.json"
 
 
-def article_line_table(record, world_size: int) -> str:
-    """Every line of the article's config: its value, DeepSpeed's default, and what it did in ``record``
-    (the article's config as run), measured; device-independent, so nbval can check it."""
+def run_key(name: str) -> tuple | None:
+    """The chapter's key for a run folder's name: ``zero2-bf16`` -> (2, "bf16"); ``accum-zero3-fp32`` ->
+    ("accum", (3, "fp32")); ``accum-zero2-fp32-training`` -> ("accum", (2, "fp32 training")); ``speed-zero2-fp16``
+    -> ("speed", "fp16"); None for any other name."""
+    found = RUN_NAME.match(name)
+    if found is None:
+        return None
+    if found["stage"]:
+        return int(found["stage"]), found["precision"]
+    if found["accum_stage"]:
+        return "accum", (int(found["accum_stage"]), found["accum"].replace("-", " "))
+    return "speed", found["speed"]
 
-    config = configs.load(ARTICLE)
-    defaults = configs.deepspeed_defaults(config)
-    restated = set(configs.restates_default(config))
-    p = record.memory.placement(0)
-    lrs = record["loss_scale"]["lr_per_step"]
-    peak = config["scheduler"]["params"]["warmup_max_lr"]
-    gas = config["gradient_accumulation_steps"]
-    micro = config["train_micro_batch_size_per_gpu"]
-    fmt = records.format_bytes
-    did = {
-        "train_batch_size": f"{record['train_batch']} samples per optimizer step",
-        "train_micro_batch_size_per_gpu": f"{record['micro_batch']} samples per rank per micro-step",
-        "gradient_accumulation_steps": f"{micro} x {gas} x {world_size} ranks = {micro * gas * world_size} != "
-                                       f"{config['train_batch_size']}: refused; removed, DeepSpeed derives "
-                                       f"{record['grad_accum']}",
-        "optimizer.type": f"{record['basic_optimizer']}: DeepSpeed's CPU Adam, as the optimizer is offloaded",
-        "scheduler.type": "lr per step: " + ", ".join(f"{lr:.2g}" for lr in lrs),
-        "scheduler.params.warmup_num_steps": f"log warm-up: step {len(lrs)} runs at {lrs[-1] / peak:.0%} of "
-                                             "warmup_max_lr",
-        "scheduler.params.warmup_min_lr": f"steps 1 and 2 run at lr {lrs[0]:g}, {lrs[1]:g}"
-                                          + (": they change no weight" if lrs[0] == lrs[1] == 0 else ""),
-        "zero_optimization.stage": f"ZeRO-{record.stage}",
-        "zero_optimization.offload_optimizer.device": f"host side holds {fmt(sum(p['host'].values()))} per rank "
-                                                      "(Adam states, fp32 master, gradients)",
-        "zero_optimization.offload_param.device": f"ignored below stage 3: host-side parameters {fmt(p['host']['params'])}, "
-                                                  f"accelerator-side {fmt(p['accelerator']['params'])}",
-        "zero_optimization.offload_param.pin_memory": "ignored with the line above",
-        "zero_optimization.contiguous_gradients": "restates the default (and offload turns it on anyway)",
-        "fp16.enabled": "16-bit training: fp16 where the device accepts it (see the next cell)",
-    }
+
+def _run_order(path: Path) -> tuple:
+    """Folders in the order the chapter's tables list them: by kind, stage, then fp32, bf16, fp16."""
+    key = run_key(path.name)
+    if key is None:
+        return (9, path.name)
+    formats = ("fp32", "bf16", "fp16", "fp32 training")
+    if key[0] == "accum":
+        return (1, key[1][0], formats.index(key[1][1]) if key[1][1] in formats else 0)
+    if key[0] == "speed":
+        return (2, 0, formats.index(key[1]))
+    return (0, key[0], formats.index(key[1]))
+
+
+def load_runs(folder: str | Path) -> dict:
+    """Every run the chapter's script measured into ``folder`` (one sub-folder per run), keyed by
+    :func:`run_key`: its record, or, where ``deepspeed.initialize`` refused the config, a RuntimeError with
+    DeepSpeed's message (the script wrote it to :data:`REFUSED`)."""
+    found: dict = {}
+    for path in sorted(Path(folder).iterdir(), key=_run_order):
+        key = run_key(path.name)
+        if key is None or not path.is_dir():
+            continue
+        if (path / REFUSED).is_file():
+            found[key] = RuntimeError(json.loads((path / REFUSED).read_text())["error"])
+        elif (path / "summary.json").is_file():
+            found[key] = records.load(path)
+    return found
+
+
+# --- what each precision communicates ---------------------------------------------------------------------
+
+def collective_bytes_table(runs: Mapping[Any, Any]) -> str:
+    """Per run (keys (stage, precision)): the bytes DeepSpeed's comms logger logged per optimizer step, by
+    collective, and the total against fp32 at the same stage. Message sizes: the same on every machine."""
     rows = []
-    for path, value in configs._leaves(config):
-        default = defaults[path]
-        note = did.get(path) or ("restates DeepSpeed's default" if path in restated else "")
-        if path in restated and path in did and "default" not in note:
-            note = "restates the default; " + note
-        rows.append([path, json_value(value), "-" if default is configs.NO_DEFAULT else json_value(default), note])
-    return records.format_table(rows, ["line", "value", "DeepSpeed default", "in this run"])
+    for (stage, precision), r in runs.items():
+        fp32 = runs.get((stage, "fp32"))
+        rows.append([f"ZeRO-{stage} {precision}",
+                     ", ".join(f"{op} {row['bytes']:,.0f}" for op, row in sorted(r.comm.by_op.items())),
+                     f"{r.comm.bytes_per_step:,.0f}",
+                     f"{r.comm.bytes_per_step / fp32.comm.bytes_per_step:.3f}" if fp32 is not None else "-"])
+    return records.format_table(rows, ["run", "bytes per step, by collective", "total", "total / fp32's"])
 
 
-def json_value(value: Any) -> str:
-    """A config value as JSON writes it (true, 0.0001, "cpu")."""
-
-    return json.dumps(value)
-
-
-# --- the chapter's launch -----------------------------------------------------------------------------
-
-def chapter_runs(env=None, model: str = "mlp", steps: int = 4) -> dict:
-    """Everything chapter 07 measures on this machine, in ONE launch: ZeRO-0 and ZeRO-2 in each precision the
-    device accepts (keys (stage, precision)); the article's config as run, corrected and in fp32 (keys
-    ("article", ...)); the loss-scaling scenarios through DeepSpeed's scaler on every machine (("demo", name))
-    and through the fp16 engine where the device accepts fp16 (("engine", name)); bf16 with its gradients
-    accumulated in bf16 and in fp32 (:func:`grad_accum_specs`, keys ("accum", (stage, dtype)))."""
-
-    env = env or environment.detect()
-    precisions = tuple(p for p in ("fp32", "bf16", "fp16") if env.supports(p))
-    half = "fp16" if env.supports("fp16") else "bf16"
-    specs: dict = dict(precision_runs(precisions, model=model, steps=steps))
-    specs.update({("article", name): spec for name, spec in
-                  article_specs(half, "bf16" if env.supports("bf16") else "fp16").items()})
-    specs.update(scenario_specs(engine=env.supports("fp16")))
-    if env.supports("bf16"):
-        specs.update(grad_accum_specs(model=model))
-    results = launch.sweep(list(specs.values()), name="precision")
-    return {key: results[spec.name] for key, spec in specs.items()}
-
-
-def speed_runs(model: str = "mlp_wide", steps: int = 6, micro_batch: int = 512) -> dict:
-    """The GPU experiment: ZeRO-2 in fp32, bf16 and fp16 on ``model`` with ``micro_batch`` samples per rank,
-    in one launch; keys (2, precision). For GPUs: step time and device memory are what it measures."""
-
-    env = environment.detect()
-    precisions = tuple(p for p in ("fp32", "bf16", "fp16") if env.supports(p))
-    specs = precision_runs(precisions, stages=(2,), model=model, steps=steps,
-                           overrides={"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1})
-    results = launch.sweep(list(specs.values()), name="precision-speed")
-    return {key: results[spec.name] for key, spec in specs.items()}
+def gradient_bytes_verdict(runs: Mapping[Any, Any]) -> str:
+    """A line per ZeRO stage from the runs' collectives (keys (stage, precision)): the bytes per step of the
+    largest collective of the fp32 step, by the DeepSpeed function that issued it (the gradient reduction),
+    in each 16-bit run against fp32's."""
+    lines = []
+    for stage in sorted({s for s, _ in runs}):
+        fp32 = runs.get((stage, "fp32"))
+        if fp32 is None or not fp32.comm.by_caller:
+            continue
+        op, caller, base = max(((op, caller, row["bytes"]) for op, callers in fp32.comm.by_caller.items()
+                                for caller, row in callers.items()), key=lambda found: found[2])
+        halves = [f"{p} {r.comm.by_caller[op][caller]['bytes']:,.0f} ({r.comm.by_caller[op][caller]['bytes'] / base:.2f} of fp32's)"
+                  for (s, p), r in runs.items() if s == stage and p != "fp32" and caller in (r.comm.by_caller or {}).get(op, {})]
+        lines.append(f"ZeRO-{stage}, gradient reduction ({op} issued by DeepSpeed's {caller}), bytes per step: "
+                     f"fp32 {base:,.0f}; " + "; ".join(halves))
+    return "\n".join(lines)
 
 
 # --- verdicts, references ------------------------------------------------------------------------------
 
 def memory_verdict_table(runs: Mapping[Any, Any], rank: int = 0) -> str:
-    """16-bit against fp32, measured on ``rank``: total model-state bytes at ZeRO-0 and ZeRO-2 (keys (stage,
-    precision)), and the article's config (ZeRO-2 + optimizer offload) on each side (keys ("article", ...))."""
+    """16-bit against fp32, measured on ``rank``: total model-state bytes at each stage both precisions ran
+    (keys (stage, precision))."""
 
     rows = []
-    for stage in (0, 2):
+    for stage in sorted({s for s, _ in runs}):
         if (stage, "fp32") in runs and (stage, "bf16") in runs:
             a, b = runs[(stage, "fp32")], runs[(stage, "bf16")]
-            rows.append([f"ZeRO-{stage}, {a['world_size']} ranks: model states", records.format_bytes(a.model_state_bytes(rank)),
-                         records.format_bytes(b.model_state_bytes(rank)), f"{b.model_state_bytes(rank) / a.model_state_bytes(rank):.2f}"])
-    fp32, half = runs.get(("article", "corrected, fp32")), runs.get(("article", "corrected"))
-    if fp32 is not None and half is not None:
-        for side in ("accelerator", "host"):
-            a = sum(fp32.memory.placement(rank)[side][k] for k in records.MODEL_STATE_KEYS)
-            b = sum(half.memory.placement(rank)[side][k] for k in records.MODEL_STATE_KEYS)
-            rows.append([f"the article's config (ZeRO-2 + optimizer offload): {side} side", records.format_bytes(a),
-                         records.format_bytes(b), f"{b / a:.2f}"])
+            rows.append([f"ZeRO-{stage}, {a['world_size']} ranks", records.format_bytes(a.model_state_bytes(rank)),
+                         records.format_bytes(b.model_state_bytes(rank)),
+                         f"{b.model_state_bytes(rank) / a.model_state_bytes(rank):.2f}"])
     return records.format_table(rows, ["model states per rank", "fp32", "bf16", "bf16 / fp32"])
 
 
@@ -808,26 +733,6 @@ def speed_table(runs: Mapping[Any, Any], rank: int = 0) -> str:
              records.format_peak(r, rank)] for r in runs.values()]
     first = next(iter(runs.values()))
     return records.format_table(rows, ["run", "step ms", "samples/s", f"peak ({first.memory.peak_source})"])
-
-
-def speed_reference_report(name: str = "precision-speed") -> str:
-    """Step time and peak device memory per precision, measured on GPUs (committed references)."""
-
-    return references.references_report(name, speed_table, how=references.GPU_HOW)
-
-
-def gpu_experiment(runs: Mapping[Any, Any]) -> None:
-    """On GPUs: keep the fp16 engine's loss-scaling runs of :func:`chapter_runs` as the "loss-scale" reference,
-    and measure and keep :func:`speed_runs` as "precision-speed" (:func:`helpers.core.references.save_reference`)."""
-
-    engine = {name: ({"failed": str(r), "device": "cuda"} if isinstance(r, launch.RunFailed) else r)
-              for (kind, name), r in runs.items() if kind == "engine"}
-    ordered = dict(sorted(engine.items(), key=lambda item: isinstance(item[1], dict)))  # a record first
-    references.save_reference("loss-scale", ordered, note=f"mlp, ZeRO-2 fp16, {DEMO_STEPS} steps")
-    speed = speed_runs()
-    references.save_reference("precision-speed", {f"ZeRO-2 {p}": r for (_, p), r in speed.items()},
-                               note="mlp_wide, micro batch 512 per rank, 6 steps")
-
 
 
 # --- the formats, from torch itself ----------------------------------------------------------------
@@ -881,31 +786,34 @@ def half_bytes_reference_report(name: str = "precision-speed") -> str:
 EDGE_HALVINGS = 1.0
 
 
-def engine_demo_differences(name: str = "loss-scale", demos: Mapping[str, Any] | None = None) -> str:
-    """Which scenarios the fp16 engine's committed GPU runs and the scaler demo here decide differently,
-    against how close the demo's applied steps came to an fp16 overflow (:data:`EDGE_HALVINGS`): a
-    sentence per reference, from the data."""
+def engine_demo_differences(engine: Mapping[str, Any], demos: Mapping[str, Any], label: str) -> str:
+    """Which scenarios the fp16 engine's runs ``engine`` (records, or ``{"failed": ...}`` where DeepSpeed ended
+    the run) and the scaler demo ``demos`` decide differently, against how close the demo's applied steps came
+    to an fp16 overflow (:data:`EDGE_HALVINGS`): one sentence, from the data, opening with ``label``."""
+    differ, agree = [], []
+    for scenario, run in engine.items():
+        if scenario not in demos:
+            continue
+        demo = trajectory(demos[scenario])
+        if isinstance(run, dict) and "failed" in run:
+            (agree if demo["stopped"] else differ).append(scenario)
+            continue
+        t = trajectory(run)
+        (agree if t["scales"] == demo["scales"] and t["overflow"] == demo["overflow"] else differ).append(scenario)
+    near = {s for s in differ + agree if _min_headroom(demos[s]) < EDGE_HALVINGS}
+    return (f"{label}: the engine and the demo decide {len(agree)} of {len(agree) + len(differ)} scenarios alike; they "
+            f"differ in {len(differ)} ({'; '.join(differ) or 'none'}). Scenarios whose demo came within "
+            f"{EDGE_HALVINGS:g} halving of an fp16 overflow: {'; '.join(sorted(near, key=list(demos).index)) or 'none'}. "
+            f"The scenarios that differ are exactly those: {set(differ) == near}.")
+
+
+def reference_demo_differences(demos: Mapping[str, Any], name: str = "loss-scale") -> str:
+    """:func:`engine_demo_differences` for each committed GPU result of the fp16 engine (experiment ``name``),
+    labelled with its device and date."""
     found = references.reference_runs(name)
-    if not found or demos is None:
+    if not found:
         return references.no_references(name, references.GPU_HOW)
-    lines = []
-    for device, date, note, runs in found:
-        differ, agree = [], []
-        for scenario, run in runs.items():
-            if scenario not in demos:
-                continue
-            demo = trajectory(demos[scenario])
-            if isinstance(run, dict) and "failed" in run:
-                (agree if demo["stopped"] else differ).append(scenario)
-                continue
-            t = trajectory(run)
-            (agree if t["scales"] == demo["scales"] and t["overflow"] == demo["overflow"] else differ).append(scenario)
-        near = {s for s in differ + agree if _min_headroom(demos[s]) < EDGE_HALVINGS}
-        lines.append(f"{device}: the engine and the demo decide {len(agree)} of {len(agree) + len(differ)} scenarios "
-                     f"alike; they differ in {len(differ)} ({'; '.join(differ) or 'none'}). Scenarios whose demo came "
-                     f"within {EDGE_HALVINGS:g} halving of an fp16 overflow: {'; '.join(sorted(near, key=list(demos).index)) or 'none'}. "
-                     f"The scenarios that differ are exactly those: {set(differ) == near}.")
-    return "\n".join(lines)
+    return "\n".join(engine_demo_differences(runs, demos, f"{device}, {date}") for device, date, _, runs in found)
 
 
 def _min_headroom(result: Mapping[str, Any]) -> float:
@@ -931,42 +839,73 @@ def peak_fp32_tflops(device_name: str) -> tuple[float | None, str]:
     return None, f"no fp32 peak known for {device_name!r}: add it to helpers.topics.precision.PEAK_FP32_TFLOPS"
 
 
-def speed_explanation(name: str = "precision-speed") -> str:
-    """What the committed GPU speed results show, from their own data: each 16-bit run's speed-up over fp32,
-    the range of the timed steps, and the bound on what faster matrix products could save: the model's
-    6 x parameters x samples FLOPs per rank and step at the datasheet's fp32 and dense 16-bit peaks, against
-    the measured step. (An MLP: its FLOPs are its matrix products.)"""
+def timed_steps(record: records.Record) -> list[float]:
+    """The step times of ``record`` after its first (warm-up) step, in seconds, fastest first."""
+    return sorted(record["step_time_s"]["all"][1:])
+
+
+def speed_explanation(runs: Mapping[str, records.Record], alone: bool, base: str = "ZeRO-2 fp32") -> str:
+    """What the step times of ``runs`` ({"ZeRO-2 fp32": record, "ZeRO-2 bf16": record, ...}, one device) show,
+    from their own data: the range of each run's timed steps; a speed verdict for each 16-bit run only where
+    the run had its devices to itself (``alone``) and the two ranges do not overlap (the difference exceeds the
+    spread of the measured steps), else why it is withheld; and how long the model's matrix products take at
+    least, at the datasheets' fp32 and dense 16-bit peaks (6 x parameters x samples FLOPs per rank: an MLP's
+    FLOPs are its matrix products), a lower bound on their time in the step, not a measure of it."""
+    fp32 = runs.get(base)
+    if fp32 is None:
+        return f"no {base} run to compare with"
+    spread = {name: timed_steps(r) for name, r in runs.items()}
+    lines = ["Timed steps after the first, fastest to slowest: " + "; ".join(
+        f"{name} {t[0] * 1e3:.1f}-{t[-1] * 1e3:.1f} ms" for name, t in spread.items()) + "."]
+    for name, r in runs.items():
+        if name == base:
+            continue
+        ratio = fp32.timing.median_s / r.timing.median_s
+        apart = spread[name][-1] < spread[base][0] or spread[name][0] > spread[base][-1]
+        if alone and apart:
+            lines.append(f"{name}: {ratio:.2f}x {base}'s speed (median step), its steps all "
+                         f"{'faster' if ratio > 1 else 'slower'} than every {base} step.")
+        else:
+            why = [reason for reason, holds in (("the run shared its machine with other work", not alone),
+                                                (f"its steps' range overlaps {base}'s", not apart)) if holds]
+            lines.append(f"{name}: median step {ratio:.2f}x {base}'s speed, no verdict: {' and '.join(why)}.")
+    device_name = fp32["device_name"]
+    peak32, source32 = peak_fp32_tflops(device_name)
+    peak16, source16 = performance.peak_tflops(device_name)
+    if peak32 and peak16:
+        flops = 6 * fp32.params * fp32.micro_batch * fp32.grad_accum
+        math32, math16, step = flops / (peak32 * 1e12), flops / (peak16 * 1e12), fp32.timing.median_s
+        lines.append(f"The step's matrix products, {flops:.3g} FLOPs per rank (6 x {fp32.params:,} parameters x "
+                     f"{fp32.micro_batch * fp32.grad_accum} samples), need at least {math32 * 1e3:.2f} ms at the fp32 "
+                     f"peak ({peak32:g} TFLOP/s) and at least {math16 * 1e3:.2f} ms at the dense 16-bit peak "
+                     f"({peak16:g} TFLOP/s), beside a {step * 1e3:.1f} ms fp32 step. Sources: {source32}; {source16}. "
+                     "These are lower bounds on the products' time: how long they really took in the step, and so how "
+                     "much of any gain they account for, needs a kernel profile, which these runs did not take.")
+    else:
+        lines.append(source32 if not peak32 else source16)
+    return "\n".join(lines)
+
+
+def speed_reference_report(name: str = "precision-speed") -> str:
+    """Step time and peak device memory per precision, measured on GPUs (committed references), each with
+    :func:`speed_explanation` of its own runs (alone: what its conditions say)."""
     found = references.reference_runs(name)
     if not found:
         return references.no_references(name, references.GPU_HOW)
-    lines = []
-    for device, date, note, runs in found:
-        fp32 = runs.get("ZeRO-2 fp32")
-        if fp32 is None:
-            continue
-        device_name = fp32["device_name"]
-        flops = 6 * fp32.params * fp32.micro_batch * fp32.grad_accum
-        peak32, source32 = peak_fp32_tflops(device_name)
-        peak16, source16 = performance.peak_tflops(device_name)
-        base = fp32.timing.median_s
-        spread = {n: sorted(r["step_time_s"]["all"][1:]) for n, r in runs.items()}
-        lines.append(f"{device} ({note}): " + "; ".join(
-            f"{n} {base / r.timing.median_s:.2f}x fp32's speed" for n, r in runs.items() if n != "ZeRO-2 fp32") + ".")
-        lines.append("Timed steps after the first, fastest to slowest: " + "; ".join(
-            f"{n} {t[0] * 1e3:.1f}-{t[-1] * 1e3:.1f} ms" for n, t in spread.items()) + ".")
-        if peak32 and peak16:
-            math32, math16 = flops / (peak32 * 1e12), flops / (peak16 * 1e12)
-            lines.append(f"The step's matrix products, {flops:.3g} FLOPs per rank (6 x {fp32.params:,} parameters x "
-                         f"{fp32.micro_batch * fp32.grad_accum} samples), take {math32 * 1e3:.2f} ms at the fp32 peak "
-                         f"({peak32:g} TFLOP/s) and {math16 * 1e3:.2f} ms at the dense 16-bit peak ({peak16:g} TFLOP/s), "
-                         f"a {peak16 / peak32:.1f}x faster peak, in a {base * 1e3:.1f} ms fp32 step: even if 16-bit "
-                         f"removed all of that time, the step could only run {base / (base - math32 + math16):.2f}x "
-                         f"faster. Sources: {source32}; {source16}.")
-            bound = base / (base - math32 + math16)
-            lines.append("Against that bound: " + "; ".join(
-                f"{n} {base / r.timing.median_s:.2f}x, {'within' if base / r.timing.median_s <= bound else 'above'} it"
-                for n, r in runs.items() if n != "ZeRO-2 fp32") + ".")
-    return "\n".join(lines)
+    parts = []
+    for (device, date, note, runs), conditions in zip(found, references.reference_conditions(name)):
+        parts.append(f"Measured on {device}, {date} ({note}):\nConditions: {conditions}\n{speed_table(runs)}\n"
+                     f"{speed_explanation(runs, alone=ran_alone(conditions))}")
+    return "\n\n".join(parts)
+
+
+def ran_alone(conditions: str | None = None) -> bool:
+    """Whether a measurement had its machine to itself: its conditions (a reference's, or by default this
+    process's :data:`helpers.core.references.CONDITIONS_VARIABLE`, which ``benchmarks/reference.py`` sets)
+    say "alone"."""
+    if conditions is None:
+        conditions = os.environ.get(references.CONDITIONS_VARIABLE, "")
+    return conditions.startswith("alone")
 
 
 # --- figures ----------------------------------------------------------------------------------------
@@ -1154,3 +1093,55 @@ def how_measured(names: tuple[str, ...] = ("precision-speed", "loss-scale")) -> 
         for (device, date, note, _), conditions in zip(found, references.reference_conditions(name)):
             lines.append(f"{name}: measured on {device}, {date} ({note}).\nConditions: {conditions}")
     return "\n".join(lines)
+
+
+def exercise_half_ratio(answer: float, runs: Mapping[Any, Any], world_size: int = 8, rank: int = 0) -> exercises.Verdict:
+    """Exercise: predict bf16's model states over fp32's, per rank, at ZeRO-2 on ``world_size`` ranks, checked
+    against the chapter's ZeRO-2 runs (keys (2, "fp32"), (2, "bf16")): each kind of state they measured per
+    parameter, the partitioned kinds (gradients, optimizer states, master) rescaled from their ranks to
+    ``world_size``, the parameters kept whole."""
+    totals, why = {}, []
+    for precision in ("fp32", "bf16"):
+        r = runs[(2, precision)]
+        per = {k: v / r.params for k, v in r.states(rank).items() if k in records.MODEL_STATE_KEYS}
+        share = r["world_size"] / world_size
+        totals[precision] = per["params"] + share * (per["grads"] + per["optimizer"] + per["master"])
+        why.append(f"{precision}: parameters {per['params']:.0f} + (gradients {per['grads'] * r['world_size']:.0f} + "
+                   f"optimizer {per['optimizer'] * r['world_size']:.0f} + master {per['master'] * r['world_size']:.0f}) "
+                   f"/ {world_size} = {totals[precision]:.3f} bytes per parameter")
+    expected = totals["bf16"] / totals["fp32"]
+    return exercises.number("bf16 / fp32 at ZeRO-2", answer, expected, relative=0.01,
+                            task=f"Predict bf16's model-state bytes per rank over fp32's at ZeRO-2 on {world_size} ranks.",
+                            hint="per precision, the bytes per parameter of each state (the table above, times its "
+                                 "ranks where ZeRO-2 splits it), then ZeRO-2's rule for what it splits among "
+                                 f"{world_size} ranks; the ratio of the two totals",
+                            why="; ".join(why) + ". DeepSpeed keeps an fp32 master slice in fp32 training too, "
+                                "so the ratio tends to 1/2 only as the split states vanish per rank.")
+
+
+# --- chapter 07b: the fp16 engine's runs ---------------------------------------------------------------
+
+#: What an fp16 engine run that DeepSpeed ended (an overflow at min_loss_scale) leaves in its folder.
+ENDED = "ended.json"
+
+
+def load_engine_runs(folder: str | Path, scenarios: Mapping[str, tuple[dict, list[int]]] | None = None) -> dict:
+    """The fp16 engine's runs of chapter 07b's script (folders ``engine-<i>``, in the order of ``scenarios``,
+    default :data:`SCENARIOS`), keyed by scenario: each run's record, or ``{"failed": message, "device":
+    "cuda"}`` where DeepSpeed ended it (the form the "loss-scale" reference keeps), records first."""
+    found: dict = {}
+    for i, name in enumerate(scenarios or SCENARIOS):
+        path = Path(folder) / f"engine-{i}"
+        if (path / ENDED).is_file():
+            found[name] = {**json.loads((path / ENDED).read_text()), "device": "cuda"}
+        elif (path / "summary.json").is_file():
+            found[name] = records.load(path)
+    return dict(sorted(found.items(), key=lambda item: isinstance(item[1], dict)))
+
+
+def scenarios_table(scenarios: Mapping[str, tuple[dict, list[int]]] | None = None) -> str:
+    """Each loss-scaling scenario: the fp16 knobs it changes from DeepSpeed's defaults, and the optimizer steps
+    whose loss it spikes."""
+    rows = [[name, ", ".join(f"{k}={json.dumps(v)}" for k, v in knobs.items()) or "(the defaults)", _ranges(spikes)]
+            for name, (knobs, spikes) in (scenarios or SCENARIOS).items()]
+    return records.format_table(rows, ["scenario", "fp16 knobs", "spiked steps"])
