@@ -1,6 +1,8 @@
-"""Gradient accumulation (chapter 08): the stage x accumulation grid in one launch, and its tables.
+"""Gradient accumulation (chapter 08): the stage x accumulation grid, its tables, and the speed claim.
 
-Two ways to accumulate, both measured:
+The chapter's own script (written by the notebook, ``runs/08/train_accumulation.py``) trains the grid in one
+launch and measures each run with :mod:`helpers.measure`; :func:`load_grid` reads the records back. Two ways to
+accumulate, both measured:
 
 - **fixed global batch** (the math unchanged): micro batch x accumulation x ranks stays the same, so the
   micro batch shrinks as accumulation grows. Same samples, same losses (in fp32, to rounding).
@@ -8,26 +10,28 @@ Two ways to accumulate, both measured:
   accumulation: more samples per optimizer step, so per-step costs are spread over more samples.
 
 Each run carries the ``comm`` probe (collectives per optimizer step) and ``micro_steps`` (which phase of
-the step issued them: micro-step 1, 2, ... or the optimizer step).
+the step issued them: micro-step 1, 2, ... or the optimizer step). Every timing verdict goes through
+:mod:`helpers.core.load_guard`.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+from pathlib import Path
 from typing import Mapping, Sequence
-from unittest import mock
 
 import torch
 
-from helpers.core import configs, environment, exercises, launch, models, plots, records, references
-from helpers.core import probes as probe_registry
+from helpers.core import environment, exercises, launch, load_guard, models, plots, records, references
 
 STAGES = (0, 1, 2, 3)
 ACCUMULATIONS = (1, 2, 4, 8)
 #: Micro batch per rank at accumulation 1 of the fixed-global-batch grid: global batch = this x ranks.
 MICRO_BATCH_AT_ONE = 16
-PROBES = probe_registry.DEFAULT + ("micro_steps",)
+#: The probes the chapter's script attaches (``measure.attach(..., probes=PROBES)``).
+PROBES = ("timing", "model_states", "peak_memory", "comm", "micro_steps")
+#: Fewest timed steps per run (after the first, which warms up) for a timing verdict: fewer have no spread.
+MIN_TIMED_STEPS = 3
 
 
 def overrides(micro_batch: int, accum: int, precision: str = "fp32") -> dict:
@@ -36,6 +40,12 @@ def overrides(micro_batch: int, accum: int, precision: str = "fp32") -> dict:
     if precision != "fp32":
         found[precision] = {"enabled": True}
     return found
+
+
+def run_name(stage: int, accum: int, micro_batch: int | None = None) -> str:
+    """The record's folder name the chapter's script gives a grid point: ``zero<s>-acc<a>`` (fixed global
+    batch) or ``zero<s>-acc<a>-micro<m>`` (fixed micro batch ``m``)."""
+    return f"zero{stage}-acc{accum}" + (f"-micro{micro_batch}" if micro_batch else "")
 
 
 @dataclasses.dataclass
@@ -49,50 +59,27 @@ class Grid:
     micro_batch: int  # of the fixed-micro-batch runs
 
 
-def grid_specs(world_size: int, model: str = "mlp", steps: int = 2, stages: Sequence[int] = STAGES,
-               accumulations: Sequence[int] = ACCUMULATIONS, micro_at_one: int = MICRO_BATCH_AT_ONE,
-               fixed_micro: Sequence[int] = (4,), precision: str = "fp32",
-               probes: Sequence[str] = PROBES) -> dict[str, launch.RunSpec]:
-    """RunSpecs of the grid, named ``zero<s>-acc<a>`` (fixed global batch ``micro_at_one`` x ranks) and
-    ``zero<s>-acc<a>-micro<m>`` (fixed micro batch ``m = micro_at_one``, global batch growing), for each
-    accumulation in ``fixed_micro``. Raises ValueError when an accumulation does not divide
-    ``micro_at_one``."""
-    bad = [a for a in accumulations if not isinstance(a, int) or a < 1 or micro_at_one % a]
-    if bad:
-        raise ValueError(f"accumulations {bad}: each must be a whole number dividing the micro batch at "
-                         f"accumulation 1 ({micro_at_one}), so the global batch stays {micro_at_one} x {world_size}")
-    specs = {}
-    for stage in stages:
-        for accum in accumulations:
-            specs[f"zero{stage}-acc{accum}"] = launch.RunSpec(
-                f"zero{stage}", model=model, steps=steps, probes=tuple(probes),
-                overrides=overrides(micro_at_one // accum, accum, precision))
-        for accum in fixed_micro:
-            specs[f"zero{stage}-acc{accum}-micro{micro_at_one}"] = launch.RunSpec(
-                f"zero{stage}", model=model, steps=steps, probes=tuple(probes),
-                overrides=overrides(micro_at_one, accum, precision))
-    return specs
-
-
-def run_grid(model: str = "mlp", steps: int = 2, stages: Sequence[int] = STAGES,
-             accumulations: Sequence[int] = ACCUMULATIONS, micro_at_one: int = MICRO_BATCH_AT_ONE,
-             fixed_micro: Sequence[int] = (4,), precision: str = "fp32", world_size: int | None = None) -> Grid:
-    """Train every grid point in ONE launch (:func:`helpers.core.launch.sweep`) and return the :class:`Grid`."""
-
-    world = environment.detect(world_size).default_world_size
-    specs = grid_specs(world, model, steps, stages, accumulations, micro_at_one, fixed_micro, precision)
-    results = launch.sweep(specs, name="grad-accum-grid", world_size=world_size)
-    fixed_global = {(s, a): results[f"zero{s}-acc{a}"] for s in stages for a in accumulations}
-    micro = {(s, a): results[f"zero{s}-acc{a}-micro{micro_at_one}"] for s in stages for a in fixed_micro}
+def load_grid(folder: str | Path, stages: Sequence[int] = STAGES, accumulations: Sequence[int] = ACCUMULATIONS,
+              micro_at_one: int = MICRO_BATCH_AT_ONE, fixed_micro: Sequence[int] = (4,)) -> Grid:
+    """The :class:`Grid` of the records the chapter's script wrote under ``folder`` (one folder per run,
+    named by :func:`run_name`). Raises ValueError naming the runs missing, and where a run's global batch is
+    not the grid's (an edited script that changed the batch keys)."""
+    found, _ = records.load_all(folder)
+    wanted = [run_name(s, a) for s in stages for a in accumulations]
+    wanted += [run_name(s, a, micro_at_one) for s in stages for a in fixed_micro]
+    missing = [n for n in wanted if n not in found]
+    if missing:
+        raise ValueError(f"no record of {', '.join(missing)} in {folder}: run the chapter's script first")
+    fixed_global = {(s, a): found[run_name(s, a)] for s in stages for a in accumulations}
+    batches = {r["train_batch"] for r in fixed_global.values()}
+    if len(batches) != 1:
+        raise ValueError(f"the fixed-global-batch runs trained global batches {sorted(batches)}: one was expected")
+    micro = {(s, a): found[run_name(s, a, micro_at_one)] for s in stages for a in fixed_micro}
     micro.update({(s, 1): fixed_global[(s, 1)] for s in stages if (s, 1) in fixed_global})
-    return Grid(fixed_global, dict(sorted(micro.items())), micro_at_one * world, micro_at_one)
+    return Grid(fixed_global, dict(sorted(micro.items())), batches.pop(), micro_at_one)
 
 
 # --- tables -------------------------------------------------------------------------------------
-
-def _calls(r: records.Record) -> float:
-    return sum(row["count"] for row in r.comm_ops().values())
-
 
 def _ops(r: records.Record) -> str:
     return " ".join(f"{op.split('_into')[0]}:{row['count']:g}" for op, row in sorted(r.comm_ops().items()))
@@ -209,7 +196,80 @@ def curve_verdict(curves: Mapping[str, tuple[int, Sequence[float]]], window: int
             + f": {lowest} ends lower")
 
 
-# --- the GPU claim --------------------------------------------------------------------------------
+# --- timing verdicts (through load_guard) and the GPU claim ---------------------------------------
+
+def seconds_per_sample(r: records.Record) -> list[float]:
+    """Wall seconds per training sample of each timed optimizer step but the first (it warms up), from the
+    ``timing`` probe: a run's steps at different global batches compare per sample."""
+    times = r.timing.all_s
+    return [t / r["train_batch"] for t in (times[1:] if len(times) > 1 else times)]
+
+
+def speed_verdict(one: records.Record, many: records.Record, load: load_guard.Load | None) -> load_guard.Verdict:
+    """:func:`helpers.core.load_guard.compare` of the seconds per sample of ``one`` (accumulation 1) and
+    ``many`` (more accumulation, same stage), named by their accumulation, under ``load``; also withheld where a
+    run has fewer than :data:`MIN_TIMED_STEPS` timed steps (no spread to judge a difference by)."""
+    lists = {f"accumulation {r['grad_accum']}": seconds_per_sample(r) for r in (one, many)}
+    verdict = load_guard.compare(lists, load)
+    fewest = min(len(v) for v in lists.values())
+    if fewest < MIN_TIMED_STEPS and (verdict.given or verdict.withheld.startswith("the difference")):
+        verdict = dataclasses.replace(verdict, withheld=f"{fewest} timed step{'s' if fewest != 1 else ''} per run after "
+                                                        f"the first, fewer than the {MIN_TIMED_STEPS} a spread needs")
+    return verdict
+
+
+def load_of(runs: Mapping[object, records.Record]) -> load_guard.Load | None:
+    """The load :func:`measure_claim` recorded with ``runs`` (in each record's ``load`` section), or None where
+    nothing recorded it (the committed reference of 2026-11-26 predates the load guard)."""
+    found = next((r.summary.get("load") for r in runs.values() if r.summary.get("load")), None)
+    return None if found is None else load_guard.Load(**{**found, "pids": tuple(found.get("pids", ()))})
+
+
+#: The source article's figure: ZeRO-2 with accumulation 4 trained "approximately 30%" faster (its section 4).
+ARTICLE = {"stage": 2, "accumulation": 4, "gain": 0.30}
+
+
+def claim_verdict(runs: Mapping[object, records.Record], load: load_guard.Load | None, label: str,
+                  accum: int = ARTICLE["accumulation"], about: float = 0.05) -> str:
+    """The sentences on ``runs`` (each stage at accumulation 1 and ``accum``, the micro batch fixed) measured
+    under ``load``, opening with ``label`` (device and date): per stage, samples/s at ``accum`` against 1 and
+    the verdict of :func:`speed_verdict`, or why it is withheld; where ZeRO-2's verdict is given, how it stands
+    against the source article's 30% (within ``about`` counts as the article's figure)."""
+    by_key = {(r.stage, r["grad_accum"]): r for r in runs.values()}
+    lines = [f"{label}: samples/s at accumulation {accum} against 1, the micro batch fixed (steps after the first):"]
+    for stage in sorted({s for s, a in by_key if a == accum and (s, 1) in by_key}):
+        verdict = speed_verdict(by_key[(stage, 1)], by_key[(stage, accum)], load)
+        speedup = verdict.medians[0] / verdict.medians[1]
+        if not verdict.given:
+            lines.append(f"- ZeRO-{stage}: {speedup:.2f}x; verdict withheld: {verdict.withheld}.")
+            continue
+        text = f"- ZeRO-{stage}: {speedup:.2f}x, beyond the steps' spread ({verdict.spread:.0%})"
+        if stage == ARTICLE["stage"] and accum == ARTICLE["accumulation"]:
+            gain, article = speedup - 1, ARTICLE["gain"]
+            if abs(gain - article) <= about:
+                text += f": about the article's {article:.0%}, so the data supports its figure"
+            elif gain > 0:
+                text += (f": {gain:.0%} faster, {gain / article:.1f} of the article's {article:.0%}, so the data "
+                         "supports a gain but not the article's figure")
+            else:
+                text += ": slower, so the data contradicts the article's claim"
+        lines.append(text + ".")
+    return "\n".join(lines)
+
+
+def reference_verdicts(name: str = "grad-accum-claim") -> str:
+    """:func:`claim_verdict` of each committed GPU result of the claim, labelled with its device and date, under
+    the load recorded with it (none recorded: every verdict withheld, and the reference's conditions quoted)."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, "run this notebook on a GPU machine to measure them.")
+    lines = []
+    for (device, date, _, runs), conditions in zip(found, references.reference_conditions(name)):
+        lines.append(claim_verdict(runs, load_of(runs), f"Committed reference, {device} ({date})"))
+        if load_of(runs) is None:
+            lines.append(f"  Its conditions, as stated by whoever measured it: {conditions}")
+    return "\n".join(lines)
+
 
 #: The source article's claim as measured on GPUs: ZeRO-2, accumulation 4 against 1, micro batch 8, bf16.
 CLAIM = {"model": "llama-265m", "micro_batch": 8, "accumulations": (1, 4), "precision": "bf16"}
@@ -226,64 +286,22 @@ def claim_specs(stages: Sequence[int] = STAGES, model: str = CLAIM["model"], mic
 
 
 def measure_claim(steps: int = 6) -> tuple[dict[str, records.Record], object]:
-    """GPU machines only: the claim runs (:func:`claim_specs`) in one launch, saved with
-    :func:`helpers.core.references.save_reference` as ``runs/reference/grad-accum-claim-<N>x<GPU>.json``.
-    Returns the records and the file written (``python -m helpers reference grad-accum-claim`` runs this)."""
+    """GPU machines only: the claim runs (:func:`claim_specs`) in one launch, watched by
+    :func:`helpers.core.load_guard.watch` (the load is kept in each record's ``load`` section, for
+    :func:`load_of`), saved with :func:`helpers.core.references.save_reference` as
+    ``runs/reference/grad-accum-claim-<N>x<GPU>.json``. Returns the records and the file written
+    (``python -m helpers reference grad-accum-claim`` runs this)."""
 
-    if not environment.detect().is_gpu:
+    env = environment.detect()
+    if not env.is_gpu:
         raise RuntimeError("the claim runs on GPUs only: its model would take hours per step on CPU ranks")
-    runs = launch.sweep(claim_specs(steps=steps), name="grad-accum-claim", timeout=3600)
+    with load_guard.watch(ranks=env.default_world_size) as watched:
+        runs = launch.sweep(claim_specs(steps=steps), name="grad-accum-claim", timeout=3600)
+    for r in runs.values():
+        r.summary["load"] = dataclasses.asdict(watched.load)
     note = (f"ZeRO stages 0-3 at accumulation 1 and 4, {CLAIM['model']}, micro batch {CLAIM['micro_batch']}, "
-            f"{CLAIM['precision']}, timed without the comms logger ({steps} steps, median)")
+            f"{CLAIM['precision']}, timed without the comms logger ({steps} steps; the load on the GPUs recorded)")
     return runs, references.save_reference("grad-accum-claim", runs, note=note)
-
-
-#: The source article's figure: ZeRO-2 with accumulation 4 trained "approximately 30%" faster (its section 4).
-ARTICLE = {"stage": 2, "accumulation": 4, "gain": 0.30}
-
-
-def claim_speedups(runs: Mapping[str, records.Record]) -> dict[tuple[int, int], float]:
-    """{(stage, accumulation): samples/s against the same stage's accumulation 1} of the claim runs."""
-    base = {r.stage: r["samples_per_s"] for r in runs.values() if r["grad_accum"] == 1}
-    return {(r.stage, r["grad_accum"]): r["samples_per_s"] / base[r.stage] for r in runs.values() if r.stage in base}
-
-
-def claim_verdict(name: str = "grad-accum-claim", about: float = 0.05) -> str:
-    """For each committed GPU result of the claim: the speed-up of ZeRO-2 at accumulation 4 over accumulation 1
-    against the source article's 30%, as a sentence generated from the reference ("about" the article's figure
-    within ``about``), and the speed-up of every stage."""
-
-    found = references.reference_runs(name)
-    if not found:
-        return references.no_references(name, "run this notebook on a GPU machine to measure them.")
-    tokens = models.sequence_length(CLAIM["model"])
-    stage, accum, article = ARTICLE["stage"], ARTICLE["accumulation"], ARTICLE["gain"]
-    lines = []
-    for device, date, _, runs in found:
-        speedups = claim_speedups(runs)
-        by_key = {(r.stage, r["grad_accum"]): r for r in runs.values()}
-        gain = speedups[(stage, accum)] - 1
-        if abs(gain - article) <= about:
-            verdict = f"about the article's {article:.0%}: the data supports its figure"
-        elif gain > 0:
-            verdict = (f"{gain / article:.1f} of the article's {article:.0%}, so the data supports a gain at ZeRO-{stage} "
-                       "but not the article's figure")
-        else:
-            verdict = "not faster, so the data contradicts the article's claim"
-        lines.append(f"On {device} ({date}): ZeRO-{stage} at accumulation {accum} trained {speedups[(stage, accum)]:.2f}x "
-                     f"the tokens/s of accumulation 1 ({by_key[(stage, accum)]['samples_per_s'] * tokens:,.0f} against "
-                     f"{by_key[(stage, 1)]['samples_per_s'] * tokens:,.0f}), {gain:.0%} faster: {verdict}.")
-        others = {s: x for (s, a), x in sorted(speedups.items()) if a == accum}
-        best, worst = max(others, key=others.get), min(others, key=others.get)
-        # accumulation spreads all of stages 0 and 1's communication over more samples, part of stage 2's, none of 3's
-        spread = [min(others[s] for s in (0, 1) if s in others)] + [others[s] for s in (2, 3) if s in others]
-        follows = all(a >= b for a, b in zip(spread, spread[1:]))
-        lines.append(f"Accumulation {accum} against 1 at every stage: "
-                     + ", ".join(f"ZeRO-{s} {x:.2f}x" for s, x in others.items())
-                     + f"; the largest gain at ZeRO-{best}, the smallest at ZeRO-{worst}; in the order of the "
-                     f"communication per sample accumulation spreads (stages 0 and 1, then 2, then 3): "
-                     f"{'yes' if follows else 'no'}.")
-    return "\n".join(lines)
 
 
 def claim_table(runs: Mapping[str, records.Record], tokens_per_sample: int) -> str:
@@ -363,74 +381,64 @@ def loss_vs_samples(curves: Mapping[str, tuple[int, Sequence[float]]], title: st
 
 # --- exercises ----------------------------------------------------------------------------------------
 
-def exercise_stage2_bytes(answer: float, grid: Grid, stage: int = 2, accum: int = 4) -> exercises.Verdict:
-    """Exercise: predict the bytes one optimizer step of ZeRO-``stage`` logs at accumulation ``accum`` (fixed
-    global batch), checked against the chapter's measured record, phase by phase."""
-    r = grid.fixed_global[(stage, accum)]
+def _factors(exercise: str, answer: object, expected: Mapping[int, float], why: str, *, task: str,
+             hint: str, relative: float = 0.02) -> exercises.Verdict:
+    """Check ``answer``, a {stage: factor} dict, against ``expected`` (each within ``relative``)."""
+
+    def test(given: object) -> tuple[bool, str]:
+        if not isinstance(given, dict) or set(given) != set(expected):
+            raise TypeError(f"write one factor per stage as a dict, {{{', '.join(f'{s}: ...' for s in expected)}}}")
+        wrong = [f"ZeRO-{s}: {given[s]!r}" for s, x in expected.items()
+                 if isinstance(given[s], bool) or not isinstance(given[s], (int, float))
+                 or abs(given[s] - x) > relative * x]
+        if wrong:
+            return False, f"not within {relative:.0%} of the measured factor: {', '.join(wrong)}."
+        return True, "measured: " + ", ".join(f"ZeRO-{s} {x:.2f}x" for s, x in expected.items()) + f". {why}"
+
+    return exercises.satisfies(exercise, answer, test, task=task, hint=hint)
+
+
+def _phases(r: records.Record) -> str:
+    """One run's bytes per phase of an optimizer step, as the ``micro_steps`` probe recorded them."""
     by_phase = r["micro_steps"]["by_phase"]
-    parts = "; ".join(f"{phase}: " + (" + ".join(f"{op.split('_into')[0]} {row['bytes']:,.0f}"
-                                                  for op, row in sorted(ops.items())) or "nothing")
-                      for phase, ops in by_phase.items())
-    gradient = 4 * r.params
-    why = (f"the record of ZeRO-{stage}, accumulation {accum}, {r['world_size']} ranks: {parts}. Each micro-step "
-           f"all-reduces the whole fp32 gradient ({gradient:,} bytes) as its backward produces it, because a rank "
-           "keeps only its own partition; the optimizer step adds the all_gather of the updated parameter shards "
-           "(the logger records one rank's shard) and the 4-byte gradient norm.")
-    return exercises.number("stage-2 bytes", answer, r.comm.bytes_per_step, relative=0.01, unit=" bytes",
-                            task=f"Predict the bytes one optimizer step of ZeRO-{stage} sends at accumulation {accum} "
-                                 f"(fixed global batch), as DeepSpeed's comms logger records them.",
-                            hint="when does ZeRO-2 reduce gradients: once per step, or in every micro-step? The "
-                                 "gradient's size is in the first cell; all_reduce logs the whole tensor, all_gather "
-                                 "one rank's shard (1/N_d of the parameters)",
-                            why=why)
+    return "; ".join(f"{phase} {sum(row['bytes'] for row in ops.values()):,.0f}" for phase, ops in by_phase.items())
 
 
-def deepspeed_batch(config: dict, world_size: int) -> tuple[int, int, int]:
-    """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps) as DeepSpeed's own
-    ``DeepSpeedConfig`` resolves ``config`` on ``world_size`` ranks (deriving what the config leaves out)."""
-    environment.quiet_deepspeed_import()
-    from deepspeed.runtime import config as ds_config  # deferred: after the course has chosen its accelerator
+def exercise_step_growth(answer: object, grid: Grid, stages: Sequence[int] = (1, 2), accum: int = 8) -> exercises.Verdict:
+    """Exercise: predict, per stage in ``stages``, the factor by which the bytes of one optimizer step grow from
+    accumulation 1 to ``accum`` at the fixed global batch; checked against the chapter's records."""
+    runs = grid.fixed_global
+    expected = {s: runs[(s, accum)].comm.bytes_per_step / runs[(s, 1)].comm.bytes_per_step for s in stages}
+    why = " ".join(f"ZeRO-{s}, bytes per phase at accumulation 1: {_phases(runs[(s, 1)])}; at {accum}: "
+                   f"{_phases(runs[(s, accum)])}." for s in stages)
+    return _factors("step growth", answer, expected, why + " A phase that repeats in every micro-step multiplies "
+                    "with the accumulation; one paid once per optimizer step does not.",
+                    task=f"Predict the factor by which the bytes of one optimizer step grow from accumulation 1 to "
+                         f"{accum} at the fixed global batch, for " + " and ".join(f"ZeRO-{s}" for s in stages) + ".",
+                    hint="bytes per optimizer step = the sum of its phases' bytes (the phase tables above); count "
+                         f"how many times each phase occurs in a step of {accum} micro-steps, then divide by the "
+                         "same sum at accumulation 1")
 
-    ranks = mock.Mock(get_rank=lambda *a, **k: 0, get_world_size=lambda *a, **k: world_size)
-    with mock.patch.object(ds_config, "dist", ranks):
-        parsed = ds_config.DeepSpeedConfig(copy.deepcopy(config))
-    return parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps
 
+def exercise_bytes_per_sample(answer: object, grid: Grid, stages: Sequence[int] = (0, 2), accum: int = 4) -> exercises.Verdict:
+    """Exercise: predict, per stage in ``stages``, the factor by which the bytes per training sample change from
+    accumulation 1 to ``accum`` at the fixed micro batch (the global batch grows); checked against the records."""
+    runs = grid.fixed_micro
 
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    def per_sample(r: records.Record) -> float:
+        return r.comm.bytes_per_step / r["train_batch"]
 
-
-def exercise_batch_config(answer: dict, grid: Grid, accum: int = 8, stage: int = 2) -> exercises.Verdict:
-    """Exercise: write the batch lines of a ds_config with ``accum`` accumulation steps that keep the chapter's
-    global batch (``grid.global_batch``); checked by the course's checker and by DeepSpeed's own batch
-    arithmetic on the chapter's ranks, and told what the chapter measured at that point."""
-    world = next(iter(grid.fixed_global.values()))["world_size"]
-
-    def test(lines: dict) -> tuple[bool, str]:
-        if not isinstance(lines, dict):
-            raise TypeError("write the batch lines as a dict, e.g. {\"gradient_accumulation_steps\": 2}")
-        other = sorted(set(lines) - set(BATCH_KEYS))
-        if other:
-            return False, f"only the batch lines, please ({', '.join(BATCH_KEYS)}); not {', '.join(other)}."
-        base = {k: v for k, v in configs.load(f"zero{stage}").items() if k not in BATCH_KEYS}
-        config = {**base, **lines}
-        if refused := configs.refusal(config, world):
-            return False, refused
-        train, micro, steps = deepspeed_batch(config, world)
-        read = f"DeepSpeed reads train_batch_size {train} = {micro} x {steps} x {world} ranks"
-        if steps != accum or train != grid.global_batch:
-            return False, f"{read}; wanted accumulation {accum} and the global batch {grid.global_batch}."
-        measured, one = grid.fixed_global.get((stage, accum)), grid.fixed_global.get((stage, 1))
-        cost = (f" The chapter trained exactly this at ZeRO-{stage}: {_ops(measured)} per step, "
-                f"{measured.comm.bytes_per_step:,.0f} bytes; losses against accumulation 1: "
-                f"{records.loss_agreement(one.losses, measured.losses, measured.precision)}." if measured and one else "")
-        return True, f"{read}: the same samples per optimizer step, in {steps} micro-steps of {micro}.{cost}"
-
-    return exercises.satisfies("batch config", answer, test,
-                               task=f"Write the batch lines of a ds_config with gradient_accumulation_steps {accum} "
-                                    f"that keep the global batch of {grid.global_batch} samples on {world} ranks.",
-                               hint="train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps "
-                                    "x ranks; DeepSpeed derives whichever one you leave out")
+    expected = {s: per_sample(runs[(s, accum)]) / per_sample(runs[(s, 1)]) for s in stages}
+    why = " ".join(f"ZeRO-{s}: {runs[(s, 1)].comm.bytes_per_step:,.0f} bytes per step for {runs[(s, 1)]['train_batch']} "
+                   f"samples at accumulation 1, {runs[(s, accum)].comm.bytes_per_step:,.0f} for "
+                   f"{runs[(s, accum)]['train_batch']} at {accum}." for s in stages)
+    return _factors("bytes per sample", answer, expected, why,
+                    task=f"At the fixed micro batch of {grid.micro_batch}, predict the factor by which the bytes per "
+                         f"training sample change from accumulation 1 to {accum}, for "
+                         + " and ".join(f"ZeRO-{s}" for s in stages) + ".",
+                    hint="bytes per sample = bytes per optimizer step / global batch, and the global batch is micro "
+                         "batch x accumulation x ranks; the bytes per step follow from exercise 1's way of counting "
+                         "phases (they do not depend on the micro batch)")
 
 
 def how_measured(name: str = "grad-accum-claim") -> str:
