@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.core import models, probes, records
+from helpers.core import load_guard, models, probes, records
 from helpers.core.environment import WORLD_SIZE_VARIABLE
 from helpers.topics import zero
 from test_records import minimal_summary
@@ -153,37 +153,15 @@ def _steps(times_ms: list[float]) -> records.Record:
 
 def test_timing_verdict_needs_the_devices_alone_a_steady_repeat_and_a_clear_difference():
     settings = {"defaults": _steps([20, 21, 22]), "fast": _steps([10, 11, 12]), "close": _steps([19, 21, 23])}
-    alone, busy = zero.Occupancy(cpu_share=0.01), zero.Occupancy(cpu_share=0.40)
+    alone = load_guard.Load("cpu", 0, 0.01, 2, 30.0, 60, "test")
+    busy = load_guard.Load("cpu", 3, 0.40, 2, 30.0, 60, "test")
     verdict = zero.timing_verdict(settings, _steps([21, 21, 21]), alone)
-    assert "fast faster than defaults in every step" in verdict
-    assert "close within defaults's spread" in verdict
-    assert "No verdict: other processes used 40%" in zero.timing_verdict(settings, _steps([21, 21, 21]), busy)
+    assert "fast: fast is faster" in verdict
+    assert "close: Verdict withheld: the difference" in verdict
+    withheld = zero.timing_verdict(settings, _steps([21, 21, 21]), busy)
+    assert "used 40% of the 2 cores' time" in withheld and "is faster" not in withheld
     drifted = zero.timing_verdict(settings, _steps([15, 15, 15]), alone)
-    assert "No verdict: the same configuration changed its time" in drifted and "in every step" not in drifted
-    assert not zero.Occupancy(cpu_share=0.0, gpu_processes=[123]).alone
-
-
-def test_others_during_counts_the_cpu_time_of_other_processes_and_any_gpu_process(monkeypatch):
-    import os
-
-    snapshots = iter([{1: 10.0, 2: 5.0}, {1: 12.0, 3: 1.0}])  # 2 ended meanwhile, 3 started: 2 + 1 s counted
-    clock = iter([100.0, 103.0])
-    monkeypatch.setattr(zero, "_cpu_seconds", lambda exclude: next(snapshots))
-    monkeypatch.setattr(zero, "_gpu_processes", lambda: {os.getpid(), 77})
-    monkeypatch.setattr(zero.time, "monotonic", lambda: next(clock))
-    monkeypatch.setattr(zero.os, "cpu_count", lambda: 2)
-    with zero.others_during() as seen:
-        pass
-    assert seen.seconds == 3.0 and seen.cpu_share == pytest.approx(0.5)  # 3 CPU-seconds of 2 cores x 3 s
-    assert seen.gpu_processes == [77] and not seen.alone
-    assert str(seen).startswith("other processes used 50% of this machine's CPU time during the 3 s launch")
-
-
-def test_cpu_seconds_leaves_out_the_processes_named():
-    import os
-
-    assert os.getpid() not in zero._cpu_seconds({os.getpid()})
-    assert os.getpid() in zero._cpu_seconds(set())
+    assert "the machine warmed during the sweep" in drifted and "is faster" not in drifted
 
 
 # --- building the model: the meter, the builder's checks, the estimate -----------------------------

@@ -16,19 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import shutil
-import statistics
-import subprocess
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-import psutil
 import torch
 
-from helpers.core import configs, environment, exercises, launch, models, records, references, theory
+from helpers.core import configs, environment, exercises, launch, load_guard, models, records, references, theory
 from helpers.core.plan import reference_of
 from helpers.core import probes as probes_registry
 from helpers.core.probes import Probe, RunContext
@@ -125,97 +118,25 @@ def chapter_records(folder: str | Path, since: float = 0.0, precisions: Sequence
     return runs, settings
 
 
-@dataclass
-class Occupancy:
-    """What other processes did on this machine while a launch ran (:func:`others_during`): their share of the
-    CPU time the machine had (all cores over the launch's wall time) and the processes found on its GPUs."""
-
-    cpu_share: float = 0.0
-    gpu_processes: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-    limit: float = 0.05
-
-    @property
-    def alone(self) -> bool:
-        """True when the launch had the machine's devices to itself: other processes used less than ``limit``
-        of the CPU time and none ran on the GPUs."""
-        return self.cpu_share < self.limit and not self.gpu_processes
-
-    def __str__(self) -> str:
-        gpus = (f"; processes {self.gpu_processes} on the GPUs" if self.gpu_processes else "")
-        return (f"other processes used {self.cpu_share:.0%} of this machine's CPU time during the "
-                f"{self.seconds:.0f} s launch{gpus}")
-
-
-def _cpu_seconds(exclude: set[int]) -> dict[int, float]:
-    """pid -> user + system CPU seconds of every process not in ``exclude``."""
-    seconds = {}
-    for process in psutil.process_iter(["pid", "cpu_times"]):
-        times = process.info["cpu_times"]
-        if process.info["pid"] not in exclude and times is not None:
-            seconds[process.info["pid"]] = times.user + times.system
-    return seconds
-
-
-def _gpu_processes() -> set[int]:
-    """Process ids that ``nvidia-smi`` lists on this machine's GPUs (none without ``nvidia-smi``)."""
-    if not shutil.which("nvidia-smi"):
-        return set()
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=30).stdout
-    return {int(line) for line in out.split() if line.strip().isdigit()}
-
-
-@contextlib.contextmanager
-def others_during(limit: float = 0.05) -> Iterator[Occupancy]:
-    """Watch the other processes of this machine while the body runs (a launch, whose ranks are this
-    process's children): yields an :class:`Occupancy` filled in when the body ends. CPU time is counted for
-    every process that is not this one or its descendants, processes started during the body included; GPU
-    processes are those ``nvidia-smi`` lists before or after the body that are not this one."""
-    me = psutil.Process()
-    result = Occupancy(limit=limit)
-    before, gpus, started = _cpu_seconds({me.pid}), _gpu_processes(), time.monotonic()
-    yield result
-    result.seconds = time.monotonic() - started
-    after = _cpu_seconds({me.pid, *(child.pid for child in me.children(recursive=True))})
-    used = sum(t - before.get(pid, 0.0) for pid, t in after.items())
-    result.cpu_share = max(used, 0.0) / (result.seconds * (os.cpu_count() or 1))
-    result.gpu_processes = sorted((gpus | _gpu_processes()) - {me.pid})
-
-
 def _steps_ms(record: records.Record) -> list[float]:
     """A run's step times in ms after the first step (which warms up)."""
     return [t * 1000 for t in record.timing.all_s[1:]]
 
 
-def timing_verdict(settings: Mapping[str, records.Record], again: records.Record, occupancy: Occupancy,
+def timing_verdict(settings: Mapping[str, records.Record], again: records.Record, load: load_guard.Load,
                    base: str = "defaults") -> str:
-    """Whether each setting's steps were faster or slower than ``base``'s, said only where the data can tell:
-    the launch had its devices to itself (``occupancy``), ``base`` run ``again`` at the end of the launch
-    stayed within the range of its first run's steps (the order of the runs did not change the times), and
-    the setting's steps all lie outside that range. Otherwise the sentence says why it withholds a verdict."""
-    first = _steps_ms(settings[base])
-    lo, hi = min(first), max(first)
-    repeat = statistics.median(_steps_ms(again))
-    head = (f"{base}: steps {lo:.1f}-{hi:.1f} ms at the start of the launch, median {repeat:.1f} ms when run "
-            f"again at its end. ")
-    if not occupancy.alone:
-        return head + f"No verdict: {occupancy}, so the step times measure that load as much as the settings."
-    if not lo <= repeat <= hi:
-        return head + ("No verdict: the same configuration changed its time between the start and the end of "
-                       "the launch, so the order of the runs would decide which looks faster.")
-    lines = []
+    """Each setting's steps against ``base``'s, through the course's load guard (:func:`load_guard.compare`): a
+    verdict only where the launch had its devices to itself (``load``), ``base`` run ``again`` at the end of the
+    launch stayed within its first run's spread, and the difference exceeds the steps' spread; otherwise the
+    line says why it withholds one. Steps after each run's first (which warms up)."""
+    first, repeat = _steps_ms(settings[base]), _steps_ms(again)
+    lines = [f"Load beside the launch: {load.reason() or 'none, it had its devices to itself'}."]
     for name, record in settings.items():
-        if name == base:
-            continue
-        steps = _steps_ms(record)
-        if max(steps) < lo:
-            lines.append(f"{name} faster than {base} in every step ({min(steps):.1f}-{max(steps):.1f} ms)")
-        elif min(steps) > hi:
-            lines.append(f"{name} slower than {base} in every step ({min(steps):.1f}-{max(steps):.1f} ms)")
-        else:
-            lines.append(f"{name} within {base}'s spread ({min(steps):.1f}-{max(steps):.1f} ms): no verdict")
-    return head + "The launch had its devices to itself; " + "; ".join(lines) + "."
+        if name != base:
+            verdict = load_guard.compare({base: [t / 1000 for t in first], name: [t / 1000 for t in _steps_ms(record)]},
+                                         load, repeat=[t / 1000 for t in repeat])
+            lines.append(f"{name}: {load_guard.sentence(verdict)}")
+    return "\n".join(lines)
 
 
 def logged_table(runs: Sequence[records.Record]) -> str:
