@@ -289,7 +289,34 @@ def test_the_accumulated_gradient_against_an_fp32_reference(swept):
     runs = {("accum", (2, d)): swept[f"accum {d}"] for d in ("bf16", "fp32", "fp32 training")}
     table = precision.grad_accum_table(runs)
     assert "ZeRO-2, bf16, accumulated in fp32" in table and "step 1 equal" in table
-    assert "accumulated in fp32: True" in precision.grad_accum_verdicts(runs)
+    # ZeRO-2 keeps only its partition, in the accumulation dtype, mid-accumulation and at the boundary alike
+    assert "1.00             1.00" in table and "2.00             2.00" in table
+    assert precision.gradient_held_lines(runs) == ""
+    verdicts = precision.grad_accum_verdicts(runs)
+    assert "accumulated in fp32: True" in verdicts and "losses of the two runs within 1e-03" in verdicts
+    summary = precision.grad_accum_error_summary(runs)
+    share = fp32_accum["relative_error"] / bf16["relative_error"]
+    assert summary.startswith("Accumulating in fp32 instead of bf16 (ZeRO-2 ") and f"keeps {share:.0%}-{share:.0%}" in summary
+    errors = precision.grad_accum_error_table(runs).splitlines()
+    assert errors[-1].startswith("ZeRO-2, fp32 training") and errors[-1].split()[-2:] == ["-", "-"]
+
+
+def test_a_stage_that_reduces_at_the_boundary_holds_the_whole_gradient_until_then(swept):
+    """ZeRO-1's accumulation: the whole gradient mid-accumulation, its partition once reduced at the boundary."""
+    summary = copy.deepcopy(swept["accum bf16"].summary)
+    params = swept["accum bf16"].params
+    for states in summary["memory"]["model_states_bytes_per_rank"]:
+        states["grads"] = 2 * params
+    for placement in summary["memory"]["placement_bytes_per_rank"]:
+        placement["accelerator"]["grads"], placement["host"]["grads"] = params, 0
+    runs = {("accum", (1, "bf16")): records.Record(summary),
+            ("accum", (0, "fp32")): RuntimeError("NotImplementedError: unsupported mix")}
+    table = precision.grad_accum_table(runs).splitlines()
+    assert "2.00" in table[2] and "1.00" in table[2] and "refused" not in table[2]  # the refusal: under the table
+    assert table[-1] == "ZeRO-0, bf16, accumulated in fp32: refused by deepspeed.initialize: NotImplementedError: unsupported mix"
+    assert precision.gradient_held_lines(runs) == (
+        "ZeRO-1, bf16, accumulated in bf16: 2.00 B/param while it accumulates (the whole gradient on every rank), "
+        f"1.00 at the boundary (after the reduction, its 1/{summary['world_size']} partition only)")
 
 
 def test_a_bad_reference_model_fails_before_launch(monkeypatch):
@@ -338,7 +365,10 @@ def test_committed_gpu_results_are_shown_beside_the_learners(swept, demos, tmp_p
     commit("precision-speed", {"ZeRO-2 fp32": swept["accum fp32 training"], "ZeRO-2 bf16": swept["stage 2"]})
     report = precision.speed_reference_report()
     assert "Measured on 2 x Test GPU, 2026-01-01" in report and "ZeRO-2 bf16" in report
-    assert "no verdict: the run shared its machine" in report  # its conditions do not say it ran alone
+    assert "ZeRO-2 bf16" in report and "(no verdict: not measured alone" in report  # its conditions do not say alone
+    assert "peak" not in report and "Conditions:" not in report  # the short form: steps and one sentence
+    detail = precision.speed_reference_report(detail=True)
+    assert "Conditions: " in detail and "no verdict: the run is not known to have had its machine to itself" in detail
 
 
 def _timed(record: records.Record, steps_ms: list[float], device: str = "NVIDIA H200") -> records.Record:
@@ -355,7 +385,11 @@ def test_a_speed_verdict_only_alone_and_beyond_the_spread_of_the_steps(swept):
     overlapping = {"ZeRO-2 fp32": fp32, "ZeRO-2 bf16": _timed(swept["stage 2"], [90, 45, 51, 53])}
     assert "1.27x ZeRO-2 fp32's speed (median step), its steps all faster" in precision.speed_explanation(apart, alone=True)
     shared = precision.speed_explanation(apart, alone=False)
-    assert "no verdict: the run shared its machine with other work." in shared and "all faster" not in shared
+    assert "no verdict: the run is not known to have had its machine to itself." in shared and "all faster" not in shared
+    assert "need at least" not in precision.speed_explanation(apart, alone=True, flops=False)
+    assert precision.speed_summary(apart, alone=True) == "Median step speed against ZeRO-2 fp32: ZeRO-2 bf16 1.27x (faster, every step)."
+    assert precision.speed_summary(overlapping, alone=False).endswith(
+        "(no verdict: not measured alone and its steps' range overlaps).")
     assert "no verdict: its steps' range overlaps" in precision.speed_explanation(overlapping, alone=True)
     text = precision.speed_explanation(apart, alone=True)
     assert "40.0-42.0 ms" in text and "need at least" in text and "lower bounds on the products' time" in text
@@ -408,8 +442,9 @@ def test_the_collective_tables_compare_each_precision_with_fp32(swept):
     table = precision.collective_bytes_table(runs)
     assert "all_reduce 2,004" in table and "0.500" in table and "1.000" in table
     verdict = precision.gradient_bytes_verdict(runs)
-    assert verdict == ("ZeRO-2, gradient reduction (all_reduce issued by DeepSpeed's allreduce_bucket), bytes per step: "
-                       "fp32 4,000; bf16 2,000 (0.50 of fp32's)")
+    assert verdict == ("ZeRO-2, gradient reduction (all_reduce issued by DeepSpeed's allreduce_bucket), per step: "
+                       "fp32 2 x 2,000 = 4,000 bytes; bf16 2 x 1,000 = 2,000 bytes (0.50 of fp32's)\n"
+                       "  the few other bytes: fp32 get_grad_norm_direct 4; bf16 get_grad_norm_direct 4")
 
 
 def test_the_fp32_reference_probe_for_a_script_names_its_model():

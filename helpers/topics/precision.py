@@ -508,69 +508,115 @@ def _accum_label(stage: int, dtype: str) -> str:
     return f"ZeRO-{stage}, " + ("fp32 training" if dtype == "fp32 training" else f"bf16, accumulated in {dtype}")
 
 
-def grad_accum_table(runs: Mapping[Any, Any], rank: int = 0) -> str:
-    """Per accumulation run (keys ("accum", (stage, dtype))): DeepSpeed's optimizer, the dtype and bytes per
-    parameter of the gradients ``rank`` holds at the boundary, and its losses against the same stage
-    accumulating in fp32 (bf16's tolerance; the first step's exactly). Device-independent: nbval checks it."""
+def _grads_per_param(r: records.Record, rank: int) -> tuple[float, float]:
+    """Gradient bytes per parameter ``rank`` held after the first micro-step's backward (while accumulating)
+    and after the last one (at the boundary, once DeepSpeed has reduced)."""
+    placement = r.memory.placement(rank)
+    return r.states(rank)["grads"] / r.params, (placement["accelerator"]["grads"] + placement["host"]["grads"]) / r.params
 
-    rows = []
+
+def grad_accum_table(runs: Mapping[Any, Any], rank: int = 0) -> str:
+    """Per accumulation run (keys ("accum", (stage, dtype))): DeepSpeed's optimizer, the dtypes of the gradients
+    ``rank`` holds, their bytes per parameter while accumulating and at the boundary, and its losses against the
+    same stage accumulating in fp32 (bf16's tolerance; the first step's exactly). Runs ``deepspeed.initialize``
+    refused follow the table, one line each. Device-independent: nbval checks it."""
+
+    rows, refused = [], []
     for (_, (stage, dtype)), r in sorted(((k, r) for k, r in runs.items() if k[0] == "accum"), key=lambda kr: kr[0][1]):
         label = _accum_label(stage, dtype)
         if isinstance(r, Exception):
-            error = str(r).split("failed: ", 1)[-1].splitlines()[0]
-            rows.append([label, "refused by deepspeed.initialize", error, "-", "-"])
+            refused.append(f"{label}: refused by deepspeed.initialize: {str(r).split('failed: ', 1)[-1].splitlines()[0]}")
             continue
-        placement = r.memory.placement(rank)
-        grads = placement["accelerator"]["grads"] + placement["host"]["grads"]
+        during, boundary = _grads_per_param(r, rank)
         base = runs.get(("accum", (stage, "fp32")))
         versus = "-"
         if dtype == "bf16" and isinstance(base, records.Record):
             first = "step 1 equal" if r.losses[0] == base.losses[0] else "step 1 differs"
             versus = f"{first}, all {records.loss_agreement(base.losses, r.losses, 'bf16')}"
-        rows.append([label, r["optimizer"], ", ".join(placement["dtypes"]["grads"]), f"{grads / r.params:.2f}", versus])
-    return records.format_table(rows, ["run", "DeepSpeed's optimizer", "gradients held", "gradient B/param",
-                                       "losses vs accumulated in fp32"])
+        rows.append([label, r["optimizer"], ", ".join(r.memory.placement(rank)["dtypes"]["grads"]),
+                     f"{during:.2f}", f"{boundary:.2f}", versus])
+    table = records.format_table(rows, ["run", "DeepSpeed's optimizer", "gradients held", "grad B/param accumulating",
+                                        "at the boundary", "losses vs accumulated in fp32"]) if rows else ""
+    return "\n".join([table] * bool(rows) + refused)
 
 
-def grad_accum_verdicts(runs: Mapping[Any, Any], tolerance: float = 1e-5) -> str:
+def gradient_held_lines(runs: Mapping[Any, Any], rank: int = 0) -> str:
+    """A line per accumulation run whose gradient bytes differ while accumulating and at the boundary: what it
+    holds in each phase (a stage that keeps whole gradients until the boundary reduction, then its partition)."""
+    lines = []
+    for (_, (stage, dtype)), r in sorted(((k, r) for k, r in runs.items() if k[0] == "accum"), key=lambda kr: kr[0][1]):
+        if not isinstance(r, records.Record):
+            continue
+        during, boundary = _grads_per_param(r, rank)
+        if during != boundary:
+            lines.append(f"{_accum_label(stage, dtype)}: {during:.2f} B/param while it accumulates (the whole gradient "
+                         f"on every rank), {boundary:.2f} at the boundary (after the reduction, its 1/{r['world_size']}"
+                         f" partition{' only' if boundary * r['world_size'] == during else ''})")
+    return "\n".join(lines)
+
+
+def grad_accum_verdicts(runs: Mapping[Any, Any], gradient_tolerance: float = records.LOSS_TOLERANCE["fp32"] * 10,
+                        loss_tolerance: float = records.LOSS_TOLERANCE["bf16"]) -> str:
     """Device-independent properties of the accumulation runs: fp32 training's accumulated gradient against
-    the probe's fp32 reference (the reference checked by an independent computation), and per stage whether
-    accumulating in bf16 left the gradient further from the reference than accumulating in fp32, and whether
-    the two runs' losses agree within ``tolerance``."""
+    the probe's fp32 reference within ``gradient_tolerance`` (two fp32 sums: an fp32 tolerance), and per stage
+    whether accumulating in bf16 left the gradient further from the reference than accumulating in fp32, and
+    whether the two runs' losses agree within ``loss_tolerance`` (bf16's, as every bf16 loss comparison)."""
     lines = []
     fp32 = runs.get(("accum", (2, "fp32 training")))
     if isinstance(fp32, records.Record):
         error = accumulated_gradient(fp32)["relative_error"]
         lines.append(f"fp32 training (ZeRO-2): DeepSpeed's step-1 gradient vs the fp32 reference computed apart: "
-                     f"{'within' if error <= tolerance else 'differ by more than'} {tolerance:.0e} (relative)")
+                     f"{'within' if error <= gradient_tolerance else 'differ by more than'} {gradient_tolerance:.0e} "
+                     "(relative; two fp32 sums)")
     for (_, (stage, dtype)), r in sorted(((k, r) for k, r in runs.items() if k[0] == "accum"), key=lambda kr: kr[0][1]):
         other = runs.get(("accum", (stage, "fp32")))
         if dtype != "bf16" or not isinstance(r, records.Record) or not isinstance(other, records.Record):
             continue
         bf16_error, fp32_error = accumulated_gradient(r)["relative_error"], accumulated_gradient(other)["relative_error"]
-        gap = max(abs(a - b) for a, b in zip(r.losses, other.losses))
         lines.append(f"ZeRO-{stage}: accumulated in bf16, the step-1 gradient is further from the fp32 reference than "
                      f"accumulated in fp32: {bf16_error > fp32_error}; losses of the two runs "
-                     f"{'within' if gap <= tolerance else 'differ by more than'} {tolerance:.0e}")
+                     f"{records.loss_agreement(r.losses, other.losses, tolerance=loss_tolerance)}")
     return "\n".join(lines)
 
 
 def grad_accum_error_table(runs: Mapping[Any, Any]) -> str:
     """Per accumulation run: the first step's accumulated gradient against the fp32 reference (relative error),
-    and the largest loss difference over the run against the same stage accumulating in fp32 and against
-    fp32 training. Digits that depend on the processor: print where nbval does not compare."""
+    and the largest loss difference over the run against the same stage's bf16 run accumulating in fp32 and
+    against fp32 training. Digits that depend on the processor: print where nbval does not compare."""
 
     fp32 = runs.get(("accum", (2, "fp32 training")))
     rows = []
     for (_, (stage, dtype)), r in sorted(((k, r) for k, r in runs.items() if k[0] == "accum"), key=lambda kr: kr[0][1]):
         if isinstance(r, Exception):
             continue
-        base = runs.get(("accum", (stage, "fp32")))
+        base = None if dtype == "fp32 training" else runs.get(("accum", (stage, "fp32")))
         gap = lambda other: (f"{max(abs(a - b) for a, b in zip(r.losses, other.losses)):.1e}"  # noqa: E731
                              if isinstance(other, records.Record) and other is not r else "-")
         rows.append([_accum_label(stage, dtype), f"{accumulated_gradient(r)['relative_error']:.1e}", gap(base), gap(fp32)])
     return records.format_table(rows, ["run", "step-1 gradient vs fp32 reference (relative)",
-                                       "max loss gap vs accumulated in fp32", "max loss gap vs fp32 training"])
+                                       "max loss gap vs bf16 accumulated in fp32", "max loss gap vs fp32 training"])
+
+
+def grad_accum_error_summary(runs: Mapping[Any, Any]) -> str:
+    """One sentence from the accumulation runs' gradient errors: how much of bf16 accumulation's error remains
+    when the same stage accumulates in fp32 (what computing in bf16 costs alone), beside fp32 training's error."""
+    shares, errors = [], []
+    for (_, (stage, dtype)), r in sorted(((k, r) for k, r in runs.items() if k[0] == "accum"), key=lambda kr: kr[0][1]):
+        other = runs.get(("accum", (stage, "fp32")))
+        if dtype == "bf16" and isinstance(r, records.Record) and isinstance(other, records.Record):
+            bf16, fp32 = accumulated_gradient(r)["relative_error"], accumulated_gradient(other)["relative_error"]
+            shares.append(fp32 / bf16)
+            errors.append(f"ZeRO-{stage} {bf16:.1e} -> {fp32:.1e}")
+    if not shares:
+        return "no pair of bf16 runs accumulated in bf16 and in fp32"
+    low, high = min(shares), max(shares)
+    training = runs.get(("accum", (2, "fp32 training")))
+    tail = (f"; fp32 training's gradient is {accumulated_gradient(training)['relative_error']:.1e} from it"
+            if isinstance(training, records.Record) else "")
+    part = "most" if low > 0.5 else "about half" if high >= 0.4 else "a small part"
+    return (f"Accumulating in fp32 instead of bf16 ({'; '.join(errors)}) keeps {low:.0%}-{high:.0%} of the error: "
+            f"{part} of it comes from computing the forward and backward in bf16, which the accumulation dtype does "
+            f"not change{tail}.")
 
 
 # --- the source article's configuration ---------------------------------------------------------------
@@ -657,20 +703,27 @@ def collective_bytes_table(runs: Mapping[Any, Any]) -> str:
 
 
 def gradient_bytes_verdict(runs: Mapping[Any, Any]) -> str:
-    """A line per ZeRO stage from the runs' collectives (keys (stage, precision)): the bytes per step of the
-    largest collective of the fp32 step, by the DeepSpeed function that issued it (the gradient reduction),
-    in each 16-bit run against fp32's."""
+    """Lines per ZeRO stage from the runs' collectives (keys (stage, precision)), in bytes as DeepSpeed's comms
+    logger counts them (each rank's input to the call): the gradient reduction (the largest caller of the fp32
+    step) in calls per step times bytes per call, each 16-bit run against fp32's; then the same collective's
+    other callers (a norm, an overflow flag)."""
     lines = []
     for stage in sorted({s for s, _ in runs}):
         fp32 = runs.get((stage, "fp32"))
         if fp32 is None or not fp32.comm.by_caller:
             continue
-        op, caller, base = max(((op, caller, row["bytes"]) for op, callers in fp32.comm.by_caller.items()
-                                for caller, row in callers.items()), key=lambda found: found[2])
-        halves = [f"{p} {r.comm.by_caller[op][caller]['bytes']:,.0f} ({r.comm.by_caller[op][caller]['bytes'] / base:.2f} of fp32's)"
-                  for (s, p), r in runs.items() if s == stage and p != "fp32" and caller in (r.comm.by_caller or {}).get(op, {})]
-        lines.append(f"ZeRO-{stage}, gradient reduction ({op} issued by DeepSpeed's {caller}), bytes per step: "
-                     f"fp32 {base:,.0f}; " + "; ".join(halves))
+        op, caller, _ = max(((op, caller, row["bytes"]) for op, callers in fp32.comm.by_caller.items()
+                             for caller, row in callers.items()), key=lambda found: found[2])
+        here = {p: r.comm.by_caller[op][caller] for (s, p), r in runs.items()
+                if s == stage and caller in (r.comm.by_caller or {}).get(op, {})}
+        base = here["fp32"]["bytes"]
+        lines.append(f"ZeRO-{stage}, gradient reduction ({op} issued by DeepSpeed's {caller}), per step: " + "; ".join(
+            f"{p} {row['count']:g} x {row['bytes'] / row['count']:,.0f} = {row['bytes']:,.0f} bytes"
+            + (f" ({row['bytes'] / base:.2f} of fp32's)" if p != "fp32" else "") for p, row in here.items()))
+        rest = [f"{p} {other} {row['bytes']:,.0f}" for (s, p), r in runs.items() if s == stage
+                for other, row in (r.comm.by_caller or {}).get(op, {}).items() if other != caller]
+        if rest:
+            lines.append(f"  the few other bytes: {'; '.join(rest)}")
     return "\n".join(lines)
 
 
@@ -726,13 +779,15 @@ def loss_scale_reference_report(demos: Mapping[str, Any], name: str = "loss-scal
     return "\n\n".join(parts)
 
 
-def speed_table(runs: Mapping[Any, Any], rank: int = 0) -> str:
-    """Per run: median step time, samples per second, peak memory of ``rank`` (timings: not for nbval)."""
+def speed_table(runs: Mapping[Any, Any], rank: int = 0, peak: bool = True) -> str:
+    """Per run: median step time, samples per second, and (``peak``) peak memory of ``rank`` (timings: not
+    for nbval)."""
 
-    rows = [[r.label, f"{r.timing.median_s * 1000:.1f}", f"{r['samples_per_s']:,.0f}",
-             records.format_peak(r, rank)] for r in runs.values()]
+    rows = [[r.label, f"{r.timing.median_s * 1000:.1f}", f"{r['samples_per_s']:,.0f}"]
+            + [records.format_peak(r, rank)] * peak for r in runs.values()]
     first = next(iter(runs.values()))
-    return records.format_table(rows, ["run", "step ms", "samples/s", f"peak ({first.memory.peak_source})"])
+    return records.format_table(rows, ["run", "step ms", "samples/s"]
+                                + [f"peak ({first.memory.peak_source})"] * peak)
 
 
 # --- the formats, from torch itself ----------------------------------------------------------------
@@ -844,13 +899,14 @@ def timed_steps(record: records.Record) -> list[float]:
     return sorted(record["step_time_s"]["all"][1:])
 
 
-def speed_explanation(runs: Mapping[str, records.Record], alone: bool, base: str = "ZeRO-2 fp32") -> str:
+def speed_explanation(runs: Mapping[str, records.Record], alone: bool, base: str = "ZeRO-2 fp32",
+                      flops: bool = True) -> str:
     """What the step times of ``runs`` ({"ZeRO-2 fp32": record, "ZeRO-2 bf16": record, ...}, one device) show,
     from their own data: the range of each run's timed steps; a speed verdict for each 16-bit run only where
     the run had its devices to itself (``alone``) and the two ranges do not overlap (the difference exceeds the
     spread of the measured steps), else why it is withheld; and how long the model's matrix products take at
     least, at the datasheets' fp32 and dense 16-bit peaks (6 x parameters x samples FLOPs per rank: an MLP's
-    FLOPs are its matrix products), a lower bound on their time in the step, not a measure of it."""
+    FLOPs are its matrix products), a lower bound on their time in the step, not a measure of it (``flops``)."""
     fp32 = runs.get(base)
     if fp32 is None:
         return f"no {base} run to compare with"
@@ -866,9 +922,11 @@ def speed_explanation(runs: Mapping[str, records.Record], alone: bool, base: str
             lines.append(f"{name}: {ratio:.2f}x {base}'s speed (median step), its steps all "
                          f"{'faster' if ratio > 1 else 'slower'} than every {base} step.")
         else:
-            why = [reason for reason, holds in (("the run shared its machine with other work", not alone),
+            why = [reason for reason, holds in (("the run is not known to have had its machine to itself", not alone),
                                                 (f"its steps' range overlaps {base}'s", not apart)) if holds]
             lines.append(f"{name}: median step {ratio:.2f}x {base}'s speed, no verdict: {' and '.join(why)}.")
+    if not flops:
+        return "\n".join(lines)
     device_name = fp32["device_name"]
     peak32, source32 = peak_fp32_tflops(device_name)
     peak16, source16 = performance.peak_tflops(device_name)
@@ -886,16 +944,40 @@ def speed_explanation(runs: Mapping[str, records.Record], alone: bool, base: str
     return "\n".join(lines)
 
 
-def speed_reference_report(name: str = "precision-speed") -> str:
-    """Step time and peak device memory per precision, measured on GPUs (committed references), each with
-    :func:`speed_explanation` of its own runs (alone: what its conditions say)."""
+def speed_summary(runs: Mapping[str, records.Record], alone: bool, base: str = "ZeRO-2 fp32") -> str:
+    """One sentence on ``runs``' step times: each 16-bit run's median speed against ``base``'s, then the verdict
+    (:func:`speed_explanation`'s rule: alone, and ranges apart) or why it is withheld."""
+    fp32 = runs.get(base)
+    if fp32 is None:
+        return f"no {base} run to compare with"
+    spread = {name: timed_steps(r) for name, r in runs.items()}
+    parts = []
+    for name, r in runs.items():
+        if name == base:
+            continue
+        ratio = fp32.timing.median_s / r.timing.median_s
+        apart = spread[name][-1] < spread[base][0] or spread[name][0] > spread[base][-1]
+        verdict = (f"{'faster' if ratio > 1 else 'slower'}, every step" if alone and apart else "no verdict: " + " and ".join(
+            why for why, holds in (("not measured alone", not alone), ("its steps' range overlaps", not apart)) if holds))
+        parts.append(f"{name} {ratio:.2f}x ({verdict})")
+    return f"Median step speed against {base}: " + "; ".join(parts) + "."
+
+
+def speed_reference_report(name: str = "precision-speed", detail: bool = False) -> str:
+    """Step times per precision, measured on GPUs (committed references): each device's table and
+    :func:`speed_summary` (alone: what its conditions say); with ``detail``, its conditions, peak device memory
+    and :func:`speed_explanation` instead."""
     found = references.reference_runs(name)
     if not found:
         return references.no_references(name, references.GPU_HOW)
     parts = []
     for (device, date, note, runs), conditions in zip(found, references.reference_conditions(name)):
-        parts.append(f"Measured on {device}, {date} ({note}):\nConditions: {conditions}\n{speed_table(runs)}\n"
-                     f"{speed_explanation(runs, alone=ran_alone(conditions))}")
+        alone = ran_alone(conditions)
+        if detail:
+            parts.append(f"Measured on {device}, {date} ({note}):\nConditions: {conditions}\n{speed_table(runs)}\n"
+                         f"{speed_explanation(runs, alone=alone)}")
+        else:
+            parts.append(f"Measured on {device}, {date}:\n{speed_table(runs, peak=False)}\n{speed_summary(runs, alone)}")
     return "\n\n".join(parts)
 
 
