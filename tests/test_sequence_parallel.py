@@ -163,6 +163,7 @@ def test_the_activation_check_says_exact_on_cpu_and_names_cudas_rng_state():
     assert "seed and offset" in sp.activation_check(rows("cuda", sp.SDPA_CUDA_RNG_BYTES))
     assert "not explained" in sp.activation_check(rows("cuda", 8))
     assert "not explained" in sp.activation_check(rows("cpu", 16))
+    assert "int64" not in sp.activation_check(rows("cpu", 0))  # the CUDA detail is the closing section's
 
 
 def test_what_if_rows_pick_the_cheapest_way_per_length():
@@ -177,15 +178,57 @@ def test_what_if_rows_pick_the_cheapest_way_per_length():
                next(r["NVLink 4"] for r in rows if r["seq"] == s and r["way"] == way) for s, way in sends.items())
 
 
-def test_the_config_exercise_wants_the_largest_group_and_the_asked_samples():
-    test = sp.ulysses_config_test(8, "llama-medium", 6144, 16)
-    right = {"train_micro_batch_size_per_gpu": 8, "sequence_parallel_size": 4, **OPTIMIZER}
+def test_the_config_exercise_wants_the_largest_group_the_stage_and_the_asked_samples():
+    test = sp.ulysses_config_test(16, "llama-medium", 6144, 32, stage=3)
+    right = {"train_micro_batch_size_per_gpu": 8, "sequence_parallel_size": 4, "zero_optimization": {"stage": 3},
+             **OPTIMIZER}
     assert test(right)[0]
     assert not test({**right, "sequence_parallel_size": 2})[0]  # allowed, not the largest
     assert not test({**right, "sequence_parallel_size": 8})[0]  # 12 heads
-    assert not test({**right, "train_micro_batch_size_per_gpu": 4})[0]  # 8 samples
+    assert not test({**right, "train_micro_batch_size_per_gpu": 4})[0]  # 4 groups x 4: 16 samples
+    assert "ZeRO-3" in test({**right, "zero_optimization": {"stage": 1}})[1]
     assert "not a config" in test([1])[1]
     assert not sp.exercise_ulysses_config(...).answered
+
+
+def test_the_ulysses_bytes_split_into_all_to_alls_positions_and_zero3_and_the_all_to_alls_grow_with_tokens():
+    shape, psi = sp.ARTICLE_SHAPE, models.llama_7b_parameters()
+    for seq in (4096, 65536):
+        parts = sp.ulysses_sent_parts(shape, psi, seq, 8, "bf16", regather=True)
+        assert sum(parts.values()) == sp.predicted_sent_bytes("ulysses-compare", shape, psi, seq, 8, "bf16", regather=True)
+        assert parts["all-to-alls"] == 8 * sp.all_to_all_wire_bytes(shape.layers, 1, seq, shape.hidden, shape.heads,
+                                                                    shape.heads, 8, "bf16")
+    rows = sp.what_if_rows(shape, psi, 8, (4096, 262144))
+    text = sp.ulysses_split_sentence(rows)
+    assert "4,096 tokens: all-to-alls 7 GiB (2%)" in text and "most of it ZeRO-3;" in text
+    assert text.endswith("most of it the all-to-alls.")
+
+
+def test_the_formula_names_each_kind_of_all_to_all_only_when_their_sizes_differ():
+    same = sp.all_to_all_calls(2, 1, 64, 64, 4, 4, 2)
+    assert sp._bytes_each(same) == f"{4 * 32 * 64:,}"
+    fewer_kv = sp.all_to_all_calls(2, 1, 64, 64, 4, 1, 2)
+    assert sp._bytes_each(fewer_kv) == f"queries and outputs {4 * 32 * 64:,}; keys and values {4 * 32 * 2 * 16:,}"
+
+
+def test_the_timing_verdict_needs_the_devices_alone_and_a_difference_beyond_the_spread():
+    def run(times):
+        return types.SimpleNamespace(timing=types.SimpleNamespace(all_s=times, median_s=sorted(times)[len(times) // 2]))
+    runs = {"ulysses-compare": run([2.0, 2.1, 2.2]), "zero3": run([0.3, 0.35, 0.4])}
+    assert "slower here" in sp.timing_verdict(runs, "executed by check-gpu, alone")
+    assert "withheld, the devices" in sp.timing_verdict(runs, "not stated")
+    close = {"ulysses-compare": run([0.3, 0.5, 0.9]), "zero3": run([0.3, 0.35, 0.4])}
+    assert "within the spread" in sp.timing_verdict(close, "executed by check-gpu, alone")
+
+
+def test_the_pages_settings_reach_the_named_runs_and_an_unknown_run_is_refused(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(sp.launch, "sweep", lambda specs, **kw: seen.update(specs) or {})
+    sp.sequence_parallel_runs(world_size=2, settings={"ulysses": {"gradient_clipping": 0.5}})
+    assert seen["ulysses"].overrides["gradient_clipping"] == 0.5
+    assert "gradient_clipping" not in seen["data-parallel"].overrides
+    with pytest.raises(ValueError, match="no such run"):
+        sp.sequence_parallel_runs(world_size=2, settings={"ulyses": {}})
 
 
 def test_ulysses_gradients_travel_in_deepspeeds_sequence_parallel_communication_type():

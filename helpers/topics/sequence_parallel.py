@@ -11,7 +11,8 @@ DeepSpeed 0.19.8 ships it for Hugging Face models as ``UlyssesSPAttentionHF``
   ``deepspeed.initialize`` needs;
 - :func:`train_step`, a run's trainer: each rank takes its slice of the tokens (with their global
   ``position_ids``), and the sequence's loss is the mean of the slices' losses, gathered with a
-  differentiable all-gather, as DeepSpeed's tutorial does;
+  differentiable all-gather, as DeepSpeed's ALST tutorial does ("Loss averaging",
+  https://www.deepspeed.ai/tutorials/ulysses-alst-sequence-parallelism/);
 - :func:`rank_code`: the chapter writes these two functions on its page (``runs/12b/ulysses_rank.py``) and
   its launch runs that module; this module's copies serve the unit tests and any caller without a page;
 - :func:`findings`: what DeepSpeed and transformers refuse, checked before any process starts;
@@ -21,6 +22,7 @@ DeepSpeed 0.19.8 ships it for Hugging Face models as ``UlyssesSPAttentionHF``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -140,8 +142,9 @@ def token_slice(seq: int, size: int, rank: int) -> slice:
 def train_step(ctx: RunContext, run: PlannedRun, step: int, probes: list[Probe]) -> list[float]:
     """One optimizer step with Ulysses: each micro-step this rank takes its slice of every sample's tokens
     (and their global positions), and the loss of the sequences is the mean of the group's slice losses
-    (equal slices: equal weights), gathered with ``torch.distributed.nn.functional.all_gather``, which
-    carries the gradient back to each slice. Without sequence parallelism, the whole samples. With
+    (equal slices: equal weights), gathered with ``torch.distributed.nn.functional.all_gather``, whose
+    backward sums every rank's dL/dl_r (1/P each): each rank backpropagates its own slice loss at weight 1, so
+    the whole sequence's gradient is the mean of the group's. Without sequence parallelism, the whole samples. With
     ``options["divide_by_group"]``, what goes backward is that loss divided by the group's size (the loss
     reported is not). Returns this rank's micro-batch losses."""
     import deepspeed.comm as dist  # deferred: DeepSpeed is imported on the ranks, after its accelerator is chosen
@@ -336,7 +339,7 @@ SCALE_SENSITIVE = {"gradient_clipping": 0.0, "optimizer": {"params": {"eps": 1.0
 
 def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, growing: Sequence[int] = GROWING,
                            world_size: int | None = None, precision: str = "fp32",
-                           code: tuple[str, str] = (BUILDER, TRAINER)) -> dict:
+                           code: tuple[str, str] = (BUILDER, TRAINER), settings: Mapping[str, dict] | None = None) -> dict:
     """One launch on N ranks (ZeRO-1 unless named, no accumulation unless said), every model with ``sdpa``,
     built and trained by ``code`` (import paths of a builder and a trainer: the chapter's page, through
     :func:`rank_code`, or this module's :func:`build_model` and :func:`train_step`):
@@ -345,7 +348,7 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
       rank) or by tokens (every sample, s/N tokens of it per rank): losses, gradient norms, all-to-alls;
       ``ulysses-zero3`` the same under ZeRO-3;
     - ``scale-<run>``: data parallelism and Ulysses under ZeRO-1 and ZeRO-3 with :data:`SCALE_SENSITIVE`, each
-      Ulysses loss as DeepSpeed's tutorial writes it or divided by N (``-divided``), and ZeRO-3 with
+      Ulysses loss as DeepSpeed's ALST tutorial writes it or divided by N (``-divided``), and ZeRO-3 with
       ``reduce_scatter`` off (``-contiguous``, its other reduction path): the gradient's scale;
     - ``one-sequence-<s>`` and ``ulysses-<s>``: one sample of s tokens per rank, or one split over the
       N ranks, for each s of ``growing``: activation memory per rank as the sequence grows;
@@ -355,6 +358,7 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
       split over the ranks, N micro-steps, with ZeRO-3 for the model states, as Arctic Long Sequence Training runs it);
     - ``ulysses-eager``: Ulysses asked to wrap eager attention (refused by DeepSpeed; recorded).
 
+    ``settings`` ({run name: DeepSpeed config keys}, the chapter's page) are merged last into the named runs.
     Each run's Ulysses constraints are checked first (:func:`findings`). Returns {run name: Record or RunFailed}."""
     world = environment.detect(world_size).default_world_size
     if batch % world:
@@ -396,10 +400,25 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
     specs["ulysses-compare"] = _spec("zero3", batches(1, world, **sp), size, steps, probes=compared)
     specs["ulysses-eager"] = _spec("zero1", batches(batch, **sp), size, 1, probes=(),
                                    model_options={"attention": "eager"}, on_error="record")
+    for name, extra in (settings or {}).items():
+        if name not in specs:
+            raise ValueError(f"settings for {name!r}: no such run (one of {', '.join(specs)})")
+        specs[name] = dataclasses.replace(specs[name], overrides=configs.merged(specs[name].overrides, extra))
     for name, spec in specs.items():
         if spec.builder == code[0] and name != "ulysses-eager":
             _raise_on_errors(spec, world, name)
     return launch.sweep(specs, name=f"sequence-parallel-{size}", world_size=world_size)
+
+
+def settings_table(runs: Mapping[str, Any], names: Sequence[str]) -> str:
+    """The DeepSpeed settings each named run was given, read back from its record's config: group size, ZeRO
+    stage, gradient clipping and AdamW's eps (DeepSpeed's default where the config sets none)."""
+    rows = []
+    for name in names:
+        c = runs[name].config
+        rows.append([name, c.get("sequence_parallel_size", 1), c.get("zero_optimization", {}).get("stage", 0),
+                     c.get("gradient_clipping", 0.0), c.get("optimizer", {}).get("params", {}).get("eps", "default")])
+    return records.format_table(rows, ["run", "sequence_parallel_size", "ZeRO stage", "gradient_clipping", "AdamW eps"])
 
 
 def _raise_on_errors(spec: launch.RunSpec, world: int, name: str) -> None:
@@ -543,9 +562,17 @@ def all_to_all_table(record: records.Record, seq: int | None = None) -> str:
     sent = theory.wire_bytes("all_to_all_single", measured["bytes"], size)
     rows = [["measured (comms logger)", f"{measured['count']:g}",
              f"{measured['bytes'] / max(measured['count'], 1):,.0f}", f"{measured['bytes']:,.0f}", f"{sent:,.0f}"],
-            ["formula", f"{calls:g}", " / ".join(f"{each:,.0f}" for _, each in formula.values()), f"{total:,.0f}",
-             f"{total * (size - 1) / size:,.0f}"]]
+            ["formula", f"{calls:g}", _bytes_each(formula), f"{total:,.0f}", f"{total * (size - 1) / size:,.0f}"]]
     return records.format_table(rows, ["all-to-alls per step", "calls", "bytes each", "bytes", "sent by a rank"])
+
+
+def _bytes_each(formula: Mapping[str, tuple[int, float]]) -> str:
+    """The formula's bytes per call: one number where every call is the same size (as many key/value heads as
+    query heads), else each kind of call named."""
+    sizes = {each for _, each in formula.values()}
+    if len(sizes) == 1:
+        return f"{sizes.pop():,.0f}"
+    return "; ".join(f"{what} {each:,.0f}" for what, (_, each) in formula.items())
 
 
 def all_to_all_agrees(record: records.Record, seq: int | None = None) -> bool:
@@ -620,8 +647,7 @@ def activation_check(rows: Sequence[dict]) -> str:
         text += ": sdpa's random-number seed and offset (two int64), which the formula leaves out"
     else:
         text += ": not explained by the formula"
-    return text + (f"\n(on a GPU in fp32, sdpa's memory-efficient kernel keeps {SDPA_CUDA_RNG_BYTES} bytes more per "
-                   f"layer: its random-number seed and offset, two int64 scalars)" if devices != {"cuda"} else "")
+    return text
 
 
 def tensor_parallel_check(record: records.Record) -> str:
@@ -746,11 +772,22 @@ def predicted_sent_bytes(way: str, shape: models.LlamaShape, params: int, seq: i
     if way == "pipeline":  # the first and the last stage send one way, a middle stage both
         return ranks * (2 if ranks > 2 else 1) * pipeline.pipeline_p2p_bytes(1, seq, shape.hidden, precision)
     if way in ("ulysses", "ulysses-compare"):
-        positions = shape.layers * (seq // ranks) * POSITION_BYTES * (ranks - 1)  # each layer gathers the token positions
-        zero3 = params * (gathers * width + theory.BYTES_PER_ELEMENT[gradient_precision]) * ring  # gradients in gradient_precision
-        return ranks * (all_to_all_wire_bytes(shape.layers, 1, seq, shape.hidden, shape.heads, shape.heads, ranks,
-                                              precision) + positions + zero3)
+        return sum(ulysses_sent_parts(shape, params, seq, ranks, precision, gradient_precision, regather).values())
     raise ValueError(f"way={way!r}: one of {', '.join(COMPARED)}")
+
+
+def ulysses_sent_parts(shape: models.LlamaShape, params: int, seq: int, ranks: int, precision: str = "bf16",
+                       gradient_precision: str = GRADIENT_COMMUNICATION, regather: bool = False) -> dict[str, float]:
+    """:func:`predicted_sent_bytes` of Ulysses with ZeRO-3 by part, per optimizer step of ``ranks`` micro-steps:
+    ``all-to-alls`` (:func:`all_to_all_wire_bytes`), ``positions`` (the token positions each layer gathers) and
+    ``ZeRO-3`` (its parameter gathers, two with ``regather``, and the gradients' reduce-scatter in
+    ``gradient_precision``, every micro-step)."""
+    ring, gathers = theory.ring_factor(ranks), 2 if regather else 1
+    zero3 = params * (gathers * theory.BYTES_PER_ELEMENT[precision] + theory.BYTES_PER_ELEMENT[gradient_precision]) * ring
+    return {"all-to-alls": ranks * all_to_all_wire_bytes(shape.layers, 1, seq, shape.hidden, shape.heads, shape.heads,
+                                                         ranks, precision),
+            "positions": ranks * shape.layers * (seq // ranks) * POSITION_BYTES * (ranks - 1),
+            "ZeRO-3": ranks * zero3}
 
 
 #: Bytes of one token's position id (int64), which Ulysses' attention gathers from the group in every layer.
@@ -779,9 +816,26 @@ def what_if_rows(shape: models.LlamaShape, params: int, ranks: int, seqs: Sequen
         held = {m["way"]: m for m in memory_rows(shape, params, ranks, seq, precision)}
         for way in COMPARED:
             sent = predicted_sent_bytes(way, shape, params, seq, ranks, precision, regather=regathers(params))
-            rows.append({"seq": seq, "way": way, "sent": sent, **held[way],
+            parts = (ulysses_sent_parts(shape, params, seq, ranks, precision, regather=regathers(params))
+                     if way == "ulysses-compare" else {})
+            rows.append({"seq": seq, "way": way, "sent": sent, "parts": parts, **held[way],
                          **{link: theory.AlphaBeta.link(bw).seconds(sent) for link, bw in links.items()}})
     return rows
+
+
+def ulysses_split_sentence(rows: Sequence[dict]) -> str:
+    """What Ulysses' bytes per step are made of at each length of :func:`what_if_rows`: the all-to-alls' share
+    against the rest (ZeRO-3's gathers and gradients, the token positions), and which is larger."""
+    parts = []
+    for r in rows:
+        if r["way"] != "ulysses-compare":
+            continue
+        a2a = r["parts"]["all-to-alls"]
+        rest = r["sent"] - a2a
+        parts.append(f"{r['seq']:,} tokens: all-to-alls {records.format_bytes(a2a)} ({a2a / r['sent']:.0%}), ZeRO-3 and the "
+                     f"positions {records.format_bytes(rest)} ({rest / r['sent']:.0%}): "
+                     f"most of it {'the all-to-alls' if a2a > rest else 'ZeRO-3'}")
+    return "Ulysses' bytes per step: " + "; ".join(parts) + "."
 
 
 def cheapest(rows: Sequence[dict], key: str) -> dict[int, str]:
@@ -827,14 +881,15 @@ def memory_rows(shape: models.LlamaShape, params: int, ranks: int, seq: int, pre
 REFERENCE = "sequence-parallel"
 
 
-def gpu_measurement(world_size: int | None = None, code: tuple[str, str] = (BUILDER, TRAINER)) -> Any:
+def gpu_measurement(world_size: int | None = None, code: tuple[str, str] = (BUILDER, TRAINER),
+                    settings: Mapping[str, dict] | None = None) -> Any:
     """On a GPU machine: this chapter's runs on ``llama-gpu`` in bf16 (:func:`sequence_parallel_runs`, no
     growing runs) and the search for the longest sequence (:func:`fit_runs`), kept as the reference
     ``sequence-parallel`` (:func:`helpers.core.references.save_reference`) with the search's outcomes.
     Returns the file written."""
     world = environment.detect(world_size).default_world_size
     runs = sequence_parallel_runs(size="llama-gpu", batch=2 * world, steps=4, growing=(), world_size=world_size,
-                                  precision="bf16", code=code)
+                                  precision="bf16", code=code, settings=settings)
     fits, again = fit_runs(world_size=world_size, code=code)
     kept = {**{k: v for k, v in runs.items() if not isinstance(v, Exception)},
             **{f"fit: {k}": v for k, v in fits.items() if not isinstance(v, Exception)},
@@ -880,15 +935,42 @@ def fit_sentence(runs: Mapping[str, Any]) -> str:
     return "; ".join(parts) + f" (each GPU capped at {runs['fit outcomes']['cap_gib']:g} GiB)."
 
 
+def timing_verdict(runs: Mapping[str, Any], conditions: str, run: str = "ulysses-compare",
+                   baseline: str = "zero3") -> str:
+    """The course's rule for a timing verdict on ``run`` against ``baseline``: given only when the runs had their
+    devices to themselves (``conditions`` says "alone") and the difference of the median steps exceeds the spread
+    (slowest minus fastest) of either run's measured steps; otherwise withheld, with the reason."""
+    a, b = runs[run].timing, runs[baseline].timing
+    spread = max(max(t.all_s) - min(t.all_s) for t in (a, b))
+    difference = a.median_s - b.median_s
+    label, other = COMPARED.get(run, run), COMPARED.get(baseline, baseline)
+    head = (f"step time, {label} against {other}: {a.median_s * 1000:,.0f} ms against {b.median_s * 1000:,.0f} ms "
+            f"(medians), steps spread by up to {spread * 1000:,.0f} ms")
+    if "alone" not in conditions.split(", "):
+        return f"{head}: verdict withheld, the devices were not known to be this run's alone ({conditions})"
+    if abs(difference) <= spread:
+        return f"{head}: verdict withheld, the difference ({abs(difference) * 1000:,.0f} ms) is within the spread"
+    return (f"{head}: {label} was {'slower' if difference > 0 else 'faster'} here, by "
+            f"{abs(difference) * 1000:,.0f} ms a step, more than the spread")
+
+
 def reference_report(name: str = REFERENCE) -> str:
     """Every committed GPU result of this chapter: the losses and gradient scales against data parallelism, the
-    all-to-alls and each way's bytes against their formulas, the comparison with timings and the
-    longest-sequence search; or a plain statement that none is."""
-    def render(runs: dict) -> str:
-        return "\n".join([equality_table(runs), scale_table(runs), scale_findings(runs), all_to_all_table(runs["ulysses"]),
-                          prediction_table(runs), comparison_table(comparison_rows(runs), timings=True), fit_table(runs),
-                          fit_sentence(runs)])
-    return references.references_report(name, render)
+    all-to-alls and each way's bytes against their formulas, the comparison with timings and its
+    :func:`timing_verdict`, and the longest-sequence search; or a plain statement that none is. Peaks that may
+    include earlier runs are marked ``<=`` (:data:`helpers.core.records.PEAK_NOTE`, printed in the chapter's
+    closing section)."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, "")
+    blocks = []
+    for (device, date, note, runs), conditions in zip(found, references.reference_conditions(name)):
+        body = "\n".join([equality_table(runs), scale_table(runs), scale_findings(runs), all_to_all_table(runs["ulysses"]),
+                          prediction_table(runs), comparison_table(comparison_rows(runs), timings=True),
+                          timing_verdict(runs, conditions), fit_table(runs), fit_sentence(runs)])
+        body = body.replace(records.PEAK_NOTE, "<= : an upper bound (see How this was measured)")
+        blocks.append(f"Measured on {device}, {date} ({note}):\nConditions: {conditions}\n{body}")
+    return "\n\n".join(blocks)
 
 
 # --- figures -----------------------------------------------------------------------------------------
@@ -936,6 +1018,8 @@ def key_figure(rows: Sequence[dict]):
     ax.plot(seqs, [r["layer_split"] / 2**20 for r in rows], "o", color="#dd8452", label="measured")
     ax.set(xscale="log", yscale="log", xlabel="tokens per sequence", ylabel="MiB per rank, one decoder layer",
            title="Activations one layer keeps for backward")
+    ax.set_xticks(seqs, [f"{s:,}" for s in seqs])  # the measured lengths only: no crowded log-scale labels
+    ax.xaxis.set_minor_locator(plt.NullLocator())
     ax.legend(fontsize=7)
     fig.tight_layout()
     plt.close(fig)
@@ -946,16 +1030,23 @@ def what_if_figure(rows: Sequence[dict], link: str = "NVLink 4", title: str | No
     """Per way of splitting, against tokens per sequence: bytes sent per rank and step (left) and activations
     per rank (right), from :func:`what_if_rows`."""
     plt = plots.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9.0, 3.4))
+    fig, axes = plt.subplots(1, 2, figsize=(9.0, 3.8))
+    # lines that coincide (ZeRO-3's and the pipeline's activations) stay visible: wide and solid under thin and dashed
+    styles = {"zero3": {"lw": 4.0, "alpha": 0.5}, "autotp": {"lw": 1.5, "marker": "s"},
+              "pipeline": {"lw": 1.5, "ls": "--", "marker": "^"}, "ulysses-compare": {"lw": 1.5, "marker": "o"}}
     for way, label in COMPARED.items():
         mine = [r for r in rows if r["way"] == way]
-        axes[0].plot([r["seq"] for r in mine], [r["sent"] / 2**30 for r in mine], marker=".", label=label)
-        axes[1].plot([r["seq"] for r in mine], [r["activations"] / 2**30 for r in mine], marker=".", label=label)
-    axes[0].set(xscale="log", yscale="log", xlabel="tokens per sequence", ylabel="GiB sent per rank and step",
-                title=title or "Communication")
-    axes[1].set(xscale="log", yscale="log", xlabel="tokens per sequence", ylabel="GiB of activations per rank",
-                title="Activation memory")
-    axes[0].legend(fontsize=7)
+        for ax, key in ((axes[0], "sent"), (axes[1], "activations")):
+            ax.plot([r["seq"] for r in mine], [r[key] / 2**30 for r in mine], label=label, markersize=4,
+                    **styles.get(way, {}))
+    seqs = sorted({r["seq"] for r in rows})
+    axes[0].set(ylabel="GiB sent per rank and step", title=title or "Communication")
+    axes[1].set(ylabel="GiB of activations per rank", title="Activation memory")
+    for ax in axes:
+        ax.set(xscale="log", yscale="log", xlabel="tokens per sequence")
+        ax.set_xticks(seqs, [f"{s:,}" for s in seqs])
+        ax.xaxis.set_minor_locator(plt.NullLocator())
+        ax.legend(fontsize=7)
     fig.tight_layout()
     plt.close(fig)
     return fig
@@ -973,15 +1064,15 @@ def exercise_all_to_all_bytes(answer: object, record: records.Record) -> exercis
         task=(f"Predict the bytes of all the all-to-alls of one optimizer step of the '{record.name}' run "
               f"({shape.layers} layers, hidden {shape.hidden}, micro-batch {record.micro_batch}, "
               f"{record.grad_accum} micro-step(s), {shape.seq} tokens, {group_size(record)} ranks, {record.precision})."),
-        hint="the section's count: the all-to-alls of one layer in one micro-step (forward and backward), each "
-             "logged as one rank's whole tensor of b·(s/P)·(a·d) values; then every layer and micro-step of the run",
+        hint="the quantity is what the logger records per call, one rank's whole tensor; the formula is the "
+             "section's count of all-to-alls per layer and its message size, b·(s/P)·(a·d) values",
         why="DeepSpeed's comms logger recorded exactly that: 8 per layer and micro-step, each b·(s/P)·h elements.")
 
 
-def ulysses_config_test(world_size: int, model: str, seq: int, samples: int) -> Any:
+def ulysses_config_test(world_size: int, model: str, seq: int, samples: int, stage: int = 3) -> Any:
     """The test of :func:`exercise_ulysses_config`: the config passes :func:`findings` on ``world_size`` ranks,
-    splits each sequence over the largest group the model's heads and the ranks allow, and its optimizer
-    steps train on ``samples`` samples."""
+    uses ZeRO ``stage``, splits each sequence over the largest group the model's heads and the ranks allow,
+    and its optimizer steps train on ``samples`` samples."""
     heads = models.shape_of(model).heads
     largest = max(d for d in range(1, world_size + 1) if world_size % d == 0 and heads % d == 0 and seq % d == 0)
 
@@ -992,6 +1083,8 @@ def ulysses_config_test(world_size: int, model: str, seq: int, samples: int) -> 
         if errors:
             return False, "the checker refuses it:\n" + findings_text(errors)
         size = config.get("sequence_parallel_size", 1)
+        if config.get("zero_optimization", {}).get("stage", 0) != stage:
+            return False, f"zero_optimization.stage: the task asks for ZeRO-{stage}"
         if size != largest:
             return False, f"sequence_parallel_size {size} is allowed, but not the largest group this model allows here"
         micro = config.get("train_micro_batch_size_per_gpu")
@@ -1004,18 +1097,18 @@ def ulysses_config_test(world_size: int, model: str, seq: int, samples: int) -> 
                            f"samples), not {samples}")
         return True, (f"sequence_parallel_size {size}: {heads} heads / {size} = {heads // size} per rank, "
                       f"{seq} tokens / {size} = {seq // size} per rank, {groups} groups x {samples // groups} "
-                      f"samples = {samples} per step; the checker and DeepSpeed's parser accept it.")
+                      f"samples = {samples} per step, ZeRO-{stage}; the checker and DeepSpeed's parser accept it.")
     return test
 
 
-def exercise_ulysses_config(answer: object, world_size: int = 8, model: str = "llama-medium", seq: int = 6144,
-                            samples: int = 16) -> exercises.Verdict:
+def exercise_ulysses_config(answer: object, world_size: int = 16, model: str = "llama-medium", seq: int = 6144,
+                            samples: int = 32, stage: int = 3) -> exercises.Verdict:
     """Exercise: write the DeepSpeed config that splits each sequence over the largest Ulysses group the model
-    allows on ``world_size`` GPUs, with ``samples`` samples per optimizer step."""
+    allows on ``world_size`` GPUs, under ZeRO ``stage``, with ``samples`` samples per optimizer step."""
     shape = models.shape_of(model)
     return exercises.satisfies(
-        "Ulysses config", answer, ulysses_config_test(world_size, model, seq, samples),
-        task=(f"Write the DeepSpeed config (a dict: batch keys, sequence_parallel_size, an optimizer, ZeRO-1) for "
+        "Ulysses config", answer, ulysses_config_test(world_size, model, seq, samples, stage),
+        task=(f"Write the DeepSpeed config (a dict: batch keys, sequence_parallel_size, an optimizer, ZeRO-{stage}) for "
               f"{world_size} GPUs training '{model}' ({shape.heads} heads) on sequences of {seq} tokens, split over "
               f"the largest Ulysses group it allows, {samples} samples per optimizer step."),
         hint="the group size must divide the ranks, the heads and the tokens; DeepSpeed's batch arithmetic counts "
