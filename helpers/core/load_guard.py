@@ -1,0 +1,308 @@
+"""The course's load guard: a timing verdict only where the run had its devices to itself.
+
+A verdict such as "A is 1.3x faster than B" or "the model erred by +20%" means something only when
+nothing else used the devices while the steps were timed, and when the difference is larger than the
+steps' own scatter. This module records the first and checks both:
+
+- :func:`watch` (a context manager around a timed launch) samples, once a ``interval``, what processes
+  outside the run did on its devices: on GPUs the other compute processes and the utilization (NVML
+  through ``pynvml`` where it imports, else ``nvidia-smi``), on CPU the processor time used by processes
+  that are not this one or its descendants, against the core count. It yields a :class:`Watch`; its
+  ``load`` is a :class:`Load` once the block ends.
+- :func:`compare` takes two or more lists of measured step times (seconds) and the :class:`Load`, and
+  returns a :class:`Verdict`: medians, the ratio of the slowest to the fastest and which is faster, or
+  the reason the verdict is withheld. :func:`sentence` writes it as one sentence.
+
+Sweep order: the first run of a sweep warms the machine (caches, clocks, allocators), so an early
+configuration can look slower than it is. Measure the first configuration again at the end and pass
+those times as ``repeat=``: where the two measurements of one configuration differ by more than their
+spread, the verdict is withheld ("the machine warmed during the sweep").
+
+Example::
+
+    with load_guard.watch(ranks=2) as w:
+        runs = launch.sweep(specs)
+    verdict = load_guard.compare({"ZeRO-1": steps_1, "ZeRO-2": steps_2}, w.load)
+    print(load_guard.sentence(verdict))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import statistics
+import subprocess
+import threading
+import time
+from typing import Iterator, Mapping, Sequence
+
+import psutil
+
+#: CPU: the share of the machine's processor time other processes may use while the run still counts as alone.
+MAX_OTHER_CPU_SHARE = 0.05
+#: CPU: a process outside the run counts as "another process" once it used this much processor time (seconds).
+MIN_OTHER_CPU_S = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """What else used the run's devices while it ran (see :func:`watch`).
+
+    ``device``: "gpu" or "cpu". ``other_processes``: processes outside the run seen on the devices (GPU
+    compute processes; on CPU, processes that used at least :data:`MIN_OTHER_CPU_S`). ``other_share``: on
+    CPU, the share of all cores' time those processes used (0..1); on GPU, the mean utilization of the
+    devices over the samples where another process was present (0..1; ``None`` when no sample had one).
+    ``cores``: CPU cores (CPU) or devices watched (GPU). ``seconds``: how long the watch lasted.
+    ``source``: how it was measured. ``pids``: the other processes' ids.
+    """
+
+    device: str
+    other_processes: int
+    other_share: float | None
+    cores: int
+    seconds: float
+    samples: int
+    source: str
+    pids: tuple[int, ...] = ()
+
+    @property
+    def alone(self) -> bool:
+        """True where nothing outside the run used its devices enough to change its timings."""
+        if self.device == "gpu":
+            return self.other_processes == 0
+        return (self.other_share or 0.0) <= MAX_OTHER_CPU_SHARE
+
+    def reason(self) -> str:
+        """Why the run was not alone (empty where it was): the clause a withheld verdict gives."""
+        if self.alone:
+            return ""
+        if self.device == "gpu":
+            return (f"{self.other_processes} other process{'es' if self.other_processes != 1 else ''} used "
+                    f"{'these GPUs' if self.cores > 1 else 'this GPU'} during the run")
+        return (f"other processes ({self.other_processes}) used {self.other_share:.0%} of the {self.cores} "
+                f"cores' time during the run")
+
+    @classmethod
+    def unknown(cls, device: str = "cpu") -> "Load":
+        """A load nobody recorded: every verdict on it is withheld."""
+        return cls(device, 0, None, 0, 0.0, 0, "not recorded")
+
+
+# --- recording ---------------------------------------------------------------------------------
+
+def _ours(me: psutil.Process) -> set[int]:
+    """This process and all its descendants (the launcher and the ranks it started)."""
+    try:
+        return {me.pid} | {p.pid for p in me.children(recursive=True)}
+    except psutil.Error:
+        return {me.pid}
+
+
+def _gpu_sampler() -> tuple[str, object] | None:
+    """How to read the GPUs' processes and utilization here: ("pynvml", handles), ("nvidia-smi", None), or None."""
+    try:
+        import pynvml  # optional: NVIDIA's bindings, where installed
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        indices = [int(i) for i in visible.split(",") if i.strip().isdigit()] if visible else list(range(count))
+        return "pynvml", [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices if i < count]
+    except Exception:  # no module, no driver, no device: try the command line tool
+        pass
+    if shutil.which("nvidia-smi"):
+        return "nvidia-smi", None
+    return None
+
+
+def _smi(*query: str) -> list[list[str]]:
+    out = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                         timeout=20).stdout
+    return [[field.strip() for field in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def gpu_sample(sampler: tuple[str, object]) -> tuple[set[int], float, int]:
+    """One look at the GPUs: (pids of their compute processes, mean utilization 0..1, devices)."""
+    kind, handles = sampler
+    if kind == "pynvml":
+        import pynvml  # optional, present: _gpu_sampler chose it
+
+        pids = {p.pid for h in handles for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
+        use = [pynvml.nvmlDeviceGetUtilizationRates(h).gpu / 100 for h in handles]
+        return pids, (sum(use) / len(use) if use else 0.0), len(handles)
+    pids = {int(row[0]) for row in _smi("--query-compute-apps=pid,used_memory") if row and row[0].isdigit()}
+    use = [float(row[0]) / 100 for row in _smi("--query-gpu=utilization.gpu") if row and row[0].replace(".", "").isdigit()]
+    return pids, (sum(use) / len(use) if use else 0.0), len(use)
+
+
+@dataclasses.dataclass
+class Watch:
+    """What :func:`watch` yields: ``load`` is set when its block ends (None before)."""
+
+    load: Load | None = None
+
+
+def _cpu_time(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+@contextlib.contextmanager
+def watch(ranks: int | None = None, interval: float = 0.5, device: str | None = None) -> Iterator[Watch]:
+    """Record, for the duration of the block, what processes outside this one (and its descendants) did on
+    the devices. ``device``: "gpu" or "cpu" (default: "gpu" where NVML or ``nvidia-smi`` answers). ``ranks``:
+    the run's processes on the GPUs, used where the GPU tool reports process ids from another pid namespace
+    (a container), so that ours cannot be told apart: then every process beyond ``ranks`` counts as
+    another. Processes that started and ended between two samples are missed on CPU.
+    """
+    me = psutil.Process()
+    sampler = _gpu_sampler() if device in (None, "gpu") else None
+    device = device or ("gpu" if sampler else "cpu")
+    if device == "gpu" and sampler is None:
+        raise RuntimeError("device='gpu' but neither pynvml nor nvidia-smi answers here")
+    result = Watch()
+    stop = threading.Event()
+    start = time.monotonic()
+    boot = time.time()
+    seen: dict[int, float] = {}  # pid -> processor seconds at the last sample
+    other_cpu: dict[int, float] = {}  # pid outside the run -> processor seconds used during the watch
+    gpu_others: set[int] = set()
+    gpu_busy: list[float] = []
+    devices = [0]
+    samples = [0]
+
+    def cpu_look() -> None:
+        ours = _ours(me)
+        for p in psutil.process_iter():
+            try:
+                used = _cpu_time(p)
+                fresh = p.pid not in seen and p.create_time() >= boot
+            except psutil.Error:
+                continue
+            before = seen.get(p.pid, 0.0 if fresh else used)
+            seen[p.pid] = used
+            if p.pid not in ours and used > before:
+                other_cpu[p.pid] = other_cpu.get(p.pid, 0.0) + used - before
+
+    def gpu_look() -> None:
+        pids, busy, count = gpu_sample(sampler)
+        devices[0] = count
+        ours = _ours(me)
+        if pids and not pids & ours and ranks is not None and not any(psutil.pid_exists(p) for p in pids):
+            others = set(sorted(pids)[ranks:])  # ids from another pid namespace: count beyond the run's ranks
+        else:
+            others = pids - ours
+        gpu_others.update(others)
+        if others:
+            gpu_busy.append(busy)
+
+    def loop() -> None:
+        while True:
+            try:
+                gpu_look() if device == "gpu" else cpu_look()
+                samples[0] += 1
+            except (psutil.Error, OSError, subprocess.SubprocessError):
+                pass
+            if stop.wait(interval):
+                return
+
+    if device == "cpu":
+        cpu_look()  # the starting point of every process's processor time
+    thread = threading.Thread(target=loop, name="load-guard", daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+        seconds = time.monotonic() - start
+        if device == "gpu":
+            result.load = Load("gpu", len(gpu_others), statistics.fmean(gpu_busy) if gpu_busy else None,
+                               devices[0], seconds, samples[0], sampler[0], tuple(sorted(gpu_others)))
+        else:
+            cores = psutil.cpu_count() or 1
+            busy = [pid for pid, s in other_cpu.items() if s >= MIN_OTHER_CPU_S]
+            result.load = Load("cpu", len(busy), sum(other_cpu.values()) / (seconds * cores), cores, seconds,
+                               samples[0], "psutil: processor time of processes outside the run", tuple(sorted(busy)))
+
+
+# --- the verdict -------------------------------------------------------------------------------
+
+def spread(times: Sequence[float]) -> float:
+    """The relative spread of measured step times: (largest - smallest) / median (0 for a single value)."""
+    if not times:
+        raise ValueError("no step times")
+    return (max(times) - min(times)) / statistics.median(times)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The outcome of :func:`compare`: the figures always, and either a verdict or the reason it is withheld.
+
+    ``names`` and ``medians`` (seconds) in the order given; ``spread``: the widest relative spread among the
+    lists; ``ratio``: the slowest median over the fastest; ``faster``: the name with the smallest median;
+    ``change``: each median against the first, minus 1 (the first is 0.0; for a model's prediction given
+    second, its error); ``withheld``: why no verdict may be printed ("" where it may).
+    """
+
+    names: tuple[str, ...]
+    medians: tuple[float, ...]
+    spread: float
+    ratio: float
+    faster: str
+    change: tuple[float, ...]
+    withheld: str
+
+    @property
+    def given(self) -> bool:
+        """True where the verdict may be printed."""
+        return not self.withheld
+
+
+def compare(samples: Mapping[str, Sequence[float]], load: Load | None,
+            repeat: Sequence[float] | None = None) -> Verdict:
+    """Compare two or more named lists of measured step times (seconds) under a recorded ``load``.
+
+    The verdict is withheld, with the reason, where the load is unknown or the run was not alone
+    (:attr:`Load.alone`), where ``repeat`` (the first configuration measured again at the end of the
+    sweep) differs from the first list by more than their spread, or where the difference between the
+    slowest and the fastest median does not exceed the widest spread of the lists. A single value (a
+    prediction) has no spread of its own.
+    """
+    if len(samples) < 2:
+        raise ValueError("compare needs two or more lists of step times")
+    names = tuple(samples)
+    medians = tuple(statistics.median(samples[n]) for n in names)
+    if any(m <= 0 for m in medians):
+        raise ValueError("step times must be positive")
+    widest = max(spread(samples[n]) for n in names)
+    fastest = min(range(len(names)), key=lambda i: medians[i])
+    ratio = max(medians) / medians[fastest]
+    change = tuple(m / medians[0] - 1 for m in medians)
+    reason = ""
+    if load is None or load.samples == 0:
+        reason = "nothing recorded what else used the devices during the run"
+    elif not load.alone:
+        reason = load.reason()
+    elif repeat is not None:
+        first = samples[names[0]]
+        drift = abs(statistics.median(repeat) / medians[0] - 1)
+        bound = max(spread(first), spread(repeat))
+        if drift > bound:
+            reason = (f"the machine warmed during the sweep: {names[0]}, repeated at the end, differs by "
+                      f"{drift:.0%}, more than its spread ({bound:.0%})")
+    if not reason and ratio - 1 <= widest:
+        reason = f"the difference ({ratio - 1:.0%}) is within the steps' spread ({widest:.0%})"
+    return Verdict(names, medians, widest, ratio, names[fastest], change, reason)
+
+
+def sentence(verdict: Verdict) -> str:
+    """One sentence from a :class:`Verdict`: the verdict, or "withheld: <reason>" beside the medians."""
+    medians = ", ".join(f"{n} {m * 1e3:,.3g} ms" for n, m in zip(verdict.names, verdict.medians))
+    if not verdict.given:
+        return f"Verdict withheld: {verdict.withheld} (medians: {medians})."
+    slowest = verdict.names[max(range(len(verdict.names)), key=lambda i: verdict.medians[i])]
+    return (f"{verdict.faster} is faster: {slowest} takes {verdict.ratio:.2f}x its time, "
+            f"beyond the steps' spread of {verdict.spread:.0%} (medians: {medians}).")

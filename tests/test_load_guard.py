@@ -1,0 +1,105 @@
+"""helpers.core.load_guard: timing verdicts are withheld under load, under a wide spread, and after drift."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers.core import load_guard
+
+ALONE = load_guard.Load("cpu", 0, 0.01, 2, 3.0, 6, "test: an idle machine")
+
+
+def timed_steps(n: int, work: int) -> list[float]:
+    """n step times of a fixed piece of work (seconds)."""
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        sum(i * i for i in range(work))
+        times.append(time.perf_counter() - start)
+    return times
+
+
+@pytest.fixture
+def busy_process():
+    """A process spinning on a core, NOT a descendant of this one (started through a shell that exits),
+    so the guard must count it as another process."""
+    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True).stdout
+    pid = int(out.strip())
+    yield pid
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_a_comparison_under_another_busy_process_is_withheld_with_its_reason(busy_process):
+    with load_guard.watch(device="cpu", interval=0.2) as w:
+        small, large = timed_steps(5, 20_000), timed_steps(5, 200_000)
+        time.sleep(0.5)
+    load = w.load
+    assert load.device == "cpu" and load.samples >= 2
+    assert not load.alone and busy_process in load.pids and os.getpid() not in load.pids
+    verdict = load_guard.compare({"small": small, "large": large}, load)
+    assert not verdict.given
+    assert "other processes" in verdict.withheld and "cores' time during the run" in verdict.withheld
+    assert load_guard.sentence(verdict).startswith("Verdict withheld: other processes")
+
+
+def test_the_same_comparison_alone_and_well_separated_gets_its_verdict():
+    small, large = timed_steps(5, 20_000), timed_steps(5, 200_000)
+    verdict = load_guard.compare({"small": small, "large": large}, ALONE)
+    assert verdict.given, verdict.withheld
+    assert verdict.faster == "small" and verdict.ratio > 1 + verdict.spread
+    assert load_guard.sentence(verdict).startswith("small is faster: large takes")
+
+
+def test_a_difference_within_the_spread_is_withheld_even_when_alone():
+    a = [0.100, 0.130, 0.105, 0.095, 0.120]  # spread (0.130 - 0.095) / 0.105 = 33%
+    b = [0.110, 0.112, 0.111]  # 6% slower than a's median
+    verdict = load_guard.compare({"a": a, "b": b}, ALONE)
+    assert not verdict.given
+    assert verdict.withheld == "the difference (6%) is within the steps' spread (33%)"
+    assert verdict.change == (0.0, pytest.approx(0.111 / 0.105 - 1))
+
+
+def test_gpu_processes_outside_the_run_withhold_the_verdict(tmp_path, monkeypatch):
+    # a stand-in for nvidia-smi: two compute processes (one of them this process), 90% utilization
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f'#!/bin/sh\ncase "$1" in\n  --query-compute-apps*) echo "{os.getpid()}, 100"; echo "1, 2000";;\n'
+                    '  --query-gpu*) echo "90";;\nesac\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # force the command-line tool
+    with load_guard.watch(device="gpu", interval=0.05) as w:
+        time.sleep(0.2)
+    assert w.load.source == "nvidia-smi" and w.load.pids == (1,) and w.load.other_share == pytest.approx(0.9)
+    verdict = load_guard.compare({"a": [1.0, 1.01], "b": [2.0, 2.02]}, w.load)
+    assert verdict.withheld == "1 other process used this GPU during the run"
+
+
+def test_a_sweep_that_drifted_is_withheld_as_warming():
+    first, second = [0.200, 0.202, 0.201], [0.100, 0.101, 0.100]
+    repeat = [0.150, 0.151, 0.150]  # the first configuration again at the end: 25% faster
+    verdict = load_guard.compare({"first": first, "second": second}, ALONE, repeat=repeat)
+    assert verdict.withheld.startswith("the machine warmed during the sweep: first, repeated at the end, differs by 25%")
+    steady = load_guard.compare({"first": first, "second": second}, ALONE, repeat=[0.201, 0.200, 0.202])
+    assert steady.given and steady.faster == "second" and steady.ratio == pytest.approx(2.0, rel=0.01)
+
+
+def test_a_prediction_is_judged_against_the_measured_steps_spread():
+    measured = [0.010, 0.011, 0.012]  # spread 18%
+    close = load_guard.compare({"measured": measured, "predicted": [0.0115]}, ALONE)
+    assert not close.given and "within the steps' spread (18%)" in close.withheld
+    far = load_guard.compare({"measured": measured, "predicted": [0.020]}, ALONE)
+    assert far.given and far.change[1] == pytest.approx(0.020 / 0.011 - 1)
+
+
+def test_an_unrecorded_load_withholds_every_verdict():
+    verdict = load_guard.compare({"a": [1.0], "b": [3.0]}, load_guard.Load.unknown())
+    assert verdict.withheld == "nothing recorded what else used the devices during the run"
+    with pytest.raises(ValueError):
+        load_guard.compare({"a": [1.0]}, ALONE)
