@@ -231,3 +231,15 @@ def test_the_slow_link_plan_says_why_it_skips(monkeypatch):
     monkeypatch.setattr(bandwidth, "link_support", lambda: (True, "root, iproute2"))
     ok, what = bandwidth.slow_link_plan(2, cpu, rate_mbit=400)
     assert ok and "each of the 2 ranks in a network namespace" in what and "400 Mbit/s" in what
+
+
+def test_accumulation_is_judged_per_sample_through_the_load_guard():
+    def row(accum, batch, fast, slow):
+        return {"name": f"zero1-acc{accum}", "accum": accum, "batch": batch, "fast_each_s": fast, "slow_each_s": slow}
+    rows = [row(1, 8, [0.100, 0.101], [0.400, 0.402]), row(4, 32, [0.200, 0.202], [0.420, 1.600])]
+    lines = bandwidth.accumulation_verdicts(rows, ALONE).splitlines()
+    assert lines[0] == "ZeRO-1, accumulation 4 against 1, over the fast link: 2.00x the samples/s, beyond the steps' spread (1%)."
+    assert lines[1].startswith("ZeRO-1, accumulation 4 against 1, over the slow link: withheld: the difference")
+    assert bandwidth.accumulation_verdicts(rows, BUSY) == (
+        "Accumulation 4 against 1 (stages 1 and 2, both links): verdict withheld: other processes (3) used 40% of the "
+        "2 cores' time during the run.")
