@@ -108,3 +108,9 @@ def test_an_unrecorded_load_withholds_every_verdict():
     assert verdict.withheld == "nothing recorded what else used the devices during the run"
     with pytest.raises(ValueError):
         load_guard.compare({"a": [1.0]}, ALONE)
+
+
+def test_the_load_describes_itself_in_one_line():
+    assert ALONE.describe() == ("Load beside the run (6 samples over 3 s, test: an idle machine): other processes used 1% "
+                                "of the 2 cores' time (0 of them above 0.2 s); alone: timing verdicts may be given.")
+    assert load_guard.Load.unknown().describe() == "Load beside the run: not recorded."
