@@ -225,12 +225,6 @@ def test_the_count_of_overlap_gains_takes_both_links_and_the_capstones_verdicts(
     assert bandwidth.reference_findings().splitlines()[-1] == "overlap_comm made training faster in 1 of these 2 measurements."
 
 
-def test_comparison_summary_says_which_way_the_model_erred():
-    rows = [{"error": -0.2}, {"error": 0.1}, {"error": -0.05}]
-    assert bandwidth.comparison_summary(rows) == ("The model predicted less than measured for 2 of 3 runs; its errors "
-                                                  "run from -20% to +10%.")
-
-
 @pytest.mark.parametrize("kwargs, match", [({"ops": ("all_to_all",)}, "ops"), ({"implementations": ("nccl",)}, "implementations"),
                                            ({"sizes": (8,)}, "sizes"), ({"sizes": (2**33,)}, "sizes"),
                                            ({"iters": 0}, "iters"), ({"dtype": "int8"}, "dtype"),

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from helpers.core import records, theory
+from helpers.core import load_guard, records, theory
 from helpers.topics import bandwidth
 
 SIZES = [2.0**k for k in range(10, 31, 2)]  # 1 KiB .. 1 GiB, as the GPU benchmark
@@ -192,3 +192,54 @@ def test_exercise_comms_logger_asks_deepspeed_which_ops_its_logger_records():
     assert not bandwidth.exercise_comms_logger({"enabled": True})  # prof_all's default records every op
     assert "ValidationError" in str(bandwidth.exercise_comms_logger({"prof_al": False}))  # DeepSpeed refuses the key
     assert not bandwidth.exercise_comms_logger(...).answered
+
+
+ALONE = load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test: an idle machine")
+BUSY = load_guard.Load("cpu", 3, 0.4, 2, 10.0, 20, "test: a shared machine")
+
+
+def _row(name: str, each: list[float], predicted: float) -> dict:
+    return {"name": name, "measured_each_s": each, "measured_s": sum(each) / len(each), "predicted_s": predicted}
+
+
+def test_the_models_error_is_stated_only_beyond_the_steps_spread_and_alone():
+    rows = [_row("zero1-acc4", [0.010, 0.011], 0.020), _row("zero2-acc4", [0.010, 0.014], 0.0125)]
+    lines = bandwidth.model_verdict_summary(rows, ALONE).splitlines()
+    assert lines[0] == ("zero1-acc4: the model predicted +90% against the measured time, beyond the spread of its 2 "
+                        "measured steps (10%).")
+    assert lines[1].startswith("zero2-acc4: withheld: the difference (4%) is within the steps' spread (33%)")
+    assert lines[2] == "The model's error exceeded the steps' spread in 1 of 2 runs; it predicted less than measured in 0 of them."
+
+
+def test_on_a_shared_machine_the_models_error_is_withheld_with_the_reason():
+    rows = [_row("zero1-acc4", [0.010, 0.011], 0.020)]
+    assert bandwidth.model_verdict_summary(rows, BUSY) == (
+        "Verdict on the model's error withheld: other processes (3) used 40% of the 2 cores' time during the run.")
+
+
+def test_the_page_can_replace_the_deepspeed_call_of_the_benchmark():
+    spec = bandwidth.spec("b", sizes=(4096,), is_gpu=False, task="runs.bandwidth.collectives_bench:benchmark")
+    assert spec.task == "runs.bandwidth.collectives_bench:benchmark"
+    assert bandwidth.spec("b", sizes=(4096,), is_gpu=False).task == bandwidth.TASK == "helpers.topics.bandwidth:benchmark"
+
+
+def test_the_slow_link_plan_says_why_it_skips(monkeypatch):
+    cpu = type("Env", (), {"is_gpu": False})()
+    monkeypatch.setattr(bandwidth, "link_support", lambda: (False, "`tc` (iproute2) is not installed"))
+    ok, why = bandwidth.slow_link_plan(2, cpu)
+    assert not ok and "`tc` (iproute2) is not installed" in why
+    monkeypatch.setattr(bandwidth, "link_support", lambda: (True, "root, iproute2"))
+    ok, what = bandwidth.slow_link_plan(2, cpu, rate_mbit=400)
+    assert ok and "each of the 2 ranks in a network namespace" in what and "400 Mbit/s" in what
+
+
+def test_accumulation_is_judged_per_sample_through_the_load_guard():
+    def row(accum, batch, fast, slow):
+        return {"name": f"zero1-acc{accum}", "accum": accum, "batch": batch, "fast_each_s": fast, "slow_each_s": slow}
+    rows = [row(1, 8, [0.100, 0.101], [0.400, 0.402]), row(4, 32, [0.200, 0.202], [0.420, 1.600])]
+    lines = bandwidth.accumulation_verdicts(rows, ALONE).splitlines()
+    assert lines[0] == "ZeRO-1, accumulation 4 against 1, over the fast link: 2.00x the samples/s, beyond the steps' spread (1%)."
+    assert lines[1].startswith("ZeRO-1, accumulation 4 against 1, over the slow link: withheld: the difference")
+    assert bandwidth.accumulation_verdicts(rows, BUSY) == (
+        "Accumulation 4 against 1 (stages 1 and 2, both links): verdict withheld: other processes (3) used 40% of the "
+        "2 cores' time during the run.")

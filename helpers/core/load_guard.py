@@ -84,6 +84,16 @@ class Load:
         return (f"other processes ({self.other_processes}) used {self.other_share:.0%} of the {self.cores} "
                 f"cores' time during the run")
 
+    def describe(self) -> str:
+        """One line for a notebook: what the watch saw."""
+        if self.samples == 0:
+            return "Load beside the run: not recorded."
+        what = (f"{self.other_processes} other GPU process{'es' if self.other_processes != 1 else ''}" if self.device == "gpu"
+                else f"other processes used {self.other_share:.0%} of the {self.cores} cores' time "
+                     f"({self.other_processes} of them above {MIN_OTHER_CPU_S:g} s)")
+        verdict = "alone: timing verdicts may be given" if self.alone else "not alone: timing verdicts are withheld"
+        return f"Load beside the run ({self.samples} samples over {self.seconds:.0f} s, {self.source}): {what}; {verdict}."
+
     @classmethod
     def unknown(cls, device: str = "cpu") -> "Load":
         """A load nobody recorded: every verdict on it is withheld."""

@@ -467,7 +467,8 @@ class MicroSteps(Probe):
 
     Section ``micro_steps``: ``phases`` (names), ``by_phase`` (phase -> op -> count, logged bytes and
     seconds per optimizer step), ``wall_s_by_phase`` (rank 0), ``comm_s_per_step`` (the collectives' own
-    seconds per step) and ``comm_s_per_step_with_waiting_per_rank`` (each rank's, waiting included).
+    seconds per step; ``comm_s_each_step``: the same for each measured step) and
+    ``comm_s_per_step_with_waiting_per_rank`` (each rank's, waiting included).
     """
 
     name = "micro_steps"
@@ -528,6 +529,7 @@ class MicroSteps(Probe):
         measured = ranks[0]["steps"]
         phases = [p["phase"] for p in measured[0]]
         by_phase: dict[str, dict[str, dict[str, float]]] = {phase: {} for phase in phases}
+        each_step = [0.0] * len(measured)
         for s, step in enumerate(measured):
             for i, phase in enumerate(step):
                 theirs = [r["steps"][s][i]["calls"] for r in ranks]
@@ -539,6 +541,7 @@ class MicroSteps(Probe):
                     row["count"] += 1 / len(measured)
                     row["bytes"] += size / len(measured)
                     row["seconds"] += own / len(measured)
+                    each_step[s] += own
         waiting = [statistics.fmean(sum(c[2] for p in step for c in p["calls"]) for step in r["steps"]) for r in ranks]
         return {"micro_steps": {
             "phases": phases,
@@ -547,6 +550,7 @@ class MicroSteps(Probe):
                                 for i, phase in enumerate(phases)},
             "comm_s_per_step": sum(row["seconds"] for ops in by_phase.values() for row in ops.values()),
             "comm_s_per_step_with_waiting_per_rank": waiting,
+            "comm_s_each_step": each_step,
             "measured_steps": len(measured),
         }}
 
