@@ -271,3 +271,24 @@ def test_no_engine_outlives_its_run(tmp_path):
     assert line, done.stdout[-2000:] + done.stderr[-3000:]
     assert json.loads(line[len("ALIVE "):]) == {"0": False, "1": False, "2": False, "3": False, "3 compiled": False,
                                                  "ddp": False, "fsdp2": False}
+
+
+
+def test_a_chapters_own_module_under_runs_is_found_without_the_repository_on_the_path(monkeypatch):
+    """A notebook's kernel starts in notebooks/, so the repository root is not on sys.path; the ranks have it on
+    their PYTHONPATH. The launcher's check imports ``runs.<chapter>.<module>`` as the ranks will."""
+    import shutil
+    import sys
+
+    root = launch.environment.REPO_ROOT
+    folder = root / "runs" / "test_own_module"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "rank_code.py").write_text("def task(run, position, count, born):\n    return None\n")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(root))])
+    for name in [m for m in sys.modules if m == "runs" or m.startswith("runs.")]:
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        found = launch._function("task", "runs.test_own_module.rank_code:task")
+        assert found.__module__ == "runs.test_own_module.rank_code" and found.__name__ == "task"
+    finally:
+        shutil.rmtree(folder)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import base64
 import ctypes
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -538,7 +539,11 @@ def run_folder(spec: RunSpec, world: int) -> Path:
 
 def _function(key: str, name: str):
     """The function a RunSpec's ``key`` names (``"package.module:function"``), imported here as the ranks
-    will import it; a ValueError naming the key otherwise."""
+    will import it; a ValueError naming the key otherwise. A chapter's own module (``runs.<chapter>.<module>``,
+    written by the notebook) is found from the repository's root, which the ranks have on their PYTHONPATH."""
+    if str(environment.REPO_ROOT) not in sys.path:
+        sys.path.append(str(environment.REPO_ROOT))
+        importlib.invalidate_caches()
     try:
         return resolve(name)
     except ValueError as error:
