@@ -42,6 +42,7 @@ def _env(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from helpers.core import configs, environment  # deferred
 
+    environment.quiet_deepspeed_import()  # this machine's accelerator named up front: no DeepSpeed notice in the report
     if args.target:
         env = configs.target(args.target, args.gpus or args.world_size)
         world = args.world_size or env.default_world_size
