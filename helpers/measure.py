@@ -31,7 +31,7 @@ import torch
 from helpers.core import memory, models
 from helpers.core.plan import write_json
 from helpers.core.probes import RunContext, config_for, deep_update, defaults_for
-from helpers.core.train import Recorder, data_parallel_coords, precision_of
+from helpers.core.train import Recorder, data_parallel_coords, precision_of, release_zero3_references
 
 #: The probes a script gets unless it names others: step time, model states, peak memory, collectives.
 PROBES = ("timing", "model_states", "peak_memory", "comm")
@@ -109,6 +109,9 @@ class Meter:
             return self.out / "summary.json" if self.ctx.rank == 0 else None
         self.finished = True
         self.engine.backward, self.engine.step = self._backward, self._step
+        # what DeepSpeed's ZeRO-3 keeps of the engine at module level: a script that trains several engines
+        # in one process would otherwise hold them all until it exits, and exit with them (an abort)
+        release_zero3_references(self.engine.module)
         if self.step < self.steps:
             raise RuntimeError(f"measure: the script announced steps={self.steps} to attach() but trained {self.step} "
                                "optimizer steps: pass the number it trains")

@@ -795,7 +795,7 @@ def speed_table(runs: Mapping[Any, Any], rank: int = 0, peak: bool = True) -> st
 def formats_table() -> str:
     """fp32, bf16 and fp16 as ``torch.finfo`` describes them: bits of sign / exponent / mantissa, the largest
     value, the smallest normal value, the spacing just above 1 (``eps``), and what DeepSpeed adds for each."""
-    adds = {"fp32": "nothing", "bf16": "an fp32 master copy", "fp16": "an fp32 master copy, and a loss scale"}
+    adds = {"fp32": "nothing (a ZeRO optimizer keeps its fp32 partition)", "bf16": "an fp32 master copy", "fp16": "an fp32 master copy, and a loss scale"}
     rows = []
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
         info = torch.finfo(dtype)
