@@ -243,3 +243,39 @@ def test_accumulation_is_judged_per_sample_through_the_load_guard():
     assert bandwidth.accumulation_verdicts(rows, BUSY) == (
         "Accumulation 4 against 1 (stages 1 and 2, both links): verdict withheld: other processes (3) used 40% of the "
         "2 cores' time during the run.")
+
+
+def test_the_fit_summary_calls_a_noiseless_fit_good_and_a_scattered_one_poor():
+    known = {"all_reduce": (100e-6, 1 / 2e9), "all_gather": (50e-6, 1 / 3e9)}
+    clean = _synthetic_benchmark(2, known)
+    model = bandwidth.CommModel.from_benchmark(clean)
+    assert max(bandwidth.worst_errors(model, clean).values()) < 1e-6
+    assert "the lines follow the points" in bandwidth.fit_summary(model, clean, reference="no-such-reference")
+    scattered = _synthetic_benchmark(2, known)
+    for i, p in enumerate(scattered["results"]):  # every other point 4 times slower: far off any line
+        p["seconds"] *= 4 if i % 2 else 1
+    model = bandwidth.CommModel.from_benchmark(scattered)
+    assert max(bandwidth.worst_errors(model, scattered).values()) > bandwidth.POOR_FIT
+    assert "scatter far from the lines" in bandwidth.fit_summary(model, scattered, reference="no-such-reference")
+
+
+def test_rate_match_says_whether_the_fitted_bandwidth_recovers_the_set_rate():
+    rate = 50e6
+    near = bandwidth.CommModel.for_link(0.97 * rate, 300e-6, 2)
+    far = bandwidth.CommModel.for_link(0.5 * rate, 300e-6, 2)
+    assert "recovers the set rate" in bandwidth.rate_match(near, rate)
+    assert "97% of it" in bandwidth.rate_match(near, rate)
+    assert "not within" in bandwidth.rate_match(far, rate)
+
+
+def test_run_configs_shows_deepspeeds_default_overlap_comm_per_stage():
+    from test_records import minimal_summary
+
+    found = {}
+    for stage in (2, 3):
+        summary = minimal_summary()
+        summary["config"] = {"zero_optimization": {"stage": stage}, "gradient_accumulation_steps": 4,
+                             "train_micro_batch_size_per_gpu": 4}
+        found[f"zero{stage}"] = records.Record(summary)
+    lines = bandwidth.run_configs(found).splitlines()
+    assert "False (default)" in lines[2] and "True (default)" in lines[3]
