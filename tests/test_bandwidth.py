@@ -279,3 +279,16 @@ def test_run_configs_shows_deepspeeds_default_overlap_comm_per_stage():
         found[f"zero{stage}"] = records.Record(summary)
     lines = bandwidth.run_configs(found).splitlines()
     assert "False (default)" in lines[2] and "True (default)" in lines[3]
+
+
+def test_what_if_gives_a_link_its_own_alpha_where_one_is_given():
+    p = bandwidth.StepProfile("synthetic", stage=1, accum=1, micro_batch=4, world_size=2, compute_s=0.0,
+                              by_op={"all_reduce": {"count": 10, "bytes": 1e3}})
+    rows = bandwidth.what_if([p], alpha=100e-6, alphas={"NVLink 4": 1e-6})
+    by = {r["link"]: r for r in rows}
+    assert by["NVLink 4"]["alpha"] == 1e-6 and by["400 Gb/s"]["alpha"] == 100e-6
+    # ten calls of tiny messages: the step is about ten alphas on each link
+    assert by["NVLink 4"]["comm_s"] == pytest.approx(10e-6, rel=0.01)
+    assert by["400 Gb/s"]["comm_s"] == pytest.approx(1e-3, rel=0.01)
+    assert bandwidth.what_if_alphas(rows) == ("alpha per call: 100.0 us for 10 Gb/s, 25 Gb/s, 100 Gb/s, 400 Gb/s; "
+                                              "1.0 us for NVLink 4")

@@ -933,14 +933,27 @@ def predict_step(profile_: StepProfile, model: CommModel, overlap: bool = False)
             "samples_per_s": profile_.samples / step}
 
 
-def what_if(profiles: Sequence[StepProfile], alpha: float, links: Mapping[str, float] = LINKS) -> list[dict]:
-    """For every profile and link (bytes/s per direction): the predicted step on that link, serial."""
+def what_if(profiles: Sequence[StepProfile], alpha: float, links: Mapping[str, float] = LINKS,
+            alphas: Mapping[str, float] | None = None) -> list[dict]:
+    """For every profile and link (bytes/s per direction): the predicted step on that link, serial; each call
+    costs ``alphas[link]`` where given, else ``alpha``."""
     found = []
     for p in profiles:
         for link, bandwidth in links.items():
-            model = CommModel.for_link(bandwidth, alpha, p.world_size, link)
-            found.append({"profile": p, "link": link, "bandwidth": bandwidth, **predict_step(p, model)})
+            link_alpha = (alphas or {}).get(link, alpha)
+            model = CommModel.for_link(bandwidth, link_alpha, p.world_size, link)
+            found.append({"profile": p, "link": link, "bandwidth": bandwidth, "alpha": link_alpha,
+                          **predict_step(p, model)})
     return found
+
+
+def what_if_alphas(rows: Sequence[dict]) -> str:
+    """Which alpha each link of a what-if (:func:`what_if`) was given: a generated line."""
+    by_alpha: dict[float, list[str]] = {}
+    for r in rows:
+        if r["link"] not in by_alpha.setdefault(r["alpha"], []):
+            by_alpha[r["alpha"]].append(r["link"])
+    return "alpha per call: " + "; ".join(f"{a * 1e6:,.1f} us for {', '.join(links)}" for a, links in by_alpha.items())
 
 
 def what_if_table(rows: Sequence[dict]) -> str:
