@@ -292,3 +292,17 @@ def test_what_if_gives_a_link_its_own_alpha_where_one_is_given():
     assert by["400 Gb/s"]["comm_s"] == pytest.approx(1e-3, rel=0.01)
     assert bandwidth.what_if_alphas(rows) == ("alpha per call: 100.0 us for 10 Gb/s, 25 Gb/s, 100 Gb/s, 400 Gb/s; "
                                               "1.0 us for NVLink 4")
+
+
+def test_config_changes_reach_a_run_and_its_slow_twin_and_refuse_unknown_names():
+    specs = {**bandwidth.stage_specs(overlap_stage=None), **bandwidth.stage_specs(bandwidth.SLOW, stages=(2,),
+                                                                                  extra=(), overlap_stage=None)}
+    change = {"zero_optimization": {"reduce_bucket_size": 100_000}}
+    found = bandwidth.with_config_changes(specs, {"zero2-acc4": change})
+    for name in ("zero2-acc4", "slow-zero2-acc4"):
+        assert found[name].overrides["zero_optimization"]["reduce_bucket_size"] == 100_000
+        assert found[name].overrides["gradient_accumulation_steps"] == 4  # the run's own settings are kept
+    assert "zero_optimization" not in (found["zero1-acc4"].overrides or {})
+    assert "zero_optimization" not in (specs["zero2-acc4"].overrides or {})  # the given specs are not changed
+    with pytest.raises(KeyError, match="zero0-acc4"):
+        bandwidth.with_config_changes(specs, {"zero9-acc4": change})

@@ -94,7 +94,7 @@ import torch
 import torch.distributed
 import torch.distributed as tdist
 
-from helpers.core import environment, exercises, launch, load_guard, plots, records, references, theory
+from helpers.core import configs, environment, exercises, launch, load_guard, plots, records, references, theory
 from helpers.core.plan import PlannedRun, emit, publish, reference_of
 from helpers.topics import accumulation
 
@@ -810,7 +810,7 @@ def fit_summary(model: CommModel, result: dict, reference: str = "bandwidth-nvli
     lines = [f"This run ({model.source}): worst fit error {min(mine.values()):.0%} to {max(mine.values()):.0%} "
              "over the collectives; " + ("the points scatter far from the lines, so read the shape on the GPU "
                                          "reference." if max(mine.values()) > POOR_FIT else
-                                         "the lines follow the points.")]
+                                         "the lines follow the points within that error.")]
     found = references.reference_runs(reference)
     if found:
         device, date, _, runs = found[0]
@@ -1088,15 +1088,30 @@ def slow_link_plan(world_size: int, env=None, rate_mbit: float = SLOW_RATE_MBIT)
                   "Everything is deleted when the launch ends.")
 
 
+def with_config_changes(specs: Mapping[str, object], changes: Mapping[str, dict] | None) -> dict:
+    """``specs`` with each ``changes[name]`` (DeepSpeed config settings) merged into the overrides of the training
+    run ``name`` and of its slow-link twin; an unknown name raises, listing the runs."""
+    found = dict(specs)
+    for name, settings in (changes or {}).items():
+        targets = [n for n in (name, f"{SLOW}{name}") if isinstance(found.get(n), launch.RunSpec)]
+        if not targets:
+            runs = ", ".join(n for n, s in found.items() if isinstance(s, launch.RunSpec) and not n.startswith(SLOW))
+            raise KeyError(f"no training run {name!r} to change; the runs: {runs}")
+        for n in targets:
+            found[n] = dataclasses.replace(found[n], overrides=configs.merged(found[n].overrides or {}, settings))
+    return found
+
+
 def run_chapter(task: str | None = None, model: str = "mlp", precision: str = "fp32", micro_batch: int = 4,
                 steps: int = 3, rate_mbit: float = SLOW_RATE_MBIT, slow_link: bool = True, env=None,
-                timeout: float = 600) -> tuple[dict, str]:
+                timeout: float = 600, config_changes: Mapping[str, dict] | None = None) -> tuple[dict, str]:
     """Chapter 09's measurements in ONE launch: the collective benchmark (rank-side ``task``, default
     :data:`TASK`) and the training runs of :func:`stage_specs` (``overlap_comm`` off and on only on GPUs, where
     there are streams to overlap on); with ``slow_link`` where the machine allows it (:func:`slow_link_plan`),
     every rank in its own network namespace, then, after the link is cut to ``rate_mbit``, a smaller benchmark
     (``slow-collectives``) and the same runs of stages 1 and 2 named ``slow-...``. Returns {name: record or
-    benchmark summary} and a sentence saying which links were used. The launch's own files go to
+    benchmark summary} and a sentence saying which links were used. ``config_changes`` maps a training run's name
+    to DeepSpeed config settings merged into its config (:func:`with_config_changes`). The launch's own files go to
     ``runs/bandwidth-<model>/``; it is stopped after ``timeout`` seconds."""
 
     env = env or environment.detect()
@@ -1110,6 +1125,7 @@ def run_chapter(task: str | None = None, model: str = "mlp", precision: str = "f
                              overlap_stage=overlap))
     ok, why = slow_link_plan(world, env, rate_mbit) if slow_link else (False, "No slow link: not asked for.")
     if not ok:
+        specs = with_config_changes(specs, config_changes)
         runs = launch.sweep(specs, name=f"bandwidth-{model}", timeout=timeout)
         return runs, f"one link only (the ranks' loopback). {why}"
     specs[f"{SLOW}rate"] = set_rate_spec(f"{SLOW}rate", rate_mbit)
@@ -1119,6 +1135,7 @@ def run_chapter(task: str | None = None, model: str = "mlp", precision: str = "f
                                        out=launch.RUNS_DIR / f"{SLOW}collectives-{model}")
     specs.update(stage_specs(SLOW, model=model, precision=precision, micro_batch=micro_batch, steps=steps,
                              stages=(1, 2), overlap_stage=overlap))
+    specs = with_config_changes(specs, config_changes)
     with rate_limited_link(world, None) as link:
         runs = launch.sweep(specs, name=f"bandwidth-{model}", timeout=timeout, rank_prefix=link.rank_prefix,
                             master_addr=link.master_addr)
