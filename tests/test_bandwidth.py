@@ -243,3 +243,66 @@ def test_accumulation_is_judged_per_sample_through_the_load_guard():
     assert bandwidth.accumulation_verdicts(rows, BUSY) == (
         "Accumulation 4 against 1 (stages 1 and 2, both links): verdict withheld: other processes (3) used 40% of the "
         "2 cores' time during the run.")
+
+
+def test_the_fit_summary_calls_a_noiseless_fit_good_and_a_scattered_one_poor():
+    known = {"all_reduce": (100e-6, 1 / 2e9), "all_gather": (50e-6, 1 / 3e9)}
+    clean = _synthetic_benchmark(2, known)
+    model = bandwidth.CommModel.from_benchmark(clean)
+    assert max(bandwidth.worst_errors(model, clean).values()) < 1e-6
+    assert "the lines follow the points" in bandwidth.fit_summary(model, clean, reference="no-such-reference")
+    scattered = _synthetic_benchmark(2, known)
+    for i, p in enumerate(scattered["results"]):  # every other point 4 times slower: far off any line
+        p["seconds"] *= 4 if i % 2 else 1
+    model = bandwidth.CommModel.from_benchmark(scattered)
+    assert max(bandwidth.worst_errors(model, scattered).values()) > bandwidth.POOR_FIT
+    assert "scatter far from the lines" in bandwidth.fit_summary(model, scattered, reference="no-such-reference")
+
+
+def test_rate_match_says_whether_the_fitted_bandwidth_recovers_the_set_rate():
+    rate = 50e6
+    near = bandwidth.CommModel.for_link(0.97 * rate, 300e-6, 2)
+    far = bandwidth.CommModel.for_link(0.5 * rate, 300e-6, 2)
+    assert "recovers the set rate" in bandwidth.rate_match(near, rate)
+    assert "97% of it" in bandwidth.rate_match(near, rate)
+    assert "not within" in bandwidth.rate_match(far, rate)
+
+
+def test_run_configs_shows_deepspeeds_default_overlap_comm_per_stage():
+    from test_records import minimal_summary
+
+    found = {}
+    for stage in (2, 3):
+        summary = minimal_summary()
+        summary["config"] = {"zero_optimization": {"stage": stage}, "gradient_accumulation_steps": 4,
+                             "train_micro_batch_size_per_gpu": 4}
+        found[f"zero{stage}"] = records.Record(summary)
+    lines = bandwidth.run_configs(found).splitlines()
+    assert "False (default)" in lines[2] and "True (default)" in lines[3]
+
+
+def test_what_if_gives_a_link_its_own_alpha_where_one_is_given():
+    p = bandwidth.StepProfile("synthetic", stage=1, accum=1, micro_batch=4, world_size=2, compute_s=0.0,
+                              by_op={"all_reduce": {"count": 10, "bytes": 1e3}})
+    rows = bandwidth.what_if([p], alpha=100e-6, alphas={"NVLink 4": 1e-6})
+    by = {r["link"]: r for r in rows}
+    assert by["NVLink 4"]["alpha"] == 1e-6 and by["400 Gb/s"]["alpha"] == 100e-6
+    # ten calls of tiny messages: the step is about ten alphas on each link
+    assert by["NVLink 4"]["comm_s"] == pytest.approx(10e-6, rel=0.01)
+    assert by["400 Gb/s"]["comm_s"] == pytest.approx(1e-3, rel=0.01)
+    assert bandwidth.what_if_alphas(rows) == ("alpha per call: 100.0 us for 10 Gb/s, 25 Gb/s, 100 Gb/s, 400 Gb/s; "
+                                              "1.0 us for NVLink 4")
+
+
+def test_config_changes_reach_a_run_and_its_slow_twin_and_refuse_unknown_names():
+    specs = {**bandwidth.stage_specs(overlap_stage=None), **bandwidth.stage_specs(bandwidth.SLOW, stages=(2,),
+                                                                                  extra=(), overlap_stage=None)}
+    change = {"zero_optimization": {"reduce_bucket_size": 100_000}}
+    found = bandwidth.with_config_changes(specs, {"zero2-acc4": change})
+    for name in ("zero2-acc4", "slow-zero2-acc4"):
+        assert found[name].overrides["zero_optimization"]["reduce_bucket_size"] == 100_000
+        assert found[name].overrides["gradient_accumulation_steps"] == 4  # the run's own settings are kept
+    assert "zero_optimization" not in (found["zero1-acc4"].overrides or {})
+    assert "zero_optimization" not in (specs["zero2-acc4"].overrides or {})  # the given specs are not changed
+    with pytest.raises(KeyError, match="zero0-acc4"):
+        bandwidth.with_config_changes(specs, {"zero9-acc4": change})

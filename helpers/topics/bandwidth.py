@@ -94,7 +94,7 @@ import torch
 import torch.distributed
 import torch.distributed as tdist
 
-from helpers.core import environment, exercises, launch, load_guard, plots, records, references, theory
+from helpers.core import configs, environment, exercises, launch, load_guard, plots, records, references, theory
 from helpers.core.plan import PlannedRun, emit, publish, reference_of
 from helpers.topics import accumulation
 
@@ -369,7 +369,7 @@ def bandwidth_table(result: dict, op: str, implementations: Sequence[str] | None
             p = point(result, impl, op, size)
             row += [f"{p['seconds'] * 1e6:,.0f}", f"{p['algbw'] / 1e9:.3g}", f"{p['busbw'] / 1e9:.3g}"]
         table.append(row)
-    headers = ["size"] + [f"{i} {h}" for i in impls for h in ("us", "algbw", "busbw")]
+    headers = ["size"] + [f"{i} {h}" for i in impls for h in ("us", "algbw GB/s", "busbw GB/s")]
     return f"{op} on {result['world_size']} ranks ({result['device_name']}, {result['backend']}):\n" + \
         records.format_table(table, headers)
 
@@ -789,6 +789,66 @@ def fit_table(model: CommModel, result: dict | None = None, implementation: str 
     return records.format_table(table, headers)
 
 
+def worst_errors(model: CommModel, result: dict, implementation: str = "deepspeed.comm") -> dict[str, float]:
+    """op -> the fit's largest relative error over the benchmark's points of that collective."""
+    found = {}
+    for op, ab in model.fits.items():
+        points = rows(result, implementation, op)
+        found[op] = max(abs(e) for e in relative_errors(ab, [p["wire_bytes"] for p in points],
+                                                          [p["seconds"] for p in points]))
+    return found
+
+
+#: Worst relative error above which the chapter calls a fit poor: the points scatter beyond the line's shape.
+POOR_FIT = 0.5
+
+
+def fit_summary(model: CommModel, result: dict, reference: str = "bandwidth-nvlink") -> str:
+    """A generated sentence on how well the alpha-beta lines fit this run's points, beside the committed GPU
+    reference's fit (its device and date)."""
+    mine = worst_errors(model, result)
+    lines = [f"This run ({model.source}): worst fit error {min(mine.values()):.0%} to {max(mine.values()):.0%} "
+             "over the collectives; " + ("the points scatter far from the lines, so read the shape on the GPU "
+                                         "reference." if max(mine.values()) > POOR_FIT else
+                                         "the lines follow the points within that error.")]
+    found = references.reference_runs(reference)
+    if found:
+        device, date, _, runs = found[0]
+        ref_model = CommModel.from_benchmark(runs["collectives"])
+        theirs = worst_errors(ref_model, runs["collectives"])
+        lines.append(f"GPU reference ({device}, {date}, NCCL): worst fit error {min(theirs.values()):.0%} to "
+                     f"{max(theirs.values()):.0%}.")
+    return "\n".join(lines)
+
+
+#: How close (relative) a fitted 1/beta must come to a link's set rate for the chapter to say it recovers it.
+RATE_MATCH = 0.1
+
+
+def rate_match(model: CommModel, rate: float) -> str:
+    """A generated sentence setting each fitted 1/beta beside a link's set rate (bytes/s per direction)."""
+    ratios = {op: ab.bandwidth / rate for op, ab in model.fits.items()}
+    fitted = ", ".join(f"{op} {model.fits[op].bandwidth / 1e6:.1f} MB/s ({r:.0%} of it)" for op, r in ratios.items())
+    close = all(abs(r - 1) <= RATE_MATCH for r in ratios.values())
+    return (f"Set rate {rate * 8 / 1e6:g} Mbit/s = {rate / 1e6:.1f} MB/s per direction; fitted 1/beta: {fitted}: "
+            + (f"the fit recovers the set rate (within {RATE_MATCH:.0%})." if close else
+               f"not within {RATE_MATCH:.0%} of the set rate."))
+
+
+def run_configs(runs: Mapping[str, records.Record]) -> str:
+    """The DeepSpeed config settings of each training run that decide its collectives: ZeRO stage,
+    overlap_comm (where unset, DeepSpeed's default: on at stage 3 only), accumulation and micro batch."""
+    table = []
+    for name, r in runs.items():
+        zero = r.config.get("zero_optimization", {})
+        stage = zero.get("stage", 0)
+        overlap = zero["overlap_comm"] if "overlap_comm" in zero else f"{stage == 3} (default)"
+        table.append([name, f"{stage}", f"{overlap}", f"{r.config.get('gradient_accumulation_steps', 1)}",
+                      f"{r.config.get('train_micro_batch_size_per_gpu', '')}"])
+    return records.format_table(table, ["run", "zero_optimization.stage", "overlap_comm",
+                                        "gradient_accumulation_steps", "train_micro_batch_size_per_gpu"])
+
+
 # --- a training step, split into computation and communication ---------------------------------
 
 @dataclasses.dataclass
@@ -873,14 +933,27 @@ def predict_step(profile_: StepProfile, model: CommModel, overlap: bool = False)
             "samples_per_s": profile_.samples / step}
 
 
-def what_if(profiles: Sequence[StepProfile], alpha: float, links: Mapping[str, float] = LINKS) -> list[dict]:
-    """For every profile and link (bytes/s per direction): the predicted step on that link, serial."""
+def what_if(profiles: Sequence[StepProfile], alpha: float, links: Mapping[str, float] = LINKS,
+            alphas: Mapping[str, float] | None = None) -> list[dict]:
+    """For every profile and link (bytes/s per direction): the predicted step on that link, serial; each call
+    costs ``alphas[link]`` where given, else ``alpha``."""
     found = []
     for p in profiles:
         for link, bandwidth in links.items():
-            model = CommModel.for_link(bandwidth, alpha, p.world_size, link)
-            found.append({"profile": p, "link": link, "bandwidth": bandwidth, **predict_step(p, model)})
+            link_alpha = (alphas or {}).get(link, alpha)
+            model = CommModel.for_link(bandwidth, link_alpha, p.world_size, link)
+            found.append({"profile": p, "link": link, "bandwidth": bandwidth, "alpha": link_alpha,
+                          **predict_step(p, model)})
     return found
+
+
+def what_if_alphas(rows: Sequence[dict]) -> str:
+    """Which alpha each link of a what-if (:func:`what_if`) was given: a generated line."""
+    by_alpha: dict[float, list[str]] = {}
+    for r in rows:
+        if r["link"] not in by_alpha.setdefault(r["alpha"], []):
+            by_alpha[r["alpha"]].append(r["link"])
+    return "alpha per call: " + "; ".join(f"{a * 1e6:,.1f} us for {', '.join(links)}" for a, links in by_alpha.items())
 
 
 def what_if_table(rows: Sequence[dict]) -> str:
@@ -1015,15 +1088,30 @@ def slow_link_plan(world_size: int, env=None, rate_mbit: float = SLOW_RATE_MBIT)
                   "Everything is deleted when the launch ends.")
 
 
+def with_config_changes(specs: Mapping[str, object], changes: Mapping[str, dict] | None) -> dict:
+    """``specs`` with each ``changes[name]`` (DeepSpeed config settings) merged into the overrides of the training
+    run ``name`` and of its slow-link twin; an unknown name raises, listing the runs."""
+    found = dict(specs)
+    for name, settings in (changes or {}).items():
+        targets = [n for n in (name, f"{SLOW}{name}") if isinstance(found.get(n), launch.RunSpec)]
+        if not targets:
+            runs = ", ".join(n for n, s in found.items() if isinstance(s, launch.RunSpec) and not n.startswith(SLOW))
+            raise KeyError(f"no training run {name!r} to change; the runs: {runs}")
+        for n in targets:
+            found[n] = dataclasses.replace(found[n], overrides=configs.merged(found[n].overrides or {}, settings))
+    return found
+
+
 def run_chapter(task: str | None = None, model: str = "mlp", precision: str = "fp32", micro_batch: int = 4,
                 steps: int = 3, rate_mbit: float = SLOW_RATE_MBIT, slow_link: bool = True, env=None,
-                timeout: float = 600) -> tuple[dict, str]:
+                timeout: float = 600, config_changes: Mapping[str, dict] | None = None) -> tuple[dict, str]:
     """Chapter 09's measurements in ONE launch: the collective benchmark (rank-side ``task``, default
     :data:`TASK`) and the training runs of :func:`stage_specs` (``overlap_comm`` off and on only on GPUs, where
     there are streams to overlap on); with ``slow_link`` where the machine allows it (:func:`slow_link_plan`),
     every rank in its own network namespace, then, after the link is cut to ``rate_mbit``, a smaller benchmark
     (``slow-collectives``) and the same runs of stages 1 and 2 named ``slow-...``. Returns {name: record or
-    benchmark summary} and a sentence saying which links were used. The launch's own files go to
+    benchmark summary} and a sentence saying which links were used. ``config_changes`` maps a training run's name
+    to DeepSpeed config settings merged into its config (:func:`with_config_changes`). The launch's own files go to
     ``runs/bandwidth-<model>/``; it is stopped after ``timeout`` seconds."""
 
     env = env or environment.detect()
@@ -1037,6 +1125,7 @@ def run_chapter(task: str | None = None, model: str = "mlp", precision: str = "f
                              overlap_stage=overlap))
     ok, why = slow_link_plan(world, env, rate_mbit) if slow_link else (False, "No slow link: not asked for.")
     if not ok:
+        specs = with_config_changes(specs, config_changes)
         runs = launch.sweep(specs, name=f"bandwidth-{model}", timeout=timeout)
         return runs, f"one link only (the ranks' loopback). {why}"
     specs[f"{SLOW}rate"] = set_rate_spec(f"{SLOW}rate", rate_mbit)
@@ -1046,6 +1135,7 @@ def run_chapter(task: str | None = None, model: str = "mlp", precision: str = "f
                                        out=launch.RUNS_DIR / f"{SLOW}collectives-{model}")
     specs.update(stage_specs(SLOW, model=model, precision=precision, micro_batch=micro_batch, steps=steps,
                              stages=(1, 2), overlap_stage=overlap))
+    specs = with_config_changes(specs, config_changes)
     with rate_limited_link(world, None) as link:
         runs = launch.sweep(specs, name=f"bandwidth-{model}", timeout=timeout, rank_prefix=link.rank_prefix,
                             master_addr=link.master_addr)
@@ -1183,9 +1273,10 @@ def overlap_in_capstone(sizes: Sequence[str] = ("1.2b", "2.7b")) -> list[tuple[s
     return found
 
 
-def reference_findings(name: str = "bandwidth-nvlink", sockets: str = "bandwidth-sockets") -> str:
+def reference_findings(name: str = "bandwidth-nvlink", sockets: str = "bandwidth-sockets",
+                       capstone: bool = True) -> str:
     """:func:`link_findings` for each committed GPU result measured over both transports (NVLink and NCCL over
-    sockets), then :func:`overlap_in_capstone`."""
+    sockets), then, with ``capstone``, :func:`overlap_in_capstone`."""
     over_sockets = {device: runs for device, _, _, runs in references.reference_runs(sockets)}
     parts, changes = [], []
     for device, date, _, runs in references.reference_runs(name):
@@ -1200,10 +1291,11 @@ def reference_findings(name: str = "bandwidth-nvlink", sockets: str = "bandwidth
         off, on = by.get("zero2-acc4-overlap-off"), by.get("zero2-acc4-overlap-on")
         if off and on:  # a shorter step is a gain in speed
             changes += [off[key] / on[key] - 1 for key in ("fast_s", "slow_s")]
-    capstone = overlap_in_capstone()
-    parts += ["The same knob in chapter 16's ladders (speed against the best setting so far, NVLink):"]
-    parts += [line for line, _ in capstone] or ["No committed capstone ladder has an overlap rung."]
-    changes += [gain for _, gain in capstone if gain is not None]
+    if capstone:
+        ladder = overlap_in_capstone()
+        parts += ["The same knob in chapter 16's ladders (speed against the best setting so far, NVLink):"]
+        parts += [line for line, _ in ladder] or ["No committed capstone ladder has an overlap rung."]
+        changes += [gain for _, gain in ladder if gain is not None]
     if changes:
         parts.append(f"overlap_comm made training faster in {sum(g > 0 for g in changes)} of these {len(changes)} "
                      "measurements.")
@@ -1475,9 +1567,10 @@ def exercise_latency_bound_size(answer: object, op: str = "all_gather",
         f"{op} latency-bound below", answer, expected, relative=0.05, unit=" bytes",
         task=f"Predict the message size S, in bytes, at which {op}'s alpha equals its bytes term, with the model "
              f"fitted on {_fit_words(op, where, model)}.",
-        hint=f"the model's two terms cost the same at alpha/beta, a number of wire bytes w (the fit table's "
-             f"alpha/beta column); the message S is not w: {op}'s bus-bandwidth factor ('The collectives, "
-             "measured') relates the two.",
+        hint=f"with the alpha and 1/beta of this to-do line (not this machine's fit table), the model "
+             "t = alpha + beta x w of 'A model of a collective' has its two terms equal at one number of wire "
+             f"bytes w; the message S is not w: {op}'s bus-bandwidth factor ('The collectives, measured') "
+             "relates the two.",
         why=f"alpha / beta = {records.format_bytes(ab.half_bandwidth_bytes)} of wire bytes, and each rank sends "
             f"{per_byte:g} x S, so S = {records.format_bytes(expected)}: below it a call costs about alpha whatever "
             "its size, which is why many small collectives (stage 3's per-layer gathers, small buckets) cost more "
@@ -1519,5 +1612,6 @@ def exercise_comms_logger(answer: object, wanted: str = "all_reduce") -> exercis
         "comms_logger block", answer, test,
         task=f"Write the comms_logger block (a dict) that makes DeepSpeed record the {wanted} calls of a ZeRO run "
              f"and not its {', '.join(op for op in LOGGED_OPS if op != wanted)}.",
-        hint="CommsLoggerConfig's fields are enabled, prof_all, prof_ops, verbose and debug; prof_all is true by "
-             "default and then every op is recorded.")
+        hint="the comms_logger section of DeepSpeed's config ('Communication Logging' in DeepSpeed's config "
+             "docs, CommsLoggerConfig in deepspeed/comm/config.py): find which field names the ops to record, "
+             "and what another field's default does to that list.")
