@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import os
 import re
 import sys
@@ -456,3 +457,12 @@ def deepspeed_source(relative: str, patterns: Sequence[str], context: int = 0) -
                 shown[j] = lines[j]
     body = "\n".join(f"{j + 1:5d}  {text}" for j, text in sorted(shown.items()))
     return f"deepspeed/{relative} (deepspeed {deepspeed.__version__}):\n{body}"
+
+
+def importable_repository() -> None:
+    """Make the repository's root importable in this process, as the ranks have it on their PYTHONPATH: a
+    chapter's own module (``runs.<chapter>.<module>``, written by its notebook) is then found here too, though a
+    kernel starts in ``notebooks/``; a module written since an earlier import is found as well."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.append(str(REPO_ROOT))
+    importlib.invalidate_caches()

@@ -37,7 +37,6 @@ from __future__ import annotations
 import base64
 import ctypes
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -541,9 +540,7 @@ def _function(key: str, name: str):
     """The function a RunSpec's ``key`` names (``"package.module:function"``), imported here as the ranks
     will import it; a ValueError naming the key otherwise. A chapter's own module (``runs.<chapter>.<module>``,
     written by the notebook) is found from the repository's root, which the ranks have on their PYTHONPATH."""
-    if str(environment.REPO_ROOT) not in sys.path:
-        sys.path.append(str(environment.REPO_ROOT))
-        importlib.invalidate_caches()
+    environment.importable_repository()
     try:
         return resolve(name)
     except ValueError as error:

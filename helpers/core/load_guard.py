@@ -95,6 +95,11 @@ class Load:
         return f"Load beside the run ({self.samples} samples over {self.seconds:.0f} s, {self.source}): {what}; {verdict}."
 
     @classmethod
+    def from_dict(cls, saved: Mapping) -> "Load":
+        """A load saved with ``dataclasses.asdict`` (in a record or a JSON file) read back."""
+        return cls(**{**saved, "pids": tuple(saved.get("pids", ()))})
+
+    @classmethod
     def unknown(cls, device: str = "cpu") -> "Load":
         """A load nobody recorded: every verdict on it is withheld."""
         return cls(device, 0, None, 0, 0.0, 0, "not recorded")

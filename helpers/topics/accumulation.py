@@ -222,7 +222,7 @@ def load_of(runs: Mapping[object, records.Record]) -> load_guard.Load | None:
     """The load :func:`measure_claim` recorded with ``runs`` (in each record's ``load`` section), or None where
     nothing recorded it (the committed reference of 2026-11-26 predates the load guard)."""
     found = next((r.summary.get("load") for r in runs.values() if r.summary.get("load")), None)
-    return None if found is None else load_guard.Load(**{**found, "pids": tuple(found.get("pids", ()))})
+    return None if found is None else load_guard.Load.from_dict(found)
 
 
 #: The source article's figure: ZeRO-2 with accumulation 4 trained "approximately 30%" faster (its section 4).

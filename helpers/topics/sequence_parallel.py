@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 import sys
 from pathlib import Path
@@ -76,11 +75,9 @@ def rank_code(path: str | Path) -> tuple[str, str]:
     except ValueError:
         raise ValueError(f"{path}: write the ranks' module inside {environment.REPO_ROOT} (the ranks import from "
                          f"there)") from None
-    if str(environment.REPO_ROOT) not in sys.path:
-        sys.path.append(str(environment.REPO_ROOT))
+    environment.importable_repository()  # also finds a module written after the first import
     module = ".".join(relative.parts)
     sys.modules.pop(module, None)  # an edited module is read again
-    importlib.invalidate_caches()  # a module written after the first import is found
     return f"{module}:build_model", f"{module}:train_step"
 
 

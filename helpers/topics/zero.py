@@ -101,10 +101,9 @@ def chapter_records(folder: str | Path, since: float = 0.0, precisions: Sequence
     them) since ``since`` (a ``time.time()``; older folders, from runs a learner has since renamed, are left
     out): ``({(stage, precision): record}, {setting: record})``, the baselines ``zero<s>-<precision>`` for
     each of ``precisions``, and ``zero<stage>-<setting>`` for every other name, in the order they trained."""
-    found = []
-    for summary in Path(folder).glob("*/summary.json"):
-        if summary.stat().st_mtime >= since:
-            found.append((summary.stat().st_mtime, records.load(summary)))
+    loaded, _ = records.load_all(folder)
+    found = [(t, record) for t, record in ((Path(folder, name, "summary.json").stat().st_mtime, record)
+                                           for name, record in loaded.items()) if t >= since]
     if not found:
         raise FileNotFoundError(f"no record in {folder} newer than the launch: did the script run?")
     runs: dict[tuple[int, str], records.Record] = {}
