@@ -132,7 +132,9 @@ def check_notebooks(python: str, notebooks: list[Path], jobs: int = 1, timeout: 
     def start(path: Path, together: int) -> tuple[Path, subprocess.Popen]:
         folder = out / path.stem
         # the capstone measures its baseline and what fits in 2 minutes: enough to show it runs here
+        # load_guard's LOCK_VARIABLE (timed launches take turns) and LOG_VARIABLE (each verdict, counted below)
         env = {"COURSE_CAPSTONE_BUDGET": "120", **os.environ, "COURSE_RUNS_DIR": str(folder / "runs"),
+               "COURSE_TIMING_LOCK": str(out / "timing.lock"), "COURSE_VERDICT_LOG": str(folder / "verdicts.jsonl"),
                "COURSE_REFERENCE_CONDITIONS": (f"executed by check-gpu beside {together - 1} other notebook(s)"
                                                if together > 1 else "executed by check-gpu, alone")}
         log = open(folder.with_suffix(".log"), "w")
@@ -147,6 +149,7 @@ def check_notebooks(python: str, notebooks: list[Path], jobs: int = 1, timeout: 
         result = (json.loads(result_file.read_text()) if result_file.exists()
                   else {"notebook": path.name, "ok": False, "error": f"exited {process.returncode}, see "
                         f"{out / path.stem}.log", "seconds": None})
+        result["verdicts"] = _verdict_counts(out / path.stem / "verdicts.jsonl")
         if stopped and not result["ok"] and not result.get("stopped"):  # ended by the same stop, no result of its own
             result.update(stopped=True, error=f"stopped from outside ({stopped}) before it finished: no verdict")
         results.append(result)
@@ -197,6 +200,16 @@ class _CheckStopped(BaseException):
     """SIGTERM to the check itself: the notebooks still running are reported as stopped, not lost."""
 
 
+def _verdict_counts(log: Path) -> dict:
+    """The timing verdicts a notebook's load guard gave and withheld (helpers.core.load_guard.read_log's
+    counts; read here with the standard library only)."""
+    counts = {"given": 0, "withheld": 0}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            counts["withheld" if json.loads(line)["withheld"] else "given"] += 1
+    return counts
+
+
 def _verdict(result: dict) -> str:
     """ok, FAILED (an error cell, a dead kernel) or STOPPED (ended from outside: no verdict)."""
     return "ok" if result["ok"] else ("STOPPED" if result.get("stopped") else "FAILED")
@@ -225,7 +238,8 @@ def check_gpu(python: str, args: list[str]) -> int:
     _say(f"{len(notebooks)} notebook(s), {jobs} at a time, on {where}")
     started = time.monotonic()
     results = check_notebooks(python, notebooks, jobs, timeout, out)
-    report = {"gpus": gpus, "jobs": jobs, "seconds": round(time.monotonic() - started, 1),
+    verdicts = {k: sum(r.get("verdicts", {}).get(k, 0) for r in results) for k in ("given", "withheld")}
+    report = {"gpus": gpus, "jobs": jobs, "seconds": round(time.monotonic() - started, 1), "verdicts": verdicts,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "notebooks": results,
               "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "course_gpus": chosen or None}
     path = out / "report.json"
@@ -239,6 +253,7 @@ def check_gpu(python: str, args: list[str]) -> int:
         print(line)
     _say(f"{len(results) - len(failed)} of {len(results)} notebook(s) ran without an error cell"
          + (f", {len(stopped)} stopped from outside before they finished" if stopped else "")
+         + f"; timing verdicts given {verdicts['given']}, withheld {verdicts['withheld']}"
          + f"; report: {path}, executed copies beside it")
     return 1 if failed else 0
 

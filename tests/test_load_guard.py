@@ -114,3 +114,36 @@ def test_the_load_describes_itself_in_one_line():
     assert ALONE.describe() == ("Load beside the run (6 samples over 3 s, test: an idle machine): other processes used 1% "
                                 "of the 2 cores' time (0 of them above 0.2 s); alone: timing verdicts may be given.")
     assert load_guard.Load.unknown().describe() == "Load beside the run: not recorded."
+
+
+def test_every_verdict_goes_to_the_log_a_check_counts(tmp_path, monkeypatch):
+    log = tmp_path / "verdicts.jsonl"
+    monkeypatch.setenv(load_guard.LOG_VARIABLE, str(log))
+    load_guard.compare({"a": [1.0, 1.01], "b": [2.0, 2.02]}, ALONE)  # given
+    load_guard.compare({"a": [1.0, 1.5], "b": [1.1, 1.2]}, ALONE)  # within the spread
+    load_guard.compare({"a": [1.0], "b": [3.0]}, load_guard.Load.unknown())  # nothing recorded
+    busy = load_guard.Load("gpu", 3, 0.9, 2, 5.0, 10, "test: a shared box")
+    load_guard.compare({"a": [1.0], "b": [3.0]}, busy)  # not alone
+    assert load_guard.read_log(log) == {"given": 1, "withheld": 3, "reasons": {
+        "within the spread": 1, "not recorded": 1, "not alone": 1}}
+    assert load_guard.read_log(tmp_path / "none.jsonl") == {"given": 0, "withheld": 0, "reasons": {}}
+
+
+def test_watches_holding_the_lock_take_turns(tmp_path, monkeypatch):
+    """A second process's watch waits while this one holds the timing lock, and starts once it is released;
+    a watch inside a watch (same thread) does not wait for itself."""
+    lock = tmp_path / "timing.lock"
+    monkeypatch.setenv(load_guard.LOCK_VARIABLE, str(lock))
+    other = ("import time; from helpers.core import load_guard\nprint('ready', flush=True)\n"
+             "with load_guard.watch(device='cpu', interval=0.05): print(round(time.time(), 2), flush=True)")
+    with load_guard.watch(device="cpu", interval=0.05):
+        with load_guard.watch(device="cpu", interval=0.05):  # nested: must not deadlock
+            pass
+        waiting = subprocess.Popen([sys.executable, "-c", other], stdout=subprocess.PIPE, text=True,
+                                   env={**os.environ, load_guard.LOCK_VARIABLE: str(lock)})
+        assert waiting.stdout.readline().strip() == "ready"  # imported, about to ask for its turn
+        time.sleep(1.0)
+        assert waiting.poll() is None  # still waiting for its turn
+        released = time.time()
+    out, _ = waiting.communicate(timeout=30)
+    assert float(out.strip()) >= released - 0.05

@@ -133,12 +133,16 @@ def test_check_notebooks_names_the_failing_cell(tmp_path):
     from nbformat.v4 import new_code_cell, new_notebook
 
     good, bad = tmp_path / "01_good.ipynb", tmp_path / "02_bad.ipynb"
-    nbformat.write(new_notebook(cells=[new_code_cell("print('fine')")]), good)
+    verdicts = ("from helpers.core import load_guard\n"  # one verdict given, one withheld: the report counts them
+                "load_guard.compare({'a': [1.0, 1.01], 'b': [2.0, 2.02]}, load_guard.Load('cpu', 0, 0.0, 2, 1.0, 2, 't'))\n"
+                "load_guard.compare({'a': [1.0], 'b': [2.0]}, load_guard.Load.unknown())")
+    nbformat.write(new_notebook(cells=[new_code_cell("print('fine')"), new_code_cell(verdicts)]), good)
     nbformat.write(new_notebook(cells=[new_code_cell("x = 1"), new_code_cell("1 / 0"), new_code_cell("x")]), bad)
     # a float timeout, as benchmarks/reference.py gives what is left of its budget (nbclient takes whole seconds)
     results = course.check_notebooks(sys.executable, [good, bad], jobs=2, timeout=60.5, out=tmp_path / "out")
     assert [r["ok"] for r in results] == [True, False]
     assert results[1]["cell"] == 1 and "ZeroDivisionError" in results[1]["error"]
+    assert results[0]["verdicts"] == {"given": 1, "withheld": 1} and results[1]["verdicts"] == {"given": 0, "withheld": 0}
     executed = nbformat.read(tmp_path / "out" / "01_good" / "01_good.ipynb", as_version=4)
     assert executed.cells[0].outputs[0]["text"] == "fine\n"
 

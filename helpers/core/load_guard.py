@@ -18,6 +18,11 @@ configuration can look slower than it is. Measure the first configuration again 
 those times as ``repeat=``: where the two measurements of one configuration differ by more than their
 spread, the verdict is withheld ("the machine warmed during the sweep").
 
+Checks that execute many notebooks (``check-gpu``) set two variables: :data:`LOCK_VARIABLE`, a file that
+:func:`watch` locks for its block, so that the timed launches of notebooks executed together take turns;
+and :data:`LOG_VARIABLE`, a file to which :func:`compare` adds each verdict (given or withheld, and why),
+which the check's report counts.
+
 Example::
 
     with load_guard.watch(ranks=2) as w:
@@ -30,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
+import json
 import os
 import shutil
 import statistics
@@ -44,6 +51,10 @@ import psutil
 MAX_OTHER_CPU_SHARE = 0.05
 #: CPU: a process outside the run counts as "another process" once it used this much processor time (seconds).
 MIN_OTHER_CPU_S = 0.2
+#: A file :func:`watch` holds locked for its block, where set: timed launches sharing the devices take turns.
+LOCK_VARIABLE = "COURSE_TIMING_LOCK"
+#: A file :func:`compare` adds one JSON line to for each verdict, where set (read back by :func:`read_log`).
+LOG_VARIABLE = "COURSE_VERDICT_LOG"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +190,6 @@ def watch(ranks: int | None = None, interval: float = 0.5, device: str | None = 
         raise RuntimeError("device='gpu' but neither pynvml nor nvidia-smi answers here")
     result = Watch()
     stop = threading.Event()
-    start = time.monotonic()
-    boot = time.time()
     seen: dict[int, float] = {}  # pid -> processor seconds at the last sample
     other_cpu: dict[int, float] = {}  # pid outside the run -> processor seconds used during the watch
     gpu_others: set[int] = set()
@@ -223,6 +232,8 @@ def watch(ranks: int | None = None, interval: float = 0.5, device: str | None = 
             if stop.wait(interval):
                 return
 
+    lock = _take_turn()  # before the first sample: time spent waiting for the turn is not the run's
+    start, boot = time.monotonic(), time.time()
     if device == "cpu":
         cpu_look()  # the starting point of every process's processor time
     thread = threading.Thread(target=loop, name="load-guard", daemon=True)
@@ -232,6 +243,9 @@ def watch(ranks: int | None = None, interval: float = 0.5, device: str | None = 
     finally:
         stop.set()
         thread.join()
+        if lock is not None:
+            _held.turn = False
+            lock.close()  # closing the file releases its lock
         seconds = time.monotonic() - start
         if device == "gpu":
             result.load = Load("gpu", len(gpu_others), statistics.fmean(gpu_busy) if gpu_busy else None,
@@ -241,6 +255,21 @@ def watch(ranks: int | None = None, interval: float = 0.5, device: str | None = 
             busy = [pid for pid, s in other_cpu.items() if s >= MIN_OTHER_CPU_S]
             result.load = Load("cpu", len(busy), sum(other_cpu.values()) / (seconds * cores), cores, seconds,
                                samples[0], "psutil: processor time of processes outside the run", tuple(sorted(busy)))
+
+
+_held = threading.local()  # whether this thread already holds the turn (a watch inside a watch)
+
+
+def _take_turn():
+    """Wait for, and hold, the lock named by :data:`LOCK_VARIABLE` (None where it is not set, or where this
+    thread already holds it: a second lock of the same file would wait for itself)."""
+    path = os.environ.get(LOCK_VARIABLE)
+    if not path or getattr(_held, "turn", False):
+        return None
+    handle = open(path, "a")
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    _held.turn = True
+    return handle
 
 
 # --- the verdict -------------------------------------------------------------------------------
@@ -310,7 +339,37 @@ def compare(samples: Mapping[str, Sequence[float]], load: Load | None,
                       f"{drift:.0%}, more than its spread ({bound:.0%})")
     if not reason and ratio - 1 <= widest:
         reason = f"the difference ({ratio - 1:.0%}) is within the steps' spread ({widest:.0%})"
-    return Verdict(names, medians, widest, ratio, names[fastest], change, reason)
+    verdict = Verdict(names, medians, widest, ratio, names[fastest], change, reason)
+    _log(verdict)
+    return verdict
+
+
+def _log(verdict: Verdict) -> None:
+    """Add ``verdict`` to the file named by :data:`LOG_VARIABLE`, where set."""
+    path = os.environ.get(LOG_VARIABLE)
+    if path:
+        with open(path, "a") as log:
+            log.write(json.dumps({"names": verdict.names, "ratio": round(verdict.ratio, 4),
+                                  "spread": round(verdict.spread, 4), "withheld": verdict.withheld}) + "\n")
+
+
+def read_log(path: str | os.PathLike) -> dict:
+    """Count the verdicts a :data:`LOG_VARIABLE` file holds: ``given``, ``withheld`` and, for those withheld,
+    how many for each kind of reason ("not alone", "within the spread", "warmed", "not recorded")."""
+    counts: dict = {"given": 0, "withheld": 0, "reasons": {}}
+    if not os.path.exists(path):
+        return counts
+    with open(path) as log:
+        for line in log:
+            why = json.loads(line)["withheld"]
+            if not why:
+                counts["given"] += 1
+                continue
+            counts["withheld"] += 1
+            kind = ("within the spread" if "within the steps' spread" in why else "warmed" if "warmed" in why
+                    else "not recorded" if "nothing recorded" in why else "not alone")
+            counts["reasons"][kind] = counts["reasons"].get(kind, 0) + 1
+    return counts
 
 
 def sentence(verdict: Verdict) -> str:
