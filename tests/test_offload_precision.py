@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from helpers.core import configs, launch, models, records, references, theory
+from helpers.core import configs, launch, load_guard, models, records, references, theory
 from helpers.topics import offload, precision
 from helpers.core.environment import WORLD_SIZE_VARIABLE
 
@@ -365,10 +365,10 @@ def test_committed_gpu_results_are_shown_beside_the_learners(swept, demos, tmp_p
     commit("precision-speed", {"ZeRO-2 fp32": swept["accum fp32 training"], "ZeRO-2 bf16": swept["stage 2"]})
     report = precision.speed_reference_report()
     assert "Measured on 2 x Test GPU, 2026-01-01" in report and "ZeRO-2 bf16" in report
-    assert "ZeRO-2 bf16" in report and "(no verdict: not measured alone" in report  # its conditions do not say alone
+    assert "ZeRO-2 bf16" in report and "(verdict withheld: not measured alone (" in report  # not "alone"
     assert "peak" not in report and "Conditions:" not in report  # the short form: steps and one sentence
     detail = precision.speed_reference_report(detail=True)
-    assert "Conditions: " in detail and "no verdict: the run is not known to have had its machine to itself" in detail
+    assert "Conditions: " in detail and "verdict withheld: " in detail
 
 
 def _timed(record: records.Record, steps_ms: list[float], device: str = "NVIDIA H200") -> records.Record:
@@ -379,25 +379,35 @@ def _timed(record: records.Record, steps_ms: list[float], device: str = "NVIDIA 
     return records.Record(summary)
 
 
+ALONE = load_guard.Load("gpu", 0, None, 2, 5.0, 10, "test: a box to itself")
+SHARED = load_guard.Load("gpu", 3, 0.8, 2, 5.0, 10, "test: a shared box")
+
+
 def test_a_speed_verdict_only_alone_and_beyond_the_spread_of_the_steps(swept):
     fp32 = _timed(swept["accum fp32 training"], [90, 50, 52, 54])
     apart = {"ZeRO-2 fp32": fp32, "ZeRO-2 bf16": _timed(swept["stage 2"], [90, 40, 41, 42])}
     overlapping = {"ZeRO-2 fp32": fp32, "ZeRO-2 bf16": _timed(swept["stage 2"], [90, 45, 51, 53])}
-    assert "1.27x ZeRO-2 fp32's speed (median step), its steps all faster" in precision.speed_explanation(apart, alone=True)
-    shared = precision.speed_explanation(apart, alone=False)
-    assert "no verdict: the run is not known to have had its machine to itself." in shared and "all faster" not in shared
-    assert "need at least" not in precision.speed_explanation(apart, alone=True, flops=False)
-    assert precision.speed_summary(apart, alone=True) == "Median step speed against ZeRO-2 fp32: ZeRO-2 bf16 1.27x (faster, every step)."
-    assert precision.speed_summary(overlapping, alone=False).endswith(
-        "(no verdict: not measured alone and its steps' range overlaps).")
-    assert "no verdict: its steps' range overlaps" in precision.speed_explanation(overlapping, alone=True)
-    text = precision.speed_explanation(apart, alone=True)
+    assert "1.27x ZeRO-2 fp32's speed (median step), beyond the steps' spread of 8%" in precision.speed_explanation(apart, ALONE)
+    shared = precision.speed_explanation(apart, SHARED)
+    assert "verdict withheld: 3 other processes used these GPUs during the run." in shared and "beyond" not in shared
+    assert "need at least" not in precision.speed_explanation(apart, ALONE, flops=False)
+    assert precision.speed_summary(apart, ALONE) == (
+        "Median step speed against ZeRO-2 fp32: ZeRO-2 bf16 1.27x (faster, beyond the steps' spread).")
+    assert precision.speed_summary(overlapping, ALONE).endswith("(verdict withheld: the difference (2%) is within the "
+                                                              "steps' spread (16%)).")
+    text = precision.speed_explanation(apart, ALONE)
     assert "40.0-42.0 ms" in text and "need at least" in text and "lower bounds on the products' time" in text
     assert "fp32 peak (67 TFLOP/s)" in text  # the H200's datasheet figure
     assert "no fp32 peak known" in precision.speed_explanation(
-        {k: _timed(r, [90, 50, 52, 54], device="CPU") for k, r in apart.items()}, alone=True)
+        {k: _timed(r, [90, 50, 52, 54], device="CPU") for k, r in apart.items()}, ALONE)
     assert precision.peak_fp32_tflops("NVIDIA H200")[0] == 67.0 and precision.peak_fp32_tflops("CPU")[0] is None
-    assert precision.ran_alone("alone on the machine: ...") and not precision.ran_alone("beside 2 other notebooks")
+
+
+def test_a_references_written_conditions_are_its_load():
+    assert load_guard.Load.from_conditions("alone on the machine: one at a time").alone
+    beside = load_guard.Load.from_conditions("executed by check-gpu beside 5 other notebook(s)")
+    assert not beside.alone and beside.reason() == "not measured alone (executed by check-gpu beside 5 other notebook(s))"
+    assert not load_guard.Load.from_conditions(None).alone
 
 
 # --- chapter 07's script: its records, their collectives ------------------------------------------------

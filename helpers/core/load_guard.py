@@ -77,6 +77,7 @@ class Load:
     samples: int
     source: str
     pids: tuple[int, ...] = ()
+    note: str = ""  # where not alone: why, in words (a committed reference's written conditions)
 
     @property
     def alone(self) -> bool:
@@ -89,6 +90,8 @@ class Load:
         """Why the run was not alone (empty where it was): the clause a withheld verdict gives."""
         if self.alone:
             return ""
+        if self.note:
+            return self.note
         if self.device == "gpu":
             return (f"{self.other_processes} other process{'es' if self.other_processes != 1 else ''} used "
                     f"{'these GPUs' if self.cores > 1 else 'this GPU'} during the run")
@@ -109,6 +112,16 @@ class Load:
     def from_dict(cls, saved: Mapping) -> "Load":
         """A load saved with ``dataclasses.asdict`` (in a record or a JSON file) read back."""
         return cls(**{**saved, "pids": tuple(saved.get("pids", ()))})
+
+    @classmethod
+    def from_conditions(cls, conditions: str | None, device: str = "gpu") -> "Load":
+        """A committed reference's written conditions as a load: alone where they begin "alone" (the words
+        ``benchmarks/reference.py`` writes for a machine it had to itself), else not alone, that text the reason."""
+        text = conditions or "not stated"
+        if text.startswith("alone"):
+            return cls(device, 0, None, 0, 0.0, 1, f"the reference's conditions: {text}")
+        return cls(device, 1, None, 0, 0.0, 1, f"the reference's conditions: {text}",
+                   note=f"not measured alone ({text})")
 
     @classmethod
     def unknown(cls, device: str = "cpu") -> "Load":

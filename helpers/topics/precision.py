@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import re
 import statistics
 from pathlib import Path
@@ -30,7 +29,7 @@ from unittest import mock
 
 import torch
 
-from helpers.core import configs, exercises, models, performance, plots, records, references, theory
+from helpers.core import configs, exercises, load_guard, models, performance, plots, records, references, theory
 from helpers.core.environment import quiet_deepspeed_import
 from helpers.core.probes import Probe, RunContext
 
@@ -899,14 +898,15 @@ def timed_steps(record: records.Record) -> list[float]:
     return sorted(record["step_time_s"]["all"][1:])
 
 
-def speed_explanation(runs: Mapping[str, records.Record], alone: bool, base: str = "ZeRO-2 fp32",
+def speed_explanation(runs: Mapping[str, records.Record], load: load_guard.Load | None, base: str = "ZeRO-2 fp32",
                       flops: bool = True) -> str:
     """What the step times of ``runs`` ({"ZeRO-2 fp32": record, "ZeRO-2 bf16": record, ...}, one device) show,
-    from their own data: the range of each run's timed steps; a speed verdict for each 16-bit run only where
-    the run had its devices to itself (``alone``) and the two ranges do not overlap (the difference exceeds the
-    spread of the measured steps), else why it is withheld; and how long the model's matrix products take at
-    least, at the datasheets' fp32 and dense 16-bit peaks (6 x parameters x samples FLOPs per rank: an MLP's
-    FLOPs are its matrix products), a lower bound on their time in the step, not a measure of it (``flops``)."""
+    from their own data: the range of each run's timed steps; a speed verdict for each 16-bit run against
+    ``base`` through the course's load guard (:func:`helpers.core.load_guard.compare` under ``load``: given only
+    where the run had its devices to itself and the difference exceeds the spread of the measured steps), else
+    why it is withheld; and how long the model's matrix products take at least, at the datasheets' fp32 and dense
+    16-bit peaks (6 x parameters x samples FLOPs per rank: an MLP's FLOPs are its matrix products), a lower bound
+    on their time in the step, not a measure of it (``flops``)."""
     fp32 = runs.get(base)
     if fp32 is None:
         return f"no {base} run to compare with"
@@ -917,14 +917,12 @@ def speed_explanation(runs: Mapping[str, records.Record], alone: bool, base: str
         if name == base:
             continue
         ratio = fp32.timing.median_s / r.timing.median_s
-        apart = spread[name][-1] < spread[base][0] or spread[name][0] > spread[base][-1]
-        if alone and apart:
-            lines.append(f"{name}: {ratio:.2f}x {base}'s speed (median step), its steps all "
-                         f"{'faster' if ratio > 1 else 'slower'} than every {base} step.")
+        verdict = load_guard.compare({base: spread[base], name: spread[name]}, load)
+        if verdict.given:
+            lines.append(f"{name}: {ratio:.2f}x {base}'s speed (median step), beyond the steps' spread of "
+                         f"{verdict.spread:.0%}.")
         else:
-            why = [reason for reason, holds in (("the run is not known to have had its machine to itself", not alone),
-                                                (f"its steps' range overlaps {base}'s", not apart)) if holds]
-            lines.append(f"{name}: median step {ratio:.2f}x {base}'s speed, no verdict: {' and '.join(why)}.")
+            lines.append(f"{name}: median step {ratio:.2f}x {base}'s speed; verdict withheld: {verdict.withheld}.")
     if not flops:
         return "\n".join(lines)
     device_name = fp32["device_name"]
@@ -944,22 +942,21 @@ def speed_explanation(runs: Mapping[str, records.Record], alone: bool, base: str
     return "\n".join(lines)
 
 
-def speed_summary(runs: Mapping[str, records.Record], alone: bool, base: str = "ZeRO-2 fp32") -> str:
-    """One sentence on ``runs``' step times: each 16-bit run's median speed against ``base``'s, then the verdict
-    (:func:`speed_explanation`'s rule: alone, and ranges apart) or why it is withheld."""
+def speed_summary(runs: Mapping[str, records.Record], load: load_guard.Load | None, base: str = "ZeRO-2 fp32") -> str:
+    """One sentence on ``runs``' step times: each 16-bit run's median speed against ``base``'s, then the load
+    guard's verdict (:func:`speed_explanation`'s rule) or why it is withheld."""
     fp32 = runs.get(base)
     if fp32 is None:
         return f"no {base} run to compare with"
-    spread = {name: timed_steps(r) for name, r in runs.items()}
     parts = []
     for name, r in runs.items():
         if name == base:
             continue
         ratio = fp32.timing.median_s / r.timing.median_s
-        apart = spread[name][-1] < spread[base][0] or spread[name][0] > spread[base][-1]
-        verdict = (f"{'faster' if ratio > 1 else 'slower'}, every step" if alone and apart else "no verdict: " + " and ".join(
-            why for why, holds in (("not measured alone", not alone), ("its steps' range overlaps", not apart)) if holds))
-        parts.append(f"{name} {ratio:.2f}x ({verdict})")
+        verdict = load_guard.compare({base: timed_steps(fp32), name: timed_steps(r)}, load)
+        parts.append(f"{name} {ratio:.2f}x ({'faster' if ratio > 1 else 'slower'}, beyond the steps' spread"
+                     if verdict.given else f"{name} {ratio:.2f}x (verdict withheld: {verdict.withheld}")
+        parts[-1] += ")"
     return f"Median step speed against {base}: " + "; ".join(parts) + "."
 
 
@@ -972,25 +969,14 @@ def speed_reference_report(name: str = "precision-speed", detail: bool = False) 
         return references.no_references(name, references.GPU_HOW)
     parts = []
     for (device, date, note, runs), conditions in zip(found, references.reference_conditions(name)):
-        alone = ran_alone(conditions)
+        load = load_guard.Load.from_conditions(conditions)
         if detail:
             parts.append(f"Measured on {device}, {date} ({note}):\nConditions: {conditions}\n{speed_table(runs)}\n"
-                         f"{speed_explanation(runs, alone=alone)}")
+                         f"{speed_explanation(runs, load)}")
         else:
-            parts.append(f"Measured on {device}, {date}:\n{speed_table(runs, peak=False)}\n{speed_summary(runs, alone)}")
+            parts.append(f"Measured on {device}, {date}:\n{speed_table(runs, peak=False)}\n{speed_summary(runs, load)}")
     return "\n\n".join(parts)
 
-
-def ran_alone(conditions: str | None = None) -> bool:
-    """Whether a measurement had its machine to itself: its conditions (a reference's, or by default this
-    process's :data:`helpers.core.references.CONDITIONS_VARIABLE`, which ``benchmarks/reference.py`` sets)
-    say "alone"."""
-    if conditions is None:
-        conditions = os.environ.get(references.CONDITIONS_VARIABLE, "")
-    return conditions.startswith("alone")
-
-
-# --- figures ----------------------------------------------------------------------------------------
 
 def loss_scale_trajectories(trajectories: Mapping[str, dict], title: str = "fp16 loss scale, step by step"):
     """One panel per scenario: log2 of the loss scale each optimizer step used (a step line), skipped steps
