@@ -216,9 +216,9 @@ def test_the_timing_verdict_needs_the_devices_alone_and_a_difference_beyond_the_
         return types.SimpleNamespace(timing=types.SimpleNamespace(all_s=times, median_s=sorted(times)[len(times) // 2]))
     runs = {"ulysses-compare": run([2.0, 2.1, 2.2]), "zero3": run([0.3, 0.35, 0.4])}
     assert "slower here" in sp.timing_verdict(runs, "executed by check-gpu, alone")
-    assert "withheld, the devices" in sp.timing_verdict(runs, "not stated")
+    assert "withheld: not measured alone (not stated)" in sp.timing_verdict(runs, "not stated")
     close = {"ulysses-compare": run([0.3, 0.5, 0.9]), "zero3": run([0.3, 0.35, 0.4])}
-    assert "within the spread" in sp.timing_verdict(close, "executed by check-gpu, alone")
+    assert "is within the steps' spread (120%)" in sp.timing_verdict(close, "executed by check-gpu, alone")
 
 
 def test_the_pages_settings_reach_the_named_runs_and_an_unknown_run_is_refused(monkeypatch):

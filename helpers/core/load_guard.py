@@ -116,9 +116,10 @@ class Load:
     @classmethod
     def from_conditions(cls, conditions: str | None, device: str = "gpu") -> "Load":
         """A committed reference's written conditions as a load: alone where they begin "alone" (the words
-        ``benchmarks/reference.py`` writes for a machine it had to itself), else not alone, that text the reason."""
+        ``benchmarks/reference.py`` writes for a machine it had to itself) or end ", alone" (``check-gpu``'s for a
+        notebook executed by itself), else not alone, that text the reason."""
         text = conditions or "not stated"
-        if text.startswith("alone"):
+        if text.startswith("alone") or "alone" in text.split(", "):
             return cls(device, 0, None, 0, 0.0, 1, f"the reference's conditions: {text}")
         return cls(device, 1, None, 0, 0.0, 1, f"the reference's conditions: {text}",
                    note=f"not measured alone ({text})")

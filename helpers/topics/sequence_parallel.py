@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from helpers.core import configs, environment, exercises, launch, models, plots, records, references, theory
+from helpers.core import configs, environment, exercises, launch, load_guard, models, plots, records, references, theory
 from helpers.core.plan import PlannedRun, reference_of
 from helpers.core.probes import Probe, RunContext
 from helpers.topics import activations, bandwidth, pipeline, tensor_parallel
@@ -934,21 +934,19 @@ def fit_sentence(runs: Mapping[str, Any]) -> str:
 
 def timing_verdict(runs: Mapping[str, Any], conditions: str, run: str = "ulysses-compare",
                    baseline: str = "zero3") -> str:
-    """The course's rule for a timing verdict on ``run`` against ``baseline``: given only when the runs had their
-    devices to themselves (``conditions`` says "alone") and the difference of the median steps exceeds the spread
-    (slowest minus fastest) of either run's measured steps; otherwise withheld, with the reason."""
-    a, b = runs[run].timing, runs[baseline].timing
-    spread = max(max(t.all_s) - min(t.all_s) for t in (a, b))
-    difference = a.median_s - b.median_s
+    """The course's load guard (:func:`helpers.core.load_guard.compare`) on ``run``'s step times against
+    ``baseline``'s: a verdict only where ``conditions`` say the runs had their devices to themselves
+    (:meth:`~helpers.core.load_guard.Load.from_conditions`) and the difference of the medians exceeds the spread
+    of the measured steps; otherwise withheld, with the reason."""
     label, other = COMPARED.get(run, run), COMPARED.get(baseline, baseline)
-    head = (f"step time, {label} against {other}: {a.median_s * 1000:,.0f} ms against {b.median_s * 1000:,.0f} ms "
-            f"(medians), steps spread by up to {spread * 1000:,.0f} ms")
-    if "alone" not in conditions.split(", "):
-        return f"{head}: verdict withheld, the devices were not known to be this run's alone ({conditions})"
-    if abs(difference) <= spread:
-        return f"{head}: verdict withheld, the difference ({abs(difference) * 1000:,.0f} ms) is within the spread"
-    return (f"{head}: {label} was {'slower' if difference > 0 else 'faster'} here, by "
-            f"{abs(difference) * 1000:,.0f} ms a step, more than the spread")
+    verdict = load_guard.compare({other: runs[baseline].timing.all_s, label: runs[run].timing.all_s},
+                                 load_guard.Load.from_conditions(conditions))
+    head = (f"step time, {label} against {other}: {verdict.medians[1] * 1000:,.0f} ms against "
+            f"{verdict.medians[0] * 1000:,.0f} ms (medians), steps spread by up to {verdict.spread:.0%}")
+    if not verdict.given:
+        return f"{head}: verdict withheld: {verdict.withheld}"
+    return (f"{head}: {label} was {'slower' if verdict.change[1] > 0 else 'faster'} here, "
+            f"{verdict.ratio:.2f}x, more than the spread")
 
 
 def reference_report(name: str = REFERENCE) -> str:
