@@ -829,8 +829,9 @@ def ulysses_split_sentence(rows: Sequence[dict]) -> str:
             continue
         a2a = r["parts"]["all-to-alls"]
         rest = r["sent"] - a2a
-        parts.append(f"{r['seq']:,} tokens: all-to-alls {records.format_bytes(a2a)} ({a2a / r['sent']:.0%}), ZeRO-3 and the "
-                     f"positions {records.format_bytes(rest)} ({rest / r['sent']:.0%}): "
+        parts.append(f"{r['seq']:,} tokens: all-to-alls {records.format_bytes(a2a)} ({a2a / r['sent']:.0%}), the rest "
+                     f"(ZeRO-3's gathers and gradients, the token positions) {records.format_bytes(rest)} "
+                     f"({rest / r['sent']:.0%}): "
                      f"most of it {'the all-to-alls' if a2a > rest else 'ZeRO-3'}")
     return "Ulysses' bytes per step: " + "; ".join(parts) + "."
 
