@@ -434,7 +434,7 @@ def wire_check_notes(result: dict, op: str = "all_reduce", smallest: int = 2**16
         lines.append(f"{r['implementation']} at {records.format_bytes(r['bytes'])}: {sent / r['wire_bytes']:.2f}x the "
                      f"ring's wire bytes ({sent - r['wire_bytes']:+,.0f} bytes a call){twin}. The counters are read on "
                      "rank 0 as soon as its last call returns, and a call can return while its last bytes still wait "
-                     "in the socket's send queue: a reading, not gloo sending less.")
+                     "in the socket's send queue: most likely a reading, not gloo sending less.")
     if not lines:
         if not any(r["interface_bytes_sent"] is not None for r in rows(result, op=op)):
             return "(no interface counters here)"
