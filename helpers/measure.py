@@ -29,7 +29,7 @@ import psutil
 import torch
 
 from helpers.core import memory, models
-from helpers.core.plan import write_json
+from helpers.core.plan import emit, write_json
 from helpers.core.probes import RunContext, config_for, deep_update, defaults_for
 from helpers.core.train import Recorder, data_parallel_coords, precision_of, release_zero3_references
 
@@ -47,10 +47,11 @@ def configure(config: dict, probes: Sequence[str] = PROBES) -> dict:
 class Meter:
     """The course's probes attached to one DeepSpeed engine in a script (made by :func:`attach`)."""
 
-    def __init__(self, engine: Any, steps: int, out: str | Path, name: str, model: str, probes: Sequence[str]):
+    def __init__(self, engine: Any, steps: int, out: str | Path, name: str, model: str, probes: Sequence[str],
+                 progress: int | None = None):
         if steps < 1:
             raise ValueError(f"steps={steps}: attach needs the number of optimizer steps the script trains (>= 1)")
-        self.engine, self.steps, self.out = engine, steps, Path(out)
+        self.engine, self.steps, self.out, self.progress = engine, steps, Path(out), progress
         self.out.mkdir(parents=True, exist_ok=True)
         # the dict the script passed to deepspeed.initialize, or the one DeepSpeed parsed from a file
         config = engine.config if isinstance(engine.config, dict) else dict(getattr(engine._config, "_param_dict", {}))
@@ -95,7 +96,9 @@ class Meter:
         self.micro_step += 1
         if boundary:
             loss = self.recorder.after_step(self.step, self.micro_losses)
-            if self.ctx.rank == 0:
+            if self.progress is not None:  # a run of a course launch: its progress bar advances
+                emit("step", run=self.progress, rank=self.ctx.rank, step=self.step + 1, steps=self.steps, loss=loss)
+            elif self.ctx.rank == 0:
                 print(f"[measure] step {self.step + 1}/{self.steps}: loss {loss:.4f} (rank 0)", flush=True)
             self.step, self.micro_step, self.micro_losses = self.step + 1, 0, []
             if self.step < self.steps:
@@ -125,11 +128,13 @@ class Meter:
 
 
 def attach(engine: Any, *, steps: int, out: str | Path, name: str = "my-script", model: str = "custom",
-           probes: Sequence[str] = PROBES) -> Meter:
+           probes: Sequence[str] = PROBES, progress: int | None = None) -> Meter:
     """Attach the course's ``probes`` to ``engine`` (after ``deepspeed.initialize``, on every rank) for a run of
     ``steps`` optimizer steps; ``model`` names the model in the record (a course model's name lets the chapters'
-    theory columns apply). Call :meth:`Meter.finish` after the last step."""
-    return Meter(engine, steps, out, name, model, probes)
+    theory columns apply). ``progress``: in a rank-side task of a course launch, the run's position there (the
+    task's second argument): each step then advances the launch's progress bar instead of printing a line. Call
+    :meth:`Meter.finish` after the last step."""
+    return Meter(engine, steps, out, name, model, probes, progress)
 
 
 def trainer_callback(out: str | Path, name: str = "trainer", model: str = "custom",

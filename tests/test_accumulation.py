@@ -220,8 +220,10 @@ def test_the_count_of_overlap_gains_takes_both_links_and_the_capstones_verdicts(
                         lambda name: [("2 x GPU", "today", "", ladder)] if name == "capstone-ladder-1.2b" else [])
     found = bandwidth.overlap_in_capstone()
     assert [gain for _, gain in found] == [pytest.approx(-0.066), pytest.approx(0.03)]
-    assert found[0][0] == ("capstone-ladder-1.2b on 2 x GPU (today), ZeRO-2, overlap_comm: dropped: -6.6%, "
-                           "not above the 2.0% margin")
+    assert found[0][0] == ("capstone-ladder-1.2b on 2 x GPU (today), ZeRO-2, overlap_comm: -6.6% samples/s against "
+                           "the ladder's best so far; a setting is kept only above +2.0% (the ladder's noise margin), "
+                           "so it was dropped")
+    assert found[1][0].endswith("overlap_comm, buckets 2e8: kept: +3.0%")  # a kept one keeps its verdict
     assert bandwidth.reference_findings().splitlines()[-1] == "overlap_comm made training faster in 1 of these 2 measurements."
 
 

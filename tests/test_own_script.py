@@ -159,3 +159,29 @@ def test_the_auto_exercise_wants_every_auto_value_as_deepspeed_received_it():
     extra = own_script.exercise_resolved_config({**right, "zero_optimization.stage": 2}, record, AUTO)
     assert not extra and "are not 'auto'" in str(extra)
     assert "TypeError" in str(own_script.exercise_resolved_config([4, 1.0], record, AUTO))
+
+
+def test_a_meter_in_a_course_launch_advances_its_progress_bar(monkeypatch, capsys):
+    events = []
+    monkeypatch.setattr(measure, "emit", lambda event, **fields: events.append((event, fields)))
+
+    class Engine:
+        def is_gradient_accumulation_boundary(self):
+            return True
+
+    class Recorder:
+        def after_step(self, step, losses):
+            return sum(losses) / len(losses)
+
+        def before_step(self, step):
+            pass
+
+    for progress in (3, None):
+        meter = object.__new__(measure.Meter)
+        meter.engine, meter.steps, meter.progress, meter.recorder = Engine(), 2, progress, Recorder()
+        meter.ctx = type("Ctx", (), {"rank": 0})()
+        meter.step, meter.micro_step, meter.micro_losses = 0, 0, [0.5]
+        meter._step = lambda: None
+        meter._measured_step()
+    assert events == [("step", {"run": 3, "rank": 0, "step": 1, "steps": 2, "loss": 0.5})]
+    assert capsys.readouterr().out == "[measure] step 1/2: loss 0.5000 (rank 0)\n"  # outside a launch: a line

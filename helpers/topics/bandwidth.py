@@ -413,6 +413,36 @@ def wire_check_table(result: dict, op: str = "all_reduce") -> str:
                                         "sent / wire"])
 
 
+#: How far (relative) bytes sent on the link may stray from the ring's wire bytes before :func:`wire_check_notes`
+#: explains the row; TCP headers alone add about 2 kB a call, so only messages of 64 KiB and more are read.
+WIRE_MATCH = 0.05
+
+
+def wire_check_notes(result: dict, op: str = "all_reduce", smallest: int = 2**16) -> str:
+    """Sentences, from the benchmark's interface counters, on each row of :func:`wire_check_table` of at least
+    ``smallest`` bytes whose bytes on the link stray more than :data:`WIRE_MATCH` from the ring's wire bytes, set
+    beside the other implementation's row of the same size (both call gloo's same all_reduce)."""
+    lines = []
+    for r in rows(result, op=op):
+        sent = r["interface_bytes_sent"]
+        if sent is None or r["bytes"] < smallest or abs(sent / r["wire_bytes"] - 1) <= WIRE_MATCH:
+            continue
+        twins = [t for t in rows(result, op=op) if t["bytes"] == r["bytes"] and t is not r
+                 and t["interface_bytes_sent"] is not None]
+        twin = (f"; {twins[0]['implementation']}'s same call at that size sent "
+                f"{twins[0]['interface_bytes_sent'] / twins[0]['wire_bytes']:.2f}x" if twins else "")
+        lines.append(f"{r['implementation']} at {records.format_bytes(r['bytes'])}: {sent / r['wire_bytes']:.2f}x the "
+                     f"ring's wire bytes ({sent - r['wire_bytes']:+,.0f} bytes a call){twin}. The counters are read on "
+                     "rank 0 as soon as its last call returns, and a call can return while its last bytes still wait "
+                     "in the socket's send queue: most likely a reading, not gloo sending less.")
+    if not lines:
+        if not any(r["interface_bytes_sent"] is not None for r in rows(result, op=op)):
+            return "(no interface counters here)"
+        return (f"From {records.format_bytes(smallest)} up, every row is within {WIRE_MATCH:.0%} of the ring's wire "
+                "bytes.")
+    return "\n".join(lines)
+
+
 def shm_report(result: dict) -> str:
     """What decided DeepSpeed's shared-memory all-reduce in the benchmark's ranks (deterministic on a CPU)."""
     shm = result["shm"]
@@ -799,6 +829,21 @@ def worst_errors(model: CommModel, result: dict, implementation: str = "deepspee
     return found
 
 
+def worst_points(model: CommModel, result: dict, implementation: str = "deepspeed.comm") -> str:
+    """Per collective, the benchmark point farthest from its fitted line: its size, its timed calls and their
+    median against the line's time, so an outlier behind a large fit error is named."""
+    lines = []
+    for op, ab in model.fits.items():
+        points = rows(result, implementation, op)
+        errors = relative_errors(ab, [p["wire_bytes"] for p in points], [p["seconds"] for p in points])
+        worst, error = max(zip(points, errors), key=lambda pe: abs(pe[1]))
+        calls = ", ".join(f"{t * 1e6:,.0f}" for t in worst.get("times", []))
+        lines.append(f"{op}: worst at {records.format_bytes(worst['bytes'])}, median {worst['seconds'] * 1e6:,.0f} us "
+                     f"(calls: {calls} us) against the line's {ab.seconds(worst['wire_bytes']) * 1e6:,.0f} us "
+                     f"({abs(error):.0%} off)")
+    return "\n".join(lines)
+
+
 #: Worst relative error above which the chapter calls a fit poor: the points scatter beyond the line's shape.
 POOR_FIT = 0.5
 
@@ -828,11 +873,53 @@ RATE_MATCH = 0.1
 def rate_match(model: CommModel, rate: float) -> str:
     """A generated sentence setting each fitted 1/beta beside a link's set rate (bytes/s per direction)."""
     ratios = {op: ab.bandwidth / rate for op, ab in model.fits.items()}
-    fitted = ", ".join(f"{op} {model.fits[op].bandwidth / 1e6:.1f} MB/s ({r:.0%} of it)" for op, r in ratios.items())
-    close = all(abs(r - 1) <= RATE_MATCH for r in ratios.values())
-    return (f"Set rate {rate * 8 / 1e6:g} Mbit/s = {rate / 1e6:.1f} MB/s per direction; fitted 1/beta: {fitted}: "
-            + (f"the fit recovers the set rate (within {RATE_MATCH:.0%})." if close else
-               f"not within {RATE_MATCH:.0%} of the set rate."))
+    fitted = ", ".join(f"{op} {model.fits[op].bandwidth / 1e6:.1f} MB/s ({r - 1:+.1%})" for op, r in ratios.items())
+    off = [f"{op} ({r - 1:+.1%})" for op, r in ratios.items() if abs(r - 1) > RATE_MATCH]
+    return (f"Set rate {rate * 8 / 1e6:g} Mbit/s = {rate / 1e6:.1f} MB/s per direction; fitted 1/beta, and how far "
+            f"from the set rate: {fitted}. " +
+            (f"Every fit is within {RATE_MATCH:.0%} of the set rate: the fit recovers it." if not off else
+             f"More than {RATE_MATCH:.0%} away: {', '.join(off)}" +
+             ("; the others recover the set rate." if len(off) < len(ratios) else ".")))
+
+
+def slow_alpha_note(slow: CommModel, fast: CommModel, result: dict, rate: float,
+                    implementation: str = "deepspeed.comm") -> str:
+    """Why a slow link's fitted alpha differs from the fast link's, from the slow benchmark's figures: per
+    collective, both alphas and the smallest point's timed calls beside the time its bytes take at ``rate``."""
+    lines = []
+    for op, ab in slow.fits.items():
+        points = sorted(rows(result, implementation, op), key=lambda p: p["bytes"])
+        first = points[0]
+        calls = ", ".join(f"{t * 1e3:.2f}" for t in first.get("times", []))
+        lines.append(f"{op}: alpha {fast.fits[op].alpha * 1e6:,.0f} us on the fast link, {ab.alpha * 1e6:,.0f} us "
+                     f"here; its smallest message ({records.format_bytes(first['bytes'])}) took {calls} ms, of which "
+                     f"its bytes at the set rate account for {first['wire_bytes'] / rate * 1e3:.2f} ms")
+    sizes = sorted({p["bytes"] for p in rows(result, implementation)})
+    lines.append(f"alpha is the line's intercept, fitted on {len(sizes)} sizes of {result['iters']} calls each: "
+                 "whatever the small calls spent beyond their bytes goes into it.")
+    return "\n".join(lines)
+
+
+def caller_table(runs: Mapping[str, records.Record], names: Sequence[str] = ("zero0-acc4", "zero3-acc4"),
+                 reference: str | None = "bandwidth-nvlink") -> str:
+    """Which DeepSpeed function issued each logged collective (the comms logger's ``debug`` mode), per optimizer
+    step, for the runs ``names`` of this launch and of the committed GPU ``reference``."""
+    sources = [("this run", runs)]
+    if reference:
+        for device, date, _, ref_runs in references.reference_runs(reference)[:1]:
+            sources.append((f"{device}, {date}", ref_runs))
+    table = []
+    for where, found in sources:
+        for name in names:
+            r = found.get(name)
+            if not isinstance(r, records.Record):
+                continue
+            for op, callers in sorted(r.section("comm").get("by_caller", {}).items()):
+                for caller, row in sorted(callers.items()):
+                    table.append([where, name, r.precision, op, caller or "-", f"{row['count']:g}",
+                                  f"{row['bytes'] / row['count']:,.0f}" if row["count"] else "-"])
+    return records.format_table(table, ["measured on", "run", "precision", "op (logged name)", "DeepSpeed function",
+                                        "calls/step", "bytes/call"])
 
 
 def run_configs(runs: Mapping[str, records.Record]) -> str:
@@ -1011,7 +1098,7 @@ def model_verdict_summary(rows: Sequence[dict], load: load_guard.Load | None) ->
     verdicts = model_verdicts(rows, load)
     shared = load is None or load.samples == 0 or not load.alone
     if shared:
-        return f"Verdict on the model's error withheld: {verdicts[0].withheld}."
+        return f"Verdict on the model's error withheld: {verdicts[0].withheld}.\n{plain_reading(rows)}"
     lines = []
     for r, v in zip(rows, verdicts):
         lines.append(f"{r['name']}: " + (f"the model predicted {v.change[1]:+.0%} against the measured time, beyond "
@@ -1022,6 +1109,16 @@ def model_verdict_summary(rows: Sequence[dict], load: load_guard.Load | None) ->
                  + (f"; it predicted less than measured in {sum(v.change[1] < 0 for v in given)} of them."
                     if given else "."))
     return "\n".join(lines)
+
+
+def plain_reading(rows: Sequence[dict]) -> str:
+    """The figures of :func:`comparison_rows` read without a verdict: the range of measured over predicted."""
+    ratios = [r["measured_s"] / r["predicted_s"] for r in rows if r["predicted_s"]]
+    if not ratios:
+        return "No prediction to read."
+    return (f"The figures, without a verdict: the measured collective time is {min(ratios):.1f}x to "
+            f"{max(ratios):.1f}x the prediction over the {len(ratios)} runs; above the prediction in "
+            f"{sum(x > 1 for x in ratios)} of them.")
 
 
 def what_if_summary(rows: Sequence[dict]) -> str:
@@ -1041,16 +1138,18 @@ SLOW_RATE_MBIT = 400
 
 def stage_specs(prefix: str = "", model: str = "mlp", precision: str = "fp32", micro_batch: int = 4, steps: int = 3,
                 stages: Sequence[int] = (0, 1, 2, 3), extra: Sequence[tuple[int, int]] = ((1, 1), (2, 1)),
-                overlap_stage: int | None = 2, accum: int = 4) -> dict:
+                overlap_stage: int | None = 2, accum: int = 4, task: str = "train") -> dict:
     """RunSpecs of one link's training runs (micro batch fixed): every stage at accumulation ``accum``, the
     ``extra`` (stage, accumulation) pairs, all with the ``comm`` and ``micro_steps`` probes; and
-    ``overlap_stage`` at ``accum`` with ``overlap_comm`` off and on, timed without the comms logger."""
+    ``overlap_stage`` at ``accum`` with ``overlap_comm`` off and on, timed without the comms logger (always by
+    the course's own loop). ``task``: who trains the logged runs, ``"train"`` (the course's loop) or a
+    rank-side ``"module:function"`` that attaches those probes itself (chapter 09's page module)."""
 
     logged = ("timing", "comm", "micro_steps")
     specs = {}
     for stage, a in [(s, accum) for s in stages] + list(extra):
         specs[f"{prefix}zero{stage}-acc{a}"] = launch.RunSpec(
-            f"zero{stage}", model=model, steps=steps, probes=logged,
+            f"zero{stage}", model=model, steps=steps, probes=logged if task == "train" else (), task=task,
             overrides=accumulation.overrides(micro_batch, a, precision))
     if overlap_stage is not None:
         for flag in (False, True):
@@ -1104,9 +1203,11 @@ def with_config_changes(specs: Mapping[str, object], changes: Mapping[str, dict]
 
 def run_chapter(task: str | None = None, model: str = "mlp", precision: str = "fp32", micro_batch: int = 4,
                 steps: int = 3, rate_mbit: float = SLOW_RATE_MBIT, slow_link: bool = True, env=None,
-                timeout: float = 600, config_changes: Mapping[str, dict] | None = None) -> tuple[dict, str]:
+                timeout: float = 600, config_changes: Mapping[str, dict] | None = None,
+                sizes: Sequence[int] | None = None, train_task: str = "train") -> tuple[dict, str]:
     """Chapter 09's measurements in ONE launch: the collective benchmark (rank-side ``task``, default
-    :data:`TASK`) and the training runs of :func:`stage_specs` (``overlap_comm`` off and on only on GPUs, where
+    :data:`TASK`, on message ``sizes``, default :func:`default_sizes`) and the training runs of :func:`stage_specs`,
+    trained by ``train_task`` (``overlap_comm`` off and on only on GPUs, where
     there are streams to overlap on); with ``slow_link`` where the machine allows it (:func:`slow_link_plan`),
     every rank in its own network namespace, then, after the link is cut to ``rate_mbit``, a smaller benchmark
     (``slow-collectives``) and the same runs of stages 1 and 2 named ``slow-...``. Returns {name: record or
@@ -1120,9 +1221,9 @@ def run_chapter(task: str | None = None, model: str = "mlp", precision: str = "f
     # training never calls DeepSpeed's shared-memory kernel, which spin-waits on its peers; on a busy machine a
     # launch of this chapter hung in the benchmark's warm-up, so the chapter leaves the kernel out
     specs = {"collectives": spec(is_gpu=env.is_gpu, out=launch.RUNS_DIR / f"collectives-{model}", task=task,
-                                 implementations=("deepspeed.comm", "torch.distributed"))}
+                                 sizes=sizes, implementations=("deepspeed.comm", "torch.distributed"))}
     specs.update(stage_specs(model=model, precision=precision, micro_batch=micro_batch, steps=steps,
-                             overlap_stage=overlap))
+                             overlap_stage=overlap, task=train_task))
     ok, why = slow_link_plan(world, env, rate_mbit) if slow_link else (False, "No slow link: not asked for.")
     if not ok:
         specs = with_config_changes(specs, config_changes)
@@ -1134,7 +1235,7 @@ def run_chapter(task: str | None = None, model: str = "mlp", precision: str = "f
                                        iters=3, warmup=1, is_gpu=False, task=task,
                                        out=launch.RUNS_DIR / f"{SLOW}collectives-{model}")
     specs.update(stage_specs(SLOW, model=model, precision=precision, micro_batch=micro_batch, steps=steps,
-                             stages=(1, 2), overlap_stage=overlap))
+                             stages=(1, 2), overlap_stage=overlap, task=train_task))
     specs = with_config_changes(specs, config_changes)
     with rate_limited_link(world, None) as link:
         runs = launch.sweep(specs, name=f"bandwidth-{model}", timeout=timeout, rank_prefix=link.rank_prefix,
@@ -1203,10 +1304,19 @@ def accumulation_verdicts(rows: Sequence[dict], load: load_guard.Load | None,
     """For the run just made: accumulation 4 against 1 at stages 1 and 2, on each link, as time per sample of
     the measured steps (first step left out) through the load guard: the ratio where the run had its devices
     to itself and it exceeds the steps' spread, else the reason it is withheld."""
+    by = {r["name"]: r for r in rows}
     if load is None or load.samples == 0 or not load.alone:
         why = load.reason() if load is not None and load.samples else "nothing recorded what else used the devices"
-        return f"Accumulation 4 against 1 (stages 1 and 2, both links): verdict withheld: {why}."
-    by = {r["name"]: r for r in rows}
+        plain = []
+        for stage in (1, 2):
+            one, four = by.get(f"zero{stage}-acc1"), by.get(f"zero{stage}-acc4")
+            if one and four:
+                plain.append(f"ZeRO-{stage} " + ", ".join(
+                    f"{(four['batch'] / four[f'{key}_s']) / (one['batch'] / one[f'{key}_s']):.2f}x over {link}"
+                    for key, link in links.items()))
+        return (f"Accumulation 4 against 1 (stages 1 and 2, both links): verdict withheld: {why}."
+                + (f"\nThe figures, without a verdict: samples/s at accumulation 4 over 1: {'; '.join(plain)}."
+                   if plain else ""))
     lines = []
     for stage in (1, 2):
         one, four = by.get(f"zero{stage}-acc1"), by.get(f"zero{stage}-acc4")
@@ -1268,8 +1378,14 @@ def overlap_in_capstone(sizes: Sequence[str] = ("1.2b", "2.7b")) -> list[tuple[s
             for c in runs.get("ladder", {}).get("candidates", []):
                 if c.get("rung") == "overlap" and c.get("label", "").startswith("overlap_comm") and c.get("verdict"):
                     gain = re.search(r"([+-]\d+(?:\.\d+)?)%", c["verdict"])
-                    found.append((f"capstone-ladder-{size} on {device} ({date}), ZeRO-{c['setting']['stage']}, "
-                                  f"{c['label']}: {c['verdict']}", float(gain.group(1)) / 100 if gain else None))
+                    margin = re.search(r"the (\d+(?:\.\d+)?)% margin", c["verdict"])
+                    head = f"capstone-ladder-{size} on {device} ({date}), ZeRO-{c['setting']['stage']}, {c['label']}: "
+                    if gain and margin and c["verdict"].startswith("dropped"):
+                        text = (f"{gain.group(1)}% samples/s against the ladder's best so far; a setting is kept "
+                                f"only above +{margin.group(1)}% (the ladder's noise margin), so it was dropped")
+                    else:
+                        text = c["verdict"]
+                    found.append((head + text, float(gain.group(1)) / 100 if gain else None))
     return found
 
 
@@ -1613,5 +1729,6 @@ def exercise_comms_logger(answer: object, wanted: str = "all_reduce") -> exercis
         task=f"Write the comms_logger block (a dict) that makes DeepSpeed record the {wanted} calls of a ZeRO run "
              f"and not its {', '.join(op for op in LOGGED_OPS if op != wanted)}.",
         hint="the comms_logger section of DeepSpeed's config ('Communication Logging' in DeepSpeed's config "
-             "docs, CommsLoggerConfig in deepspeed/comm/config.py): find which field names the ops to record, "
-             "and what another field's default does to that list.")
+             "docs; its fields and their defaults: CommsLoggerConfig in deepspeed/comm/config.py). Read every "
+             "field's default, not only the one that names ops; a wrong block is answered with the calls it "
+             "would record.")
