@@ -564,11 +564,15 @@ def test_exercise_mfu_is_the_probes_mfu_from_the_courses_formula():
     assert "to do:" in str(capstone.exercise_mfu(..., ladder))
 
 
-def test_exercise_slower_knob_is_the_single_knob_candidate_that_lost_most():
+def test_exercise_hidden_bound_is_the_shortfalls_bound():
     ladder = capstone.key_ladder("2.7b", world_size=2)
-    assert capstone.exercise_slower_knob("overlap_comm", ladder)
-    assert not capstone.exercise_slower_knob("checkpointing", ladder)  # it changed the micro-batch too
-    assert "to do:" in str(capstone.exercise_slower_knob(..., ladder))
+    mfu, exposed = capstone.best_mfu_and_exposed(ladder)
+    assert 0 < exposed < 0.5
+    assert capstone.exercise_hidden_bound(mfu / (1 - exposed), ladder)
+    assert f"{mfu / (1 - exposed):.1%}" in capstone.shortfall(ladder)  # the bound section 5 prints
+    assert not capstone.exercise_hidden_bound(mfu + exposed, ladder)  # the share added, not the time divided
+    assert not capstone.exercise_hidden_bound(mfu, ladder)
+    assert "to do:" in str(capstone.exercise_hidden_bound(..., ladder))
 
 
 def test_exercise_margin_is_the_walks_recorded_margin_from_its_two_baseline_runs():

@@ -783,17 +783,27 @@ def rungs_table(ladder: dict) -> str:
     return records.format_table(rows, ["rung", "tunes", "outcome", "kept"])
 
 
+def best_mfu_and_exposed(ladder: dict) -> tuple[float, float] | None:
+    """The best setting's MFU and the share of its step that was exposed communication (the baseline's: the
+    mean of its two runs, as in :func:`summary`), or None where the device has no MFU or no such share."""
+    best = next(c for c in ladder["candidates"] if c["run"] == ladder["best_run"])
+    rows = [c for c in ladder["candidates"] if c["verdict"] == "baseline"] if best["verdict"] == "baseline" else [best]
+    if any(r.get("mfu") is None or r.get("comm_exposed_share") is None for r in rows):
+        return None
+    mfu, exposed = (sum(r[k] for r in rows) / len(rows) for k in ("mfu", "comm_exposed_share"))
+    return mfu, exposed
+
+
 def shortfall(ladder: dict) -> str:
     """What stands between the ladder's best candidate and the MFU target, from its own figures: the share of
     its step that was exposed communication bounds what hiding communication could still give
     (MFU / (1 - exposed share)); the rest of the gap is time the GPU spent below its peak while computing."""
     best = next(c for c in ladder["candidates"] if c["run"] == ladder["best_run"])
-    rows = [c for c in ladder["candidates"] if c["verdict"] == "baseline"] if best["verdict"] == "baseline" else [best]
     target = ladder["target_mfu"]
-    if any(r.get("mfu") is None or r.get("comm_exposed_share") is None for r in rows):
+    found = best_mfu_and_exposed(ladder)
+    if found is None:
         return "no MFU or no communication share for this device: nothing to bound"
-    # the baseline's figures are the mean of its two runs, as in summary()
-    mfu, exposed = (sum(r[k] for r in rows) / len(rows) for k in ("mfu", "comm_exposed_share"))
+    mfu, exposed = found
     if mfu >= target:
         return f"the target is reached: {mfu:.1%} MFU against {target:.0%}"
     bound = mfu / (1 - exposed)
@@ -1097,50 +1107,20 @@ def key_ladder(size: str = "2.7b", world_size: int = 2) -> dict | None:
     return found[-1] if found else None
 
 
-def _judged(ladder: dict) -> list[tuple[dict, dict]]:
-    """Each candidate that trained, with the setting it was judged against: the best setting at the start of
-    its rung (or the rung's "best so far, again", which a resumed walk trains first)."""
-    best, pairs, i, rows = dict(ladder["baseline"]), [], 0, ladder["candidates"]
-    while i < len(rows):
-        j = i
-        while j < len(rows) and rows[j]["rung"] == rows[i]["rung"]:
-            j += 1
-        group = rows[i:j]
-        again = [c for c in group if c["label"] == AGAIN]
-        reference = dict(again[0]["setting"]) if again else best
-        pairs += [(c, reference) for c in group if c["label"] not in (AGAIN, "baseline", "baseline, again")
-                  and "metric" in c]
-        kept = [c for c in group if c["verdict"].startswith("kept")]
-        best = dict(kept[0]["setting"]) if kept else reference
-        i = j
-    return pairs
-
-
-def _change(verdict: str) -> float | None:
-    """The relative change a ladder verdict states ("dropped: -6.6%, ..." -> -0.066)."""
-    found = re.search(r"([+-]\d+(?:\.\d+)?)%", verdict)
-    return float(found.group(1)) / 100 if found else None
-
-
-def exercise_slower_knob(answer: Any, ladder: dict) -> exercises.Verdict:
-    """Exercise: in a committed ladder, find the knob of the candidate that changed one knob only from the
-    setting it was judged against and lost the most; the answer is computed from the ladder's settings."""
-    single = []
-    for c, reference in _judged(ladder):
-        changed = [f.name for f in dataclasses.fields(Setting) if c["setting"].get(f.name) != reference.get(f.name)]
-        if len(changed) == 1 and _change(c["verdict"]) is not None:
-            single.append((_change(c["verdict"]), changed[0], c))
-    loss, knob, c = min(single, key=lambda item: item[0])
-    where = f"the {ladder['params'] / 1e9:.2f}B ladder on {ladder['device']}"
-    return exercises.choice(
-        "the knob that cost", answer, knob, choices=tuple(f.name for f in dataclasses.fields(Setting)),
-        task=(f"In {where}, find the candidate that changed a single knob from the setting it was judged against "
-              "and lost the most. Name that knob (a field of capstone.Setting)."),
-        hint="compare each candidate's label and verdict in the GPU table; a label that names two changes "
-             "(micro x2, accumulation /2) changed two knobs.",
-        why=(f"Rung {c['rung']!r}, candidate {c['label']!r}: {c['verdict'].split(',')[0]} against the best setting "
-             f"so far, changing {knob} alone ({_short(c['setting'][knob])}). The ladder measured it and dropped it: "
-             "a knob is worth what it measures on your model and GPUs."))
+def exercise_hidden_bound(answer: Any, ladder: dict) -> exercises.Verdict:
+    """Exercise: predict the highest MFU the ladder's best setting could reach if all of its exposed
+    communication were hidden behind compute (the same FLOPs in a step shorter by that share); the answer is the
+    bound :func:`shortfall` prints, within 1%."""
+    mfu, exposed = best_mfu_and_exposed(ladder)
+    bound = mfu / (1 - exposed)
+    return exercises.number(
+        "what hiding communication could give", answer, bound, relative=0.01,
+        task=(f"The best setting of the {ladder['params'] / 1e9:.2f}B ladder on {ladder['device']} reached "
+              f"{mfu:.2%} MFU, with {exposed:.2%} of its step exposed communication. Predict the highest MFU it "
+              "could reach if overlap hid all of that communication, as a fraction (0.5 for 50%)."),
+        hint="MFU is model FLOPs over time: hiding changes only the step's time; which share of it goes?",
+        why=(f"{mfu:.2%} / (1 - {exposed:.2%}) = {bound:.2%}: the same FLOPs in {1 - exposed:.2%} of the time. "
+             "That bounds what overlap can still give; the rest of the gap to the peak is compute (section 5)."))
 
 
 def exercise_margin(answer: Any, ladder: dict) -> exercises.Verdict:
