@@ -220,7 +220,7 @@ def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypat
 
     launches = []
 
-    def fake_launch(index, rung, pairs, size, steps, world, name, timeout, prefix=""):
+    def fake_launch(index, rung, pairs, size, steps, world, name, timeout, prefix="", trainer=capstone.TRAINER):
         launches.append([label for label, _ in pairs])
         return [capstone.Candidate(rung.name, label, s, f"{prefix}{index}-{i}", record=_FakeRecord(value(s)))
                 for i, (label, s) in enumerate(pairs)]
@@ -318,7 +318,7 @@ def test_candidates_failing_after_another_failed_are_trained_again_in_one_more_l
 def test_a_resumed_walk_proposes_again_what_failed_for_another_reason_than_memory(monkeypatch):
     proposed = []
 
-    def fake_launch(index, rung, pairs, size, steps, world, name, timeout, prefix=""):
+    def fake_launch(index, rung, pairs, size, steps, world, name, timeout, prefix="", trainer=capstone.TRAINER):
         proposed.extend(label for label, _ in pairs)
         return [capstone.Candidate(rung.name, label, s, f"{prefix}{index}-{i}", record=_FakeRecord(100.0))
                 for i, (label, s) in enumerate(pairs)]
@@ -564,17 +564,52 @@ def test_exercise_mfu_is_the_probes_mfu_from_the_courses_formula():
     assert "to do:" in str(capstone.exercise_mfu(..., ladder))
 
 
-def test_exercise_slower_knob_is_the_single_knob_candidate_that_lost_most():
+def test_exercise_hidden_bound_is_the_shortfalls_bound():
     ladder = capstone.key_ladder("2.7b", world_size=2)
-    assert capstone.exercise_slower_knob("overlap_comm", ladder)
-    assert not capstone.exercise_slower_knob("checkpointing", ladder)  # it changed the micro-batch too
-    assert "to do:" in str(capstone.exercise_slower_knob(..., ladder))
+    mfu, exposed = capstone.best_mfu_and_exposed(ladder)
+    assert 0 < exposed < 0.5
+    assert capstone.exercise_hidden_bound(mfu / (1 - exposed), ladder)
+    assert f"{mfu / (1 - exposed):.1%}" in capstone.shortfall(ladder)  # the bound section 5 prints
+    assert not capstone.exercise_hidden_bound(mfu + exposed, ladder)  # the share added, not the time divided
+    assert not capstone.exercise_hidden_bound(mfu, ladder)
+    assert "to do:" in str(capstone.exercise_hidden_bound(..., ladder))
 
 
-def test_exercise_next_config_is_the_committed_walks_baseline_on_its_ranks():
-    ladder = capstone.key_ladder("2.7b", world_size=4)
-    setting = capstone.Setting(**ladder["baseline"])
-    assert capstone.exercise_next_config(setting.config(ladder["world_size"]), ladder)
-    assert not capstone.exercise_next_config(capstone.GPU_BASELINE.config(ladder["world_size"]), ladder)
-    assert not capstone.exercise_next_config(setting.config(2), ladder)  # a global batch for 2 GPUs
-    assert "to do:" in str(capstone.exercise_next_config(..., ladder))
+def test_exercise_margin_is_the_walks_recorded_margin_from_its_two_baseline_runs():
+    ladder = capstone.key_ladder("1.2b", world_size=1)
+    a, b = [c["metric"] for c in ladder["candidates"] if c["verdict"] == "baseline"][:2]
+    spread = abs(a - b) / ((a + b) / 2)
+    assert spread > capstone.MIN_MARGIN / 2  # the rule's second term decides here, not its floor
+    assert capstone.exercise_margin(max(capstone.MIN_MARGIN, 2 * spread), ladder)
+    assert not capstone.exercise_margin(spread, ladder)
+    assert not capstone.exercise_margin(capstone.MIN_MARGIN, ladder)
+    assert "to do:" in str(capstone.exercise_margin(..., ladder))
+
+
+def _timed(times: list[float]) -> records.Record:
+    record = _FakeRecord(1.0)
+    record.summary["throughput"].update(all_step_times_s=times, measured_steps=list(range(2, len(times) + 1)))
+    return record
+
+
+def test_timing_check_gives_a_verdict_only_for_a_run_alone_beyond_the_spread():
+    from helpers.core import load_guard
+
+    setting = capstone.CPU_BASELINE
+    ladder = capstone.Ladder("tiny", 1, 2, "cpu", setting, 60.0, candidates=[
+        capstone.Candidate("cpu", "baseline", setting, "a", record=_timed([9.0, 1.0, 1.02, 1.01])),
+        capstone.Candidate("cpu", "baseline, again", setting, "b", record=_timed([9.0, 1.01, 1.0, 1.02])),
+        capstone.Candidate("cpu", "ZeRO-3", setting, "c", record=_timed([9.0, 2.0, 2.02, 2.01]))])
+    alone = load_guard.Load("cpu", other_processes=0, other_share=0.0, cores=2, seconds=10.0, samples=20, source="t")
+    busy = load_guard.Load("cpu", other_processes=3, other_share=0.5, cores=2, seconds=10.0, samples=20, source="t")
+    assert "baseline is faster" in capstone.timing_check(ladder, alone)
+    assert "Verdict withheld" in capstone.timing_check(ladder, busy)
+    assert "ZeRO-3" in capstone.timing_check(ladder, busy) and "baseline, again:" not in capstone.timing_check(ladder, busy)
+
+
+def test_page_trainer_names_the_chapter_modules_train_step(tmp_path, monkeypatch):
+    from helpers.core import environment
+
+    monkeypatch.setattr(environment, "REPO_ROOT", tmp_path)
+    path = tmp_path / "runs" / "16" / "capstone_rank.py"
+    assert capstone.page_trainer(path) == "runs.16.capstone_rank:train_step"

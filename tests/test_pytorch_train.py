@@ -198,17 +198,35 @@ def _labelled(torch_runs, **deepspeed) -> dict:
             "FSDP2 full": torch_runs["fsdp2"], **deepspeed}
 
 
-def test_exercise_pytorch_equivalent_finds_zero_redundancy_for_zero1_and_nothing_for_zero2(torch_runs):
-    ddp = torch_runs["ddp"].states()
-    zero1 = _Held({**ddp, "optimizer": ddp["optimizer"] // 2})
-    zero2 = _Held({**ddp, "grads": ddp["grads"] // 2, "optimizer": ddp["optimizer"] // 2})
-    runs = _labelled(torch_runs, **{"ZeRO-1": zero1, "ZeRO-2": zero2})
-    assert frameworks.exercise_pytorch_equivalent("DDP + ZeroRedundancyOptimizer", runs, stage=1)
-    assert not frameworks.exercise_pytorch_equivalent("DDP", runs, stage=1)
-    assert frameworks.exercise_pytorch_equivalent("none", runs, stage=2)
-    assert not frameworks.exercise_pytorch_equivalent("FSDP2 full", runs, stage=2)
-    assert "not one of the choices" in str(frameworks.exercise_pytorch_equivalent("FSDP", runs, stage=2))
-    assert "to do:" in str(frameworks.exercise_pytorch_equivalent(..., runs, stage=2))
+def test_exercise_no_sync_states_is_sharded_weights_and_adam_with_whole_gradients(torch_runs):
+    runs = {"FSDP2 full": torch_runs["fsdp2"], "FSDP2 full, no-sync": torch_runs["fsdp2-no-sync"]}
+    psi = models.count_parameters(models.build("mlp"))
+    assert frameworks.exercise_no_sync_states(4 * psi / 2 + 4 * psi + 8 * psi / 2, runs)
+    assert not frameworks.exercise_no_sync_states(runs["FSDP2 full"].model_state_bytes(0), runs)  # sharded gradients
+    assert not frameworks.exercise_no_sync_states(16 * psi, runs)  # DDP's: nothing sharded
+    assert "to do:" in str(frameworks.exercise_no_sync_states(..., runs))
+
+
+def test_page_tasks_name_the_chapter_modules_two_tasks(tmp_path, monkeypatch):
+    from helpers.core import environment
+
+    monkeypatch.setattr(environment, "REPO_ROOT", tmp_path)
+    (tmp_path / "runs" / "15").mkdir(parents=True)
+    path = tmp_path / "runs" / "15" / "frameworks_rank.py"
+    assert frameworks.page_tasks(path) == ("runs.15.frameworks_rank:train_pytorch",
+                                           "runs.15.frameworks_rank:train_deepspeed")
+    with pytest.raises(ValueError):
+        frameworks.page_tasks(tmp_path.parent / "elsewhere.py")
+
+
+def test_timing_verdict_is_withheld_without_a_recorded_load(torch_runs):
+    from helpers.core import load_guard
+
+    runs = {"FSDP2 full": torch_runs["fsdp2"], "ZeRO-3": torch_runs["fsdp2-no-sync"]}
+    text = frameworks.timing_verdict(runs, None)
+    assert "not recorded" in text and "Verdict withheld" in text
+    busy = load_guard.Load("cpu", other_processes=3, other_share=0.5, cores=2, seconds=10.0, samples=20, source="test")
+    assert "Verdict withheld" in frameworks.timing_verdict(runs, busy)
 
 
 def test_exercise_zero_redundancy_bytes_is_twice_the_gradients_as_measured(torch_runs):
@@ -229,3 +247,59 @@ def test_exercise_zero1_config_needs_stage_1_and_the_pytorch_runs_hyperparameter
     wrong_lr = configs.merged(zero1, {"optimizer": {"params": {"lr": 1e-2}}})
     assert "optimizer.lr" in str(frameworks.exercise_zero1_config(wrong_lr, runs))
     assert "to do:" in str(frameworks.exercise_zero1_config(..., runs))
+
+
+PAGE_MODULE = '''
+from helpers.topics import frameworks
+
+
+def setup(model, config):
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def step(engine, batches, loss_of, after_backward):
+    losses = []
+    for i, batch in enumerate(batches):
+        loss = loss_of(engine, batch)
+        engine.backward(loss)
+        after_backward(i)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def train_pytorch(run, position, count, born):
+    frameworks.run_pytorch(run, position, count, born, frameworks.setup_pytorch, frameworks.step_pytorch)
+
+
+def train_deepspeed(run, position, count, born):
+    frameworks.run_deepspeed(run, position, count, born, setup, step)
+'''
+
+
+def test_a_page_modules_deepspeed_task_trains_the_plain_loops_losses_and_is_recorded(tmp_path):
+    """A chapter's own module (``frameworks.page_tasks``) trains DeepSpeed's side with its own
+    ``deepspeed.initialize`` and step; the record reads like the course loop's."""
+    from helpers.core import environment
+
+    folder = environment.REPO_ROOT / "runs" / f"test-page-{tmp_path.name}"
+    folder.mkdir(parents=True)
+    try:
+        (folder / "page.py").write_text(PAGE_MODULE)
+        _, deepspeed_task = frameworks.page_tasks(folder / "page.py")
+        found = launch.sweep({"zero2": launch.RunSpec("zero2", model="mlp", steps=STEPS, probes=("model_states",),
+                                                      out=tmp_path / "zero2", task=deepspeed_task)},
+                             name=f"test-page-{tmp_path.name}", world_size=2, progress=False)
+        record = found["zero2"]
+        assert record.stage == 2 and record.summary["basic_optimizer"] == "AdamW"
+        plain = models.plain_training("mlp", STEPS, batch_size=16, micro_batch=4)
+        assert records.loss_agreement(plain, record.losses) == "within 1e-06"
+        psi = models.count_parameters(models.build("mlp"))
+        assert record.states(0)["grads"] == 4 * psi // 2  # ZeRO-2: this rank's shard, measured mid-accumulation
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)

@@ -25,13 +25,15 @@ import json
 import os
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Collection, Sequence
 
 import torch
 
-from helpers.core import configs, environment, exercises, launch, models, performance, plots, records, references
+from helpers.core import (environment, exercises, launch, load_guard, models, performance, plots, records,
+                          references)
 from helpers.core.plan import PlannedRun, reference_of
 from helpers.core.probes import Probe, RunContext
 from helpers.topics import frameworks
@@ -172,6 +174,16 @@ def train_step(ctx: RunContext, run: PlannedRun, step: int, probes: list[Probe])
 
 #: How a run names them (:class:`helpers.core.launch.RunSpec`).
 BUILDER, TRAINER = reference_of(build_model), reference_of(train_step)
+
+
+def page_trainer(path: str | Path) -> str:
+    """The import path of ``train_step`` in the module chapter 16 wrote at ``path`` (inside the repository, which
+    the ranks import from), as :func:`walk`'s ``trainer``; the module is made importable here too (the launcher
+    imports it to check it), an edited one read again."""
+    module = ".".join(Path(path).resolve().relative_to(environment.REPO_ROOT).with_suffix("").parts)
+    environment.importable_repository()
+    sys.modules.pop(module, None)
+    return f"{module}:train_step"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,7 +497,7 @@ def _estimate(history: list[tuple[float, int, bool]], count: int, compiles: bool
 
 
 def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], size: str, steps: int,
-                 world: int, name: str, timeout: float, prefix: str = "") -> list[Candidate]:
+                 world: int, name: str, timeout: float, prefix: str = "", trainer: str = TRAINER) -> list[Candidate]:
     """Train ``pairs`` in one launch; a candidate that fails (out of memory, say) is recorded, not fatal.
 
     A failure can leave the ranks unfit for what follows in the same processes (on 2 x H200 a compiled
@@ -499,7 +511,7 @@ def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], 
         candidates.append(Candidate(rung.name, label, setting, run_name))
         specs.append(launch.RunSpec(setting.config(world), model=MODEL, steps=steps, name=run_name,
                                     out=folder / run_name, probes=PROBES, on_error="record",
-                                    model_options=setting.model_options(size), builder=BUILDER, trainer=TRAINER))
+                                    model_options=setting.model_options(size), builder=BUILDER, trainer=trainer))
     # the retried ones together: each compiled candidate alone would pay the compile's start again
     results, again = launch.sweep_retrying(specs, name=f"{name}/{prefix}{rung_index}-{rung.name}", world_size=world,
                                            timeout_each=timeout / len(specs), together=True)
@@ -544,7 +556,8 @@ def decide(measured: list[tuple[Candidate, float | None]], best_value: float, ma
 
 def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Setting | None = None,
          budget_s: float = 300, steps: int | None = None, world_size: int | None = None,
-         name: str = "capstone", resume: dict | None = None, climb_again: Collection[str] = ()) -> Ladder:
+         name: str = "capstone", resume: dict | None = None, climb_again: Collection[str] = (),
+         trainer: str = TRAINER) -> Ladder:
     """Climb ``ladder`` from ``baseline`` with the capstone model of ``size`` within ``budget_s`` seconds.
 
     Defaults: on GPUs the 1.24B model would be ``size="1.2b"`` with :data:`GPU_LADDER` from
@@ -552,8 +565,9 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
     launch; the first also trains the baseline twice, which sets the noise margin. A walk that goes on
     from the ladder ``resume`` skips the rungs it climbed, except those named in ``climb_again`` (proposed anew from
     the best so far; a setting measured before is not trained again). Sets
-    :data:`RANK_ENVIRONMENT` in this process (unless set) for the ranks. Returns the :class:`Ladder`; every
-    candidate's record is in ``runs/<name>/``.
+    :data:`RANK_ENVIRONMENT` in this process (unless set) for the ranks. ``trainer``: the import path of the
+    step every candidate trains with (chapter 16's page module, :func:`page_trainer`; this module's
+    :func:`train_step` by default). Returns the :class:`Ladder`; every candidate's record is in ``runs/<name>/``.
     """
     for key, value in RANK_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
@@ -622,7 +636,7 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
         launched = time.monotonic()
         # the budget decides which rungs start; a started launch gets room (a loaded machine is slow)
         found = _launch_rung(index, rung, pairs, size, steps, world, name, timeout=max(300.0, min(left, 3 * estimate)),
-                             prefix=prefix)
+                             prefix=prefix, trainer=trainer)
         history.append((time.monotonic() - launched, len(pairs), any(s.compile for _, s in pairs)))
         seen.update(s for _, s in pairs)
         if best is None:
@@ -769,17 +783,27 @@ def rungs_table(ladder: dict) -> str:
     return records.format_table(rows, ["rung", "tunes", "outcome", "kept"])
 
 
+def best_mfu_and_exposed(ladder: dict) -> tuple[float, float] | None:
+    """The best setting's MFU and the share of its step that was exposed communication (the baseline's: the
+    mean of its two runs, as in :func:`summary`), or None where the device has no MFU or no such share."""
+    best = next(c for c in ladder["candidates"] if c["run"] == ladder["best_run"])
+    rows = [c for c in ladder["candidates"] if c["verdict"] == "baseline"] if best["verdict"] == "baseline" else [best]
+    if any(r.get("mfu") is None or r.get("comm_exposed_share") is None for r in rows):
+        return None
+    mfu, exposed = (sum(r[k] for r in rows) / len(rows) for k in ("mfu", "comm_exposed_share"))
+    return mfu, exposed
+
+
 def shortfall(ladder: dict) -> str:
     """What stands between the ladder's best candidate and the MFU target, from its own figures: the share of
     its step that was exposed communication bounds what hiding communication could still give
     (MFU / (1 - exposed share)); the rest of the gap is time the GPU spent below its peak while computing."""
     best = next(c for c in ladder["candidates"] if c["run"] == ladder["best_run"])
-    rows = [c for c in ladder["candidates"] if c["verdict"] == "baseline"] if best["verdict"] == "baseline" else [best]
     target = ladder["target_mfu"]
-    if any(r.get("mfu") is None or r.get("comm_exposed_share") is None for r in rows):
+    found = best_mfu_and_exposed(ladder)
+    if found is None:
         return "no MFU or no communication share for this device: nothing to bound"
-    # the baseline's figures are the mean of its two runs, as in summary()
-    mfu, exposed = (sum(r[k] for r in rows) / len(rows) for k in ("mfu", "comm_exposed_share"))
+    mfu, exposed = found
     if mfu >= target:
         return f"the target is reached: {mfu:.1%} MFU against {target:.0%}"
     bound = mfu / (1 - exposed)
@@ -1083,89 +1107,57 @@ def key_ladder(size: str = "2.7b", world_size: int = 2) -> dict | None:
     return found[-1] if found else None
 
 
-def _judged(ladder: dict) -> list[tuple[dict, dict]]:
-    """Each candidate that trained, with the setting it was judged against: the best setting at the start of
-    its rung (or the rung's "best so far, again", which a resumed walk trains first)."""
-    best, pairs, i, rows = dict(ladder["baseline"]), [], 0, ladder["candidates"]
-    while i < len(rows):
-        j = i
-        while j < len(rows) and rows[j]["rung"] == rows[i]["rung"]:
-            j += 1
-        group = rows[i:j]
-        again = [c for c in group if c["label"] == AGAIN]
-        reference = dict(again[0]["setting"]) if again else best
-        pairs += [(c, reference) for c in group if c["label"] not in (AGAIN, "baseline", "baseline, again")
-                  and "metric" in c]
-        kept = [c for c in group if c["verdict"].startswith("kept")]
-        best = dict(kept[0]["setting"]) if kept else reference
-        i = j
-    return pairs
+def exercise_hidden_bound(answer: Any, ladder: dict) -> exercises.Verdict:
+    """Exercise: predict the highest MFU the ladder's best setting could reach if all of its exposed
+    communication were hidden behind compute (the same FLOPs in a step shorter by that share); the answer is the
+    bound :func:`shortfall` prints, within 1%."""
+    mfu, exposed = best_mfu_and_exposed(ladder)
+    bound = mfu / (1 - exposed)
+    return exercises.number(
+        "what hiding communication could give", answer, bound, relative=0.01,
+        task=(f"The best setting of the {ladder['params'] / 1e9:.2f}B ladder on {ladder['device']} reached "
+              f"{mfu:.2%} MFU, with {exposed:.2%} of its step exposed communication. Predict the highest MFU it "
+              "could reach if overlap hid all of that communication, as a fraction (0.5 for 50%)."),
+        hint="MFU is model FLOPs over time: hiding changes only the step's time; which share of it goes?",
+        why=(f"{mfu:.2%} / (1 - {exposed:.2%}) = {bound:.2%}: the same FLOPs in {1 - exposed:.2%} of the time. "
+             "That bounds what overlap can still give; the rest of the gap to the peak is compute (section 5)."))
 
 
-def _change(verdict: str) -> float | None:
-    """The relative change a ladder verdict states ("dropped: -6.6%, ..." -> -0.066)."""
-    found = re.search(r"([+-]\d+(?:\.\d+)?)%", verdict)
-    return float(found.group(1)) / 100 if found else None
+def exercise_margin(answer: Any, ladder: dict) -> exercises.Verdict:
+    """Exercise: predict the noise margin a committed walk's candidates had to beat, from its baseline's two runs
+    (the rule of :func:`walk`); the answer is the margin the walk recorded, within 3%."""
+    runs = [c["metric"] for c in ladder["candidates"] if c["verdict"] == "baseline"][:2]
+    where = f"the {ladder['params'] / 1e9:.2f}B walk on {ladder['device']}"
+    return exercises.number(
+        "the noise margin", answer, ladder["margin"], relative=0.03,
+        task=(f"{where[0].upper()}{where[1:]} trained its baseline twice: {runs[0]:.2f} and {runs[1]:.2f} model "
+              "TFLOP/s per GPU. Predict the margin a candidate had to beat to be kept, as a fraction (0.05 for 5%)."),
+        hint="the rule of section 3, with the two runs' spread (their difference over their mean).",
+        why=(f"the two runs differ by {ladder['spread']:.2%} of their mean; the rule keeps a candidate only above "
+             f"max({MIN_MARGIN:.0%}, twice that) = {ladder['margin']:.2%}: a gain smaller than what the same setting "
+             "moves between two runs is not a gain."))
 
 
-def exercise_slower_knob(answer: Any, ladder: dict) -> exercises.Verdict:
-    """Exercise: in a committed ladder, find the knob of the candidate that changed one knob only from the
-    setting it was judged against and lost the most; the answer is computed from the ladder's settings."""
-    single = []
-    for c, reference in _judged(ladder):
-        changed = [f.name for f in dataclasses.fields(Setting) if c["setting"].get(f.name) != reference.get(f.name)]
-        if len(changed) == 1 and _change(c["verdict"]) is not None:
-            single.append((_change(c["verdict"]), changed[0], c))
-    loss, knob, c = min(single, key=lambda item: item[0])
-    where = f"the {ladder['params'] / 1e9:.2f}B ladder on {ladder['device']}"
-    return exercises.choice(
-        "the knob that cost", answer, knob, choices=tuple(f.name for f in dataclasses.fields(Setting)),
-        task=(f"In {where}, find the candidate that changed a single knob from the setting it was judged against "
-              "and lost the most. Name that knob (a field of capstone.Setting)."),
-        hint="compare each candidate's label and verdict in the GPU table; a label that names two changes "
-             "(micro x2, accumulation /2) changed two knobs.",
-        why=(f"Rung {c['rung']!r}, candidate {c['label']!r}: {c['verdict'].split(',')[0]} against the best setting "
-             f"so far, changing {knob} alone ({_short(c['setting'][knob])}). The ladder measured it and dropped it: "
-             "a knob is worth what it measures on your model and GPUs."))
+def timing_check(ladder: Ladder, load: load_guard.Load) -> str:
+    """Each candidate's measured steps against the baseline's through the course's load guard
+    (:func:`load_guard.compare`, the baseline's second run as the repeat): a verdict only where the launch had
+    its devices to itself and the difference exceeds the steps' spread; otherwise the reason it is withheld."""
+    def steps(record: records.Record) -> list[float]:
+        section = record["throughput"]
+        return [section["all_step_times_s"][i - 1] for i in section["measured_steps"]]
 
-
-def exercise_next_config(answer: Any, ladder: dict) -> exercises.Verdict:
-    """Exercise: write the DeepSpeed config a walk on ``ladder``'s GPUs starts from (its baseline setting).
-    The expected config is :meth:`Setting.config` of the committed ladder's baseline on its ranks; the course's
-    checker and DeepSpeed's parser read the answer for that many ranks."""
-    world = ladder["world_size"]
-    setting = Setting(**ladder["baseline"])
-    wanted = setting.config(world)
-
-    def test(config: Any) -> tuple[bool, str]:
-        if not isinstance(config, dict):
-            return False, f"{type(config).__name__} is not a ds_config: write a dict."
-        if refused := configs.refusal(config, world, parse=True):
-            return False, refused
-        micro, accum = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps", 1)
-        got = {"micro-batch": micro, "accumulation": accum, "global batch": config.get("train_batch_size") or
-               (micro or 0) * accum * world, "ZeRO stage": config.get("zero_optimization", {}).get("stage", 0),
-               "bf16": bool(config.get("bf16", {}).get("enabled")),
-               "optimizer": str(config.get("optimizer", {}).get("type", "")).lower()}
-        want = {"micro-batch": wanted["train_micro_batch_size_per_gpu"],
-                "accumulation": wanted["gradient_accumulation_steps"], "global batch": wanted["train_batch_size"],
-                "ZeRO stage": wanted["zero_optimization"]["stage"], "bf16": "bf16" in wanted,
-                "optimizer": wanted["optimizer"]["type"].lower()}
-        differ = [f"{k} {got[k]!r} (the walk: {v!r})" for k, v in want.items() if got[k] != v]
-        if differ:
-            return False, "not the setting the walk started from: " + "; ".join(differ) + "."
-        return True, (f"micro-batch {got['micro-batch']} x accumulation {got['accumulation']} x {world} GPUs = "
-                      f"{got['global batch']} sequences a step, ZeRO-{got['ZeRO stage']}, bf16, AdamW: the config of "
-                      "the committed walk's baseline (capstone.Setting.config). compile is not a config key: "
-                      "the walk calls engine.compile() after deepspeed.initialize.")
-    return exercises.satisfies(
-        "the next walk's config", answer, test,
-        task=(f"Write the DeepSpeed config of the setting the 2-GPU walks of this model ended with, for a walk on "
-              f"{world} GPUs ({setting.changes_from(GPU_BASELINE)} from the GPU baseline; leave compile out, "
-              "it is an engine call)."),
-        hint=(f"start from the GPU baseline (ZeRO-2, bf16, AdamW, micro-batch {GPU_BASELINE.micro_batch} x "
-              f"accumulation {GPU_BASELINE.grad_accum}); train_batch_size, if you give it, is micro x accumulation "
-              "x GPUs."))
+    measured = [c for c in ladder.candidates if c.record is not None]
+    base = next((c for c in measured if c.label == "baseline"), None)
+    again = next((c for c in measured if c.label == "baseline, again"), None)
+    lines = [f"Load beside the launch: {load.reason() or 'none, it had its devices to itself'}."]
+    if base is None:
+        return "\n".join(lines + ["No baseline was measured: nothing to compare."])
+    for c in measured:
+        if c is not base and c is not again:
+            verdict = load_guard.compare({"baseline": steps(base.record), c.label: steps(c.record)}, load,
+                                         repeat=steps(again.record) if again else None)
+            lines.append(f"{c.label}: {load_guard.sentence(verdict)}")
+    return "\n".join(lines)
 
 
 def exercise_mfu(answer: Any, ladder: dict, label: str = "baseline") -> exercises.Verdict:

@@ -1,48 +1,37 @@
 """Chapter 15: DeepSpeed beside PyTorch's own DDP, ZeroRedundancyOptimizer and FSDP2, in two parts.
 
-1. The ranks' side (:func:`train_run`): PyTorch's strategies trained under torchrun, with the course's loop and record.
+1. The ranks' side: what the course does around a run whose framework code the chapter writes on its page
+   (``runs/15/frameworks_rank.py``): :func:`run_pytorch` and :func:`run_deepspeed` build the model, hand it to
+   the page's set-up, call the page's step every optimizer step with this rank's micro-batches, and record the
+   run with the course's probes, like every other run. :func:`train_run` (``TASK``) does the same with this
+   module's copy of PyTorch's side, :func:`setup_pytorch` and :func:`step_pytorch`, for the chapters and
+   benchmarks that cannot import a notebook's file (chapter 16's FSDP2 runs, ``benchmarks/bytes_reference.py``).
 2. The notebook's side: the runs and the tables that compare them with ZeRO.
 
---- 1. PyTorch's strategies on the ranks ---
+--- 1. the ranks ---
 
-PyTorch's own data parallelism on the course's ranks: DDP (alone or with ZeroRedundancyOptimizer) and FSDP2,
-recorded like DeepSpeed's runs.
+A PyTorch run is a task of the plan (``RunSpec(task=..., options={"strategy": ...})``), started by ``torchrun``
+as PyTorch users start their scripts (``launcher="torchrun"`` in :mod:`helpers.core.launch`). It reads the same
+DeepSpeed config file as the DeepSpeed runs beside it, for the same hyperparameters: micro-batch, gradient
+accumulation, AdamW's ``lr`` and ``weight_decay``, ``gradient_clipping``, bf16. ``strategy`` is one of
+:data:`STRATEGIES`:
 
-A run of this module is a task of the plan (``RunSpec(task=TASK)``, :func:`train_run`), started by
-``torchrun`` as PyTorch users start their scripts (``launcher="torchrun"`` in :mod:`helpers.core.launch`).
-It reads the same DeepSpeed config file as the DeepSpeed runs beside it, for the same hyperparameters:
-micro-batch, gradient accumulation, AdamW's ``lr`` and ``weight_decay``, ``gradient_clipping``, bf16.
-``options={"strategy": ...}`` picks one of :data:`STRATEGIES`:
+- ``ddp``: ``DistributedDataParallel``: every rank holds everything; gradients all-reduced in buckets once per
+  optimizer step (``no_sync()`` on the other micro-steps, the DDP idiom).
+- ``ddp-zero1``: DDP with ``torch.distributed.optim.ZeroRedundancyOptimizer`` around AdamW: PyTorch's ZeRO-1.
+- ``fsdp2``: ``fully_shard`` on every layer and the root, ``reshard_after_forward=True``: ZeRO-3's partitioning.
+- ``fsdp2-grad-op``: the same with ``reshard_after_forward=False`` (FSDP1's SHARD_GRAD_OP, ZeRO-2's traffic).
+- ``fsdp2-no-sync``: ``fsdp2`` with ``set_requires_gradient_sync(False)`` on every micro-step but the last.
 
-- ``ddp``: ``DistributedDataParallel``: every rank holds everything; gradients are all-reduced in
-  buckets once per optimizer step (``no_sync()`` on the other micro-steps, the DDP idiom).
-- ``ddp-zero1``: DDP with ``torch.distributed.optim.ZeroRedundancyOptimizer`` around AdamW: PyTorch's
-  ZeRO-1. Each rank keeps Adam's states of the whole parameters assigned to it (largest first, each to the
-  rank with the fewest elements so far), steps them, and broadcasts them to the others.
-- ``fsdp2``: ``fully_shard`` on every layer and the root, ``reshard_after_forward=True``: parameters,
-  gradients and Adam's states sharded (ZeRO-3's partitioning); each layer is gathered for forward, freed,
-  gathered again for backward; gradients reduce-scattered after every backward.
-- ``fsdp2-grad-op``: the same with ``reshard_after_forward=False``: a layer gathered in forward stays
-  whole until its backward, so backward gathers nothing (FSDP1's SHARD_GRAD_OP, ZeRO-2's traffic), at the
-  price of holding unsharded parameters between forward and backward.
-- ``fsdp2-no-sync``: ``fsdp2`` with ``set_requires_gradient_sync(False)`` on every micro-step but the
-  last: gradients accumulate unsharded on each rank and are reduce-scattered once per optimizer step (the
-  FSDP2 counterpart of DDP's ``no_sync()``), at the price of holding whole gradients between micro-steps.
+The probes ``timing``, ``model_states``, ``peak_memory`` and ``timeline`` work unchanged on PyTorch's runs (an
+adapter, :class:`TorchEngine`, gives them what they read from a DeepSpeed engine). DeepSpeed's comms logger
+cannot see PyTorch's collectives, so the ``torch_comm`` probe measures them with the PyTorch profiler instead
+(see :class:`TorchComm`).
 
-The training loop and the record are :func:`helpers.core.train.train_and_record`, the DeepSpeed runs' own;
-the probes ``timing``, ``model_states``, ``peak_memory`` and ``timeline`` work unchanged (an adapter gives
-them what they read from a DeepSpeed engine). DeepSpeed's comms logger cannot see PyTorch's collectives,
-so the ``torch_comm`` probe measures them with the PyTorch profiler instead (see :class:`TorchComm`).
+--- 2. the comparison ---
 
---- 2. The comparison ---
-
-DeepSpeed beside PyTorch's own DDP, ZeroRedundancyOptimizer and FSDP2 (chapter 15): the same model, data, seed and
-hyperparameters, each framework launched its own way, every run with the same record.
-
-- :func:`compare`: two launches: PyTorch's strategies under ``torchrun`` (part 1) and
-  DeepSpeed's ZeRO stages under DeepSpeed's launcher. PyTorch's collectives are measured with the PyTorch
-  profiler (the ``torch_comm`` probe); DeepSpeed's with its comms logger and, as a cross-check of the
-  profiler method, with the profiler too.
+- :func:`compare`: two launches: PyTorch's strategies under ``torchrun`` and DeepSpeed's ZeRO stages under
+  DeepSpeed's launcher, each run by the tasks it is given (the page's, in the chapter).
 - tables of model states, collectives, losses and step time; the "which to pick" table.
 - :func:`gpu_compare`: on GPUs, the same comparison at a size where time means something.
 """
@@ -50,13 +39,15 @@ hyperparameters, each framework launched its own way, every run with the same re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
+import sys
 import textwrap
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed
@@ -64,13 +55,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from helpers.core import (configs, exercises, launch, models, plots, probes, records, references,
-                          theory, train)
+from helpers.core import (configs, environment, exercises, launch, load_guard, memory, models, plots, probes, records,
+                          references, theory, train)
 from helpers.core.plan import PlannedRun, reference_of, resolve
-from helpers.core.probes import Probe, RunContext
+from helpers.core.probes import RunContext
 from helpers.core.profiler_comm import TorchComm, profiler_check_table
 
-# === 1. PyTorch's strategies, trained by the ranks =================================================
+# === 1. the ranks =================================================================================
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
@@ -97,25 +88,20 @@ STRATEGIES = {
     "fsdp2-no-sync": Strategy("FSDP2 full, no-sync", 3, 3, True, sync_last_micro_step_only=True),
 }
 
-
-class ShardedAdamW(ZeroRedundancyOptimizer):
-    """``ZeroRedundancyOptimizer`` around ``torch.optim.AdamW``, unchanged, with its local optimizer (the one
-    holding this rank's Adam states, ``.optim``) also under the name the course's memory probe reads
-    (``.optimizer``, as on DeepSpeed's ZeRO optimizers): the wrapper's own ``state`` stays empty."""
-
-    def __init__(self, params, **adamw):
-        super().__init__(params, optimizer_class=torch.optim.AdamW, **adamw)
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.optim
+#: The page's functions, as :func:`run_pytorch` and :func:`run_deepspeed` call them.
+PytorchSetup = Callable[[torch.nn.Module, str, dict, torch.device], tuple[Any, Any]]
+# called as step(model, optimizer, batches, loss_of=, strategy=, config=, after_backward=): keep those names
+PytorchStep = Callable[..., list[float]]
+DeepSpeedSetup = Callable[[torch.nn.Module, dict], Any]
+DeepSpeedStep = Callable[..., list[float]]  # step(engine, batches, loss_of=, after_backward=)
 
 
 @dataclasses.dataclass
 class TorchEngine:
     """What the course's probes read from a DeepSpeed engine, for a PyTorch model: ``module`` (whose
-    parameters hold the model's weights), ``optimizer``, ``device``; and DDP's bucket bytes, which DDP
-    keeps in C++ where no Python tensor shows them (``helpers.core.memory.model_states`` reads them here)."""
+    parameters hold the model's weights), ``optimizer`` (the one holding this rank's Adam states: inside
+    ``ZeroRedundancyOptimizer``, its local AdamW), ``device``; and DDP's bucket bytes, which DDP keeps in C++
+    where no Python tensor shows them (``helpers.core.memory.model_states`` reads them here)."""
 
     module: Any
     optimizer: Any
@@ -171,21 +157,51 @@ def shard_units(model) -> list:
     return []
 
 
-def _wrap(model, strategy: str, device, precision: str):
-    """The model wrapped by ``strategy`` (see :data:`STRATEGIES`)."""
-    if STRATEGIES[strategy].ddp:
-        ids = [device.index] if device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids), model
-    # deferred: about a second to import, which only FSDP2's ranks should pay
-
+def setup_pytorch(model: torch.nn.Module, strategy: str, config: dict, device: torch.device) -> tuple[Any, Any]:
+    """PyTorch's side of a run (chapter 15 writes the same on its page): the model wrapped by ``strategy``
+    and its optimizer, AdamW with the config's ``lr`` and ``weight_decay``."""
+    params = config.get("optimizer", {}).get("params", {})
+    adamw = {"lr": params.get("lr", 1e-3), "weight_decay": params.get("weight_decay", 0.01)}
+    chosen = STRATEGIES[strategy]
+    if chosen.ddp:
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+        if chosen.sharded_optimizer:
+            return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+        return wrapped, torch.optim.AdamW(wrapped.parameters(), **adamw)
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-              if precision == "bf16" else MixedPrecisionPolicy())
-    reshard = STRATEGIES[strategy].reshard_after_forward
+              if train.precision_of(config) == "bf16" else MixedPrecisionPolicy())
     for unit in shard_units(model):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    return model, model
+        fully_shard(unit, mesh=mesh, reshard_after_forward=chosen.reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=chosen.reshard_after_forward, mp_policy=policy)
+    return model, torch.optim.AdamW(model.parameters(), **adamw)
+
+
+def step_pytorch(model, optimizer, batches: Sequence[models.Batch], loss_of: Callable, strategy: str, config: dict,
+                 after_backward: Callable[[int], None]) -> list[float]:
+    """One optimizer step the way PyTorch scripts write it (chapter 15 writes the same on its page): per
+    micro-batch, forward and ``(loss / accumulation).backward()``, the gradients reduced on the last only
+    (DDP's ``no_sync()``; FSDP2's ``set_requires_gradient_sync`` with no-sync); then ``clip_grad_norm_``,
+    ``optimizer.step()``, ``zero_grad()``. Returns this rank's micro-batch losses."""
+    chosen = STRATEGIES[strategy]
+    autocast = (torch.autocast(batches[0].inputs.device.type, dtype=torch.bfloat16)
+                if train.precision_of(config) == "bf16" and chosen.ddp else nullcontext())
+    losses = []
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        if chosen.sync_last_micro_step_only:
+            model.set_requires_gradient_sync(last)
+        with model.no_sync() if chosen.ddp and not last else nullcontext(), autocast:
+            loss = loss_of(model, batch)
+            (loss / len(batches)).backward()
+        after_backward(i)
+        losses.append(loss.item())
+    if config.get("gradient_clipping", 0):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config["gradient_clipping"])
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return losses
 
 
 def _data(run: PlannedRun) -> str:
@@ -194,40 +210,36 @@ def _data(run: PlannedRun) -> str:
     return getattr(resolve(run.builder), "data", run.model)
 
 
-def torch_step(ctx: RunContext, run: PlannedRun, step: int, probes: list[Probe]) -> list[float]:
-    """One optimizer step the way PyTorch scripts write it: ``grad_accum`` micro-steps of forward and
-    ``(loss / grad_accum).backward()`` (DDP skips its all-reduce on all but the last, ``no_sync()``; FSDP2
-    with ``sync_last_micro_step_only`` its reduce-scatter, ``set_requires_gradient_sync(False)``), then
-    ``clip_grad_norm_``, ``optimizer.step()``, ``zero_grad()``. Returns this rank's micro-batch losses."""
-    engine, name, seed = ctx.engine, _data(run), run.seed
-    chosen = STRATEGIES[engine.strategy]
-    autocast = (torch.autocast(engine.device.type, dtype=torch.bfloat16)
-                if ctx.precision == "bf16" and chosen.ddp else nullcontext())
-    losses = []
-    for micro_step in range(ctx.grad_accum):
-        last = micro_step == ctx.grad_accum - 1
-        indices = models.sample_indices(step, micro_step, ctx.rank, ctx.world_size, ctx.micro_batch, ctx.grad_accum)
-        batch = models.make_batch(name, indices, seed, run.model_options.get("seq_len")).to(engine.device)
-        if chosen.sync_last_micro_step_only:
-            engine.wrapped.set_requires_gradient_sync(last)
-        sync = engine.wrapped.no_sync() if chosen.ddp and not last else nullcontext()
-        with sync:
-            with autocast:
-                loss = models.loss_of(engine.wrapped, name, batch)
-            (loss / ctx.grad_accum).backward()
-        for probe in probes:
-            probe.after_backward(ctx, step, micro_step)
-        losses.append(loss.item())
-    clip = ctx.config.get("gradient_clipping", 0)
-    if clip:
-        torch.nn.utils.clip_grad_norm_(engine.wrapped.parameters(), clip)
-    engine.optimizer.step()
-    engine.optimizer.zero_grad(set_to_none=True)
-    return losses
+def _batches(ctx: RunContext, run: PlannedRun, step: int, dtype: torch.dtype | None = None) -> list[models.Batch]:
+    """This rank's micro-batches of optimizer step ``step``, on its device (floating inputs cast to ``dtype``)."""
+    name = _data(run)
+    return [models.make_batch(name, models.sample_indices(step, m, ctx.dp_rank, ctx.dp_size, ctx.micro_batch,
+                                                          ctx.grad_accum),
+                              run.seed, run.model_options.get("seq_len")).to(ctx.engine.device, dtype)
+            for m in range(ctx.grad_accum)]
 
 
-def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
-    """Task: train one run with PyTorch's ``options["strategy"]`` on this rank and write its record (rank 0)."""
+def _loss_of(run: PlannedRun) -> Callable:
+    """``loss_of(model, batch)``: the course's loss for the run's data (MSE, or the language model's)."""
+    name = _data(run)
+    return lambda model, batch: models.loss_of(model, name, batch)
+
+
+def _trainer(step_once: Callable, dtype: torch.dtype | None = None):
+    """The course loop's trainer (``trainer(ctx, run, step, probes)``) around a page's step function, given as
+    ``step_once(batches, after_backward=...)``: the probes measure after each micro-step's backward."""
+    def trainer(ctx: RunContext, run: PlannedRun, step: int, found: list) -> list[float]:
+        def after_backward(micro_step: int) -> None:
+            for probe in found:
+                probe.after_backward(ctx, step, micro_step)
+        return step_once(_batches(ctx, run, step, dtype), after_backward=after_backward)
+    return trainer
+
+
+def run_pytorch(run: PlannedRun, position: int, count: int, born: float, setup: PytorchSetup,
+                step: PytorchStep) -> None:
+    """Train one PyTorch run on this rank with the page's ``setup`` and ``step`` (see :func:`setup_pytorch` and
+    :func:`step_pytorch` for their arguments) and write its record (rank 0)."""
     dist = torch.distributed
     run_started = time.time()
     _check_strategy(run.options)
@@ -240,30 +252,28 @@ def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
     precision = train.precision_of(config)
     model = resolve(run.builder)(run.model, run.seed, config, **run.model_options).to(device)
     psi = models.count_parameters(model)
-    wrapped, module = _wrap(model, strategy, device, precision)
-    params = config.get("optimizer", {}).get("params", {})
+    wrapped, optimizer = setup(model, strategy, config, device)
     chosen = STRATEGIES[strategy]
-    adamw = {"lr": params.get("lr", 1e-3), "weight_decay": params.get("weight_decay", 0.01)}
-    optimizer = (ShardedAdamW(wrapped.parameters(), **adamw) if chosen.sharded_optimizer
-                 else torch.optim.AdamW(wrapped.parameters(), **adamw))
-    engine = TorchEngine(module=module, optimizer=optimizer, device=device, wrapped=wrapped, strategy=strategy)
-    micro = config["train_micro_batch_size_per_gpu"]
-    accum = config.get("gradient_accumulation_steps", 1)
-    ctx = None  # holds the engine: dropped with it at teardown
+    engine = TorchEngine(module=model, optimizer=getattr(optimizer, "optim", optimizer), device=device,
+                         wrapped=wrapped, strategy=strategy)
+    ctx = trainer = None  # they hold the engine: dropped with it at teardown
     try:
         ctx = RunContext(
             engine=engine, rank=rank, world_size=world, device_type=device.type, precision=precision,
-            stage=chosen.zero_stage, micro_batch=micro, grad_accum=accum, steps=run.steps, params=psi, born=born,
+            stage=chosen.zero_stage, micro_batch=config["train_micro_batch_size_per_gpu"],
+            grad_accum=config.get("gradient_accumulation_steps", 1), steps=run.steps, params=psi, born=born,
             run_started=run_started, config=config, faults=run.faults, first_step=0, options=run.options,
             dp_rank=rank, dp_size=world)
         volume = theory.comm_bytes_per_step(psi, chosen.comm_stage, "fp32" if chosen.ddp else precision)
-        train.train_and_record(ctx, run, position, count, torch_step, {
+        trainer = _trainer(functools.partial(step, wrapped, optimizer, loss_of=_loss_of(run), strategy=strategy,
+                                             config=config))
+        train.train_and_record(ctx, run, position, count, trainer, {
             "framework": f"torch {torch.__version__}",
             "strategy": chosen.label,
             "launcher": _launcher_of(run),
-            "optimizer": ("torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)" if chosen.sharded_optimizer
-                          else "torch.optim.AdamW"),
-            "basic_optimizer": "AdamW",
+            "optimizer": (f"torch.distributed.optim.ZeroRedundancyOptimizer({type(engine.optimizer).__name__})"
+                          if isinstance(optimizer, ZeroRedundancyOptimizer) else f"torch.optim.{type(optimizer).__name__}"),
+            "basic_optimizer": type(engine.optimizer).__name__,
             "theory": {
                 # PyTorch keeps fp32 parameters and gradients between steps, in bf16 runs too (autocast or
                 # FSDP2's mixed-precision policy cast them for compute and communication only)
@@ -273,11 +283,56 @@ def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
             },
         })
     finally:
-        del engine, optimizer, wrapped, module, model, ctx  # all of them before the collection (train.train_run)
-        gc.collect()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        del engine, optimizer, wrapped, model, ctx, trainer  # all of them before the collection (train.train_run)
+        _collect()
+
+
+def run_deepspeed(run: PlannedRun, position: int, count: int, born: float, setup: DeepSpeedSetup,
+                  step: DeepSpeedStep) -> None:
+    """Train one DeepSpeed run on this rank with the page's ``setup(model, config) -> engine`` (which calls
+    ``deepspeed.initialize``) and ``step(engine, batches, loss_of, after_backward) -> losses``, write its record
+    (rank 0), and tear the engine down."""
+    run_started = time.time()
+    config = run.read_config()
+    model = resolve(run.builder)(run.model, run.seed, config, **run.model_options)
+    psi = models.count_parameters(model)
+    engine = setup(model, config)
+    ctx = trainer = None  # they hold the engine: dropped with it at teardown
+    try:
+        ctx = RunContext(
+            engine=engine, rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
+            device_type="cuda" if engine.device.type == "cuda" else "cpu", precision=train.precision_of(config),
+            stage=engine.zero_optimization_stage(), micro_batch=engine.train_micro_batch_size_per_gpu(),
+            grad_accum=engine.gradient_accumulation_steps(), steps=run.steps, params=psi, born=born,
+            run_started=run_started, config=config, faults=run.faults, first_step=0, options=run.options)
+        ctx.dp_rank, ctx.dp_size = train.data_parallel_coords(engine)
+        dtype = next(engine.module.parameters()).dtype  # bf16 inputs for a bf16 engine
+        trainer = _trainer(functools.partial(step, engine, loss_of=_loss_of(run)), dtype)
+        train.train_and_record(ctx, run, position, count, trainer, {
+            "deepspeed_train_batch": engine.train_batch_size(),
+            "optimizer": memory.describe_optimizer(engine),
+            "basic_optimizer": type(getattr(engine, "basic_optimizer", None)).__name__,
+        })
+    finally:
+        engine.destroy()
+        train.release_zero3_references(engine.module)
+        del engine, model, ctx, trainer
+        _collect()
+
+
+def _collect() -> None:
+    """Teardown between the runs of a launch: the collector frees the engine's reference cycles (twice:
+    objects the first collection finalizes can hold the last references), and a GPU's cached blocks go back."""
+    gc.collect()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
+    """Task: train one run with PyTorch's ``options["strategy"]`` by this module's :func:`setup_pytorch` and
+    :func:`step_pytorch`, and write its record (rank 0)."""
+    run_pytorch(run, position, count, born, setup_pytorch, step_pytorch)
 
 
 def _launcher_of(run: PlannedRun) -> str:
@@ -298,6 +353,17 @@ train_run.check_options = _check_strategy  # the launcher checks the options bef
 TASK = reference_of(train_run)
 
 
+def page_tasks(path: str | Path) -> tuple[str, str]:
+    """The import paths of ``train_pytorch`` and ``train_deepspeed`` in the module chapter 15 wrote at ``path``
+    (inside the repository, which the ranks import from), as the tasks of :func:`compare`; the module is made
+    importable here too (the launcher imports both to check them), an edited one read again."""
+    path = Path(path).resolve()
+    module = ".".join(path.relative_to(environment.REPO_ROOT).with_suffix("").parts)
+    environment.importable_repository()
+    sys.modules.pop(module, None)
+    return f"{module}:train_pytorch", f"{module}:train_deepspeed"
+
+
 # === 2. the comparison with ZeRO ===================================================================
 
 #: PyTorch strategies (:data:`STRATEGIES`), in the order tables show them.
@@ -314,19 +380,22 @@ def _label(record: records.Record) -> str:
 
 
 def compare(model: str = "mlp", steps: int = 4, overrides: dict | None = None, world_size: int | None = None,
-            timing_only: bool = False, progress: bool = True, tag: str = "") -> dict[str, records.Record]:
+            timing_only: bool = False, progress: bool = True, tag: str = "",
+            tasks: tuple[str, str] = (TASK, "train")) -> dict[str, records.Record]:
     """Train ``model`` with each of :data:`PYTORCH` (DDP, DDP + ZeroRedundancyOptimizer, FSDP2 in both reshard
     settings and full sharding reducing once a step) and ZeRO 0-3 from ``ds_configs/zero<N>.json`` (the PyTorch
     runs read ``zero0.json`` for the same hyperparameters), ``overrides`` applied to all; two
-    launches. ``timing_only`` leaves out the probes that measure communication (they slow a step).
+    launches. ``tasks``: what the PyTorch and the DeepSpeed ranks run (import paths: the chapter's page module,
+    :func:`page_tasks`; by default this module's :func:`train_run` and the course's DeepSpeed loop).
+    ``timing_only`` leaves out the probes that measure communication (they slow a step).
     Returns {label: record}, labels such as ``"DDP"``, ``"FSDP2 full"``, ``"ZeRO-2"``."""
     torch_probes = ("timing", "peak_memory") if timing_only else TORCH_PROBES
     ds_probes = ("timing", "peak_memory") if timing_only else DEEPSPEED_PROBES
     suffix = f"-{tag}" if tag else ""
     torch_specs = {f"torch-{s}{suffix}": launch.RunSpec("zero0", model=model, steps=steps, overrides=overrides,
-                                                        probes=torch_probes, task=TASK,
+                                                        probes=torch_probes, task=tasks[0],
                                                         options={"strategy": s}) for s in PYTORCH}
-    ds_specs = {f"deepspeed-zero{s}{suffix}": launch.RunSpec(f"zero{s}", model=model, steps=steps,
+    ds_specs = {f"deepspeed-zero{s}{suffix}": launch.RunSpec(f"zero{s}", model=model, steps=steps, task=tasks[1],
                                                              overrides=overrides, probes=ds_probes) for s in STAGES}
     runs = dict(launch.sweep(torch_specs, name=f"frameworks-torchrun{suffix}", world_size=world_size,
                              launcher="torchrun", progress=progress))
@@ -510,14 +579,14 @@ GPU_MODEL = "llama-medium"
 GPU_OVERRIDES = {"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1}
 
 
-def gpu_compare(steps: int = 12, world_size: int | None = None,
-                progress: bool = True) -> tuple[dict[str, records.Record], dict[str, records.Record]]:
+def gpu_compare(steps: int = 12, world_size: int | None = None, progress: bool = True,
+                tasks: tuple[str, str] = (TASK, "train")) -> tuple[dict[str, records.Record], dict[str, records.Record]]:
     """On GPUs: the comparison on the 85M-parameter model in bf16, twice: with the probes that measure
     communication (bytes), and with timing only (step time without the comms logger's synchronization or
     the profiler). Four launches. Returns (by bytes, by time), each {label: record}."""
-    by_bytes = compare(GPU_MODEL, steps, GPU_OVERRIDES, world_size, progress=progress, tag="gpu-bytes")
+    by_bytes = compare(GPU_MODEL, steps, GPU_OVERRIDES, world_size, progress=progress, tag="gpu-bytes", tasks=tasks)
     by_time = compare(GPU_MODEL, steps, GPU_OVERRIDES, world_size, timing_only=True, progress=progress,
-                      tag="gpu-time")
+                      tag="gpu-time", tasks=tasks)
     return ordered(by_bytes), ordered(by_time)
 
 
@@ -564,21 +633,38 @@ def reference_report(name: str = "frameworks") -> str:
         name, tables, how="run this notebook on a machine with 2 or more NVIDIA GPUs to measure them.")
 
 
-def gpu_time_reading(name: str = "frameworks",
-                     runs: Sequence[str] = ("ZeRO-3", "FSDP2 full", "FSDP2 grad-op")) -> str:
-    """For each committed GPU comparison with timing runs: the median step time of ``runs`` against the fastest
-    of them, in a sentence generated from the reference (the same machine and launch within a line)."""
+def _steps_s(record: records.Record) -> list[float]:
+    """A run's step times in seconds after the first step (which warms up)."""
+    return record.timing.all_s[1:] or record.timing.all_s
+
+
+#: Pairs of runs whose step times the chapter compares: the same states per rank, a framework each.
+TIMED_PAIRS = (("DDP", "ZeRO-0"), ("FSDP2 full", "ZeRO-3"))
+
+
+def timing_verdict(runs: Mapping[str, records.Record], load: load_guard.Load | None,
+                   pairs: Sequence[tuple[str, str]] = TIMED_PAIRS) -> str:
+    """Each pair's step times through the course's load guard (:func:`load_guard.compare`): a verdict only where
+    the launches had their devices to themselves (``load``) and the difference exceeds the steps' spread;
+    otherwise the line says why it withholds one."""
+    lines = [f"Load beside the launches: {load.reason() or 'none, they had their devices to themselves'}."
+             if load is not None else "Load beside the launches: not recorded."]
+    for a, b in pairs:
+        if a in runs and b in runs:
+            verdict = load_guard.compare({a: _steps_s(runs[a]), b: _steps_s(runs[b])}, load)
+            lines.append(f"{a} against {b}: {load_guard.sentence(verdict)}")
+    return "\n".join(lines)
+
+
+def gpu_time_reading(name: str = "frameworks", pairs: Sequence[tuple[str, str]] = TIMED_PAIRS) -> str:
+    """For each committed GPU comparison with timing runs: each pair's step times through the load guard. A
+    committed file records no load beside its launch, so the guard withholds the verdict and gives the medians."""
     lines = []
     for device, date, _, found in references.reference_runs(name):
-        timed = {r: found.get(f"time: {r}") for r in runs}
-        timed = {r: t for r, t in timed.items() if isinstance(t, records.Record)}
-        if len(timed) < 2:
-            continue
-        fastest = min(timed, key=lambda r: timed[r].timing.median_s)
-        base = timed[fastest].timing.median_s
-        shown = ", ".join(f"{r} {t.timing.median_s * 1000:.1f} ms ({t.timing.median_s / base:.2f}x)"
-                          for r, t in timed.items())
-        lines.append(f"{device}, {date}: {shown}; fastest: {fastest}.")
+        timed = {key.removeprefix("time: "): r for key, r in found.items()
+                 if key.startswith("time: ") and isinstance(r, records.Record)}
+        if timed:
+            lines.append(f"{device}, {date}:\n{timing_verdict(timed, None, pairs)}")
     return "\n".join(lines) or references.no_references(name)
 
 
@@ -670,38 +756,24 @@ def tradeoff_figure(runs: Mapping[str, records.Record], baseline: str = "DDP",
     return fig
 
 
-def _pytorch_like(runs: Mapping[str, records.Record], stage: int, rank: int = 0) -> list[str]:
-    """PyTorch runs that hold what ZeRO-``stage`` holds on ``rank``: the same parameter and gradient bytes,
-    and Adam's states within 5% (the master copy and buffers aside)."""
-    zero = runs[f"ZeRO-{stage}"].states(rank)
-    return [name for name, r in runs.items() if not name.startswith("ZeRO-")
-            and r.states(rank)["params"] == zero["params"] and r.states(rank)["grads"] == zero["grads"]
-            and abs(r.states(rank)["optimizer"] / zero["optimizer"] - 1) <= 0.05]
-
-
-def exercise_pytorch_equivalent(answer: Any, runs: Mapping[str, records.Record], stage: int = 2) -> exercises.Verdict:
-    """Exercise: name the PyTorch run that holds per rank what ZeRO-``stage`` holds (weights, gradients, Adam's
-    states), or "none"; the answer comes from the measured model states of the chapter's runs."""
-    names = tuple(n for n in runs if not n.startswith("ZeRO-")) + ("none",)
-    matches = _pytorch_like(runs, stage)
-    zero = runs[f"ZeRO-{stage}"].states()
-    held = lambda s: f"weights {s['params']:,}, gradients {s['grads']:,}, Adam {s['optimizer']:,}"
-    expected = answer if answer in matches else (matches[0] if matches else "none")
-    if matches:
-        why = (f"ZeRO-{stage} holds {held(zero)} bytes on rank 0; {' and '.join(matches)} the same "
-               f"({held(runs[matches[0]].states())}).")
-    else:
-        near = {n: runs[n].states() for n in names[:-1]}
-        why = (f"ZeRO-{stage} holds {held(zero)} bytes on rank 0: whole weights, sharded gradients. No PyTorch run "
-               "does: DDP and ZeroRedundancyOptimizer keep the gradients whole, FSDP2 shards the weights too ("
-               + "; ".join(f"{n}: {held(s)}" for n, s in near.items() if n.startswith("FSDP2 grad")) + "). "
-               "FSDP2 grad-op has ZeRO-2's traffic, not its memory.")
-    return exercises.choice(
-        f"PyTorch's ZeRO-{stage}", answer, expected, choices=names, why=why,
-        task=f"Name the PyTorch run that holds per rank what ZeRO-{stage} holds (or \"none\").",
-        hint=(f"ZeRO-{stage} keeps every weight whole and shards the gradients and Adam's states: which PyTorch "
-              "wrapper shards gradients without sharding the weights?" if stage == 2 else
-              f"go through what ZeRO-{stage} shards: Adam's states, gradients, weights."))
+def exercise_no_sync_states(answer: Any, runs: Mapping[str, records.Record], name: str = "FSDP2 full, no-sync",
+                            rank: int = 0) -> exercises.Verdict:
+    """Exercise: predict the model-state bytes rank ``rank`` holds in the FSDP2 no-sync run, measured after the
+    first micro-step's backward (mid-accumulation); the answer is the ``model_states`` probe's, within 1%."""
+    run = runs[name]
+    params, world = run.summary["model"]["params"], run.world_size
+    states = run.states(rank)
+    return exercises.number(
+        "FSDP2 no-sync's model states", answer, run.model_state_bytes(rank), relative=0.01, unit=" bytes",
+        task=(f"Predict the bytes of model states (weights, gradients, Adam's states) rank {rank} holds in the "
+              f"'{name}' run after the first micro-step's backward, for this {params:,}-parameter fp32 model on "
+              f"{world} ranks."),
+        hint=("FSDP2 keeps every fp32 tensor sharded over the ranks (4 bytes a number, Adam two of them) and no "
+              "master copy; the table of section 1 says which one no-sync holds whole between micro-steps."),
+        why=(f"Measured on rank {rank}: weights {states['params']:,} (a shard), gradients {states['grads']:,} (whole: "
+             f"the reduce-scatter waits for the last micro-step), Adam {states['optimizer']:,} (a shard). Plain FSDP2 "
+             f"full holds {runs['FSDP2 full'].model_state_bytes(rank):,}: no-sync pays the whole gradients' memory "
+             "for one reduce-scatter a step."))
 
 
 def exercise_zero_redundancy_bytes(answer: Any, runs: Mapping[str, records.Record],
