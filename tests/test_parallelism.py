@@ -427,6 +427,44 @@ def test_dualpipev_record(swept):
     assert {"CommitP2P", "ForwardPass", "BackwardPass", "OptimizerStep"} <= kinds
 
 
+PIPELINE_SCRIPT = """
+import deepspeed
+from deepspeed.pipe import PipelineModule
+
+from helpers import measure
+from helpers.core import models
+from helpers.topics import activations, pipeline
+
+deepspeed.init_distributed()
+config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+          "zero_optimization": {"stage": 1}}
+model = PipelineModule(layers=pipeline.llama_stages(models.build("llama", seed=0)), num_stages=2,
+                       partition_method="parameters", loss_fn=models.lm_loss)
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=measure.configure(config))
+meter = measure.attach(engine, steps=STEPS, out=OUT, model="llama-pipe",
+                       probes=("model_states", "comm", pipeline.PipelineTimeline, activations.Activations))
+for step in range(STEPS):
+    batches = [models.make_batch("llama", models.sample_indices(step, m, 0, 1, 4, 2)) for m in range(2)]
+    engine.train_batch(data_iter=iter([(b.inputs, b.targets) for b in batches]))
+meter.finish()
+deepspeed.comm.destroy_process_group()
+"""
+
+
+def test_measure_records_a_pipeline_scripts_train_batch_as_the_sweep_records_the_same_run(swept, tmp_path):
+    script = tmp_path / "train_pipeline.py"
+    script.write_text(f"STEPS, OUT = {STEPS}, {str(tmp_path / 'run')!r}\n" + PIPELINE_SCRIPT)
+    launch.run_script(script, world_size=2, show=False, timeout=300)
+    mine, swept_run = records.load(tmp_path / "run"), swept["pipe"]
+    assert mine.losses == swept_run.losses and len(mine.losses) == STEPS
+    # the probes' after_backward fired inside train_batch, as in the sweep: the same states, saved tensors and sends
+    assert [mine.states(r) for r in range(2)] == [swept_run.states(r) for r in range(2)]
+    assert mine.summary["activations"]["per_rank"] == swept_run.summary["activations"]["per_rank"]
+    assert mine.comm_ops()["send"] == swept_run.comm_ops()["send"]
+    assert mine.summary["pipeline"]["micro_batches"] == 2 and mine.summary["pipeline"]["schedule"] == "1f1b"
+
+
 def test_autotp_record(swept):
     tp = swept["tp"]
     assert (tp["train_batch"], tp["data_parallel_size"], tp["deepspeed_train_batch"]) == (8, 1, 16)
