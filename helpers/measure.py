@@ -16,7 +16,9 @@ launch`` or Hugging Face's ``Trainer``)::
 ``engine.step()`` at a gradient-accumulation boundary closes an optimizer step. The probes and the record are
 the course's own (:class:`helpers.core.train.Recorder`), so ``records.load("runs/my-script")`` reads the
 script's run like any run of the chapters, with the same tables and plots. For Hugging Face's ``Trainer``,
-:func:`trainer_callback` does the attaching.
+:func:`trainer_callback` does the attaching. A pipeline engine (``deepspeed.pipe.PipelineModule``) trains
+with ``engine.train_batch(data_iter)`` alone: there every ``train_batch`` is one optimizer step, and the
+probes' ``after_backward`` fire inside it, after each micro-batch's backward on the rank's stage.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ class Meter:
         self.finished = False
         self._backward, self._step = engine.backward, engine.step
         engine.backward, engine.step = self._measured_backward, self._measured_step
+        from deepspeed.runtime.pipe.engine import PipelineEngine  # deferred, as deepspeed.comm above
+
+        self._train_batch = engine.train_batch if isinstance(engine, PipelineEngine) else None
+        if self._train_batch is not None:  # DualPipeVEngine too: a schedule that runs inside train_batch
+            engine.train_batch = self._measured_train_batch
         self.recorder.before_step(0)
 
     def _measured_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -95,15 +102,31 @@ class Meter:
             return result
         self.micro_step += 1
         if boundary:
-            loss = self.recorder.after_step(self.step, self.micro_losses)
-            if self.progress is not None:  # a run of a course launch: its progress bar advances
-                emit("step", run=self.progress, rank=self.ctx.rank, step=self.step + 1, steps=self.steps, loss=loss)
-            elif self.ctx.rank == 0:
-                print(f"[measure] step {self.step + 1}/{self.steps}: loss {loss:.4f} (rank 0)", flush=True)
-            self.step, self.micro_step, self.micro_losses = self.step + 1, 0, []
-            if self.step < self.steps:
-                self.recorder.before_step(self.step)
+            self._close_step()
         return result
+
+    def _measured_train_batch(self, *args: Any, **kwargs: Any) -> Any:
+        if self.step >= self.steps:
+            return self._train_batch(*args, **kwargs)
+        # deferred: only a pipeline engine needs the pipeline topic's hooks into its schedule
+        from helpers.topics import pipeline
+
+        pipeline.dispatch_after_backward(self.ctx, self.step, self.recorder.probes)
+        loss = self._train_batch(*args, **kwargs)  # the step's loss, averaged over its micro-batches
+        self.micro_losses = [float(loss.detach().float().item())]
+        self._close_step()
+        return loss
+
+    def _close_step(self) -> None:
+        """Close the optimizer step the script just took and open the next."""
+        loss = self.recorder.after_step(self.step, self.micro_losses)
+        if self.progress is not None:  # a run of a course launch: its progress bar advances
+            emit("step", run=self.progress, rank=self.ctx.rank, step=self.step + 1, steps=self.steps, loss=loss)
+        elif self.ctx.rank == 0:
+            print(f"[measure] step {self.step + 1}/{self.steps}: loss {loss:.4f} (rank 0)", flush=True)
+        self.step, self.micro_step, self.micro_losses = self.step + 1, 0, []
+        if self.step < self.steps:
+            self.recorder.before_step(self.step)
 
     def finish(self) -> Path | None:
         """Unwrap the engine and write the record: rank 0 returns the path of ``summary.json``. Raises if the
@@ -112,6 +135,8 @@ class Meter:
             return self.out / "summary.json" if self.ctx.rank == 0 else None
         self.finished = True
         self.engine.backward, self.engine.step = self._backward, self._step
+        if self._train_batch is not None:
+            self.engine.train_batch = self._train_batch
         # what DeepSpeed's ZeRO-3 keeps of the engine at module level: a script that trains several engines
         # in one process would otherwise hold them all until it exits, and exit with them (an abort)
         release_zero3_references(self.engine.module)

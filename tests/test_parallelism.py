@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
+import os
 import types
 
 import pytest
 import torch
 
-from helpers.core import launch, models, records
+from helpers.core import launch, load_guard, models, records
 from helpers.topics import activations, pipeline, tensor_parallel
 from helpers.core.environment import WORLD_SIZE_VARIABLE
 from test_records import minimal_summary
@@ -158,13 +160,69 @@ def test_a_schedule_that_did_not_train_is_shown_by_its_error_and_kept_nowhere(mo
     assert pipeline.schedule_comparison({pipeline.DEFAULT: object()}) == f"did not train: {pipeline.DUALPIPEV}: not in these runs"
 
 
-def test_the_chapters_sweep_repeats_its_pipeline_run_under_dualpipev(monkeypatch):
-    captured = {}
-    monkeypatch.setattr(pipeline.launch, "sweep", lambda specs, **kw: captured.update(specs) or {})
-    pipeline.pipeline_runs(world_size=2)
-    default, dual = captured[pipeline.DEFAULT], captured[pipeline.DUALPIPEV]
-    assert dual.model_options == {"schedule": "dualpipev"} and dual.on_error == "record"
-    assert {**dual.__dict__, "model_options": None, "on_error": "raise"} == default.__dict__
+def test_the_chapters_records_are_the_runs_of_the_last_launch_in_the_order_they_trained(tmp_path):
+    def write(name: str, file: str, text: str, at: float) -> None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / file).write_text(text)
+        os.utime(tmp_path / name / file, (at, at))
+
+    summary = json.dumps({**minimal_summary(), "name": "x"})
+    write("old", "summary.json", summary, 100.0)  # an earlier launch's run, since renamed
+    write("second", pipeline.REFUSED, "AssertionError: ZeRO-2 and ZeRO-3 are incompatible", 300.0)
+    write("first", "summary.json", summary, 200.0)
+    runs = pipeline.chapter_records(tmp_path, since=150.0)
+    assert list(runs) == ["first", "second"]
+    assert isinstance(runs["first"], records.Record) and isinstance(runs["second"], pipeline.Refused)
+    assert pipeline._failed(runs, "second") == "second: AssertionError: ZeRO-2 and ZeRO-3 are incompatible"
+    with pytest.raises(FileNotFoundError, match="newer than the launch"):
+        pipeline.chapter_records(tmp_path, since=400.0)
+
+
+def _stepped(*steps_ms: float) -> types.SimpleNamespace:
+    """A stand-in record with these step times (the first one is the warm-up)."""
+    return types.SimpleNamespace(timing=types.SimpleNamespace(all_s=[s / 1000 for s in steps_ms]))
+
+
+ALONE = load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test")
+BUSY = load_guard.Load("cpu", 3, 0.6, 2, 10.0, 20, "test")
+
+
+def _timed_runs(dualpipev_ms: float, data_parallel_ms: float) -> dict:
+    return {pipeline.DEFAULT: _stepped(900, 100, 101, 99), pipeline.AGAIN: _stepped(900, 100, 100, 101),
+            pipeline.DUALPIPEV: _stepped(900, dualpipev_ms, dualpipev_ms + 1, dualpipev_ms - 1),
+            "data-parallel": _stepped(900, data_parallel_ms, data_parallel_ms + 1, data_parallel_ms - 1)}
+
+
+def test_timing_verdicts_speak_only_for_a_launch_alone_and_beyond_the_spread():
+    given = pipeline.timing_verdicts(_timed_runs(290, 110), ALONE).splitlines()
+    assert given[0] == "Load beside the launch: none, it had its devices to itself."
+    assert given[1].startswith("DualPipeV against 1F1B: pipeline is faster: pipeline-dualpipev takes 2.90x its time")
+    assert given[2] == "  DualPipeV took 2.90x 1F1B's step time: its smaller bubble by the formula did not shorten the step here."
+    assert given[4].startswith("  The pipeline took 0.91x data parallelism's step time: faster here")
+    busy = pipeline.timing_verdicts(_timed_runs(290, 110), BUSY)
+    assert busy.count("Verdict withheld: other processes (3) used 60% of the 2 cores' time") == 2
+    assert "took" not in busy
+    within = pipeline.timing_verdicts(_timed_runs(100.5, 100.5), ALONE)
+    assert within.count("Verdict withheld: the difference") == 2
+    drifted = {**_timed_runs(290, 110), pipeline.AGAIN: _stepped(900, 150, 151, 149)}
+    assert pipeline.timing_verdicts(drifted, ALONE).count("the machine warmed during the sweep") == 2
+
+
+def test_the_gpu_reference_is_shown_beside_the_launch_and_a_disagreement_beyond_noise_is_said(monkeypatch):
+    reference = {pipeline.SCHEDULES_REFERENCE: [("2 x GPU", "2026-01-01", "", _timed_runs(99, 75))],
+                 "pipeline": [("2 x GPU", "2026-01-02", "", _timed_runs(99, 75))]}
+    monkeypatch.setattr(pipeline.references, "reference_runs", lambda name: reference.get(name, []))
+    lines = pipeline.reference_timings(_timed_runs(290, 110), ALONE).splitlines()
+    assert lines[0].startswith("DualPipeV against 1F1B, reference (2 x GPU, 2026-01-01): "
+                               "pipeline-dualpipev 0.99x pipeline's")
+    assert lines[0].endswith("this launch DISAGREES beyond both spreads: 2.90x here against 0.99x in the reference")
+    assert lines[1].startswith("the pipeline against data parallelism, reference (2 x GPU, 2026-01-02): "
+                               "pipeline 1.33x data-parallel's")
+    assert lines[1].endswith("this launch DISAGREES beyond both spreads: 0.91x here against 1.33x in the reference")
+    agreeing = pipeline.reference_timings(_timed_runs(99, 75), ALONE)
+    assert agreeing.count("this launch agrees within the spread") == 2
+    assert pipeline.reference_timings(_timed_runs(290, 110), BUSY).count("no comparison with it is drawn") == 2
+    assert pipeline.reference_timings().count("reference (2 x GPU") == 2
 
 
 @pytest.mark.parametrize("name, checkpointed", [("llama", False), ("llama-ckpt", True)])
@@ -369,6 +427,44 @@ def test_dualpipev_record(swept):
     assert {"CommitP2P", "ForwardPass", "BackwardPass", "OptimizerStep"} <= kinds
 
 
+PIPELINE_SCRIPT = """
+import deepspeed
+from deepspeed.pipe import PipelineModule
+
+from helpers import measure
+from helpers.core import models
+from helpers.topics import activations, pipeline
+
+deepspeed.init_distributed()
+config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+          "zero_optimization": {"stage": 1}}
+model = PipelineModule(layers=pipeline.llama_stages(models.build("llama", seed=0)), num_stages=2,
+                       partition_method="parameters", loss_fn=models.lm_loss)
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=measure.configure(config))
+meter = measure.attach(engine, steps=STEPS, out=OUT, model="llama-pipe",
+                       probes=("model_states", "comm", pipeline.PipelineTimeline, activations.Activations))
+for step in range(STEPS):
+    batches = [models.make_batch("llama", models.sample_indices(step, m, 0, 1, 4, 2)) for m in range(2)]
+    engine.train_batch(data_iter=iter([(b.inputs, b.targets) for b in batches]))
+meter.finish()
+deepspeed.comm.destroy_process_group()
+"""
+
+
+def test_measure_records_a_pipeline_scripts_train_batch_as_the_sweep_records_the_same_run(swept, tmp_path):
+    script = tmp_path / "train_pipeline.py"
+    script.write_text(f"STEPS, OUT = {STEPS}, {str(tmp_path / 'run')!r}\n" + PIPELINE_SCRIPT)
+    launch.run_script(script, world_size=2, show=False, timeout=300)
+    mine, swept_run = records.load(tmp_path / "run"), swept["pipe"]
+    assert mine.losses == swept_run.losses and len(mine.losses) == STEPS
+    # the probes' after_backward fired inside train_batch, as in the sweep: the same states, saved tensors and sends
+    assert [mine.states(r) for r in range(2)] == [swept_run.states(r) for r in range(2)]
+    assert mine.summary["activations"]["per_rank"] == swept_run.summary["activations"]["per_rank"]
+    assert mine.comm_ops()["send"] == swept_run.comm_ops()["send"]
+    assert mine.summary["pipeline"]["micro_batches"] == 2 and mine.summary["pipeline"]["schedule"] == "1f1b"
+
+
 def test_autotp_record(swept):
     tp = swept["tp"]
     assert (tp["train_batch"], tp["data_parallel_size"], tp["deepspeed_train_batch"]) == (8, 1, 16)
@@ -438,17 +534,24 @@ def test_exercise_bubble_counts_deepspeeds_schedule():
     assert not pipeline.exercise_bubble(..., stages=4, micro_batches=6).answered
 
 
-def test_exercise_micro_batches_is_the_smallest_m_below_the_bubble():
-    assert pipeline.exercise_micro_batches(28, stages=4, bubble=0.1)  # 3/31 < 0.1 <= 3/30
-    assert not pipeline.exercise_micro_batches(27, stages=4, bubble=0.1)
-    assert pipeline.exercise_micro_batches(2, stages=2, bubble=0.5)
+def test_exercise_p2p_bytes_reads_the_comms_loggers_sends():
+    sends = {"by_op": {"send": {"count": 4.0, "bytes": 262144.0}}, "bytes_per_step": 262144.0,
+             "wire_bytes_per_step": 262144.0}
+    record = records.Record({**minimal_summary(), "name": "pipeline", "model": {"name": "llama-pipe", "params": 1},
+                             "grad_accum": 4, "train_batch": 32, "comm": sends})
+    assert pipeline.exercise_p2p_bytes(4 * 4 * 64 * 64 * 4, record)  # M activations of b·s·h fp32 elements
+    assert not pipeline.exercise_p2p_bytes(2 * 4 * 4 * 64 * 64 * 4, record)  # the gradients back counted too
+    assert not pipeline.exercise_p2p_bytes(..., record).answered
 
 
 def test_exercise_partition_runs_deepspeeds_own_partitioning():
-    layers = pipeline.pipeline_layers("llama-gpu")
-    assert pipeline.deepspeed_partition(layers, 4, "uniform") == [0, 3, 6, 8, 10]
-    assert pipeline.exercise_partition("parameters") and pipeline.exercise_partition("type:DecoderStage")
-    assert not pipeline.exercise_partition("uniform")
+    assert pipeline.deepspeed_partition(pipeline.pipeline_layers("llama-gpu"), 4, "parameters") == [0, 3, 5, 7, 10]
+    large = pipeline.pipeline_layers("llama-gpu", vocab=32_000)
+    assert pipeline.deepspeed_partition(large, 4, "parameters") == [0, 2, 5, 8, 10]  # a heavy embedding and head
+    assert pipeline.deepspeed_partition(large, 4, "uniform") == [0, 3, 6, 8, 10]
+    assert pipeline.exercise_partition("type:DecoderStage")
+    assert not pipeline.exercise_partition("parameters") and not pipeline.exercise_partition("uniform")
+    assert pipeline.exercise_partition("parameters", vocab=256)  # the course's own vocabulary: light layers
     assert "DeepSpeed refuses it" in str(pipeline.exercise_partition("profile"))
     assert not pipeline.exercise_partition(...).answered
 

@@ -5,9 +5,11 @@
   unsplit model (each decoder stage rebuilds the rotary embedding and causal mask it needs).
 - :func:`schedule_grid` and :func:`schedule_bubble` read DeepSpeed's own ``TrainSchedule`` (pure Python,
   no process group): which micro-batch each stage computes in each step, and the share of idle steps.
-- :func:`build_model` and :func:`train_step`, a run's builder and trainer (``RunSpec(builder=BUILDER,
-  trainer=TRAINER)``): the model as a ``PipelineModule`` over the run's ranks, one optimizer step as
-  ``engine.train_batch``; :func:`dispatch_after_backward` lets the probes' ``after_backward`` fire inside it.
+- Chapter 11 trains its pipelines in its own script (``runs/11/train_pipeline.py``, written by the notebook,
+  measured by :mod:`helpers.measure`) and reads them with :func:`chapter_records`. :func:`build_model` and
+  :func:`train_step` are the same pipeline as a sweep's builder and trainer (``RunSpec(builder=BUILDER,
+  trainer=TRAINER)``), for chapter 12b's comparison of the ways of splitting a model;
+  :func:`dispatch_after_backward` lets the probes' ``after_backward`` fire inside ``engine.train_batch``.
 - The ``pipeline`` probe times every instruction each stage executes (forward, backward, send, receive,
   ...): busy time against the time the whole pipeline took, the measured bubble.
 - The other schedules DeepSpeed ships (:func:`shipped_schedules`): DualPipeV, switched on by building a
@@ -22,12 +24,13 @@ import functools
 import inspect
 import statistics
 import time
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from helpers.core import environment, exercises, launch, models, plots, records, references, theory
+from helpers.core import exercises, load_guard, models, plots, records, references, theory
 from helpers.core.plan import PlannedRun, reference_of
 from helpers.core.probes import Probe, RunContext
 from helpers.topics import activations
@@ -362,43 +365,40 @@ MICRO_BATCH_COUNTS = (1, 2, 4, 8)
 DUALPIPEV, DEFAULT = "pipeline-dualpipev", "pipeline"
 
 
-def _batch(global_batch: int, micro_batches: int, data_parallel: int) -> dict:
-    micro = global_batch // (micro_batches * data_parallel)
-    if micro * micro_batches * data_parallel != global_batch:
-        raise ValueError(f"global batch {global_batch} is not {micro_batches} micro-batches x {data_parallel} ranks")
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": micro_batches}
+#: Probes of the data-parallel baseline: the pipeline's, less the one that times schedule instructions.
+DATA_PARALLEL_PROBES = ("timing", "model_states", "comm", activations.Activations)
+#: The chapter script's run of the ``pipeline`` run's config again, last in its launch (the load guard's repeat).
+AGAIN = "pipeline-again"
+#: The file a chapter script writes in a run's folder where DeepSpeed refused the run (:func:`record_refusal`).
+REFUSED = "refused.txt"
 
 
-def pipeline_runs(size: str = "llama", global_batch: int = 16, steps: int = 4,
-                  micro_batch_counts=MICRO_BATCH_COUNTS, world_size: int | None = None) -> dict:
-    """One launch: data parallelism (ZeRO-0) and the same model as a pipeline of one stage per rank, at the
-    same global batch: ZeRO-1 with 4 micro-batches (every probe), ZeRO-1 with each of ``micro_batch_counts``
-    (the bubble), the ``pipeline`` run again under DeepSpeed's DualPipeV schedule (``pipeline-dualpipev``:
-    every probe; recorded if DeepSpeed refuses it, as it does below 2 micro-batches per rank), ZeRO-0 with
-    and without gradient clipping (beside data parallelism without it), and ZeRO-2 and 3 (refused;
-    recorded). Returns {run name: Record or RunFailed}."""
+class Refused(RuntimeError):
+    """A run DeepSpeed refused when it built the engine: the error it raised, as the script recorded it."""
 
-    world = environment.detect(world_size).default_world_size
-    pipe = size + SUFFIX
-    noclip = {"gradient_clipping": 0.0}
-    def spec(config: str, model: str, m: int, dp: int, probes=PROBES, extra: dict | None = None, **kw) -> launch.RunSpec:
-        staged = {"builder": BUILDER, "trainer": TRAINER} if model.endswith(SUFFIX) else {}
-        return launch.RunSpec(config, model=model, steps=steps, probes=probes,
-                              overrides={**_batch(global_batch, m, dp), **(extra or {})}, **staged, **kw)
 
-    specs = {"data-parallel": spec("zero0", size, 2, world, ("timing", "model_states", "comm", activations.Activations)),
-             "pipeline": spec("zero1", pipe, 4, 1)}
-    for m in micro_batch_counts:
-        specs[f"pipeline-M{m}"] = spec("zero1", pipe, m, 1, ("timing", PipelineTimeline))
-    specs[DUALPIPEV] = spec("zero1", pipe, 4, 1, model_options={"schedule": "dualpipev"}, on_error="record")
-    specs.update({
-        "pipeline-zero0": spec("zero0", pipe, 4, 1, ("timing",)),
-        "data-parallel-noclip": spec("zero0", size, 2, world, ("timing",), noclip),
-        "pipeline-zero0-noclip": spec("zero0", pipe, 4, 1, ("timing",), noclip),
-        "pipeline-zero2": spec("zero2", pipe, 4, 1, ("timing",), on_error="record"),
-        "pipeline-zero3": spec("zero3", pipe, 4, 1, ("timing",), on_error="record"),
-    })
-    return launch.sweep(specs, name=f"pipeline-{size}", world_size=world_size)
+def record_refusal(folder: str | Path, error: BaseException) -> None:
+    """On rank 0, write why DeepSpeed refused a run (its error) into the run's ``folder``, where
+    :func:`chapter_records` reads it back."""
+    import deepspeed.comm as dist  # deferred: on the ranks only, after the process group exists
+
+    if dist.get_rank() == 0:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / REFUSED).write_text(f"{type(error).__name__}: {error}")
+
+
+def chapter_records(folder: str | Path, since: float = 0.0) -> dict[str, records.Record | Refused]:
+    """The runs the chapter script wrote into ``folder`` since ``since`` (a ``time.time()``; folders of older
+    launches are left out), in the order they trained: {run name: Record, or :class:`Refused` where DeepSpeed
+    refused the run}."""
+    found = []
+    for path in Path(folder).glob("*/*"):
+        if path.name in ("summary.json", REFUSED) and path.stat().st_mtime >= since:
+            run = records.load(path) if path.name == "summary.json" else Refused(path.read_text())
+            found.append((path.stat().st_mtime, path.parent.name, run))
+    if not found:
+        raise FileNotFoundError(f"no record in {folder} newer than the launch: did the script run?")
+    return {name: run for _, name, run in sorted(found, key=lambda item: item[0])}
 
 
 def stage_table(record) -> str:
@@ -837,6 +837,88 @@ def schedule_timing_table(runs: Mapping, names=(DEFAULT, DUALPIPEV)) -> str:
                                        "idle by formula"])
 
 
+def step_seconds(record: records.Record) -> list[float]:
+    """A run's step times in seconds after the first step (which warms up)."""
+    return record.timing.all_s[1:]
+
+
+#: The launch's two timing comparisons: (label, the run compared with :data:`DEFAULT`).
+TIMED_PAIRS = (("DualPipeV against 1F1B", DUALPIPEV), ("the pipeline against data parallelism", "data-parallel"))
+
+
+def _meaning(other: str, ratio: float) -> str:
+    """What a given verdict of ``other`` against the M = 4 pipeline means (``ratio``: other's median over the
+    pipeline's)."""
+    if other == DUALPIPEV:
+        return (f"DualPipeV took {ratio:.2f}x 1F1B's step time: its smaller bubble by the formula did not shorten the "
+                "step here." if ratio > 1 else
+                f"DualPipeV took {ratio:.2f}x 1F1B's step time: it shortened the step here.")
+    return (f"The pipeline took {1 / ratio:.2f}x data parallelism's step time: for a model that fits one device, "
+            "splitting it into stages cost time here (its bubble and transfers)." if ratio < 1 else
+            f"The pipeline took {1 / ratio:.2f}x data parallelism's step time: faster here, as what data parallelism "
+            "pays instead (every rank runs every layer and all-reduces every gradient) cost more than the bubble.")
+
+
+def timing_verdicts(runs: Mapping, load: load_guard.Load | None) -> str:
+    """This launch's timing comparisons (:data:`TIMED_PAIRS`) through the course's load guard: a verdict only
+    where the launch had its devices to itself (``load``), the ``pipeline`` run repeated at the end
+    (:data:`AGAIN`) stayed within its first run's spread, and the difference exceeds the steps' spread;
+    then one sentence on what it means. Otherwise the line says why it withholds one."""
+    reason = load.reason() if load is not None else "not recorded"
+    lines = [f"Load beside the launch: {reason or 'none, it had its devices to itself'}."]
+    repeat = step_seconds(runs[AGAIN]) if AGAIN in runs and not _failed(runs, AGAIN) else None
+    for label, other in TIMED_PAIRS:
+        failure = _failed(runs, other) or _failed(runs, DEFAULT)
+        if failure:
+            lines.append(f"{label}: no verdict, {failure}")
+            continue
+        verdict = load_guard.compare({DEFAULT: step_seconds(runs[DEFAULT]), other: step_seconds(runs[other])}, load,
+                                     repeat=repeat)
+        lines.append(f"{label}: {load_guard.sentence(verdict)}")
+        if verdict.given:
+            lines.append("  " + _meaning(other, verdict.medians[1] / verdict.medians[0]))
+    return "\n".join(lines)
+
+
+def reference_timings(runs: Mapping | None = None, load: load_guard.Load | None = None) -> str:
+    """The committed GPU references' step times for :data:`TIMED_PAIRS` (device and date, the ratio of the medians
+    and the steps' spread). With ``runs`` and their ``load``: where this launch's verdict was given and its ratio
+    differs from a reference's by more than both spreads, a line says they disagree; where it was withheld for the
+    load or a drift, that no comparison is drawn."""
+    found = {**{n: (d, day, r) for d, day, _, r in references.reference_runs(SCHEDULES_REFERENCE)
+                for n in (DUALPIPEV,)},
+             **{n: (d, day, r) for d, day, _, r in references.reference_runs("pipeline") for n in ("data-parallel",)}}
+    lines = []
+    for label, other in TIMED_PAIRS:
+        if other not in found:
+            lines.append(f"{label}: no committed GPU reference")
+            continue
+        device, day, ref = found[other]
+        first, second = step_seconds(ref[DEFAULT]), step_seconds(ref[other])
+        # shown as DualPipeV against 1F1B, and as the pipeline against data parallelism
+        slow, fast = (other, DEFAULT) if other == DUALPIPEV else (DEFAULT, other)
+        ratio = statistics.median(step_seconds(ref[slow])) / statistics.median(step_seconds(ref[fast]))
+        spread = max(load_guard.spread(first), load_guard.spread(second))
+        line = (f"{label}, reference ({device}, {day}): {slow} {ratio:.2f}x {fast}'s step time "
+                f"(medians {statistics.median(step_seconds(ref[slow])) * 1e3:,.1f} and "
+                f"{statistics.median(step_seconds(ref[fast])) * 1e3:,.1f} ms, steps' spread {spread:.0%})")
+        if runs is not None and not (_failed(runs, other) or _failed(runs, DEFAULT)):
+            repeat = step_seconds(runs[AGAIN]) if AGAIN in runs and not _failed(runs, AGAIN) else None
+            mine = load_guard.compare({DEFAULT: step_seconds(runs[DEFAULT]), other: step_seconds(runs[other])}, load,
+                                      repeat=repeat)
+            measured = statistics.median(step_seconds(runs[slow])) / statistics.median(step_seconds(runs[fast]))
+            # a launch whose two runs differ within their spread still compares; one not alone, or drifting, does not
+            if not mine.given and not mine.withheld.startswith("the difference"):
+                line += "; this launch's verdict is withheld, so no comparison with it is drawn"
+            elif abs(measured / ratio - 1) > max(spread, mine.spread):
+                line += (f"; this launch DISAGREES beyond both spreads: {measured:.2f}x here against {ratio:.2f}x "
+                         "in the reference")
+            else:
+                line += f"; this launch agrees within the spread ({measured:.2f}x)"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def save_schedules_reference(runs: Mapping, note: str, names=(DEFAULT, DUALPIPEV)):
     """On GPUs, keep the default schedule's run and DualPipeV's (:data:`SCHEDULES_REFERENCE`) the way
     :func:`helpers.core.references.save_reference` keeps a chapter's results, when both trained. Returns the
@@ -906,7 +988,25 @@ def bubble_vs_micro_batches(measured: Mapping[int, Sequence[float]], stages: int
     return fig
 
 
-# --- exercises: predict the bubble, partition a pipeline, choose the micro-batches -------------------
+# --- exercises: predict the bubble, partition a pipeline, the bytes between stages ---------------------
+
+def exercise_p2p_bytes(answer: object, record: records.Record) -> exercises.Verdict:
+    """Exercise: the bytes stage 0 of the pipeline run ``record`` sends to stage 1 per optimizer step, read from
+    DeepSpeed's comms logger on rank 0 (``send``); within 1%."""
+    sent = record.comm_ops().get("send", {"count": 0, "bytes": 0})
+    shape = models.shape_of(record.model_name)
+    return exercises.number(
+        "stage bytes", answer, sent["bytes"], relative=0.01,
+        task=f"Predict the bytes stage 0 sends to stage 1 per optimizer step in the run '{record.name}': "
+             f"M = {record['grad_accum']} micro-batches of b = {record['micro_batch']} samples, s = {shape.seq} "
+             f"tokens, hidden size h = {shape.hidden}, {record['precision']} (within 1%).",
+        hint="what crosses a stage boundary per micro-batch on the way forward, and its size, from the first "
+             "paragraph of 'What travels between stages'; then count the micro-batches of one train_batch.",
+        why=f"DeepSpeed's comms logger on rank 0: {sent['count']:g} send calls per step, {sent['bytes']:,.0f} bytes: "
+            "one activation of b·s·h elements per micro-batch. The gradients of the same size come back (recv).")
+
+
+
 
 def exercise_bubble(answer: object, stages: int = 4, micro_batches: int = 6) -> exercises.Verdict:
     """Exercise: predict the share of its steps each stage idles in DeepSpeed's schedule of ``stages`` stages and
@@ -917,36 +1017,24 @@ def exercise_bubble(answer: object, stages: int = 4, micro_batches: int = 6) -> 
         "bubble", answer, expected, absolute=0.01,
         task=f"Predict the share of its steps (a fraction, 0 to 1) each stage idles in DeepSpeed's schedule with "
              f"S = {stages} stages and M = {micro_batches} micro-batches.",
-        hint="the schedule has 2(M + S - 1) steps and each stage computes a forward and a backward of each "
-             "micro-batch, 2M of them; the rest is idle.",
+        hint="count, in a grid like the two above, the steps of the whole schedule and the steps one stage "
+             "computes in (a forward and a backward per micro-batch); the rest is idle.",
         why=f"DeepSpeed's TrainSchedule has {steps} steps, each stage computes in {2 * micro_batches}: "
             f"(S-1)/(M+S-1) = {stages - 1}/{micro_batches + stages - 1}. The S-1 idle steps at each end are the "
             "filling and draining of the pipeline; only more micro-batches per step dilute them.")
 
 
-def exercise_micro_batches(answer: object, stages: int = 4, bubble: float = 0.1) -> exercises.Verdict:
-    """Exercise: the ``gradient_accumulation_steps`` (micro-batches per step, M) that a pipeline of ``stages``
-    stages needs for its schedule to idle less than ``bubble``: the smallest M, counted in DeepSpeed's
-    ``TrainSchedule``."""
-    needed = next(m for m in range(1, 10_000) if schedule_bubble(stages, m) < bubble)
-    return exercises.number(
-        "micro-batches", answer, needed,
-        task=f"Give the smallest gradient_accumulation_steps (M, the micro-batches of one train_batch) for which a "
-             f"{stages}-stage pipeline idles less than {bubble:.0%} of its steps.",
-        hint=f"solve (S-1)/(M+S-1) < {bubble:g} for the smallest whole M; in a pipeline engine "
-             "gradient_accumulation_steps is the number of micro-batches train_batch pushes through.",
-        why=f"at M = {needed} DeepSpeed's schedule idles {schedule_bubble(stages, needed):.3f} of its steps, at "
-            f"M = {needed - 1} {schedule_bubble(stages, needed - 1):.3f}. At a fixed global batch that many "
-            "micro-batches are small ones: the price of a small bubble.")
-
-
-def pipeline_layers(name: str = "llama-gpu") -> list[nn.Module]:
-    """The pipeline layers of the LLaMA-style model ``name`` (:func:`llama_stages`), built on the meta device:
-    their parameters have shapes but no memory, enough for DeepSpeed to count them."""
+def pipeline_layers(name: str = "llama-gpu", vocab: int | None = None) -> list[nn.Module]:
+    """The pipeline layers of the LLaMA-style model ``name`` (:func:`llama_stages`), with a vocabulary of ``vocab``
+    tokens where given, built on the meta device: their parameters have shapes but no memory, enough for
+    DeepSpeed to count them."""
     from transformers import LlamaForCausalLM  # deferred: slow to import
 
+    config = models.llama_config(name)
+    if vocab is not None:
+        config.vocab_size = vocab
     with torch.device("meta"):
-        return llama_stages(LlamaForCausalLM(models.llama_config(name)))
+        return llama_stages(LlamaForCausalLM(config))
 
 
 def deepspeed_partition(layers: Sequence[nn.Module], num_stages: int, partition_method: str) -> list[int]:
@@ -969,32 +1057,37 @@ def deepspeed_partition(layers: Sequence[nn.Module], num_stages: int, partition_
     return [int(part) for part in stand_in.parts]
 
 
-def exercise_partition(answer: object, name: str = "llama-gpu", num_stages: int = 4) -> exercises.Verdict:
+def exercise_partition(answer: object, name: str = "llama-gpu", num_stages: int = 4,
+                       vocab: int = 32_000) -> exercises.Verdict:
     """Exercise: a ``partition_method`` for ``PipelineModule`` that gives each of ``num_stages`` stages of
-    ``name``'s pipeline layers the same number of decoder layers, checked by DeepSpeed's own partitioning."""
-    layers = pipeline_layers(name)
+    ``name``'s pipeline layers, with a vocabulary of ``vocab`` tokens, the same number of decoder layers, checked
+    by DeepSpeed's own partitioning."""
+    layers = pipeline_layers(name, vocab)
+
+    def decoders(cuts: list[int]) -> list[int]:
+        return [sum(isinstance(layer, DecoderStage) for layer in layers[a:b]) for a, b in zip(cuts, cuts[1:])]
 
     def test(method: str) -> tuple[bool, str]:
         try:
             parts = deepspeed_partition(layers, num_stages, method)
         except (NotImplementedError, RuntimeError) as error:  # DeepSpeed's refusals of a method
             return False, f"DeepSpeed refuses it: {str(error).rstrip('.')}."
-        def decoders(cuts: list[int]) -> list[int]:
-            return [sum(isinstance(layer, DecoderStage) for layer in layers[a:b]) for a, b in zip(cuts, cuts[1:])]
         found = f"DeepSpeed cuts at {parts}: decoder layers per stage {decoders(parts)}."
-        if len(set(decoders(parts))) == 1:
-            uniform = decoders(deepspeed_partition(layers, num_stages, "uniform"))
-            return True, (f"{found} 'uniform' counts layers, not their weight, and gives {uniform}: the light "
-                          "embedding and head count as much as a decoder layer. 'parameters' and "
-                          "'type:DecoderStage' both balance the decoders here.")
-        return False, found
+        others = "; ".join(f"'{m}' gives {decoders(deepspeed_partition(layers, num_stages, m))}"
+                           for m in ("parameters", "uniform") if m != method)
+        return len(set(decoders(parts))) == 1, (
+            f"{found} {others}: with {vocab:,} tokens the embedding and the head each weigh more than two decoder "
+            "layers, so balancing parameters or layer counts leaves the decoders unequal; 'type:DecoderStage' "
+            "counts only the layers whose class name matches.")
     return exercises.satisfies(
         "partition_method", answer, test,
         task=f"Write the partition_method of PipelineModule(layers, num_stages={num_stages}, partition_method=...) "
              f"that gives each stage the same number of decoder layers of {name} ({models.shape_of(name).layers} "
-             f"decoder layers between an embedding and a head: {len(layers)} pipeline layers).",
+             f"decoder layers between an embedding and a head: {len(layers)} pipeline layers) with a vocabulary "
+             f"of {vocab:,} tokens, as LLaMA's.",
         hint="DeepSpeed knows 'uniform' (the same number of layers), 'parameters' (the same number of parameters) "
-             "and 'type:<regex>' (the same number of layers whose class name matches).")
+             "and 'type:<regex>' (the same number of layers whose class name matches); compare the embedding's "
+             "vocabulary x hidden parameters with a decoder layer's.")
 
 
 # --- formulas ---------------------------------------------------------------------------------------
