@@ -348,6 +348,7 @@ def test_init_peak_is_the_construction_probes():
     run.summary["construction"] = {"init": "zero.Init", "per_rank": [
         {"full_bytes": 2000, "peak_bytes": 1100, "held_bytes": 1000, "largest_module_bytes": 200}]}
     assert zero.exercise_init_peak(1100, {"zero.Init": run}) and not zero.exercise_init_peak(2000, {"zero.Init": run})
+    assert f"Ψ = {run.params:,} parameters" in str(zero.exercise_init_peak(..., {"zero.Init": run}))
     assert not zero.exercise_init_peak(..., {"zero.Init": run}).answered
 
 

@@ -632,10 +632,11 @@ def exercise_stage2_bytes(answer: Any, runs: Mapping[tuple[int, str], records.Re
     expected = stage2_wire_bytes_at(r2, accumulation)
     return exercises.number(
         "stage 2 bytes", answer, expected, relative=0.01, unit=" bytes",
-        task=(f"The stage-2 run took {r2.summary['grad_accum']} micro-steps per optimizer step and each rank sent "
-              f"{r2.comm.wire_bytes_per_step:,.0f} bytes per step. Predict the bytes per step with {accumulation} "
-              f"micro-steps (within 1%)."),
-        hint="which collectives happen once per micro-step, and which once per optimizer step?",
+        task=(f"Predict the bytes one rank sends per optimizer step at stage 2 with {accumulation} micro-steps per "
+              f"optimizer step instead of the run's {r2.summary['grad_accum']}: Ψ = {r2.params:,} parameters, "
+              f"N_d = {r2.world_size}, fp32, DeepSpeed's defaults (within 1%)."),
+        hint=("a rank keeps only its slice of a gradient once it is reduced: which collectives must then come once "
+              "per micro-step, which once per optimizer step? Chapter 03's ring formulas give each one's bytes."),
         why=(f"Stage 2 all-reduces the gradients after every backward "
              f"({gradient_bytes(r2) / r2.summary['grad_accum']:,.0f} bytes per micro-step in the run's comms log), "
              f"so that part grows with the micro-steps; the parameters' all-gather and the gradient norm come once "
@@ -709,9 +710,8 @@ def exercise_init_peak(answer: Any, built: Mapping[str, records.Record]) -> exer
     n = built["zero.Init"].world_size
     return exercises.number(
         "zero.Init peak", answer, found["peak_bytes"], unit=" bytes",
-        task=(f"Built whole, a rank holds the whole model: {found['full_bytes']:,} bytes. Predict the most it holds "
-              f"while building it inside zero.Init on {n} ranks (the largest module, one layer, has "
-              f"{found['largest_module_bytes']:,} bytes of parameters)."),
+        task=(f"Predict the most parameter bytes one rank holds while it builds the model inside zero.Init on {n} "
+              f"ranks (fp32, Ψ = {built['zero.Init'].params:,} parameters; the largest module is one layer)."),
         hint="what the section above says zero.Init keeps of a module once its __init__ ends, and what a rank holds of the module it is still building",
         why=(f"the shards of the whole model ({found['held_bytes']:,}) plus the largest module whole while it is "
              f"built ({found['largest_module_bytes']:,}) minus its own shard ({found['largest_module_bytes'] // n:,}), "
