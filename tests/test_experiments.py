@@ -83,33 +83,3 @@ def test_adopting_a_cpu_record_or_a_folder_without_one_is_refused(tmp_path):
 def test_reference_reports_state_their_conditions():
     report = zero.reference_report("zero1-knobs")
     assert report.splitlines()[1].startswith("Conditions: ")
-
-
-def test_stage_chapter_runs_trains_the_baseline_and_the_knobs_in_one_launch(monkeypatch):
-    launches = []
-
-    def sweep(specs, *, name, **_):
-        launches.append((name, [spec.name for spec in specs], {spec.name: spec.overrides for spec in specs}))
-        return {spec.name: f"record of {spec.name}" for spec in specs}
-
-    monkeypatch.setattr(zero.launch, "sweep", sweep)
-
-    class Env:  # a device without bf16: the chapter says so and leaves those runs out
-        device_name = "a CPU without bf16"
-
-        @staticmethod
-        def supports(precision):
-            return precision == "fp32"
-
-    knobs = {"defaults": {}, "reduce_bucket_size=1e5": {"reduce_bucket_size": 100_000}}
-    runs, tuned = zero.stage_chapter_runs(2, knobs, also=(1,), env=Env())
-    assert len(launches) == 1, "one launch for the whole chapter"
-    name, names, overrides = launches[0]
-    assert name == "zero2-chapter"
-    assert names == ["zero0-fp32", "zero2-fp32", "zero1-fp32", "zero2-defaults", "zero2-reduce_bucket_size=1e5"]
-    assert runs == {(0, "fp32"): "record of zero0-fp32", (2, "fp32"): "record of zero2-fp32",
-                    (1, "fp32"): "record of zero1-fp32"}
-    assert tuned == {"defaults": "record of zero2-defaults",
-                     "reduce_bucket_size=1e5": "record of zero2-reduce_bucket_size=1e5"}
-    assert overrides["zero2-defaults"] is None
-    assert overrides["zero2-reduce_bucket_size=1e5"] == {"zero_optimization": {"reduce_bucket_size": 100_000}}

@@ -1,5 +1,5 @@
-"""helpers.topics.zero: gradient reductions and what a rank sends for them, the model built with and without
-``deepspeed.zero.Init`` (counted by hand, then on 2 CPU ranks in one launch), the sentences read from GPU references."""
+"""helpers.topics.zero: gradient reductions and what a rank sends for them, what a chapter script saves of the model
+built with and without ``deepspeed.zero.Init`` and the tables that read it, the sentences about GPU runs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.core import load_guard, models, probes, records
-from helpers.core.environment import WORLD_SIZE_VARIABLE
+from helpers.core import load_guard, records
 from helpers.topics import zero
 from test_records import minimal_summary
 
@@ -70,33 +69,33 @@ def _timed(times_ms: list[float], calls: float, peak: int) -> records.Record:
     return records.Record(summary)
 
 
-def test_step_spread_says_whether_the_steps_after_the_first_can_tell_two_settings_apart(monkeypatch):
-    runs = {"a": _timed([900, 20, 21, 22], 2, 10), "fast": _timed([900, 10, 11, 12], 2, 10),
-            "mixed": _timed([900, 15, 21, 30], 2, 10)}
-    monkeypatch.setattr(zero, "latest_reference", lambda name: ("2 x GPU", runs))
-    assert zero.step_spread("x", "a", "fast").endswith("fast was faster in every step.")
-    assert zero.step_spread("x", "fast", "a").endswith("a was slower in every step.")
-    assert "cannot tell the two apart" in zero.step_spread("x", "a", "mixed")
-    assert "10.0-12.0 ms with fast" in zero.step_spread("x", "a", "fast")  # the warm-up step left out
-
-
 def test_peak_contrast_leaves_the_step_times_out_when_asked(monkeypatch):
     runs = {"defaults": _timed([900, 12, 12], 3, 2 * 2**30), "small": _timed([900, 19, 19], 10, 70 * 2**20)}
     monkeypatch.setattr(zero, "latest_reference", lambda name: ("2 x GPU", runs))
     timed = zero.peak_contrast("x", "defaults", "small")
     assert "median step 19.0 ms against 12.0 ms" in timed and timed.endswith("(10 collective calls per step against 3).")
     untimed = zero.peak_contrast("x", "defaults", "small", times=False)
-    assert " ms " not in untimed and untimed.startswith("On 2 x GPU, small: peak 70 MiB per rank against 2 GiB")
+    assert " ms " not in untimed
+    assert untimed.startswith("On 2 x GPU (the committed reference), small: peak 70 MiB per rank against 2 GiB")
     assert untimed.endswith("apart; 10 collective calls per step against 3).")
 
 
-def test_calls_and_step_times_says_when_time_does_not_follow_the_calls(monkeypatch):
-    rising = {"few": _timed([1, 10, 10], 2, 1), "many": _timed([1, 20, 20], 9, 1)}
-    monkeypatch.setattr(zero, "latest_reference", lambda name: ("2 x GPU", rising))
-    assert zero.calls_and_step_times("x").endswith("rises with every added call in this order.")
-    falling = {"few": _timed([1, 20, 20], 2, 1), "many": _timed([1, 10, 10], 9, 1)}
-    monkeypatch.setattr(zero, "latest_reference", lambda name: ("2 x GPU", falling))
-    assert zero.calls_and_step_times("x").endswith("does not rise with the calls in every row.")
+def _on(device: str, record: records.Record) -> records.Record:
+    record.summary.update(device=device, device_name=f"2 x {device.upper()} box")
+    return record
+
+
+def test_gpu_sentences_comment_the_chapters_own_gpu_run_before_the_reference(monkeypatch):
+    reference = {"defaults": _timed([900, 12, 12], 3, 2 * 2**30), "small": _timed([900, 19, 19], 10, 70 * 2**20)}
+    monkeypatch.setattr(zero, "latest_reference", lambda name: ("2 x GPU", reference))
+    on_gpu = {"defaults": _on("cuda", _timed([900, 12, 12], 3, 4 * 2**30)),
+              "small": _on("cuda", _timed([900, 19, 19], 10, 2**30))}
+    on_cpu = {name: _on("cpu", _timed([900, 12, 12], 3, 2**20)) for name in ("defaults", "small")}
+    assert zero.gpu_runs("x", on_gpu) == ("this launch on 2 x CUDA box", on_gpu)
+    assert zero.gpu_runs("x", on_cpu) == ("2 x GPU (the committed reference)", reference)
+    assert zero.gpu_runs("x") == ("2 x GPU (the committed reference)", reference)
+    own = zero.peak_contrast("x", "defaults", "small", times=False, measured=on_gpu)
+    assert own.startswith("On this launch on 2 x CUDA box, small: peak 1 GiB per rank against 4 GiB")
 
 
 def test_not_in_reference_names_the_settings_without_a_gpu_row():
@@ -187,33 +186,6 @@ def test_the_meter_counts_what_parameters_hold_at_their_highest():
     assert none["peak"] == 0
 
 
-def test_build_options_are_checked_before_any_process_starts():
-    zero.check_build_options("mlp", {"init": "zero.Init"})
-    with pytest.raises(ValueError, match="init='Init': choose one of plain, zero.Init"):
-        zero.check_build_options("mlp", {"init": "Init"})
-    with pytest.raises(ValueError, match=r"model_options \['size'\]: this builder takes only 'init'"):
-        zero.check_build_options("mlp", {"size": 3})
-    with pytest.raises(ValueError, match="not one of the course's models"):
-        zero.check_build_options("mlpp", {})
-    assert zero.build_model.check_options is zero.check_build_options
-    assert zero.BUILDER == "helpers.topics.zero:build_model"
-
-
-def test_zero_init_needs_a_stage_3_config():
-    with pytest.raises(ValueError, match="zero_optimization.stage 2; use stage 3"):
-        zero.build_model("mlp", 0, {"zero_optimization": {"stage": 2}}, init="zero.Init")
-
-
-def test_built_whole_a_rank_holds_every_parameter():
-    model = zero.build_model("mlp", 0, {"zero_optimization": {"stage": 3}}, init="plain")
-    found = getattr(model, zero.CONSTRUCTION_ATTR)
-    whole = 4 * models.parameters_of("mlp")
-    assert found["full_bytes"] == found["held_bytes"] == found["peak_bytes"] == whole
-    assert found["largest_module_bytes"] == 4 * (models.MLP_WIDTH ** 2 + models.MLP_WIDTH)
-    assert found["gathered"]["shape_outside"] == [models.MLP_WIDTH, models.MLP_WIDTH]
-    assert found["gathered"]["digest"] == zero.digest(models.build("mlp", 0)[0].weight)
-
-
 def test_construction_estimate_by_hand():
     # 1,000 parameters on 4 ranks in fp32, largest module 100: whole 4,000 bytes; shards 1,000 + 100 x 4 x 3/4
     assert zero.construction_estimate(1000, 4, 100, 4) == (4000, 1300)
@@ -221,90 +193,73 @@ def test_construction_estimate_by_hand():
     assert table[2].split() == ["fp32", "32.0", "256.0", "7.50", "60.0"]
 
 
-# --- the chapter's launch ------------------------------------------------------------------------------
+# --- the model built inside zero.Init: what the script saves and the tables read -----------------------
 
-def test_zero3_chapter_runs_builds_the_model_both_ways_in_the_same_launch(monkeypatch):
-    launches = []
-
-    def sweep(specs, *, name, **_):
-        launches.append((name, specs))
-        return {spec.name: f"record of {spec.name}" for spec in specs}
-
-    monkeypatch.setattr(zero.launch, "sweep", sweep)
-
-    class Env:
-        device_name = "a CPU without bf16"
-
-        @staticmethod
-        def supports(precision):
-            return precision == "fp32"
-
-    runs, knobs, built = zero.zero3_chapter_runs({"defaults": {}}, also=(2,), env=Env())
-    assert len(launches) == 1 and launches[0][0] == "zero3-chapter"
-    specs = {spec.name: spec for spec in launches[0][1]}
-    assert list(specs) == ["zero0-fp32", "zero3-fp32", "zero2-fp32", "zero3-defaults", "zero3-built-plain",
-                           "zero3-built-zero.Init"]
-    assert built == {"plain": "record of zero3-built-plain", "zero.Init": "record of zero3-built-zero.Init"}
-    for init in zero.INIT_CHOICES:
-        spec = specs[f"zero3-built-{init}"]
-        assert spec.builder == zero.BUILDER and spec.model_options == {"init": init} and spec.config == "zero3"
-        assert zero.Construction in spec.probes and set(probes.DEFAULT) <= set(spec.probes)
-    assert all(spec.builder is None for name, spec in specs.items() if "built" not in name)
+def _partition(module: nn.Module, world: int = 2) -> None:
+    """What zero.Init leaves of a module's parameters on one rank: an empty tensor and a shard of 1/world."""
+    for p in module.parameters():
+        p.ds_numel = p.numel()
+        p.ds_tensor = p.data.view(-1)[: p.numel() // world].clone()
+        p.data = torch.empty(0)
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """The model built both ways and trained 2 steps at stage 3 on 2 CPU ranks, in one launch."""
-    import os
-
-    saved = os.environ.pop(WORLD_SIZE_VARIABLE, None)
-    folder = tmp_path_factory.mktemp("zero-init")
-    try:
-        specs = [zero.launch.RunSpec("zero3", model="mlp", steps=2, name=f"built-{init}", builder=zero.BUILDER,
-                                     model_options={"init": init}, out=folder / init,
-                                     probes=(*probes.DEFAULT, zero.Construction))
-                 for init in zero.INIT_CHOICES]
-        results = zero.launch.sweep(specs, name="test-zero-init", progress=False)
-    finally:
-        if saved is not None:
-            os.environ[WORLD_SIZE_VARIABLE] = saved
-    return {init: results[f"built-{init}"] for init in zero.INIT_CHOICES}
+def _gathered(digest: str) -> dict:
+    return {"shape_outside": [0], "shape_inside": [4, 4], "shard_elements": 8, "digest": digest,
+            "change_kept_without_modifier_rank": False, "change_kept_with_modifier_rank": True, "restored": True}
 
 
-def test_zero_init_holds_a_shard_from_construction_on_and_trains_the_same(built):
-    plain, partitioned = built["plain"], built["zero.Init"]
-    whole = 4 * models.parameters_of("mlp")
-    layer = 4 * (models.MLP_WIDTH ** 2 + models.MLP_WIDTH)
-    assert partitioned.params == plain.params == models.parameters_of("mlp")  # ds_numel counted
+def test_save_construction_keeps_each_ranks_findings_beside_the_record(tmp_path):
+    whole = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))  # 20 + 10 floats; the largest module 80 bytes
     for rank in range(2):
-        found = zero.construction(partitioned, rank)
-        assert found["init"] == "zero.Init" and found["full_bytes"] == whole
-        assert found["held_bytes"] == whole // 2
-        # the shards of every layer but the last, then the last layer whole before DeepSpeed partitions it
-        assert found["peak_bytes"] == (models.MLP_BLOCKS - 1) * layer // 2 + layer
-        gathered = found["gathered"]
-        assert gathered["shape_outside"] == [0] and gathered["shape_inside"] == [models.MLP_WIDTH] * 2
-        assert gathered["shard_elements"] == models.MLP_WIDTH ** 2 // 2
-        assert gathered["digest"] == zero.construction(plain, rank)["gathered"]["digest"]
-        assert not gathered["change_kept_without_modifier_rank"]
-        assert gathered["change_kept_with_modifier_rank"] and gathered["restored"]
-        assert zero.construction(plain, rank)["peak_bytes"] == whole
-    assert zero.construction_check(partitioned).endswith(": as measured")
-    assert partitioned.losses == plain.losses
-    assert partitioned.states(0) == plain.states(0)
-    table = zero.construction_table(built).splitlines()
-    assert table[3].split()[-1] == "yes" and "(0.50)" in table[3]
+        zero.save_construction(tmp_path / "plain", rank, "plain", whole, 120, {"digest": "a"})
+    partitioned = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    _partition(partitioned)
+    for rank in range(2):
+        zero.save_construction(tmp_path / "init", rank, "zero.Init", partitioned, 100, _gathered("a"))
+    plain_run = records.Record(minimal_summary(), tmp_path / "plain")
+    init_run = records.Record(minimal_summary(), tmp_path / "init")
+    assert zero.construction(plain_run) == {"init": "plain", "peak_bytes": 120, "held_bytes": 120, "full_bytes": 120,
+                                            "largest_module_bytes": 80, "gathered": {"digest": "a"}}
+    found = zero.construction(init_run, rank=1)
+    assert (found["held_bytes"], found["full_bytes"], found["largest_module_bytes"]) == (60, 120, 80)
+    (tmp_path / "init" / "construction-rank1.json").unlink()
+    with pytest.raises(FileNotFoundError, match="construction-rank1.json"):
+        zero.construction(records.Record(minimal_summary(), tmp_path / "init"))
+
+
+def _built(peak: int, digest: str = "a", device: str = "cpu", losses: list | None = None) -> dict:
+    per_rank = [{"init": "zero.Init", "full_bytes": 2000, "peak_bytes": peak, "held_bytes": 1000,
+                 "largest_module_bytes": 200, "gathered": _gathered(digest)} for _ in range(2)]
+    init = records.Record({**minimal_summary(), "construction": {"init": "zero.Init", "per_rank": per_rank}})
+    plain = records.Record({**minimal_summary(), "construction": {"init": "plain", "per_rank": [
+        {"init": "plain", "full_bytes": 2000, "peak_bytes": 2000, "held_bytes": 2000, "largest_module_bytes": 200,
+         "gathered": {"shape_outside": [4, 4], "digest": "a"}}] * 2}})
+    init.summary["device"] = device
+    if losses is not None:
+        init.summary["losses"] = losses
+    return {"plain": plain, "zero.Init": init}
+
+
+def test_construction_tables_read_the_shards_plus_the_module_being_built():
+    built = _built(1100)  # shards 1000 + the largest module 200 whole - its own shard 100
+    rows = zero.construction_table(built).splitlines()[2:]
+    assert rows[0].split()[-1] == "yes" and "1,100 (0.55)" in rows[1] and "1,000 (0.50)" in rows[1]
+    assert zero.construction_check(built["zero.Init"]).endswith("= 1,100: as measured")
+    assert zero.construction_check(_built(1200)["zero.Init"]).endswith("= 1,100: measured 1,200")
     report = zero.gathered_report(built)
-    assert report.count("identical to the tensor built whole") == 2 and "DIFFERENT" not in report
+    assert report.count("identical to the tensor built whole") == 2
+    assert "GatheredParameters(p): lost" in report and "modifier_rank=0): kept" in report
+    assert "DIFFERENT from" in zero.gathered_report(_built(1100, digest="b"))
 
 
-def test_the_construction_probe_refuses_a_run_built_otherwise():
-    class Ctx:
-        class engine:
-            module = nn.Linear(2, 2)
-
-    with pytest.raises(ValueError, match="give the run builder=zero.BUILDER"):
-        zero.Construction().start(Ctx())
+def test_init_weights_note_says_why_the_weights_differ_only_where_they_do_on_gpus():
+    same = zero.init_weights_note(_built(1100))
+    assert same.startswith("On these cpu ranks: the first weight built inside zero.Init is identical")
+    assert "CUDA generator" not in same
+    gpu = zero.init_weights_note(_built(1100, digest="b", device="cuda", losses=[1.0, 0.7]))
+    assert "is different from the one built whole; losses differ" in gpu
+    assert "torch.manual_seed seeds it as well, but its random stream is not the CPU's" in gpu
+    assert "CUDA generator" not in zero.init_weights_note(_built(1100, digest="b", device="cpu"))
 
 
 # --- exercises ----------------------------------------------------------------------------------------------
@@ -364,9 +319,16 @@ def test_overlap_buckets_counts_two_buckets_and_deepspeeds_defaults():
     assert not zero.exercise_overlap_buckets(...).answered
 
 
-def test_peak_knob_is_the_references_highest_peak():
-    assert zero.exercise_peak_knob("overlap_comm=true")
-    assert not zero.exercise_peak_knob("defaults") and not zero.exercise_peak_knob(...).answered
+def test_overlap_peak_is_the_gpu_runs_peak_within_2_percent():
+    gpu = {"defaults": _on("cuda", _timed([900, 12, 12], 3, 2_000_000_000)),
+           "overlap_comm=true": _on("cuda", _timed([900, 12, 12], 3, 4_000_000_000))}
+    assert zero.exercise_overlap_peak(3_950_000_000, measured=gpu)
+    assert not zero.exercise_overlap_peak(2_000_000_000, measured=gpu)
+    assert "1.00 times one bucket of 500,000,000 fp32 elements" in str(zero.exercise_overlap_peak(4e9, measured=gpu))
+    assert not zero.exercise_overlap_peak(..., measured=gpu).answered
+    # the committed reference, where the chapter ran on a CPU: overlap_comm raised the peak by one bucket there too
+    reference = zero.latest_reference("zero2-knobs")[1]
+    assert zero.exercise_overlap_peak(reference["defaults"].memory.peak(0) + 2e9)
 
 
 def test_persistence_rule_keeps_small_parameters_whole_besides_every_shard():
@@ -386,6 +348,7 @@ def test_init_peak_is_the_construction_probes():
     run.summary["construction"] = {"init": "zero.Init", "per_rank": [
         {"full_bytes": 2000, "peak_bytes": 1100, "held_bytes": 1000, "largest_module_bytes": 200}]}
     assert zero.exercise_init_peak(1100, {"zero.Init": run}) and not zero.exercise_init_peak(2000, {"zero.Init": run})
+    assert f"Ψ = {run.params:,} parameters" in str(zero.exercise_init_peak(..., {"zero.Init": run}))
     assert not zero.exercise_init_peak(..., {"zero.Init": run}).answered
 
 

@@ -1,98 +1,29 @@
-"""The experiments of chapters 03-05 as single calls: a stage against its baseline and its knobs in one
-launch (:func:`stage_chapter_runs`; :func:`zero3_chapter_runs` adds the model built two ways), a knob's
-effect (:func:`knob_runs`).
+"""What chapters 03-05 read from their scripts' records: the tables, the checks and the exercises.
 
+- :func:`chapter_records` reads the records a chapter's script (``runs/0X/train_zero*.py``, written by the
+  notebook) left, sorted into the stage baselines and the knob settings; :func:`timing_verdict` compares the
+  settings' step times through the course's load guard.
 - How the gradients were reduced (:func:`reduction_table`: the collective, the DeepSpeed function that issued
-  it, and what a rank sends for it), and sentences read from the committed GPU results.
-- :func:`build_model`, a run's builder (``RunSpec(builder=BUILDER)``): the course model built whole on every
-  rank or inside ``deepspeed.zero.Init``, with ``deepspeed.zero.GatheredParameters`` tried on its first
-  parameter; the :class:`Construction` probe records what the builder counted.
+  it, and what a rank sends for it), and sentences read from a GPU run (the chapter's own, or the committed
+  reference).
+- Chapter 05's model built inside ``deepspeed.zero.Init``: :func:`parameter_bytes_meter` counts what the
+  parameters hold during construction, :func:`save_construction` keeps a rank's findings beside its run's
+  record, and :func:`construction_table` and :func:`gathered_report` read them back.
 
-Each launching function runs real runs through :func:`helpers.core.launch.sweep` and returns their records;
-the ``*_table`` functions turn records into the plain-text tables the notebooks print.
+The ``*_table`` functions turn records into the plain-text tables the notebooks print.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from helpers.core import configs, environment, exercises, launch, load_guard, models, records, references, theory
-from helpers.core.plan import reference_of
-from helpers.core import probes as probes_registry
-from helpers.core.probes import Probe, RunContext
-
-
-def _baseline_specs(stage: int, model: str, steps: int, precisions: Sequence[str], also: Sequence[int],
-                    env: environment.Environment) -> dict[tuple[int, str], launch.RunSpec]:
-    """{(stage, precision): spec}: ``stage`` and stage 0 in each precision ``env`` supports (saying which it
-    skips), and fp32 runs of the ``also`` stages."""
-    specs: dict[tuple[int, str], launch.RunSpec] = {}
-    for precision in precisions:
-        if not env.supports(precision):
-            print(f"{precision}: not supported on {env.device_name}, skipped")
-            continue
-        overrides = {precision: {"enabled": True}} if precision != "fp32" else None
-        for s in (0, stage):
-            specs[(s, precision)] = launch.RunSpec(f"zero{s}", model=model, steps=steps, overrides=overrides,
-                                                   name=f"zero{s}-{precision}")
-    for s in also:
-        specs[(s, "fp32")] = launch.RunSpec(f"zero{s}", model=model, steps=steps, name=f"zero{s}-fp32")
-    return specs
-
-
-def _knob_specs(stage: int, settings: Mapping[str, dict], model: str, steps: int) -> dict[str, launch.RunSpec]:
-    """{setting: spec}: ``ds_configs/zero<stage>.json`` with each setting's ``zero_optimization`` knobs."""
-    return {name: launch.RunSpec(f"zero{stage}", model=model, steps=steps, name=f"zero{stage}-{name}",
-                                 overrides={"zero_optimization": knobs} if knobs else None)
-            for name, knobs in settings.items()}
-
-
-def stage_chapter_runs(stage: int, knobs: Mapping[str, dict], model: str = "mlp", steps: int = 4,
-                       precisions: Sequence[str] = ("fp32", "bf16"), also: Sequence[int] = (), env=None
-                       ) -> tuple[dict[tuple[int, str], records.Record], dict[str, records.Record]]:
-    """ZeRO ``stage`` and stage 0 with the same seed and data in each precision the device supports, fp32
-    runs of the ``also`` stages (to compare with the neighbouring stage), and one run per ``knobs`` setting
-    (see :func:`knob_runs`), all in ONE launch (:func:`helpers.core.launch.sweep`): a chapter's runs for the price
-    of one launch's start-up (about 10 s on a 2-core CPU, tens of seconds on GPUs).
-
-    Returns ``(runs, knob_records)``: {(stage, precision): record} and {setting: record}, the records each
-    run would get from a launch of its own. Precisions the device refuses are left out (and said so).
-    """
-    runs, tuned, _ = _chapter_runs(stage, knobs, {}, model, steps, precisions, also, env)
-    return runs, tuned
-
-
-def zero3_chapter_runs(knobs: Mapping[str, dict], model: str = "mlp", steps: int = 4,
-                       precisions: Sequence[str] = ("fp32", "bf16"), also: Sequence[int] = (2,), env=None
-                       ) -> tuple[dict[tuple[int, str], records.Record], dict[str, records.Record],
-                                  dict[str, records.Record]]:
-    """Chapter 05's launch: :func:`stage_chapter_runs` at stage 3, and the same stage-3 run with the model
-    built by :func:`build_model` each way of :data:`INIT_CHOICES` (whole on every rank, or inside
-    ``deepspeed.zero.Init``), measured by the :class:`Construction` probe, all in ONE launch.
-
-    Returns ``(runs, knob_records, built)``, ``built`` being {init: record}.
-    """
-    builds = {init: launch.RunSpec("zero3", model=model, steps=steps, name=f"zero3-built-{init}", builder=BUILDER,
-                                   model_options={"init": init}, probes=(*probes_registry.DEFAULT, Construction))
-              for init in INIT_CHOICES}
-    return _chapter_runs(3, knobs, builds, model, steps, precisions, also, env)
-
-
-def _chapter_runs(stage: int, knobs: Mapping[str, dict], builds: Mapping[str, launch.RunSpec], model: str,
-                  steps: int, precisions: Sequence[str], also: Sequence[int], env
-                  ) -> tuple[dict[tuple[int, str], records.Record], dict[str, records.Record],
-                             dict[str, records.Record]]:
-    base = _baseline_specs(stage, model, steps, precisions, also, env or environment.detect())
-    tuned = _knob_specs(stage, knobs, model, steps)
-    results = launch.sweep([*base.values(), *tuned.values(), *builds.values()], name=f"zero{stage}-chapter")
-    return ({key: results[spec.name] for key, spec in base.items()},
-            {name: results[spec.name] for name, spec in tuned.items()},
-            {name: results[spec.name] for name, spec in builds.items()})
+from helpers.core import configs, environment, exercises, load_guard, models, records, references, theory
 
 
 def chapter_records(folder: str | Path, since: float = 0.0, precisions: Sequence[str] = ("fp32", "bf16"),
@@ -198,14 +129,6 @@ def halving_table(numerator: records.Record, denominator: records.Record, keys: 
         a, b = numerator.states(rank)[key], denominator.states(rank)[key]
         rows.append([key, f"{numerator.label}: {a:,}", f"{denominator.label}: {b:,}", f"{a / b:.4f}"])
     return records.format_table(rows, ["state", "measured", "compared with", "ratio"])
-
-
-def knob_runs(stage: int, settings: Mapping[str, dict], model: str = "mlp", steps: int = 4) -> dict[str, records.Record]:
-    """One run per named setting of ``zero_optimization`` knobs on top of ``ds_configs/zero<stage>.json``,
-    all in one launch."""
-    specs = _knob_specs(stage, settings, model, steps)
-    results = launch.sweep(list(specs.values()), name=f"zero{stage}-knobs")
-    return {name: results[spec.name] for name, spec in specs.items()}
 
 
 def knob_agreement(runs: Mapping[str, records.Record], base: str = "defaults") -> str:
@@ -326,55 +249,33 @@ def not_in_reference(name: str, settings: Sequence[str]) -> str:
             f"no GPU row for {'it' if len(missing) == 1 else 'them'}.")
 
 
-def peak_contrast(name: str, base: str, other: str, times: bool = True) -> str:
-    """One sentence from the newest GPU result of ``name``: rank 0's peak memory of setting ``other`` against
-    ``base``, with their collective calls per step, and their median step times unless ``times`` is False."""
+def gpu_runs(name: str, measured: Mapping[str, records.Record] | None = None) -> tuple[str, dict[str, records.Record]]:
+    """(label, {setting: record}) for a sentence about GPUs: the chapter's own ``measured`` runs where they ran on
+    GPUs ("this launch on <device>"), else the newest committed GPU result of ``name`` (:func:`latest_reference`)."""
+    if measured and all(r.device == "cuda" for r in measured.values()):
+        return f"this launch on {next(iter(measured.values())).device_name}", dict(measured)
     device, runs = latest_reference(name)
+    return f"{device} (the committed reference)", runs
+
+
+def peak_contrast(name: str, base: str, other: str, times: bool = True,
+                  measured: Mapping[str, records.Record] | None = None) -> str:
+    """One sentence about a GPU run (:func:`gpu_runs`: the chapter's ``measured`` runs on GPUs, else the reference
+    ``name``): rank 0's peak memory of setting ``other`` against ``base``, with their collective calls per step,
+    and their median step times unless ``times`` is False."""
+    label, runs = gpu_runs(name, measured)
     a, b = runs[base], runs[other]
 
     def calls(r: records.Record) -> str:
         return f"{r.comm.calls_per_step:g}"
 
     apart = records.format_bytes(abs(b.memory.peak(0) - a.memory.peak(0)))
-    peaks = (f"On {device}, {other}: peak {records.format_bytes(b.memory.peak(0))} per rank against "
+    peaks = (f"On {label}, {other}: peak {records.format_bytes(b.memory.peak(0))} per rank against "
              f"{records.format_bytes(a.memory.peak(0))} with {base} ({apart} apart")
     if not times:
         return f"{peaks}; {calls(b)} collective calls per step against {calls(a)})."
     return (f"{peaks}), median step {b.timing.median_s * 1000:.1f} ms against {a.timing.median_s * 1000:.1f} ms "
             f"({calls(b)} collective calls per step against {calls(a)}).")
-
-
-def step_spread(name: str, base: str, other: str) -> str:
-    """Whether the newest GPU result of ``name`` can tell setting ``other``'s step time from ``base``'s:
-    the range of each one's steps after the first (which warms up) and whether the ranges overlap."""
-    device, runs = latest_reference(name)
-
-    def spread(r: records.Record) -> tuple[float, float]:
-        later = [t * 1000 for t in r.timing.all_s[1:]]
-        return min(later), max(later)
-
-    (a_lo, a_hi), (b_lo, b_hi) = spread(runs[base]), spread(runs[other])
-    text = (f"On {device}, the steps after the first took {b_lo:.1f}-{b_hi:.1f} ms with {other} and "
-            f"{a_lo:.1f}-{a_hi:.1f} ms with {base}: ")
-    if b_hi < a_lo:
-        return text + f"{other} was faster in every step."
-    if a_hi < b_lo:
-        return text + f"{other} was slower in every step."
-    return text + ("the ranges overlap, so these few steps (on GPUs shared with other runs, as the reference "
-                   "says) cannot tell the two apart.")
-
-
-def calls_and_step_times(name: str) -> str:
-    """From the newest GPU result of ``name``: each setting's collective calls per step and median step time,
-    fewest calls first, and whether the step time rises with the calls in that order."""
-    device, runs = latest_reference(name)
-    rows = sorted(((r.comm.calls_per_step, r.timing.median_s * 1000, setting)
-                   for setting, r in runs.items()))
-    text = "; ".join(f"{setting} {calls:g} calls, {ms:.1f} ms" for calls, ms, setting in rows)
-    times = [ms for _, ms, _ in rows]
-    rising = all(x < y for x, y in zip(times, times[1:]))
-    verdict = "rises with every added call in this order." if rising else "does not rise with the calls in every row."
-    return f"On {device}, collective calls per step and median step time: {text}. The step time {verdict}"
 
 
 def per_micro_step_volume(runs: Mapping[str, records.Record]) -> str:
@@ -436,53 +337,6 @@ def comparison_table(subject: records.Record, baselines: Mapping[str, records.Re
 
 # --- building the model partitioned: deepspeed.zero.Init and GatheredParameters ---------------------------
 
-#: How :func:`build_model` builds: every rank the whole model (``"plain"``, as PyTorch does), or each rank
-#: only its shard of every parameter, from construction on (``"zero.Init"``).
-INIT_CHOICES = ("plain", "zero.Init")
-#: The attribute the builder leaves on the model for the :class:`Construction` probe to read.
-CONSTRUCTION_ATTR = "course_construction"
-
-
-def build_partitioned(name: str, seed: int, config: dict):
-    """The course model ``name`` built inside ``deepspeed.zero.Init``: as each module's ``__init__`` ends,
-    DeepSpeed broadcasts its parameters from rank 0 and keeps only this rank's shard
-    (``Init._post_init_method`` and ``_zero_init_param`` in ``deepspeed/runtime/zero/partition_parameters.py``).
-    These lines are what a learner writes; ``config`` is the run's DeepSpeed config (stage 3)."""
-    import deepspeed  # deferred: the ranks import DeepSpeed after the course has chosen its accelerator
-
-    with deepspeed.zero.Init(config_dict_or_path=config):
-        model = models.build(name, seed)
-    return model
-
-
-def gathered_parameter_demo(param, rank: int) -> dict:
-    """What ``deepspeed.zero.GatheredParameters`` does with one partitioned parameter, on this rank:
-    its shape outside and inside the context, a digest of the full tensor gathered inside, and whether a
-    change made by rank 0 inside the context reaches this rank's shard, without ``modifier_rank`` and
-    with ``modifier_rank=0``. The change (a doubling) is undone the same way, so training starts from
-    the weights the model was built with (doubling and halving are exact in binary floating point)."""
-    import deepspeed  # deferred: as above
-
-    shard = param.ds_tensor.detach().clone()
-    found = {"shape_outside": list(param.shape), "shape_full": list(param.ds_shape),
-             "shard_elements": int(param.ds_tensor.numel())}
-    with deepspeed.zero.GatheredParameters(param):
-        found["shape_inside"] = list(param.shape)
-        found["digest"] = digest(param.data)
-        if rank == 0:
-            param.data.mul_(2)  # no modifier_rank: the gathered copy is dropped on exit
-    found["change_kept_without_modifier_rank"] = torch.equal(param.ds_tensor, shard * 2)
-    with deepspeed.zero.GatheredParameters(param, modifier_rank=0):
-        if rank == 0:
-            param.data.mul_(2)  # modifier_rank=0: rank 0's tensor is broadcast, then re-partitioned
-    found["change_kept_with_modifier_rank"] = torch.equal(param.ds_tensor, shard * 2)
-    with deepspeed.zero.GatheredParameters(param, modifier_rank=0):
-        if rank == 0:
-            param.data.div_(2)
-    found["restored"] = torch.equal(param.ds_tensor, shard)
-    return found
-
-
 def digest(tensor: torch.Tensor) -> str:
     """A short hash of a tensor's bytes: equal digests mean bit-identical tensors."""
     data = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
@@ -526,88 +380,58 @@ def parameter_bytes_meter() -> Iterator[dict]:
     meter["peak"] = max(meter["peak"], held())
 
 
-def check_build_options(name: str, options: dict) -> None:
-    """Raise a ValueError naming the key and the choices when ``options`` do not fit :func:`build_model`
-    (the launcher calls it before any process starts)."""
-    models.check_model_name(name)
-    unknown = sorted(set(options) - {"init"})
-    if unknown:
-        raise ValueError(f"model_options {unknown}: this builder takes only 'init' ({' or '.join(INIT_CHOICES)})")
-    if options.get("init", "plain") not in INIT_CHOICES:
-        raise ValueError(f"model_options init={options['init']!r}: choose one of {', '.join(INIT_CHOICES)}")
+def _construction_file(out: str | Path, rank: int) -> Path:
+    return Path(out) / f"construction-rank{rank}.json"
 
 
-def build_model(name: str, seed: int = 0, config: dict | None = None, **options) -> torch.nn.Module:
-    """A run's builder: the course model ``name``, built whole on every rank (``init="plain"``) or
-    partitioned from construction on (``init="zero.Init"``, :func:`build_partitioned`; the run's config
-    must be ZeRO stage 3). It measures the construction on this rank (:func:`parameter_bytes_meter`: the
-    bytes its parameters hold at their highest during it and once it ends) and, for ``zero.Init``, what
-    ``GatheredParameters`` does (:func:`gathered_parameter_demo`), and leaves its findings on the model for
-    the :class:`Construction` probe."""
-    import deepspeed.comm as dist  # deferred: as above
-
-    check_build_options(name, options)
-    init = options.get("init", "plain")
-    stage = ((config or {}).get("zero_optimization") or {}).get("stage", 0)
-    if init == "zero.Init" and stage != 3:
-        raise ValueError(f"model_options init='zero.Init' builds ZeRO-3 parameters: the run's config has "
-                         f"zero_optimization.stage {stage}; use stage 3 (e.g. ds_configs/zero3.json)")
-    with parameter_bytes_meter() as meter:
-        model = build_partitioned(name, seed, config) if init == "zero.Init" else models.build(name, seed)
+def save_construction(out: str | Path, rank: int, init: str, model: torch.nn.Module, peak_bytes: int,
+                      gathered: Mapping[str, Any]) -> Path:
+    """Keep what one rank found while it built ``model`` (``init``: "plain" or "zero.Init") beside its run's
+    record, in ``out/construction-rank<rank>.json``: the bytes its parameters held at their highest during
+    construction (``peak_bytes``, from :func:`parameter_bytes_meter`) and once it ended, the whole model's and
+    the largest module's parameter bytes, and what the script found of the first weight (``gathered``)."""
     params = list(model.parameters())
-    found = {"init": init, "peak_bytes": meter["peak"], "held_bytes": sum(_held_bytes(p) for p in params),
-             "full_bytes": sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params),
-             "largest_module_bytes": max(sum(getattr(p, "ds_numel", p.numel()) * p.element_size()
-                                             for p in m.parameters(recurse=False)) for m in model.modules())}
-    first = next(model.parameters())
-    if init == "zero.Init":
-        found["gathered"] = gathered_parameter_demo(first, dist.get_rank())
-    else:
-        found["gathered"] = {"shape_outside": list(first.shape), "digest": digest(first.data)}
-    setattr(model, CONSTRUCTION_ATTR, found)
-    return model
+
+    def whole(p: torch.nn.Parameter) -> int:  # a partitioned parameter's full size is its ds_numel
+        return getattr(p, "ds_numel", p.numel()) * p.element_size()
+
+    found = {"init": init, "peak_bytes": int(peak_bytes), "held_bytes": sum(_held_bytes(p) for p in params),
+             "full_bytes": sum(whole(p) for p in params),
+             "largest_module_bytes": max(sum(whole(p) for p in m.parameters(recurse=False)) for m in model.modules()),
+             "gathered": dict(gathered)}
+    path = _construction_file(out, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(found, indent=1))
+    return path
 
 
-build_model.check_options = check_build_options  # the launcher checks a run's model options with it
-#: How a run names the builder (:class:`helpers.core.launch.RunSpec`).
-BUILDER = reference_of(build_model)
-
-
-class Construction(Probe):
-    """What :func:`build_model` measured on each rank while it built the model (it must be the run's
-    builder). Section: ``construction`` (``init``, and ``per_rank``: bytes of the whole model's parameters,
-    bytes held after construction and at their highest during it, the parameters of the largest module,
-    and the ``GatheredParameters`` findings)."""
-
-    name = "construction"
-    keys = ("construction.init", "construction.per_rank")
-
-    def start(self, ctx: RunContext) -> None:
-        found = getattr(ctx.engine.module, CONSTRUCTION_ATTR, None)
-        if found is None:
-            raise ValueError(f"the construction probe reads what {BUILDER} measured: give the run "
-                             "builder=zero.BUILDER")
-        self.found = found
-
-    def finish(self, ctx: RunContext) -> dict:
-        return self.found
-
-    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
-        return {"construction": {"init": ranks[0]["init"], "per_rank": ranks}}
+def _construction_ranks(record: records.Record) -> list[dict]:
+    """Every rank's findings of :func:`save_construction` for ``record``, read from its folder (or from its
+    summary's ``construction`` section, where one holds them)."""
+    if "construction" in record.summary:
+        return record.summary["construction"]["per_rank"]
+    if record.out is None:
+        raise FileNotFoundError(f"{record.name or 'this run'}: a record read from its folder holds its construction files")
+    files = [_construction_file(record.out, rank) for rank in range(record.world_size)]
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise FileNotFoundError(f"no construction file {missing[0]}: the script saves one per rank "
+                                "(zero.save_construction)")
+    return [json.loads(f.read_text()) for f in files]
 
 
 def construction(record: records.Record, rank: int = 0) -> dict:
-    """What one rank measured while building the model (the :class:`Construction` probe)."""
-    return record.section("construction")["per_rank"][rank]
+    """What one rank found while building the model (:func:`save_construction`)."""
+    return _construction_ranks(record)[rank]
 
 
 def construction_table(built: Mapping[str, records.Record]) -> str:
-    """Per way of building (:data:`INIT_CHOICES`): the parameter bytes one rank held at their highest during
+    """Per way of building ({"plain": record, "zero.Init": record}): the parameter bytes one rank held at their highest during
     construction and once it ended, as a share of the whole model's, rank 0's figures and whether every rank
     measured the same."""
     rows = []
     for init, r in built.items():
-        ranks = r.section("construction")["per_rank"]
+        ranks = _construction_ranks(r)
         first = ranks[0]
         same = all((x["peak_bytes"], x["held_bytes"]) == (first["peak_bytes"], first["held_bytes"]) for x in ranks)
         rows.append([init, f"{first['full_bytes']:,}",
@@ -634,8 +458,7 @@ def construction_check(record: records.Record, rank: int = 0) -> str:
 def gathered_report(built: Mapping[str, records.Record]) -> str:
     """What ``GatheredParameters`` did with the first parameter on each rank of the ``zero.Init`` run, beside
     the same parameter of the model built whole (``plain``)."""
-    plain = built["plain"].section("construction")["per_rank"]
-    init = built["zero.Init"].section("construction")["per_rank"]
+    plain, init = _construction_ranks(built["plain"]), _construction_ranks(built["zero.Init"])
     lines = []
     for rank, (p, z) in enumerate(zip(plain, init)):
         g = z["gathered"]
@@ -649,6 +472,22 @@ def gathered_report(built: Mapping[str, records.Record]) -> str:
                   f"{'kept' if g['change_kept_with_modifier_rank'] else 'lost'} in this rank's shard; "
                   f"halved the same way: {'shard as built' if g['restored'] else 'shard NOT as built'}"]
     return "\n".join(lines)
+
+
+def init_weights_note(built: Mapping[str, records.Record]) -> str:
+    """Whether the model built inside ``zero.Init`` started from the same weights as the one built whole (the first
+    weight's digest on rank 0) and trained to the same losses, and, where it did not on GPUs, why: inside
+    ``zero.Init`` DeepSpeed creates each tensor on the rank's GPU, so ``nn.Linear`` draws its initial weights from
+    the CUDA generator, which ``torch.manual_seed`` seeds too but whose random stream differs from the CPU's."""
+    plain, init = built["plain"], built["zero.Init"]
+    same = construction(init)["gathered"]["digest"] == construction(plain)["gathered"]["digest"]
+    losses = records.loss_agreement(plain.losses, init.losses, init.summary["precision"])
+    text = (f"On these {init.device} ranks: the first weight built inside zero.Init is "
+            f"{'identical to' if same else 'different from'} the one built whole; losses {losses}.")
+    if not same and init.device == "cuda":
+        text += (" Inside zero.Init DeepSpeed creates every tensor on the rank's GPU, so the initial weights come "
+                 "from the CUDA generator: torch.manual_seed seeds it as well, but its random stream is not the CPU's.")
+    return text
 
 
 def construction_estimate(psi: int, world_size: int, largest_module_params: int,
@@ -715,9 +554,8 @@ WIRE_HINTS = {
     1: ("the bytes on the wire per rank: take the two collectives this section says DeepSpeed's stage 1 issues "
         "once per optimizer step, the tensor each one moves (fp32 here), and the share of it a rank sends on a "
         "ring, from the formulas of this section"),
-    3: ("with every layer released after use, each micro-step gathers the parameters in forward and again in "
-        "backward (each rank sends its shard to N_d - 1 others, each time) and reduce-scatters the gradients "
-        "((N_d-1)/N_d of them); count the micro-steps"),
+    3: ("the paper's stage-3 volume of the section above, for one forward and backward, in fp32 bytes; then how "
+        "many of those an optimizer step holds"),
 }
 
 
@@ -794,10 +632,11 @@ def exercise_stage2_bytes(answer: Any, runs: Mapping[tuple[int, str], records.Re
     expected = stage2_wire_bytes_at(r2, accumulation)
     return exercises.number(
         "stage 2 bytes", answer, expected, relative=0.01, unit=" bytes",
-        task=(f"The stage-2 run took {r2.summary['grad_accum']} micro-steps per optimizer step and each rank sent "
-              f"{r2.comm.wire_bytes_per_step:,.0f} bytes per step. Predict the bytes per step with {accumulation} "
-              f"micro-steps (within 1%)."),
-        hint="which collectives happen once per micro-step, and which once per optimizer step?",
+        task=(f"Predict the bytes one rank sends per optimizer step at stage 2 with {accumulation} micro-steps per "
+              f"optimizer step instead of the run's {r2.summary['grad_accum']}: Ψ = {r2.params:,} parameters, "
+              f"N_d = {r2.world_size}, fp32, DeepSpeed's defaults (within 1%)."),
+        hint=("a rank keeps only its slice of a gradient once it is reduced: which collectives must then come once "
+              "per micro-step, which once per optimizer step? Chapter 03's ring formulas give each one's bytes."),
         why=(f"Stage 2 all-reduces the gradients after every backward "
              f"({gradient_bytes(r2) / r2.summary['grad_accum']:,.0f} bytes per micro-step in the run's comms log), "
              f"so that part grows with the micro-steps; the parameters' all-gather and the gradient norm come once "
@@ -843,35 +682,37 @@ def exercise_overlap_buckets(answer: Any, low: float = 50e6, high: float = 100e6
         "overlap buckets", answer, test,
         task=(f"Write a stage-2 zero_optimization block with overlap_comm on whose fp32 gradient buckets take "
               f"between {low:,.0f} and {high:,.0f} bytes per GPU."),
-        hint="overlap_comm allocates two buckets of reduce_bucket_size elements, 4 bytes each in fp32.")
+        hint="what the GPU section found overlap_comm allocates, and the bytes of one fp32 element.")
 
 
-def exercise_peak_knob(answer: Any, name: str = "zero2-knobs") -> exercises.Verdict:
-    """Exercise: which knob of the committed GPU reference ``name`` raised the peak memory per rank most above
-    ``defaults`` (rank 0's peak, from the reference)."""
-    device, gpu_runs = latest_reference(name)
-    peaks = {setting: r.memory.peak(0) for setting, r in gpu_runs.items()}
-    expected = max(peaks, key=peaks.get)
-    return exercises.choice(
-        "peak knob", answer, expected, choices=tuple(gpu_runs),
-        task=f"On {device}, which setting of the table raised the peak memory per rank the most?",
-        hint="which knob makes DeepSpeed allocate a second gradient bucket of reduce_bucket_size elements?",
-        why=(f"Its peak on rank 0 was {records.format_bytes(peaks[expected])} against "
-             f"{records.format_bytes(peaks['defaults'])} with defaults: overlap_comm reduces one bucket while "
-             f"backward fills the other, so it allocates two."))
+def exercise_overlap_peak(answer: Any, name: str = "zero2-knobs",
+                          measured: Mapping[str, records.Record] | None = None) -> exercises.Verdict:
+    """Exercise: predict rank 0's peak memory of the ``overlap_comm=true`` run on GPUs from the ``defaults`` run's
+    (:func:`gpu_runs`: the chapter's ``measured`` runs where they ran on GPUs, else the reference ``name``), within 2%."""
+    label, runs = gpu_runs(name, measured)
+    base, overlap = runs["defaults"].memory.peak(0), runs["overlap_comm=true"].memory.peak(0)
+    bucket = 4 * int(zero_default("reduce_bucket_size"))
+    return exercises.number(
+        "overlap peak", answer, overlap, relative=0.02, unit=" bytes",
+        task=(f"On {label}, the stage-2 defaults run peaked at {base:,} bytes per rank (rank 0). Predict the peak of "
+              f"the overlap_comm=true run, which reduces one gradient bucket while backward fills the next (within 2%)."),
+        hint=("only the gradient buckets change: how many must exist at once for that, and what one takes at "
+              "DeepSpeed's default reduce_bucket_size (zero.zero_default) in fp32?"),
+        why=(f"It peaked {overlap - base:,} bytes above defaults: {(overlap - base) / bucket:.2f} times one bucket of "
+             f"{bucket // 4:,} fp32 elements ({bucket:,} bytes). To reduce one bucket while backward fills another, "
+             f"DeepSpeed allocates two (setup_buckets in stage_1_and_2.py)."))
 
 
 def exercise_init_peak(answer: Any, built: Mapping[str, records.Record]) -> exercises.Verdict:
     """Exercise: predict the highest parameter bytes a rank held while building the model inside
-    ``deepspeed.zero.Init`` (the Construction probe of the ``zero.Init`` run in ``built``)."""
+    ``deepspeed.zero.Init`` (what the ``zero.Init`` run of ``built`` saved: :func:`save_construction`)."""
     found = construction(built["zero.Init"])
     n = built["zero.Init"].world_size
     return exercises.number(
         "zero.Init peak", answer, found["peak_bytes"], unit=" bytes",
-        task=(f"Built whole, a rank holds the whole model: {found['full_bytes']:,} bytes. Predict the most it holds "
-              f"while building it inside zero.Init on {n} ranks (the largest module, one layer, has "
-              f"{found['largest_module_bytes']:,} bytes of parameters)."),
-        hint="once a module's __init__ ends, DeepSpeed keeps only this rank's shard; the module being built is whole until then",
+        task=(f"Predict the most parameter bytes one rank holds while it builds the model inside zero.Init on {n} "
+              f"ranks (fp32, Ψ = {built['zero.Init'].params:,} parameters; the largest module is one layer)."),
+        hint="what the section above says zero.Init keeps of a module once its __init__ ends, and what a rank holds of the module it is still building",
         why=(f"the shards of the whole model ({found['held_bytes']:,}) plus the largest module whole while it is "
              f"built ({found['largest_module_bytes']:,}) minus its own shard ({found['largest_module_bytes'] // n:,}), "
              f"as the ranks measured it."))
@@ -920,4 +761,4 @@ def exercise_persistence(answer: Any, knobs: Mapping[str, records.Record], model
         "persistence", answer, test,
         task=("Write a zero_optimization block (stage 3) whose stage3_param_persistence_threshold keeps every bias "
               "whole on every rank and partitions every weight."),
-        hint=f"DeepSpeed keeps a parameter whole when its elements are <= the threshold; a bias has {small:,}, a weight {large:,}.")
+        hint="the persistence rule of the memory section, and the sizes of this model's parameters (models.MODELS['mlp']).")
