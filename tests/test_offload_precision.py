@@ -105,6 +105,11 @@ def test_the_step_cost_charges_the_host_every_ranks_partition():
     cost = offload.offload_step_cost_s(7e9, 8, "optimizer", 5e10, 5e10, 0.02 / 2**23, 1e-4 / 2**22)
     assert f"{cost['adam_s']:.2f} s Adam" in offload.cost_lines(gpu, "gpu", psis=(7e9,))
     assert "rank 0 alone" in offload.cost_lines(_bench(None), "old")
+    from helpers.core import load_guard
+
+    busy = load_guard.Load("cpu", 3, 0.5, 2, 10.0, 20, "test")
+    assert "measured while other processes" in offload.cost_lines(bench, "here", load=busy)
+    assert "measured while" not in offload.cost_lines(bench, "here", load=load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test"))
 
 
 def test_adam_verdicts_go_through_the_load_guard():
@@ -518,6 +523,39 @@ def test_the_fp32_reference_probe_for_a_script_names_its_model():
 def test_formats_come_from_torch():
     table = precision.formats_table()
     assert "1 / 8 / 23" in table and "1 / 8 / 7" in table and "1 / 5 / 10" in table and "6.55e+04" in table
+
+
+def test_the_chapters_records_come_back_in_training_order_with_the_repeat_apart(swept, tmp_path):
+    import json
+    import os
+    import time
+
+    from helpers.core import load_guard
+
+    started = time.time() - 60
+    trained = {"stage 2": _timed(swept["stage 2"], [50, 10, 10.2, 10.1]),
+               "stage 2 + optimizer offload": _timed(swept["stage 2 offload"], [50, 20, 20.1, 20.2]),
+               "stage 2 (again)": _timed(swept["stage 2"], [50, 10.1, 10, 10.2])}
+    for i, (name, record) in enumerate(trained.items()):
+        folder = tmp_path / name.replace(" ", "-")
+        folder.mkdir()
+        (folder / "summary.json").write_text(json.dumps({**record.summary, "name": name}))
+        os.utime(folder / "summary.json", (started + i, started + i))  # trained in this order
+    (tmp_path / "old-run").mkdir()  # a record from an earlier launch is left out
+    (tmp_path / "old-run" / "summary.json").write_text(json.dumps({**swept["stage 2"].summary, "name": "old"}))
+    os.utime(tmp_path / "old-run" / "summary.json", (started - 10, started - 10))
+    (tmp_path / offload.BENCHMARK_FILE).write_text(json.dumps(_bench(2)))
+    runs, again, bench = offload.chapter_records(tmp_path, since=started)
+    assert list(runs) == ["stage 2", "stage 2 + optimizer offload"] and again.name == "stage 2 (again)"
+    assert bench == _bench(2)
+    alone = load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test")
+    assert "stage 2 is faster: stage 2 + optimizer offload takes 1.99x its time" in offload.step_verdicts(runs, again, alone)
+    busy = load_guard.Load("cpu", 3, 0.5, 2, 10.0, 20, "test")
+    assert "Verdict withheld" in offload.step_verdicts(runs, again, busy)
+    warmed = _timed(swept["stage 2"], [50, 5, 5.1, 5])  # the repeat at half the first run's time
+    assert "the machine warmed" in offload.step_verdicts(runs, warmed, alone)
+    with pytest.raises(FileNotFoundError, match="did the script run"):
+        offload.chapter_records(tmp_path, since=time.time() + 60)
 
 
 # --- the exercises of chapter 06 ---------------------------------------------------------------------

@@ -404,11 +404,11 @@ def host_gradient_bytes(runs: Mapping[str, object], rank: int = 0) -> str:
 
 def _per_reference(name: str, table: Callable[[dict], str]) -> str:
     """``table`` of the runs of every committed GPU result of experiment ``name``, each labelled with its device
-    (the conditions are printed once, by :func:`how_measured`)."""
+    and date (the conditions are printed once, by :func:`how_measured`)."""
     found = references.reference_runs(name)
     if not found:
         return references.no_references(name, references.GPU_HOW)
-    return "\n\n".join(f"{device}:\n" + table({k: r for k, r in runs.items() if not isinstance(r, dict)})
+    return "\n\n".join(f"GPU reference, {device}, {date}:\n" + table({k: r for k, r in runs.items() if not isinstance(r, dict)})
                         for device, date, note, runs in found)
 
 
@@ -618,13 +618,17 @@ def host_adam_s_per_param(bench: dict) -> float:
     return bench["adam"]["seconds"]["DeepSpeedCPUAdam"] / bench["adam"]["params"]
 
 
-def cost_lines(bench: dict, label: str, gpus: int = 8, psis: Sequence[float] = (1e9, 7e9)) -> str:
+def cost_lines(bench: dict, label: str, gpus: int = 8, psis: Sequence[float] = (1e9, 7e9),
+               load: load_guard.Load | None = None) -> str:
     """:func:`offload_step_cost_s` for ``psis`` parameters on ``gpus`` GPUs of one host, from one benchmark
     result (``label`` names where it was measured): its host's CPU Adam rate and, where it ran on a GPU, its
-    copy bandwidths and the GPU's fused AdamW. Without a GPU, the Adam part alone."""
+    copy bandwidths and the GPU's fused AdamW. Without a GPU, the Adam part alone. With the ``load`` recorded
+    beside the benchmark, the first line says when other processes shared the machine (the rate is then low)."""
     adam = bench["adam"]
     host = host_adam_s_per_param(bench)
-    lines = [f"{label}: DeepSpeedCPUAdam {host * 1e9:.2f} ns per parameter for the host ({_benchmark_conditions(adam)})"]
+    shared = f"; measured while {load.reason()}, so alone it may step faster" if load and not load.alone else ""
+    lines = [f"{label}: DeepSpeedCPUAdam {host * 1e9:.2f} ns per parameter for the host "
+             f"({_benchmark_conditions(adam)}{shared})"]
     transfers = (bench.get("transfers") or {}).get("bytes_per_s")
     for psi in psis:
         if not transfers:
