@@ -72,8 +72,8 @@ class Meter:
         if self.ctx.rank == 0:
             (self.out / "summary.json").unlink(missing_ok=True)
         torch.distributed.barrier()
-        self.recorder = Recorder(self.ctx, [*probes, *(p for p in defaults_for(config) if p == "placement")],
-                                 str(self.out), name, model)
+        wanted = dict.fromkeys([*probes, *(p for p in defaults_for(config) if p == "placement")])  # once each
+        self.recorder = Recorder(self.ctx, list(wanted), str(self.out), name, model)
         self.step, self.micro_step, self.micro_losses = 0, 0, []
         self.finished = False
         self._backward, self._step = engine.backward, engine.step

@@ -75,6 +75,18 @@ def test_offload_optimizer_at_stage_0_is_a_warning():
     assert len(warnings) == 1 and "stage 0" in warnings[0].rule
 
 
+def test_torch_optimizers_with_offload_warn_with_what_chapter_06_measures_only():
+    offloaded = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    torch_adam = configs.merged(BASE, {**offloaded, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}})
+    sgd = configs.merged(BASE, {**offloaded, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    texts = [str(f) for f in _by_key(configs.check(torch_adam, 2), "optimizer.params.torch_adam", "warning")
+             + _by_key(configs.check(sgd, 2), "optimizer.type", "warning")]
+    assert len(texts) == 2
+    for text in texts:  # chapter 06 times DeepSpeed's CPU Adam against torch's AdamW: no claim about SGD or a ratio
+        assert "instead of its own CPU Adam" in text and "torch's AdamW, default and fused" in text
+        assert "slower" not in text and "faster" not in text
+
+
 def test_offload_param_at_stage_3_is_fine():
     config = configs.merged(BASE, {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
     assert configs.check(config, 2) == []

@@ -76,7 +76,66 @@ def test_traffic_and_step_cost():
     assert offload.offload_traffic_bytes(PSI, 4, "optimizer+params")["to_accelerator"] == 2 * 2 * PSI / 4
     cost = offload.offload_step_cost_s(PSI, 4, "optimizer", 1e9, 2e9, 2e-9, 1e-10)
     assert cost["copies_s"] == pytest.approx(1e6 / 1e9 + 0.5e6 / 2e9)
-    assert cost["adam_s"] == pytest.approx(PSI / 4 * (2e-9 - 1e-10))
+    # the host steps all 4 ranks' partitions on the cores they share; each GPU would have stepped its own
+    assert cost["adam_s"] == pytest.approx(PSI * 2e-9 - PSI / 4 * 1e-10)
+    assert offload.offload_step_cost_s(PSI, 8, "optimizer", 1e9, 2e9, 2e-9)["adam_s"] == pytest.approx(
+        cost["adam_s"] + PSI / 4 * 1e-10)  # the host's Adam time does not shrink with more GPUs
+
+
+def _bench(ranks: int | None, seconds: float = 0.02, params: int = 2**23, transfers: dict | None = None) -> dict:
+    """A benchmark result: DeepSpeed's CPU Adam at ``seconds`` per step for ``params`` (``ranks`` None: a result
+    from before the ranks shared the host), torch's AdamW twice as slow."""
+    adam = {"params": params, "repeats": 3, "threads": 1, "accelerator": "Test GPU" if transfers else None,
+            "seconds": {"DeepSpeedCPUAdam": seconds, "torch.optim.AdamW": 2 * seconds},
+            "accelerator_adamw_seconds": 1e-4 if transfers else None}
+    if ranks:
+        adam.update(ranks=ranks, accelerator_params=params // ranks,
+                    steps_s={"DeepSpeedCPUAdam": [seconds] * 3, "torch.optim.AdamW": [2 * seconds, 2.01 * seconds, 2 * seconds]},
+                    again_s=[seconds] * 3)
+    return {"task": "benchmark", "adam": adam, "transfers": transfers}
+
+
+def test_the_step_cost_charges_the_host_every_ranks_partition():
+    bench = _bench(2, seconds=0.02, params=2**23)
+    assert offload.host_adam_s_per_param(bench) == pytest.approx(0.02 / 2**23)
+    lines = offload.cost_lines(bench, "here", psis=(1e9,))
+    assert f"{1e9 * 0.02 / 2**23:.2f} s per step" in lines and "copies not measured" in lines
+    assert "2 rank(s) stepping 4,194,304 each at the same time" in lines
+    gpu = _bench(2, transfers={"bytes": 1, "bytes_per_s": {"device_to_host_pinned": 5e10, "host_to_device_pinned": 5e10}})
+    cost = offload.offload_step_cost_s(7e9, 8, "optimizer", 5e10, 5e10, 0.02 / 2**23, 1e-4 / 2**22)
+    assert f"{cost['adam_s']:.2f} s Adam" in offload.cost_lines(gpu, "gpu", psis=(7e9,))
+    assert "rank 0 alone" in offload.cost_lines(_bench(None), "old")
+    from helpers.core import load_guard
+
+    busy = load_guard.Load("cpu", 3, 0.5, 2, 10.0, 20, "test")
+    assert "measured while other processes" in offload.cost_lines(bench, "here", load=busy)
+    assert "measured while" not in offload.cost_lines(bench, "here", load=load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test"))
+
+
+def test_adam_verdicts_go_through_the_load_guard():
+    from helpers.core import load_guard
+
+    busy = load_guard.Load("cpu", 3, 0.5, 2, 10.0, 20, "test")
+    alone = load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test")
+    assert "Verdict withheld" in offload.adam_verdicts(_bench(2), busy)
+    given = offload.adam_verdicts(_bench(2), alone)
+    assert "DeepSpeedCPUAdam is faster: torch.optim.AdamW takes 2.00x its time" in given
+    assert offload.adam_verdicts(_bench(None), alone).startswith("No verdict")  # medians only: no spread
+
+
+def test_the_benchmark_steps_every_optimizer_against_adamws_formula(tmp_path):
+    import json
+
+    import torch
+
+    optimizers = {"DeepSpeedCPUAdam": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),  # a stand-in
+                  "wrong lr": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01)}
+    got = offload.adam_benchmark(optimizers, out=tmp_path / "bench.json", numel=4096, repeats=2)
+    assert json.loads((tmp_path / "bench.json").read_text()) == got
+    adam = got["adam"]
+    assert adam["ranks"] == 1 and adam["params"] == 4096 and len(adam["steps_s"]["wrong lr"]) == 2
+    assert len(adam["again_s"]) == 2
+    assert adam["max_difference_from_formula"]["DeepSpeedCPUAdam"] < 1e-6 < adam["max_difference_from_formula"]["wrong lr"]
 
 
 def test_adamw_first_step_by_hand():
@@ -208,6 +267,13 @@ def test_the_scenarios_table_names_each_scenarios_knobs_and_spikes():
 
 # --- one launch for the rest -------------------------------------------------------------------------
 
+PINNED = {"device": "cpu", "pin_memory": True}
+
+
+def offloaded(**zero: dict) -> dict:
+    """Overrides for a run that offloads: ``zero`` and DeepSpeed's Adam (the course configs ask for torch's)."""
+    return configs.merged(offload.DEEPSPEED_ADAM, {"zero_optimization": zero})
+
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
     import os
@@ -219,10 +285,10 @@ def swept(tmp_path_factory):
     specs = {
         "stage 2": launch.RunSpec("zero2", model="mlp", steps=3, overrides=bf16, probes=probes, out=folder / "s2"),
         "stage 2 offload": launch.RunSpec("zero2", model="mlp", steps=3, probes=probes, out=folder / "s2o",
-                                          overrides=configs.merged(bf16, offload.offloaded(offload_optimizer=offload.CPU))),
+                                          overrides=configs.merged(bf16, offloaded(offload_optimizer=PINNED))),
         "stage 3 offload": launch.RunSpec("zero3", model="mlp", steps=3, probes=probes, out=folder / "s3o",
-                                          overrides=configs.merged(bf16, offload.offloaded(
-                                              offload_optimizer=offload.CPU, offload_param=offload.CPU))),
+                                          overrides=configs.merged(bf16, offloaded(
+                                              offload_optimizer=PINNED, offload_param=PINNED))),
         "spiked": launch.RunSpec("zero2", model="mlp", steps=3, overrides=bf16, probes=probes + (precision.LossSpike,),
                                  out=folder / "spiked", **precision.spike(2)),
         **{f"accum {dtype}": launch.RunSpec("zero2", model="mlp", steps=2, probes=ACCUM_PROBES,
@@ -347,7 +413,7 @@ def test_committed_gpu_results_are_shown_beside_the_learners(swept, demos, tmp_p
 
     monkeypatch.setattr(references, "REFERENCE_DIR", tmp_path)
     bench = {"name": "adam-benchmark", "task": "benchmark", "device": "cuda", "transfers": None,
-             "adam": offload.adam_benchmark(numel=4096, repeats=1)}
+             "adam": _bench(None)["adam"]}
 
     def commit(name: str, runs: dict) -> None:
         payload = {"experiment": name, "device": "2 x Test GPU", "date": "2026-01-01", "note": "test", "software": {},
@@ -467,6 +533,39 @@ def test_the_fp32_reference_probe_for_a_script_names_its_model():
 def test_formats_come_from_torch():
     table = precision.formats_table()
     assert "1 / 8 / 23" in table and "1 / 8 / 7" in table and "1 / 5 / 10" in table and "6.55e+04" in table
+
+
+def test_the_chapters_records_come_back_in_training_order_with_the_repeat_apart(swept, tmp_path):
+    import json
+    import os
+    import time
+
+    from helpers.core import load_guard
+
+    started = time.time() - 60
+    trained = {"stage 2": _timed(swept["stage 2"], [50, 10, 10.2, 10.1]),
+               "stage 2 + optimizer offload": _timed(swept["stage 2 offload"], [50, 20, 20.1, 20.2]),
+               "stage 2 (again)": _timed(swept["stage 2"], [50, 10.1, 10, 10.2])}
+    for i, (name, record) in enumerate(trained.items()):
+        folder = tmp_path / name.replace(" ", "-")
+        folder.mkdir()
+        (folder / "summary.json").write_text(json.dumps({**record.summary, "name": name}))
+        os.utime(folder / "summary.json", (started + i, started + i))  # trained in this order
+    (tmp_path / "old-run").mkdir()  # a record from an earlier launch is left out
+    (tmp_path / "old-run" / "summary.json").write_text(json.dumps({**swept["stage 2"].summary, "name": "old"}))
+    os.utime(tmp_path / "old-run" / "summary.json", (started - 10, started - 10))
+    (tmp_path / offload.BENCHMARK_FILE).write_text(json.dumps(_bench(2)))
+    runs, again, bench = offload.chapter_records(tmp_path, since=started)
+    assert list(runs) == ["stage 2", "stage 2 + optimizer offload"] and again.name == "stage 2 (again)"
+    assert bench == _bench(2)
+    alone = load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test")
+    assert "stage 2 is faster: stage 2 + optimizer offload takes 1.99x its time" in offload.step_verdicts(runs, again, alone)
+    busy = load_guard.Load("cpu", 3, 0.5, 2, 10.0, 20, "test")
+    assert "Verdict withheld" in offload.step_verdicts(runs, again, busy)
+    warmed = _timed(swept["stage 2"], [50, 5, 5.1, 5])  # the repeat at half the first run's time
+    assert "the machine warmed" in offload.step_verdicts(runs, warmed, alone)
+    with pytest.raises(FileNotFoundError, match="did the script run"):
+        offload.chapter_records(tmp_path, since=time.time() + 60)
 
 
 # --- the exercises of chapter 06 ---------------------------------------------------------------------

@@ -1,34 +1,38 @@
 """Offload (chapter 06): ZeRO-Offload and ZeRO-Infinity, where model states live and what moving them costs.
 
-- The core's probe ``placement`` (:class:`helpers.core.probes.Placement`, on by default in every run whose
-  config offloads) measures each rank's model-state bytes on the accelerator side and on the host side,
-  pinned host bytes, bytes per physical device and dtypes; this chapter's tables read it.
-- Task ``benchmark``: one optimizer step of DeepSpeed's CPU Adam against ``torch.optim.AdamW`` on the same
-  parameters and gradients, and on a GPU, the bandwidth of copies between host and device (pinned and not).
-- :data:`SETTINGS`: the chapter's runs (stage 2 and 3, with and without offload, pinned or not), all in
-  one launch (:func:`run_settings`), and the tables that read them.
+The chapter's script (``runs/06/train_offload.py``, written by the notebook) trains every setting in one
+launch with :mod:`helpers.measure`, then calls :func:`adam_benchmark`; this module reads what they wrote
+(:func:`chapter_records`) and turns it into tables, verdicts and formulas.
+
+- The core's probe ``placement`` (:class:`helpers.core.probes.Placement`) measures each rank's model-state
+  bytes on the accelerator side and on the host side, pinned host bytes, bytes per physical device and
+  dtypes; this chapter's tables read it.
+- :func:`adam_benchmark`: the optimizers the script hands it (DeepSpeed's CPU Adam, torch's AdamW) stepped
+  by every rank at once on its share of the parameters, as offload's ranks share the host's cores; on a GPU
+  also the bandwidth of copies between host and device (pinned and not).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import math
 import statistics
 import textwrap
 import time
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed
 
-from helpers.core import configs, exercises, launch, plots, records, references, theory
+from helpers.core import configs, exercises, load_guard, plots, records, references, theory
 from helpers.core.configs import merged
-from helpers.core.environment import REPO_ROOT
 from helpers.core.records import format_bytes
-from helpers.core.plan import PlannedRun, emit, publish, reference_of
 
 #: Kinds of model state the placement tables show (buffers are shown apart).
 STATE_NAMES = {"params": "params", "grads": "grads", "optimizer": "Adam states", "master": "fp32 master"}
+#: The name the chapter's script gives its first run trained again at the end of the launch.
+AGAIN = " (again)"
 
 
 # --- the chapter's runs ---------------------------------------------------------------------------
@@ -37,141 +41,108 @@ STATE_NAMES = {"params": "params", "grads": "grads", "optimizer": "Adam states",
 #: (``torch_adam``), which offload would run on the CPU instead of DeepSpeed's CPU Adam (the checker warns:
 #: rule ``offload-torch-adam``).
 DEEPSPEED_ADAM = {"optimizer": {"params": {"torch_adam": None}}}
-
-
-def offloaded(**zero: dict) -> dict:
-    """Overrides for a run that offloads: the ``zero_optimization`` settings ``zero`` and DeepSpeed's Adam."""
-
-    return merged(DEEPSPEED_ADAM, {"zero_optimization": zero})
-
-
-CPU = {"device": "cpu", "pin_memory": True}
-UNPINNED = {"device": "cpu", "pin_memory": False}
-#: name -> (base config in ds_configs/, overrides): the chapter's runs, each in bf16 (mixed precision, as
-#: the papers count bytes; :data:`PRECISION`).
-SETTINGS: dict[str, tuple[str, dict]] = {
-    "stage 2": ("zero2", {}),
-    "stage 2 + optimizer offload": ("zero2", offloaded(offload_optimizer=CPU)),
-    "stage 3": ("zero3", {}),
-    "stage 3 + optimizer offload": ("zero3", offloaded(offload_optimizer=CPU)),
-    "stage 3 + optimizer and param offload": ("zero3", offloaded(offload_optimizer=CPU, offload_param=CPU)),
-    "stage 3 + optimizer and param offload, unpinned": ("zero3", offloaded(offload_optimizer=UNPINNED,
-                                                                          offload_param=UNPINNED)),
-}
-#: The GPU experiment adds the unpinned stage-2 case (pinning is a GPU matter).
-GPU_SETTINGS: dict[str, tuple[str, dict]] = {
-    **SETTINGS, "stage 2 + optimizer offload, unpinned": ("zero2", offloaded(offload_optimizer=UNPINNED))}
 PRECISION = {"bf16": {"enabled": True}}
-PROBES = ("timing", "model_states", "placement", "peak_memory")
-#: Where NVMe offload writes: a folder of the course's own (runs/ is ignored by git).
-NVME_DIR = "runs/nvme"
+#: The file the chapter's script writes its :func:`adam_benchmark` into, inside its records' folder.
+BENCHMARK_FILE = "adam_benchmark.json"
 
 
-def nvme_setting() -> tuple[str, dict]:
-    """ZeRO-Infinity: stage 3 with the optimizer states and the parameters offloaded to NVMe (:data:`NVME_DIR`)."""
-
-    nvme = {"device": "nvme", "nvme_path": str(REPO_ROOT / NVME_DIR)}
-    return ("zero3", offloaded(offload_optimizer=nvme, offload_param=nvme))
-
-
-def specs(settings: Mapping[str, tuple[str, dict]], model: str = "mlp", steps: int = 3,
-          overrides: dict | None = None) -> dict:
-    """One RunSpec per setting (``{name: (config, overrides)}``) in bf16 with ``overrides`` on top, plus the
-    Adam benchmark."""
-
-    found = {name: launch.RunSpec(config, model=model, steps=steps, probes=PROBES, name=_slug(name),
-                                  overrides=configs.merged(configs.merged(PRECISION, overrides), changes))
-             for name, (config, changes) in settings.items()}
-    found["adam benchmark"] = launch.RunSpec("zero2", model=model, steps=1, name="adam-benchmark",
-                                             task=BENCHMARK)
-    return found
-
-
-def _slug(name: str) -> str:
-    return name.replace(" + ", "-").replace(", ", "-").replace(" ", "-")
-
-
-def run_settings(settings: Mapping[str, tuple[str, dict]] | None = None, model: str = "mlp", steps: int = 3,
-                 overrides: dict | None = None, nvme: bool = False, name: str = "offload") -> dict:
-    """Train every setting (default :data:`SETTINGS`, plus NVMe when ``nvme``) and the Adam benchmark in
-    ONE launch; return {setting name: Record, "adam benchmark": dict}. A failing NVMe run is recorded
-    (a RunFailed) rather than ending the launch."""
-    settings = dict(settings or SETTINGS)
-    if nvme:
-        settings["stage 3 + NVMe offload"] = nvme_setting()
-    found = specs(settings, model, steps, overrides)
-    if nvme:
-        found["stage 3 + NVMe offload"] = dataclasses.replace(found["stage 3 + NVMe offload"], on_error="record")
-    results = launch.sweep(list(found.values()), name=name)
-    return {key: results[spec.name] for key, spec in found.items()}
+def chapter_records(folder: str | Path, since: float = 0.0) -> tuple[dict[str, records.Record], records.Record, dict]:
+    """What the chapter's script wrote into ``folder`` since ``since`` (a ``time.time()``): ``(runs, again,
+    benchmark)``, the runs by the names the script gave them in the order they trained, the first run
+    trained again at the end (named ``<first> (again)``), and the :func:`adam_benchmark` result."""
+    loaded, _ = records.load_all(folder)
+    found = sorted((Path(folder, key, "summary.json").stat().st_mtime, record) for key, record in loaded.items()
+                   if Path(folder, key, "summary.json").stat().st_mtime >= since)
+    bench_path = Path(folder, BENCHMARK_FILE)
+    if not found or not bench_path.is_file() or bench_path.stat().st_mtime < since:
+        raise FileNotFoundError(f"no records and benchmark in {folder} newer than the launch: did the script run?")
+    runs = {record.name: record for _, record in found}
+    again = next(name for name in runs if name.endswith(AGAIN))
+    return runs, runs.pop(again), json.loads(bench_path.read_text())
 
 
 # --- the Adam benchmark ---------------------------------------------------------------------------
 
-#: Parameters the benchmark steps (one flat fp32 tensor, like a ZeRO partition): 8,388,608, big enough
-#: that the step streams from memory rather than from cache.
+#: Parameters the benchmark steps in all, shared by the ranks (flat fp32 tensors, like ZeRO partitions):
+#: 8,388,608, big enough that the step streams from memory rather than from cache.
 BENCHMARK_PARAMS = 2**23
 BENCHMARK_REPEATS = 5
 
 
-def _time_steps(step, repeats: int, synchronize=lambda: None) -> float:
-    """Median seconds of ``step()`` over ``repeats`` calls, after one warm-up call."""
+def _time_steps(step, repeats: int, synchronize=lambda: None, together: bool = False) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``step()``, after one warm-up call; with ``together``, every
+    rank starts each call at once (a barrier before it)."""
     step()
     synchronize()
     times = []
     for _ in range(repeats):
+        if together:
+            torch.distributed.barrier()
         start = time.perf_counter()
         step()
         synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
-def adam_benchmark(numel: int = BENCHMARK_PARAMS, repeats: int = BENCHMARK_REPEATS, seed: int = 0) -> dict:
-    """Seconds per optimizer step of DeepSpeed's CPU Adam and of ``torch.optim.AdamW`` (its default, and
-    ``fused=True``) on the same host parameters and gradients, the largest difference between their
-    updated weights after one step, and on a GPU torch's fused AdamW on the device (the step offload
-    replaces). Threads: whatever this process has (``torch.get_num_threads()``, reported)."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    gen = torch.Generator().manual_seed(seed)
-    weights = torch.randn(numel, generator=gen)
-    grads = torch.randn(numel, generator=gen) * 1e-2
+def adam_benchmark(optimizers: Mapping[str, Callable[[list], torch.optim.Optimizer]], out: str | Path | None = None,
+                   numel: int = BENCHMARK_PARAMS, repeats: int = BENCHMARK_REPEATS, seed: int = 0) -> dict:
+    """Step each of ``optimizers`` (name -> a function building it from a parameter list) on ``numel`` fp32
+    parameters with gradients, shared by the ranks of the launch: every rank steps its ``numel / ranks`` at
+    the same time, as offload's ranks step their partitions on one host. A step's time is the slowest
+    rank's (the host is done when every partition is). The first optimizer is timed again at the end
+    (``again_s``: did the machine warm up meanwhile?). Also: each optimizer's weights after one step against
+    AdamW's formula (:func:`adamw_first_step`), and on a GPU torch's fused AdamW on the device (the step
+    offload replaces) and :func:`transfer_bandwidth`. Rank 0 writes the result to ``out`` and returns it."""
+    together = torch.distributed.is_initialized()
+    rank, ranks = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if together else (0, 1)
+    share = numel // ranks
+    gen = torch.Generator().manual_seed(seed + rank)
+    weights = torch.randn(share, generator=gen)
+    grads = torch.randn(share, generator=gen) * 1e-2
     settings = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    formula = adamw_first_step(weights, grads, **settings)
 
     def prepared(device: str = "cpu") -> torch.nn.Parameter:
         p = torch.nn.Parameter(weights.clone().to(device))
         p.grad = grads.clone().to(device)
         return p
 
-    candidates = {
-        "DeepSpeedCPUAdam": lambda p: DeepSpeedCPUAdam([p], adamw_mode=True, **settings),
-        "torch.optim.AdamW": lambda p: torch.optim.AdamW([p], **settings),
-        "torch.optim.AdamW(fused=True)": lambda p: torch.optim.AdamW([p], fused=True, **settings),
-    }
-    seconds, after_one = {}, {}
-    for name, make in candidates.items():
+    def timed(name: str) -> tuple[list[float], float]:
         p = prepared()
-        optimizer = make(p)
+        optimizer = optimizers[name]([p])
         optimizer.step()
-        after_one[name] = p.detach().clone()
-        seconds[name] = _time_steps(optimizer.step, repeats)
-        del optimizer, p
-    reference = after_one["torch.optim.AdamW"]
-    differences = {name: float((w - reference).abs().max()) for name, w in after_one.items()}
-    formula = adamw_first_step(weights, grads, **settings)
-    from_formula = {name: float((w - formula).abs().max()) for name, w in after_one.items()}
-    device_seconds = None
+        difference = float((p.detach() - formula).abs().max())
+        return _time_steps(optimizer.step, repeats, together=together), difference
+
+    steps, differences = {}, {}
+    for name in optimizers:
+        steps[name], differences[name] = timed(name)
+    again, _ = timed(next(iter(optimizers)))
+    device_steps = None
     if torch.cuda.is_available():
         p = prepared("cuda")
-        optimizer = torch.optim.AdamW([p], fused=True, **settings)
-        device_seconds = _time_steps(optimizer.step, repeats, torch.cuda.synchronize)
-        del optimizer, p
-    return {"params": numel, "repeats": repeats, "threads": torch.get_num_threads(), "seconds": seconds,
-            "max_difference_after_one_step": differences, "max_difference_from_formula": from_formula,
-            "accelerator_adamw_seconds": device_seconds,
-            "accelerator": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+        device_steps = _time_steps(torch.optim.AdamW([p], fused=True, **settings).step, repeats, torch.cuda.synchronize)
+    mine = {"steps": steps, "again": again, "differences": differences}
+    gathered = [mine]
+    if together:
+        gathered = [None] * ranks
+        torch.distributed.all_gather_object(gathered, mine)
+    slowest = lambda lists: [max(times) for times in zip(*lists)]  # per step, the slowest rank's time
+    steps_s = {name: slowest([g["steps"][name] for g in gathered]) for name in optimizers}
+    result = {"task": "benchmark", "device": "cuda" if torch.cuda.is_available() else "cpu", "ranks": ranks,
+              "adam": {"params": share * ranks, "ranks": ranks, "repeats": repeats, "threads": torch.get_num_threads(),
+                       "steps_s": steps_s, "again_s": slowest([g["again"] for g in gathered]),
+                       "seconds": {name: statistics.median(times) for name, times in steps_s.items()},
+                       "max_difference_from_formula": {name: max(g["differences"][name] for g in gathered)
+                                                       for name in optimizers},
+                       "accelerator_adamw_seconds": statistics.median(device_steps) if device_steps else None,
+                       "accelerator_params": share,
+                       "accelerator": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+              "transfers": transfer_bandwidth()}
+    if rank == 0 and out is not None:
+        Path(out).write_text(json.dumps(result, indent=1))
+    return result
 
 
 def adamw_first_step(weights: torch.Tensor, grads: torch.Tensor, lr: float, betas: tuple[float, float], eps: float,
@@ -187,7 +158,7 @@ def adamw_first_step(weights: torch.Tensor, grads: torch.Tensor, lr: float, beta
 
 def transfer_bandwidth(numel: int = 2**26, repeats: int = BENCHMARK_REPEATS) -> dict | None:
     """On a GPU: bytes/s of host-to-device and device-to-host copies of ``numel`` fp16 values (128 MiB),
-    from pinned and from ordinary (pageable) host memory. None without a GPU."""
+    from pinned and from ordinary (pageable) host memory, on this rank's GPU. None without a GPU."""
 
     if not torch.cuda.is_available():
         return None
@@ -196,32 +167,11 @@ def transfer_bandwidth(numel: int = 2**26, repeats: int = BENCHMARK_REPEATS) -> 
     for pinned in (True, False):
         host = torch.empty(numel, dtype=torch.half, pin_memory=pinned)
         label = "pinned" if pinned else "pageable"
-        found[f"host_to_device_{label}"] = host.nbytes / _time_steps(lambda: device.copy_(host), repeats,
-                                                                      torch.cuda.synchronize)
-        found[f"device_to_host_{label}"] = host.nbytes / _time_steps(lambda: host.copy_(device), repeats,
-                                                                      torch.cuda.synchronize)
+        found[f"host_to_device_{label}"] = host.nbytes / statistics.median(
+            _time_steps(lambda: device.copy_(host), repeats, torch.cuda.synchronize))
+        found[f"device_to_host_{label}"] = host.nbytes / statistics.median(
+            _time_steps(lambda: host.copy_(device), repeats, torch.cuda.synchronize))
     return {"bytes": numel * 2, "bytes_per_s": found}
-
-
-def benchmark(run: PlannedRun, position: int, count: int, born: float) -> None:
-    """A task (``RunSpec(task=BENCHMARK)``): rank 0 runs :func:`adam_benchmark` and
-    :func:`transfer_bandwidth` while the other ranks wait, so the timings have the machine to themselves
-    (as much as the ranks' thread settings allow), and publishes both."""
-    import deepspeed.comm as dist  # deferred: DeepSpeed is imported after the course has chosen its accelerator
-
-    rank = dist.get_rank()
-    if rank == 0:
-        adam = adam_benchmark(seed=run.seed)
-        transfers = transfer_bandwidth()
-    torch.distributed.barrier()
-    emit("step", run=position, rank=rank, step=1, steps=1, loss=None)
-    if rank == 0:
-        publish(run, position, {"name": run.name, "task": "benchmark", "world_size": dist.get_world_size(),
-                                "device": "cuda" if transfers else "cpu", "adam": adam, "transfers": transfers})
-
-
-#: How a run names the task.
-BENCHMARK = reference_of(benchmark)
 
 
 # --- tables ---------------------------------------------------------------------------------------
@@ -283,9 +233,20 @@ def timing_table(runs: Mapping[str, object], rank: int = 0) -> str:
                                        "host peak RSS"])
 
 
+def _benchmark_conditions(adam: dict) -> str:
+    """How the benchmark ran: parameters, ranks stepping together (a reference from before the ranks shared
+    it: rank 0 alone), steps and threads."""
+    ranks = adam.get("ranks")
+    who = (f"{ranks} rank(s) stepping {adam['params'] // ranks:,} each at the same time" if ranks
+           else "rank 0 alone, the other ranks waiting")
+    return (f"{adam['params']:,} fp32 parameters in all, {who}; median of {adam['repeats']} steps, "
+            f"{adam['threads']} CPU thread(s) per rank")
+
+
 def adam_table(bench: dict) -> str:
-    """The Adam benchmark: seconds per step and nanoseconds per parameter of each optimizer, relative to
-    DeepSpeed's CPU Adam. Timings: print where nbval does not compare."""
+    """The Adam benchmark: milliseconds per step (every rank's share stepped), nanoseconds per parameter of the
+    host (or, for the GPU row, of one GPU's share), and each step time against DeepSpeed's CPU Adam's.
+    Timings: print where nbval does not compare."""
 
     adam = bench["adam"]
     base = adam["seconds"]["DeepSpeedCPUAdam"]
@@ -294,9 +255,9 @@ def adam_table(bench: dict) -> str:
     if adam["accelerator_adamw_seconds"]:
         s = adam["accelerator_adamw_seconds"]
         rows.append([f"torch.optim.AdamW(fused=True) on {adam['accelerator']}", f"{s * 1000:.2f}",
-                     f"{s / adam['params'] * 1e9:.3f}", f"{s / base:.2f}x"])
-    return records.format_table(rows, ["optimizer", "ms per step", "ns per parameter", "vs DeepSpeedCPUAdam"]) + (
-        f"\n({adam['params']:,} fp32 parameters, median of {adam['repeats']} steps, {adam['threads']} CPU thread(s))")
+                     f"{s / adam.get('accelerator_params', adam['params']) * 1e9:.3f}", f"{s / base:.2f}x"])
+    return (records.format_table(rows, ["optimizer", "ms per step", "ns per parameter", "vs DeepSpeedCPUAdam"])
+            + f"\n({_benchmark_conditions(adam)})")
 
 
 def agreement_table(bench: dict, tolerance: float = 1e-6) -> str:
@@ -308,14 +269,38 @@ def agreement_table(bench: dict, tolerance: float = 1e-6) -> str:
     return records.format_table(rows, ["optimizer", "weights after one step vs AdamW's formula"])
 
 
-def adam_speed_summary(bench: dict) -> str:
-    """One sentence from the benchmark: how DeepSpeed's CPU Adam compares with torch's AdamW, default and fused
-    (machine-dependent: print where nbval does not compare)."""
-    seconds = bench["adam"]["seconds"]
-    base = seconds["DeepSpeedCPUAdam"]
-    default, fused = seconds["torch.optim.AdamW"] / base, seconds["torch.optim.AdamW(fused=True)"] / base
-    return (f"{bench['adam']['threads']} thread(s): torch's default AdamW takes {default:.1f}x DeepSpeedCPUAdam's time "
-            f"per step, torch's AdamW(fused=True) {fused:.1f}x")
+def adam_verdicts(bench: dict, load: load_guard.Load | None, base: str = "DeepSpeedCPUAdam") -> str:
+    """DeepSpeed's CPU Adam against each torch optimizer of the benchmark, through the course's load guard
+    (:func:`helpers.core.load_guard.compare`, with the repeat of the first optimizer timed at the end): a
+    verdict only where the launch had its devices to itself (``load``). A reference that kept medians only
+    gets none."""
+    adam = bench["adam"]
+    if "steps_s" not in adam:
+        return "No verdict: this result kept only each optimizer's median step, not the steps' spread."
+    lines = [f"Load beside the launch: {load.reason() or 'none, it had its devices to itself'}." if load else
+             "Load beside the launch: not recorded."]
+    for name, steps in adam["steps_s"].items():
+        if name != base:
+            verdict = load_guard.compare({base: adam["steps_s"][base], name: steps}, load, repeat=adam["again_s"])
+            lines.append(f"{name}: {load_guard.sentence(verdict)}")
+    return "\n".join(lines)
+
+
+def step_verdicts(runs: Mapping[str, records.Record], again: records.Record, load: load_guard.Load) -> str:
+    """Each offloading run's step times against its stage without offload, through the course's load guard: a
+    verdict only where the launch had its devices to itself (``load``), the difference exceeds the steps' spread
+    and, for the first run's stage, that run trained ``again`` at the end stayed within its spread. Steps after
+    each run's first (which warms up)."""
+    steps = lambda r: r.timing.all_s[1:]
+    first = next(iter(runs))
+    lines = [f"Load beside the launch: {load.reason() or 'none, it had its devices to itself'}."]
+    for name, r in runs.items():
+        base = f"stage {r.stage}"
+        if name != base and base in runs:
+            verdict = load_guard.compare({base: steps(runs[base]), name: steps(r)}, load,
+                                         repeat=steps(again) if base == first else None)
+            lines.append(f"{name}: {load_guard.sentence(verdict)}")
+    return "\n".join(lines)
 
 
 def transfer_table(bench: dict) -> str:
@@ -390,18 +375,6 @@ def largest_model_table(accelerator_gb: float, world_size: int, host_gb: float |
     return records.format_table(rows, headers)
 
 
-def settings_table(settings: Mapping[str, tuple[str, dict]] | None = None) -> str:
-    """What each run of the chapter changes: its base config and its ``zero_optimization`` offload lines."""
-
-    rows = []
-    for name, (config, overrides) in (settings or SETTINGS).items():
-        zero = overrides.get("zero_optimization", {})
-        lines = [f"{key}: {section['device']}" + ("" if section.get("pin_memory", True) else ", unpinned")
-                 for key, section in zero.items()]
-        rows.append([name, f"ds_configs/{config}.json", "; ".join(lines) or "-"])
-    return records.format_table(rows, ["run", "base config (+ bf16)", "offload"])
-
-
 def agreement(runs: Mapping[str, object]) -> str:
     """Each offloading run's losses against its stage without offload (within the precision's tolerance)."""
 
@@ -431,11 +404,11 @@ def host_gradient_bytes(runs: Mapping[str, object], rank: int = 0) -> str:
 
 def _per_reference(name: str, table: Callable[[dict], str]) -> str:
     """``table`` of the runs of every committed GPU result of experiment ``name``, each labelled with its device
-    (the conditions are printed once, by :func:`how_measured`)."""
+    and date (the conditions are printed once, by :func:`how_measured`)."""
     found = references.reference_runs(name)
     if not found:
         return references.no_references(name, references.GPU_HOW)
-    return "\n\n".join(f"{device}:\n" + table({k: r for k, r in runs.items() if not isinstance(r, dict)})
+    return "\n\n".join(f"GPU reference, {device}, {date}:\n" + table({k: r for k, r in runs.items() if not isinstance(r, dict)})
                         for device, date, note, runs in found)
 
 
@@ -529,18 +502,6 @@ def reference_report(name: str = "offload") -> str:
     return "\n\n".join(parts)
 
 
-def gpu_experiment(nvme: bool = False, model: str = "mlp_wide", micro_batch: int = 256, steps: int = 6) -> dict:
-    """On GPUs: every setting of :data:`GPU_SETTINGS` (and NVMe where it builds) on ``model``, with
-    ``micro_batch`` samples per rank per step, and the benchmarks, in one launch; saved with
-    :func:`helpers.core.references.save_reference` as "offload". Returns the runs."""
-
-    runs = run_settings(GPU_SETTINGS, model=model, steps=steps, nvme=nvme, name="offload-gpu",
-                        overrides={"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1})
-    kept = {k: r for k, r in runs.items() if not isinstance(r, launch.RunFailed)}
-    references.save_reference("offload", kept, note=f"{model}, bf16, micro batch {micro_batch}, {steps} steps")
-    return runs
-
-
 def when_to_use_table(runs: Mapping[str, object], baseline: str, rank: int = 0) -> str:
     """Per run against ``baseline``: accelerator-side model states (ratio), host-side model states (bytes),
     the parameters kept on the accelerator (ratio), and whether the losses agree."""
@@ -631,17 +592,57 @@ def offload_traffic_bytes(psi: float, world_size: int, offload: str, precision: 
 
 
 def offload_step_cost_s(psi: float, world_size: int, offload: str, to_host_bytes_per_s: float,
-                        to_accelerator_bytes_per_s: float, cpu_adam_s_per_param: float,
+                        to_accelerator_bytes_per_s: float, host_adam_s_per_param: float,
                         accelerator_adam_s_per_param: float = 0.0, precision: str = "fp16") -> dict[str, float]:
-    """Seconds an optimizer step gains per rank by offloading, if nothing overlaps: the copies of
-    :func:`offload_traffic_bytes` at the measured bandwidths, plus the CPU Adam step of the rank's
-    partition, minus the accelerator's Adam step it replaces. An upper bound: DeepSpeed overlaps some
-    copies with the backward."""
+    """Seconds an optimizer step gains by offloading, if nothing overlaps, for ``world_size`` GPUs on ONE host.
+
+    - copies: each rank's :func:`offload_traffic_bytes` at the measured bandwidths, every GPU over a link of
+      its own (so the ranks copy side by side);
+    - Adam: the host steps every rank's partition, ``psi`` parameters in all, on the cores the ranks share:
+      ``psi * host_adam_s_per_param``, the host's seconds per parameter as :func:`adam_benchmark` measures
+      them (all ranks stepping together, or one process using every core); minus one GPU's Adam step of
+      its partition, which the GPUs would have run side by side.
+
+    An upper bound for a host like the benchmark's: DeepSpeed overlaps some copies with the backward, and a
+    host with more cores (or memory bandwidth) steps faster."""
     traffic = offload_traffic_bytes(psi, world_size, offload, precision)
     shard = psi / world_size
     copies = traffic["to_host"] / to_host_bytes_per_s + traffic["to_accelerator"] / to_accelerator_bytes_per_s
-    adam = shard * (cpu_adam_s_per_param - accelerator_adam_s_per_param)
+    adam = psi * host_adam_s_per_param - shard * accelerator_adam_s_per_param
     return {"copies_s": copies, "adam_s": adam, "total_s": copies + adam}
+
+
+def host_adam_s_per_param(bench: dict) -> float:
+    """The host's seconds per parameter of DeepSpeed's CPU Adam in a benchmark result: the step time of all
+    the parameters the ranks stepped together (or rank 0 alone stepped, in a result from before they shared it)."""
+    return bench["adam"]["seconds"]["DeepSpeedCPUAdam"] / bench["adam"]["params"]
+
+
+def cost_lines(bench: dict, label: str, gpus: int = 8, psis: Sequence[float] = (1e9, 7e9),
+               load: load_guard.Load | None = None) -> str:
+    """:func:`offload_step_cost_s` for ``psis`` parameters on ``gpus`` GPUs of one host, from one benchmark
+    result (``label`` names where it was measured): its host's CPU Adam rate and, where it ran on a GPU, its
+    copy bandwidths and the GPU's fused AdamW. Without a GPU, the Adam part alone. With the ``load`` recorded
+    beside the benchmark, the first line says when other processes shared the machine (the rate is then low)."""
+    adam = bench["adam"]
+    host = host_adam_s_per_param(bench)
+    shared = f"; measured while {load.reason()}, so alone it may step faster" if load and not load.alone else ""
+    lines = [f"{label}: DeepSpeedCPUAdam {host * 1e9:.2f} ns per parameter for the host "
+             f"({_benchmark_conditions(adam)}{shared})"]
+    transfers = (bench.get("transfers") or {}).get("bytes_per_s")
+    for psi in psis:
+        if not transfers:
+            lines.append(f"  {psi / 1e9:.0f}B parameters: the host's CPU Adam takes {psi * host:.2f} s per step, "
+                         f"however many GPUs share it (no GPU here: copies not measured)")
+            continue
+        device = adam["accelerator_adamw_seconds"] / adam.get("accelerator_params", adam["params"])
+        for mode in ("optimizer", "optimizer+params"):
+            cost = offload_step_cost_s(psi, gpus, mode, transfers["device_to_host_pinned"],
+                                       transfers["host_to_device_pinned"], host, device)
+            lines.append(f"  {psi / 1e9:.0f}B parameters on {gpus} GPUs of one such host, {mode} offload: up to "
+                         f"{cost['total_s']:.2f} s more per step ({cost['copies_s']:.2f} s copies, "
+                         f"{cost['adam_s']:.2f} s Adam)")
+    return "\n".join(lines)
 
 
 # --- exercises ----------------------------------------------------------------------------------------
@@ -668,8 +669,9 @@ def exercise_host_bytes(answer: float, runs: Mapping[str, records.Record], name:
            "so plan host memory with the measured figure.")
     return exercises.number("host bytes per parameter", answer, total / shard, relative=0.01,
                             task=f"Predict the host bytes per partition element in the run '{name}'.",
-                            hint="add up what the host keeps per element: Adam's moments, the fp32 master and the "
-                                 "gradients as DeepSpeed stores them (the 'host gradient bytes' lines above)",
+                            hint="start from the paper's host bytes per partition element, 2 + K, and replace its one "
+                                 "16-bit gradient by the gradients DeepSpeed keeps at stage 3 (the paragraph above), "
+                                 "each at its dtype's bytes",
                             why=why)
 
 
@@ -711,9 +713,10 @@ def exercise_fit_config(answer: dict, runs: Mapping[str, records.Record], task: 
                                task=(f"Write the zero_optimization block that fits {params / 1e9:.0f}B parameters (bf16) "
                                      f"on {gpus} GPUs of {task['gpu_gb']:.0f} GB, keeping {task['reserve_gb']:.0f} GB "
                                      f"free on each, with {task['host_gb']:.0f} GB of host memory."),
-                               hint="the largest-model table above: which rows keep under "
-                                    f"{(task['gpu_gb'] - task['reserve_gb']) * 1e9 / params:.2f} bytes per parameter "
-                                    "on each GPU? An offload block is {\"device\": \"cpu\", \"pin_memory\": True}.")
+                               hint="for each stage and offload mode, the formula's accelerator bytes per parameter "
+                                    "(2Ψ or 2Ψ/N_d for the parameters, the rest offloaded) against the GPU memory left "
+                                    "per parameter, then the host bytes per parameter (Exercise 1's) times Ψ against the "
+                                    "host's memory. An offload block is {\"device\": \"cpu\", \"pin_memory\": True}.")
 
 
 def how_measured(name: str = "offload") -> str:
