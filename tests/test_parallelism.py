@@ -311,6 +311,10 @@ def test_the_phases_probe_times_each_layer_once_in_the_forward_not_again_in_its_
     assert probe.finish(ctx)["steps"] == [{"forward_s": 5, "layers_s": 2, "backward_s": 1, "step_s": 8, "rest_s": 2}]
 
 
+#: A launch that had its devices to itself.
+ALONE = load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test")
+
+
 def _timed(step_ms: float, phases_ms: dict | None) -> records.Record:
     summary = minimal_summary()
     summary["step_time_s"] = {"median": step_ms / 1e3, "all": [step_ms / 1e3]}
@@ -323,7 +327,9 @@ def _timed(step_ms: float, phases_ms: dict | None) -> records.Record:
 def test_the_recomputation_findings_name_which_assumption_of_the_four_thirds_rule_failed():
     plain = {"forward_s": 10, "layers_s": 8, "backward_s": 15, "rest_s": 5, "step_s": 30}
     runs = {"plain": _timed(30, plain), "deepspeed": _timed(41, {**plain, "backward_s": 26, "step_s": 41})}
-    assert activations.recompute_findings(runs, ["plain", "deepspeed"]).splitlines() == [
+    found = activations.recompute_findings(runs, ["plain", "deepspeed"], ALONE).splitlines()
+    assert found[0].startswith("no checkpointing is faster: deepspeed.checkpointing takes 1.37x its time, beyond")
+    assert found[1:] == [
         "deepspeed.checkpointing: 1.37x the step without checkpointing, above the rule's 1.33x.",
         "Without checkpointing the loss and backward took 1.50 times the forward (the rule assumes 2: shorter, so one "
         "forward is more than a third of forward + backward), and the decoder layers were 80% of the forward; one "
@@ -331,8 +337,19 @@ def test_the_recomputation_findings_name_which_assumption_of_the_four_thirds_rul
         "deepspeed.checkpointing: its backward grew by 1.38 times the layers' forward (more than the one forward "
         "the rule counts)."]
     unsplit = {"plain": _timed(30, None), "deepspeed": _timed(39, None)}
-    assert activations.recompute_findings(unsplit, ["plain", "deepspeed"]).splitlines()[1].startswith(
+    assert activations.recompute_findings(unsplit, ["plain", "deepspeed"], ALONE).splitlines()[2].startswith(
         "These runs were not split into phases")
+
+
+def test_the_recomputation_findings_say_nothing_of_time_when_the_load_guard_withholds_its_verdict():
+    plain = {"forward_s": 10, "layers_s": 8, "backward_s": 15, "rest_s": 5, "step_s": 30}
+    runs = {"plain": _timed(30, plain), "deepspeed": _timed(41, {**plain, "backward_s": 26, "step_s": 41})}
+    busy = load_guard.Load("cpu", 3, 0.5, 2, 10.0, 20, "test")
+    found = activations.recompute_findings(runs, ["plain", "deepspeed"], busy).splitlines()
+    assert found[0].startswith("Verdict withheld: other processes (3) used 50%") and len(found) == 2
+    assert "rule" not in "\n".join(found)
+    drifted = activations.recompute_findings(runs, ["plain", "deepspeed"], ALONE, again=_timed(45, plain))
+    assert drifted.startswith("Verdict withheld: the machine warmed during the sweep")
 
 
 def test_the_pipeline_probe_on_a_model_that_is_no_pipeline_stops_before_any_process_starts(monkeypatch):
@@ -502,7 +519,7 @@ class _Run(dict):
 def test_exercise_checkpointed_layer_bytes_is_checked_against_the_probes_measurement():
     shape = models.shape_of("llama-long")
     kept = 4 * shape.seq * shape.hidden * 4  # b s h elements in fp32
-    runs = {"long-transformers": _Run("llama-long-ckpt", [kept, kept])}
+    runs = {"long-torch": _Run("llama-long-ckpt", [kept, kept])}
     assert activations.exercise_checkpointed_layer_bytes(kept, runs)
     assert not activations.exercise_checkpointed_layer_bytes(kept // 4, runs)  # elements, not bytes
     assert not activations.exercise_checkpointed_layer_bytes(..., runs).answered
@@ -517,13 +534,42 @@ def test_exercise_cpu_checkpointing_block_is_parsed_by_deepspeed_and_names_ignor
     assert not activations.exercise_cpu_checkpointing_block(...).answered
 
 
-def test_exercise_block_alone_reads_the_block_only_run_against_the_plain_one():
+def test_exercise_block_bytes_is_checked_against_the_block_only_run():
     same = {"plain": _Run("llama", [500, 500]), "block-only": _Run("llama", [500, 500])}
-    assert activations.exercise_block_alone("nothing", same)
-    assert not activations.exercise_block_alone("checkpoints every layer", same)
+    assert activations.exercise_block_bytes(2000, same)
+    assert not activations.exercise_block_bytes(1000, same)  # the layers alone, not the step's total
+    assert "the same as the plain run's" in str(activations.exercise_block_bytes(2000, same))
     fewer = {"plain": _Run("llama", [500, 500]), "block-only": _Run("llama", [20, 20])}
-    assert activations.exercise_block_alone("checkpoints every layer", fewer)
-    assert "not one of the choices" in str(activations.exercise_block_alone("everything", same))
+    assert activations.exercise_block_bytes(1040, fewer) and "unlike the plain run's" in str(
+        activations.exercise_block_bytes(1040, fewer))
+    assert not activations.exercise_block_bytes(..., same).answered
+
+
+def test_cpu_checkpointing_findings_comment_the_launch_they_are_given():
+    plain = _Run("llama", [500, 500])
+    plain["device"] = "cpu"
+    assert "left cpu_checkpointing out" in activations.cpu_checkpointing_findings({"plain": plain})
+    without = _Run("llama-dsckpt", [65_536, 65_536], outside=400)
+    without._section["per_rank"][0]["by_device"] = {"cuda": 2 * 65_536 + 400}
+    moved = _Run("llama-dsckpt", [65_536, 65_536], outside=400)
+    moved._section["per_rank"][0]["by_device"] = {"cuda": 65_536 + 400, "cpu": 65_536}
+    moved["device"] = "cuda"
+    found = activations.cpu_checkpointing_findings({"plain": plain, "deepspeed": without, "deepspeed-cpu": moved})
+    assert "kept 64.4 KiB for backward on the GPU (without it: 128 KiB) and 64 KiB in host memory" in found
+    assert found.endswith("It moved 64 KiB off the GPU.")
+
+
+def test_chapter_records_reads_the_runs_newer_than_the_launch_in_training_order(tmp_path):
+    import json
+    import os
+    for age, name in ((300, "stale"), (20, "plain"), (10, "torch")):
+        (tmp_path / name).mkdir()
+        summary = tmp_path / name / "summary.json"
+        summary.write_text(json.dumps({**minimal_summary(), "name": name}))
+        os.utime(summary, (1e9 - age, 1e9 - age))
+    assert list(activations.chapter_records(tmp_path, since=1e9 - 100)) == ["plain", "torch"]
+    with pytest.raises(FileNotFoundError, match="did the script run"):
+        activations.chapter_records(tmp_path, since=1e9)
 
 
 # --- chapter 11's exercises: DeepSpeed's schedule and partitioning, run without processes ---------------

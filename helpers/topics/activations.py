@@ -29,11 +29,12 @@ rest, to compare what recomputation costs with the 4/3 rule of thumb.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from helpers.core import exercises, launch, models, plots, records, references, theory
+from helpers.core import exercises, load_guard, models, plots, records, references, theory
 from helpers.core.probes import Probe, RunContext
 
 
@@ -309,41 +310,30 @@ class Phases(Probe):
 
 # --- the chapter's experiment and tables (notebooks/10_activation_checkpointing.ipynb) --------------
 
-#: The name suffixes of the course's checkpointed models (:data:`helpers.core.models.LLAMA_VARIANTS`).
+#: The name suffixes of the course's checkpointed models (:data:`helpers.core.models.LLAMA_VARIANTS`): a chapter
+#: script records a model it checkpointed under that name (``llama-ckpt``: torch's checkpoint, ``llama-dsckpt``:
+#: DeepSpeed's), which the formulas read.
 CHECKPOINTED = ("-ckpt", "-dsckpt")
-#: Every setting of DeepSpeed's ``activation_checkpointing`` config block, switched on.
-CONFIG_BLOCK = {"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
-                                             "contiguous_memory_optimization": True, "number_checkpoints": 2,
-                                             "synchronize_checkpoint_boundary": True, "profile": True}}
-#: The block with only ``cpu_checkpointing`` (keep the checkpoints in host memory).
-CPU_CHECKPOINTING = {"activation_checkpointing": {"cpu_checkpointing": True}}
-PROBES = ("timing", "model_states", "peak_memory", Activations, Phases)
-#: Run name -> what it is, as the tables print it.
-LABELS = {"plain": "no checkpointing", "transformers": "transformers (torch.utils.checkpoint)",
-          "deepspeed": "deepspeed.checkpointing", "block-only": "config block, plain model",
+#: Run name -> what it is, as the tables print it (the chapter script's runs; ``transformers`` and
+#: ``long-transformers`` name torch's checkpoint in the GPU reference of 2026-11-26).
+LABELS = {"plain": "no checkpointing", "torch": "torch.utils.checkpoint",
+          "transformers": "transformers (torch.utils.checkpoint)",
+          "deepspeed": "deepspeed.checkpointing", "block-only": "config section, plain model",
           "deepspeed-cpu": "deepspeed.checkpointing + cpu_checkpointing",
-          "long": "512 tokens, no checkpointing", "long-transformers": "512 tokens, transformers"}
+          "long": "512 tokens, no checkpointing", "long-torch": "512 tokens, torch.utils.checkpoint",
+          "long-transformers": "512 tokens, transformers", "plain-again": "no checkpointing, again at the end"}
 
 
-def checkpointing_runs(size: str = "llama", long: str | None = "llama-long", steps: int = 7,
-                       micro_batch: int = 4, long_steps: int = 2) -> dict:
-    """One launch: the LLaMA-style model ``size`` without checkpointing, with transformers' and with
-    DeepSpeed's, with the config block alone, with DeepSpeed's checkpoint configured from the block
-    (``cpu_checkpointing``: may fail, recorded), and the ``long`` model without and with checkpointing.
-    Returns {run name: Record or RunFailed} (names: :data:`LABELS`)."""
-
-    batch = {"train_micro_batch_size_per_gpu": micro_batch}
-
-    def spec(model: str, overrides: dict | None = None, runs: int = steps, **kw) -> launch.RunSpec:
-        return launch.RunSpec("zero0", model=model, steps=runs, probes=PROBES, overrides={**batch, **(overrides or {})},
-                              **kw)
-
-    specs = {"plain": spec(size), "transformers": spec(f"{size}-ckpt"), "deepspeed": spec(f"{size}-dsckpt"),
-             "block-only": spec(size, CONFIG_BLOCK),
-             "deepspeed-cpu": spec(f"{size}-dsckpt", CPU_CHECKPOINTING, on_error="record")}
-    if long:
-        specs.update({"long": spec(long, runs=long_steps), "long-transformers": spec(f"{long}-ckpt", runs=long_steps)})
-    return launch.sweep(specs, name=f"activation-checkpointing-{size}")
+def chapter_records(folder: str | Path, since: float = 0.0) -> dict[str, records.Record]:
+    """The records the chapter's script wrote into ``folder`` (one sub-folder per run, named as the script
+    names them) since ``since`` (a ``time.time()``: folders of runs a learner has since renamed are left out),
+    by run name in the order they trained."""
+    loaded, _ = records.load_all(folder)
+    found = [(Path(folder, name, "summary.json").stat().st_mtime, name, record) for name, record in loaded.items()]
+    found = sorted(item for item in found if item[0] >= since)
+    if not found:
+        raise FileNotFoundError(f"no record in {folder} newer than the launch: did the script run?")
+    return {name: record for _, name, record in found}
 
 
 def measured(record: records.Record, rank: int = 0) -> dict:
@@ -477,25 +467,40 @@ def recompute_table(runs: dict, names: Sequence[str]) -> str:
                                         "one more forward of the layers would give", "backward grew by (layer forwards)"])
 
 
-def recompute_findings(runs: dict, names: Sequence[str]) -> str:
-    """The measured cost of recomputation against the 4/3 rule, in sentences generated from the runs: which of
-    the rule's assumptions (a backward twice the forward; a replay that costs one forward) held."""
+def _steps_s(record: records.Record) -> list[float]:
+    """A run's step times after its first (which warms up), or all of them where it has one or two."""
+    times = record.timing.all_s
+    return times[1:] if len(times) > 2 else times
+
+
+def recompute_findings(runs: dict, names: Sequence[str], load: load_guard.Load | None,
+                       again: records.Record | None = None) -> str:
+    """The measured cost of recomputation against the 4/3 rule, in sentences generated from the runs, through the
+    course's load guard: its verdict on the step times of ``names`` (the first, the run without checkpointing,
+    measured ``again`` at the end of the launch where given) under ``load`` first; where it withholds it, nothing
+    more. Otherwise each run's step against the rule's 4/3, and which of the rule's assumptions (a backward twice
+    the forward; a replay that costs one forward) held."""
 
     rows = recompute_rows(runs, names)
+    verdict = load_guard.compare({LABELS.get(n, n): _steps_s(runs[n]) for n in names}, load,
+                                 repeat=_steps_s(again) if again is not None else None)
+    lines = [load_guard.sentence(verdict)]
+    if not verdict.given:
+        lines.append("So nothing is said here of what recomputation cost: the step times are for reading, not for "
+                     "judging.")
+        return "\n".join(lines)
+    if any(row["ratio"] < 1 or row.get("replay_forwards", 0) < 0 for row in rows[1:]):
+        lines.append("A checkpointed run measured a shorter step or backward than the run without checkpointing, "
+                     "which recomputation cannot do: these times test nothing here.")
+        return "\n".join(lines)
     base = rows[0]["phases"]
-    lines = []
     for row in rows[1:]:
-        verdict = "within" if row["ratio"] <= RULE_OF_THUMB else "above"
-        lines.append(f"{row['label']}: {row['ratio']:.2f}x the step without checkpointing, {verdict} the "
+        side = "within" if row["ratio"] <= RULE_OF_THUMB else "above"
+        lines.append(f"{row['label']}: {row['ratio']:.2f}x the step without checkpointing, {side} the "
                      f"rule's {RULE_OF_THUMB:.2f}x.")
     if not base:
         lines.append("These runs were not split into phases (no 'phases' probe), so which of the rule's "
                      "assumptions failed is not measured here.")
-        return "\n".join(lines)
-    if any(row["ratio"] < 1 or row.get("replay_forwards", 0) < 0 for row in rows[1:]):
-        lines.append("A checkpointed run measured a shorter step or backward than the run without checkpointing, "
-                     "which recomputation cannot do: the machine's load changed between these runs, so their times "
-                     "test nothing here. Run the launch again on a quieter machine.")
         return "\n".join(lines)
     ratio = base["backward_s"] / base["forward_s"]
     share = ("shorter, so one forward is more than a third of forward + backward" if ratio < 2 else
@@ -546,7 +551,7 @@ def reference_findings(name: str = "activation-checkpointing") -> str:
         rows = {row["name"]: row for row in inputs_rows(runs, names)}
         lines = [inputs_table(runs, names)]
         plain = rows.get("plain")
-        for key in ("transformers", "deepspeed", "deepspeed-cpu"):
+        for key in ("transformers", "torch", "deepspeed", "deepspeed-cpu"):
             row = rows.get(key)
             if row is None or plain is None:
                 continue
@@ -564,8 +569,8 @@ def reference_findings(name: str = "activation-checkpointing") -> str:
         if cpu is not None and cpu["layers"] < cpu["formula"]:
             lines.append(f"So the cpu_checkpointing row's {records.format_bytes(cpu['host'])} in host memory says "
                          "nothing about where DeepSpeed put the inputs: the probe did not see them on this machine.")
-        lines.append(recompute_findings(runs, [n for n in ("plain", "transformers", "deepspeed", "deepspeed-cpu")
-                                               if n in names]))
+        lines.append(recompute_findings(runs, [n for n in ("plain", "transformers", "torch", "deepspeed", "deepspeed-cpu")
+                                               if n in names], None))
         return "\n".join(lines)
 
     return references.references_report(name, render)
@@ -606,21 +611,48 @@ def crossover_sequence(layers: int, hidden: int, heads: int, intermediate: int, 
     return seq
 
 
+def saving_summary(runs: Mapping[str, Any], pairs: Sequence[tuple[str, str]] = (("plain", "torch"),
+                                                                                ("long", "long-torch"))) -> str:
+    """The key result in one line per sequence length, from the runs (rank 0): the whole step's saved bytes with
+    checkpointing against without, per decoder layer too, and whether the losses agree."""
+    lines = []
+    for plain_name, ckpt_name in pairs:
+        plain, ckpt = measured(runs[plain_name]), measured(runs[ckpt_name])
+        lines.append(f"{models.seq_len_of(runs[plain_name].model_name)} tokens: checkpointed / not: "
+                     f"{ckpt['total'] / plain['total']:.3f} of the step's saved bytes, "
+                     f"{ckpt['per_layer'][-1] / plain['per_layer'][-1]:.3f} of a decoder layer's; losses "
+                     f"{records.loss_agreement(runs[ckpt_name].losses, runs[plain_name].losses)}")
+    return "\n".join(lines)
+
+
 def block_report(runs: dict) -> str:
-    """What the config block did: the plain model with every setting on against no block, and DeepSpeed's
-    checkpoint configured from ``cpu_checkpointing`` (bytes per device, or DeepSpeed's error)."""
+    """What the config's ``activation_checkpointing`` section did to the plain model with every setting on: its
+    saved bytes (rank 0) against the run without it."""
     plain, block = measured(runs["plain"]), measured(runs["block-only"])
     same = block["per_layer"] == plain["per_layer"] and block["total"] == plain["total"]
-    lines = [f"plain model, config block with every setting on: {block['total']:,} bytes saved, "
-             f"{'the same as' if same else 'different from'} no block ({plain['total']:,})"]
-    cpu = runs["deepspeed-cpu"]
-    if isinstance(cpu, Exception):
-        lines.append(f"deepspeed.checkpointing configured with cpu_checkpointing: {cpu}")
-    else:
-        by_device = measured(cpu)["by_device"]
-        lines.append("deepspeed.checkpointing configured with cpu_checkpointing: saved bytes by device "
-                     + ", ".join(f"{d}: {n:,}" for d, n in sorted(by_device.items())))
-    return "\n".join(lines)
+    return (f"plain model, activation_checkpointing section with every setting on: {block['total']:,} bytes saved, "
+            f"{'the same as' if same else 'different from'} without the section ({plain['total']:,})")
+
+
+def cpu_checkpointing_findings(runs: dict) -> str:
+    """What ``cpu_checkpointing`` did in this launch, generated from its runs (rank 0): the bytes DeepSpeed's
+    checkpoint kept on the device and in host memory with it and without it; or, where the launch had no
+    ``deepspeed-cpu`` run (CPU ranks, whose host memory is their device memory), that it was not measured here."""
+    if "deepspeed-cpu" not in runs:
+        where = runs["plain"]["device"]
+        return (f"This launch ran on {where} ranks, whose activations already live in host memory, so the script "
+                "left cpu_checkpointing out: nothing here measures what it frees (on a GPU this cell reports the run "
+                "the script makes there).")
+    with_cpu, without = measured(runs["deepspeed-cpu"]), measured(runs["deepspeed"])
+    device = runs["deepspeed-cpu"]["device"]
+    where = "GPU" if device == "cuda" else device
+    kept, host = with_cpu["by_device"].get(device, 0), with_cpu["by_device"].get("cpu", 0)
+    before = without["by_device"].get(device, 0)
+    inputs = sum(layer_formula(runs["deepspeed"], i) for i in range(len(without["per_layer"])))
+    return (f"cpu_checkpointing: rank 0 kept {records.format_bytes(kept)} for backward on the {where} (without it: "
+            f"{records.format_bytes(before)}) and {records.format_bytes(host)} in host memory when the backward "
+            f"began; the layers' inputs are {records.format_bytes(inputs)} in all. It moved "
+            f"{records.format_bytes(max(before - kept, 0))} off the {where}.")
 
 
 def llama_7b_shape() -> dict:
@@ -688,14 +720,16 @@ def gpu_table(runs: dict) -> str:
 
 
 def reference_report(name: str = "activation-checkpointing") -> str:
-    """Every committed GPU result of this chapter, labelled with its device, or a plain statement that none is."""
+    """Every committed GPU result of this chapter, labelled with its device and date, with what its
+    ``cpu_checkpointing`` run moved (:func:`cpu_checkpointing_findings`); or a plain statement that none is."""
 
-    return references.references_report(name, gpu_table)
+    return references.references_report(
+        name, lambda runs: gpu_table(runs) + ("\n" + cpu_checkpointing_findings(runs) if "deepspeed-cpu" in runs else ""))
 
 
 # --- exercises: predict what a checkpointed layer keeps, configure DeepSpeed's checkpoint -----------
 
-def exercise_checkpointed_layer_bytes(answer: object, runs: Mapping[str, Any], name: str = "long-transformers") -> exercises.Verdict:
+def exercise_checkpointed_layer_bytes(answer: object, runs: Mapping[str, Any], name: str = "long-torch") -> exercises.Verdict:
     """Exercise: predict the bytes one checkpointed decoder layer of run ``name`` keeps for backward, checked
     against what the ``activations`` probe measured on rank 0 (its last layer)."""
     record = runs[name]
@@ -734,8 +768,8 @@ def parse_block(block: dict) -> dict[str, Any]:
 
 
 def exercise_cpu_checkpointing_block(answer: object) -> exercises.Verdict:
-    """Exercise: write the ``activation_checkpointing`` block that has DeepSpeed's checkpoint keep each layer's
-    input in host memory and nothing else, checked with DeepSpeed's own parser (unknown keys, which it ignores
+    """Exercise: predict the smallest ``activation_checkpointing`` section that has DeepSpeed's checkpoint keep each
+    layer's input in host memory, checked with DeepSpeed's own parser (unknown keys, which it ignores
     silently, are named)."""
     def test(block: dict) -> tuple[bool, str]:
         ignored = [key for key in block if key not in block_settings()]
@@ -744,37 +778,34 @@ def exercise_cpu_checkpointing_block(answer: object) -> exercises.Verdict:
         parsed = parse_block(block)
         on = [key for key, value in parsed.items() if value not in (False, None)]
         if on == ["cpu_checkpointing"]:
-            return True, ("DeepSpeed parses it to cpu_checkpointing=True and every other setting off. Alone it does "
-                          "nothing: deepspeed.initialize parses the block and never reads it; only "
+            return True, ("DeepSpeed parses it to cpu_checkpointing=True and every other setting off: partitioning is "
+                          "not needed. Alone it does nothing: deepspeed.initialize parses the section and never acts on "
+                          "it; only "
                           "deepspeed.checkpointing.configure(mpu, deepspeed_config=...) reads it, and only "
                           "deepspeed.checkpointing.checkpoint, called by the model around its layers, acts on it.")
         return False, f"DeepSpeed parses it to {', '.join(f'{k}={v}' for k, v in parsed.items() if k in on) or 'every setting off'}."
     return exercises.satisfies(
         "cpu_checkpointing block", answer, test,
-        task="Write the activation_checkpointing block (a dict) that has DeepSpeed's checkpoint keep each layer's "
-             "input in host memory, with every other setting off.",
-        hint=f"the block's settings are {', '.join(block_settings())}; partitioning is not needed for host memory "
-             "(the chapter's text says why).")
+        task="Predict the smallest activation_checkpointing section (a dict) that has DeepSpeed's checkpoint keep "
+             "each layer's input in host memory: the settings it needs on, every other off.",
+        hint=f"the section's settings are {', '.join(block_settings())}; \"How this was measured\" follows the "
+             "code of CheckpointFunction.forward with cpu_checkpointing: which settings does its path read?")
 
 
-#: The choices of :func:`exercise_block_alone`.
-BLOCK_EFFECTS = ("nothing", "checkpoints every layer", "moves activations to host memory")
-
-
-def exercise_block_alone(answer: object, runs: Mapping[str, Any]) -> exercises.Verdict:
-    """Exercise: say what the config block with every setting on does to a model that never calls DeepSpeed's
-    checkpoint (one of :data:`BLOCK_EFFECTS`), checked against the chapter's 'block-only' and 'plain' runs."""
-    plain, block = measured(runs["plain"]), measured(runs["block-only"])
-    same = block["per_layer"] == plain["per_layer"] and block["total"] == plain["total"]
-    fewer = sum(block["per_layer"]) < sum(plain["per_layer"])
-    expected = "nothing" if same else ("checkpoints every layer" if fewer else "moves activations to host memory")
-    return exercises.choice(
-        "the block alone", answer, expected, choices=BLOCK_EFFECTS,
-        task=f"What does the activation_checkpointing block with every setting on do to the plain model? One of: "
-             f"{', '.join(map(repr, BLOCK_EFFECTS))}.",
-        hint="compare the 'block-only' run's saved bytes with the plain run's (activations.block_report).",
-        why=f"the block-only run saved {block['total']:,} bytes, {'the same as' if same else 'unlike'} the plain "
-            f"run's {plain['total']:,}: deepspeed.initialize parses the block and never acts on it.")
+def exercise_block_bytes(answer: object, runs: Mapping[str, Any]) -> exercises.Verdict:
+    """Exercise: predict the bytes rank 0 saves for backward in the 'block-only' run (the plain model, the config's
+    ``activation_checkpointing`` section with every setting on), checked against the ``activations`` probe."""
+    block, plain = measured(runs["block-only"]), measured(runs["plain"])
+    same = block["total"] == plain["total"]
+    return exercises.number(
+        "the section alone", answer, block["total"], relative=0.001, unit=" bytes",
+        task="Predict the bytes rank 0 saves for backward in the 'block-only' run: the plain model, trained with "
+             "the config's activation_checkpointing section, every setting on.",
+        hint="find, in the script, which call reads the activation_checkpointing section and whether 'block-only' "
+             "makes it; then take the matching row of the totals table above.",
+        why=f"the probe measured {block['total']:,} bytes, {'the same as' if same else 'unlike'} the plain run's "
+            f"{plain['total']:,}: deepspeed.initialize parses the section but nothing in it acts on it; only "
+            "deepspeed.checkpointing.configure reads it, for deepspeed.checkpointing.checkpoint.")
 
 
 # --- figures ----------------------------------------------------------------------------------------
@@ -862,8 +893,8 @@ def activation_bytes(layers: int, batch: int, seq: int, hidden: int, heads: int,
     return layers * per_layer + rotary + activation_bytes_outside_layers(batch, seq, hidden, vocab, precision)
 
 
-def checkpointing_figure(runs: Mapping[str, Any], pairs: Sequence[tuple[str, str]] = (("plain", "transformers"),
-                                                                                       ("long", "long-transformers"))):
+def checkpointing_figure(runs: Mapping[str, Any], pairs: Sequence[tuple[str, str]] = (("plain", "torch"),
+                                                                                       ("long", "long-torch"))):
     """The chapter's key result: bytes saved for backward in one micro-batch (rank 0), without and with
     checkpointing, split into the decoder layers and what lies outside them; one panel per sequence length."""
     plt = plots.pyplot()
