@@ -522,3 +522,16 @@ def test_exercise_autotp_config_is_parsed_by_deepspeed_and_counts_the_real_sampl
     assert "DeepSpeed refuses it" in str(tensor_parallel.exercise_autotp_config(stated, world_size=8, tp=4, samples=32))
     assert not tensor_parallel.exercise_autotp_config({"train_micro_batch_size_per_gpu": 16}, world_size=8, tp=4, samples=32)
     assert not tensor_parallel.exercise_autotp_config(..., world_size=8, tp=4, samples=32).answered
+
+
+def test_gpu_runs_keep_the_load_beside_them_and_a_later_reading_gets_it_back(tmp_path):
+    for name in ("autotp", "zero3"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({**minimal_summary(), "name": name}))
+    (tmp_path / "autotp-mlp").mkdir()
+    (tmp_path / "autotp-mlp" / "refused.json").write_text(json.dumps({"type": "AssertionError", "message": "no"}))
+    seen = load_guard.Load("gpu", 1, 0.5, 2, 10.0, 20, "test")
+    kept = tensor_parallel.keep_gpu_runs(tmp_path, 0.0, seen, note="test")  # a CPU record: nothing is saved
+    assert set(kept) == {"autotp", "zero3"}
+    assert tensor_parallel.saved_load(kept) == seen
+    assert tensor_parallel.saved_load({"zero3": _stepped([1.0, 2.0])}).samples == 0  # saved without one: unknown
