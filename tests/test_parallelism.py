@@ -8,12 +8,13 @@ import functools
 import itertools
 import json
 import os
+import time
 import types
 
 import pytest
 import torch
 
-from helpers.core import launch, load_guard, models, records
+from helpers.core import launch, load_guard, models, records, theory
 from helpers.topics import activations, pipeline, tensor_parallel
 from helpers.core.environment import WORLD_SIZE_VARIABLE
 from test_records import minimal_summary
@@ -611,9 +612,54 @@ def test_exercise_parameter_bytes_divides_only_what_the_plan_splits():
     assert not tensor_parallel.exercise_parameter_bytes(..., tp=4).answered
 
 
-def test_exercise_backward_all_reduces_reads_the_gpu_references_comms_logger():
-    assert tensor_parallel.exercise_backward_all_reduces(5 * 8 + 1)  # llama-gpu: 8 layers
-    assert not tensor_parallel.exercise_backward_all_reduces(2 * 8 + 1)  # Megatron-LM's fused count
+def test_crossover_tokens_is_where_autotps_bytes_meet_zero3s():
+    psi, layers, hidden, vocab = 6_738_415_616, 32, 4096, 32_000
+    tokens = tensor_parallel.crossover_tokens(psi, layers, hidden, vocab, tp=2)
+    # on 2 ranks an all-reduce sends its size and ZeRO-3 sends psi elements: psi / ((7L + 1) h + V / 2)
+    assert tokens == pytest.approx(psi / ((7 * layers + 1) * hidden + vocab / 2))
+    at = tensor_parallel.tensor_parallel_wire_bytes(layers, 1, round(tokens), hidden, vocab, 2)
+    assert at == pytest.approx(theory.zero3_wire_bytes(psi, 2), rel=1e-3)
+    # both sides carry the same ring factor (n-1)/n: the crossing does not depend on the ranks
+    assert tensor_parallel.crossover_tokens(psi, layers, hidden, vocab, tp=4) == pytest.approx(tokens)
+    assert tensor_parallel.crossover_tokens(psi, 2 * layers, hidden, vocab, tp=2) < tokens
+
+
+def test_exercise_crossover_tokens_takes_the_solution_and_refuses_the_bytes_without_the_logits():
+    psi = 6_738_415_616
+    assert tensor_parallel.exercise_crossover_tokens(psi / ((7 * 32 + 1) * 4096 + 16_000), psi)
+    assert not tensor_parallel.exercise_crossover_tokens(psi / (2 * 32 * 4096), psi)  # Megatron's 2 per layer, no backward
+    assert not tensor_parallel.exercise_crossover_tokens(..., psi).answered
+
+
+def test_chapter_runs_reads_records_and_refusals_written_since_the_launch(tmp_path):
+    old = tmp_path / "old-run"
+    old.mkdir()
+    (old / "refused.json").write_text(json.dumps({"type": "ValueError", "message": "before the launch"}))
+    os.utime(old / "refused.json", (1.0, 1.0))
+    refused = tmp_path / "autotp-gpt2"
+    refused.mkdir()
+    (refused / "refused.json").write_text(json.dumps({"type": "AssertionError", "message": "AutoTP not supported"}))
+    found = tensor_parallel.chapter_runs(tmp_path, since=100.0)
+    assert list(found) == ["autotp-gpt2"]
+    assert str(found["autotp-gpt2"]) == "refused: AssertionError: AutoTP not supported"
+    with pytest.raises(FileNotFoundError):
+        tensor_parallel.chapter_runs(tmp_path, since=time.time() + 60)
+
+
+def _stepped(steps_s):
+    summary = minimal_summary()
+    summary["step_time_s"] = {"median": sorted(steps_s)[len(steps_s) // 2], "all": list(steps_s)}
+    return records.Record(summary)
+
+
+def test_speed_verdict_is_withheld_without_a_load_and_given_alone_beyond_the_spread():
+    runs = {"autotp": _stepped([9.0, 2.0, 2.02, 2.01]), "zero3": _stepped([9.0, 1.0, 1.01, 1.02]),
+            "data-parallel": _stepped([9.0, 1.0, 1.01, 1.0]), "autotp-again": _stepped([2.0, 2.01, 2.02, 2.0])}
+    assert "withheld" in tensor_parallel.speed_verdict(runs, load_guard.Load.unknown("gpu"))
+    alone = load_guard.Load("gpu", 0, None, 2, 10.0, 20, "test")
+    assert "faster" in tensor_parallel.speed_verdict(runs, alone)
+    warmed = {**runs, "autotp-again": _stepped([1.0, 1.01, 1.0, 1.02])}  # AutoTP's repeat far from its first run
+    assert "warmed" in tensor_parallel.speed_verdict(warmed, alone)
 
 
 def test_exercise_autotp_config_is_parsed_by_deepspeed_and_counts_the_real_samples():
@@ -623,3 +669,16 @@ def test_exercise_autotp_config_is_parsed_by_deepspeed_and_counts_the_real_sampl
     assert "DeepSpeed refuses it" in str(tensor_parallel.exercise_autotp_config(stated, world_size=8, tp=4, samples=32))
     assert not tensor_parallel.exercise_autotp_config({"train_micro_batch_size_per_gpu": 16}, world_size=8, tp=4, samples=32)
     assert not tensor_parallel.exercise_autotp_config(..., world_size=8, tp=4, samples=32).answered
+
+
+def test_gpu_runs_keep_the_load_beside_them_and_a_later_reading_gets_it_back(tmp_path):
+    for name in ("autotp", "zero3"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({**minimal_summary(), "name": name}))
+    (tmp_path / "autotp-mlp").mkdir()
+    (tmp_path / "autotp-mlp" / "refused.json").write_text(json.dumps({"type": "AssertionError", "message": "no"}))
+    seen = load_guard.Load("gpu", 1, 0.5, 2, 10.0, 20, "test")
+    kept = tensor_parallel.keep_gpu_runs(tmp_path, 0.0, seen, note="test")  # a CPU record: nothing is saved
+    assert set(kept) == {"autotp", "zero3"}
+    assert tensor_parallel.saved_load(kept) == seen
+    assert tensor_parallel.saved_load({"zero3": _stepped([1.0, 2.0])}).samples == 0  # saved without one: unknown

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
-from helpers.core import theory
+from helpers.core import load_guard, records, theory
 from helpers.topics import compression
 
 PSI = 1_000_000
@@ -238,10 +239,56 @@ def test_exercise_cross_node_bytes_is_one_and_a_half_models_for_qwz_and_hpz():
     assert "to do:" in str(compression.exercise_cross_node_bytes(..., PSI))
 
 
-def test_exercise_qwz_gather_bytes_is_the_committed_measurement_about_half_of_zero3s():
-    device, runs = compression.measured_bytes()
-    assert device and {"ZeRO-3", "qwZ (quantized weights)"} <= set(runs)
-    zero3 = runs["ZeRO-3"].comm_ops()["all_gather_into_tensor"]["bytes"]
-    assert compression.exercise_qwz_gather_bytes(zero3 / 2, device, runs)
-    assert not compression.exercise_qwz_gather_bytes(zero3, device, runs)
-    assert "to do:" in str(compression.exercise_qwz_gather_bytes(..., device, runs))
+def _run(ops: dict, steps_s=(0.5, 0.1, 0.1), grad_accum: int = 2, **config) -> records.Record:
+    from test_records import minimal_summary
+
+    summary = {**minimal_summary(), "grad_accum": grad_accum, "train_batch": 4 * grad_accum * 2, "config": config,
+               "step_time_s": {"median": sorted(steps_s)[len(steps_s) // 2], "all": list(steps_s)}}
+    summary["comm"] = {**summary["comm"], "by_op": ops}
+    return records.Record(summary)
+
+
+def test_exercise_half_gradient_bytes_reads_the_bf16_runs_reduce_scatter():
+    psi = minimal_summary_params()
+    runs = {"16-bit gradients (communication_data_type)": _run(
+        {"reduce_scatter_tensor": {"count": 2.0, "bytes": 2 * 2.0 * psi}}, communication_data_type="bf16")}
+    assert compression.exercise_half_gradient_bytes(2 * 2 * psi, runs)  # per step: accumulation x 2 bytes x psi
+    assert not compression.exercise_half_gradient_bytes(2 * 4 * psi, runs)  # fp32's bytes
+    assert not compression.exercise_half_gradient_bytes(..., runs).answered
+    refused = {"16-bit gradients (communication_data_type)": compression.Refusal("ValueError", "no")}
+    with pytest.raises(ValueError):
+        compression.exercise_half_gradient_bytes(1.0, refused)
+
+
+def minimal_summary_params() -> int:
+    from test_records import minimal_summary
+
+    return minimal_summary()["model"]["params"]
+
+
+def test_chapter_runs_labels_the_scripts_runs_and_keeps_unknown_names(tmp_path):
+    for name in ("qwz", "my-setting"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "refused.json").write_text(json.dumps({"type": "ValueError", "message": name}))
+    found = compression.chapter_runs(tmp_path)
+    assert set(found) == {"qwZ (quantized weights)", "my-setting"}
+    assert found["qwZ (quantized weights)"].message == "qwz"
+
+
+def test_timing_verdict_withholds_without_a_load_and_skips_refused_settings():
+    runs = {"ZeRO-3": _run({}, (0.5, 0.10, 0.11)), "hpZ (node-local partition)": _run({}, (0.5, 0.30, 0.31)),
+            "qwZ (quantized weights)": compression.Refusal("ValueError", "no CUDA"),
+            "ZeRO-3 again": _run({}, (0.1, 0.10, 0.11))}
+    unknown = compression.timing_verdict(runs, load_guard.Load.unknown())
+    assert "hpZ: Verdict withheld" in unknown and "qwZ" not in unknown
+    alone = load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test")
+    assert "hpZ: ZeRO-3 is faster" in compression.timing_verdict(runs, alone)
+    warmed = {**runs, "ZeRO-3 again": _run({}, (0.3, 0.30, 0.31))}
+    assert "warmed" in compression.timing_verdict(warmed, alone)
+
+
+def test_one_node_reading_gives_no_verdict_on_references_saved_without_a_load():
+    reading = compression.one_node_reading()
+    assert reading and "is faster" not in reading
+    assert reading.count("Verdict withheld: nothing recorded") == sum(
+        1 for line in reading.splitlines() if line.startswith("  "))

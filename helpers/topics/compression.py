@@ -1,8 +1,8 @@
 """Compressed communication in DeepSpeed 0.19.8: ZeRO++ and what was removed, as chapter 13 runs it.
 
-- :func:`cpu_attempts`: one launch that asks CPU ranks for each ZeRO++ part, the 16-bit gradient
-  reduction every backend has (``communication_data_type``), and the removed 1-bit optimizers, each
-  with ``on_error="record"``: the real error, or a run whose collectives can be compared with plain ZeRO-3.
+- :func:`chapter_runs`: what the chapter's script (``runs/13/train_zeropp.py``, written by the notebook) recorded:
+  for each ZeRO++ part, the 16-bit gradient reduction every backend has (``communication_data_type``) and the
+  removed 1-bit optimizers, the real error, or a run whose collectives can be compared with plain ZeRO-3.
 - :func:`gpu_runs`: on GPUs, ZeRO-3 against each ZeRO++ part: step time (every setting in one launch), bytes
   per collective (the PyTorch profiler, one launch), and the comms logger on ZeRO-3 as a cross-check.
 - the lines of DeepSpeed's installed code that decide what applies on one node
@@ -13,11 +13,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from helpers.core import configs, environment, exercises, launch, plots, profiler_comm, records, references, theory
+from helpers.core import configs, environment, exercises, launch, load_guard, plots, profiler_comm, records, references, theory
+from helpers.topics import tensor_parallel
+from helpers.topics.tensor_parallel import Refusal
 
 #: The model's assumptions, stated as parameters, not measurements. The bandwidth chapter's measured
 #: fits (helpers/topics/bandwidth.py) are the same class: pass one of them instead of these defaults.
@@ -42,40 +45,33 @@ def zeropp_settings(ranks_per_node: int) -> dict[str, dict]:
 
 #: The optimizers DeepSpeed 0.19.8 removed (PR #8490, issue #8489), as their configs named them.
 REMOVED_OPTIMIZERS = {"1-bit Adam": "OneBitAdam", "0/1 Adam": "ZeroOneAdam", "1-bit LAMB": "OneBitLamb"}
-#: 16-bit gradient reduction: a top-level key every stage and backend honours.
-HALF_GRADIENTS = {"communication_data_type": "bf16"}
+
+#: The chapter script's run names (``runs/13/train_zeropp.py``) and the labels its tables give them.
+LABELS = {"zero3": "ZeRO-3", "qwz": "qwZ (quantized weights)", "hpz": "hpZ (node-local partition)",
+          "qgz": "qgZ (quantized gradients)", "zeropp": "ZeRO++ (all three)",
+          "bf16-gradients": "16-bit gradients (communication_data_type)", "onebit-adam": "1-bit Adam",
+          "zero-one-adam": "0/1 Adam", "onebit-lamb": "1-bit LAMB", "zero3-again": "ZeRO-3 again"}
 
 
-def cpu_attempts(model: str = "mlp", steps: int = 3, world_size: int | None = None,
-                 progress: bool = True) -> dict[str, records.Record | launch.RunFailed]:
-    """One launch: each ZeRO++ setting, 16-bit gradient reduction, and each removed optimizer, every one
-    with ``on_error="record"`` (its real error comes back as a :class:`helpers.core.launch.RunFailed`). The
-    removed optimizers skip the course's checker (``check=False``) so that DeepSpeed itself answers."""
-    env = environment.detect(world_size)
-    specs: dict[str, launch.RunSpec] = {}
-    for name, knobs in zeropp_settings(env.default_world_size).items():
-        specs[name] = launch.RunSpec("zero3", model=model, steps=steps, on_error="record",
-                                     overrides={"zero_optimization": knobs} if knobs else None)
-    specs["16-bit gradients (communication_data_type)"] = launch.RunSpec(
-        "zero3", model=model, steps=steps, on_error="record", overrides=HALF_GRADIENTS)
-    for name, kind in REMOVED_OPTIMIZERS.items():
-        specs[name] = launch.RunSpec("zero0", model=model, steps=steps, on_error="record", check=False,
-                                     overrides={"optimizer": {"type": kind, "params": {"lr": 1e-3}}})
-    return launch.sweep(specs, name="zeropp-cpu", world_size=world_size, progress=progress)
+def chapter_runs(folder: str | Path, since: float = 0.0) -> dict[str, records.Record | Refusal]:
+    """What the chapter's script wrote into ``folder`` since ``since`` (a ``time.time()``), by label
+    (:data:`LABELS`; a run the script names otherwise keeps its name): its record, or the :class:`Refusal` of a
+    setting DeepSpeed refused on these ranks, in the order they were written."""
+    return {LABELS.get(name, name): result for name, result in tensor_parallel.chapter_runs(folder, since).items()}
 
 
 def _ops(record: records.Record) -> dict[str, tuple[float, float]]:
     return {op: (row["count"], row["bytes"]) for op, row in record.comm_ops().items()}
 
 
-def outcome_table(results: Mapping[str, records.Record | launch.RunFailed], baseline: str = "ZeRO-3") -> str:
+def outcome_table(results: Mapping[str, records.Record | Refusal], baseline: str = "ZeRO-3") -> str:
     """Per setting: did it run, and if so did its collectives (count and bytes per step, by op) differ from
     plain ZeRO-3's, and its losses? A failure shows DeepSpeed's exception and message."""
     base = results[baseline]
     rows = []
     for name, result in results.items():
-        if isinstance(result, launch.RunFailed):
-            rows.append([name, f"refused: {result.error_type}", result.message.splitlines()[0]])
+        if isinstance(result, Refusal):
+            rows.append([name, f"refused: {result.type}", result.message.splitlines()[0]])
             continue
         if name == baseline:
             rows.append([name, "ran", "the baseline"])
@@ -334,12 +330,15 @@ def _where(failure: launch.RunFailed, frames: int = 14) -> list[str]:
 
 
 def save_gpu_reference(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record],
-                       note: str, name: str = "zeropp") -> Path | None:
-    """Keep both GPU passes as one reference file (``runs/reference/<name>-<N>x<GPU>.json``)."""
+                       note: str, name: str = "zeropp", load: load_guard.Load | None = None) -> Path | None:
+    """Keep both GPU passes as one reference file (``runs/reference/<name>-<N>x<GPU>.json``), each record with
+    the ``load`` the guard saw beside the launches (so :func:`one_node_reading` can give or withhold a verdict)."""
     def kept(result):  # a failure is kept as its error, so the committed file says what failed
         if isinstance(result, launch.RunFailed):
             return {"error_type": result.error_type, "message": result.message, "device": "cuda",
                     "where": _where(result)}
+        if load is not None and isinstance(result, records.Record):
+            result.summary["load"] = dataclasses.asdict(load)
         return result
 
     runs = {f"bytes: {k}": kept(r) for k, r in by_bytes.items()} | {f"time: {k}": kept(r) for k, r in by_time.items()}
@@ -470,9 +469,9 @@ def prediction_reading(psi: float, layers: int, tokens_per_gpu: int, flops_per_s
 
 
 def one_node_reading(name: str = "zeropp") -> str:
-    """The committed one-node step times in sentences generated from them: each switch's step time against
-    ZeRO-3's per reference, and, where a switch whose collectives equal ZeRO-3's (bytes 1.00) took more than
-    10% longer or shorter, that this is not communication."""
+    """The committed one-node step times, each switch against ZeRO-3 per reference, through the course's load
+    guard (:func:`helpers.core.load_guard.compare`) with the load saved beside the runs: a reference saved
+    without one (every one committed so far) gets its medians and no verdict."""
     lines = []
     for device, date, note, runs in references.reference_runs(name):
         plain = runs.get("time: ZeRO-3")
@@ -481,26 +480,19 @@ def one_node_reading(name: str = "zeropp") -> str:
         knobs = plain.summary["config"].get("zero_optimization", {})
         regime = ("layers released after use" if knobs.get("stage3_max_live_parameters") == 0
                   else "DeepSpeed's default knobs")
-        ratios, odd = [], []
+        saved = plain.summary.get("load")
+        load = load_guard.Load.from_dict(saved) if saved else load_guard.Load.unknown("gpu")
+        lines.append(f"{device}, {date} ({regime}):")
         for setting in zeropp_settings(2):
-            timed, counted = runs.get(f"time: {setting}"), runs.get(f"bytes: {setting}")
+            timed = runs.get(f"time: {setting}")
             if setting == "ZeRO-3" or not isinstance(timed, records.Record):
                 continue
-            ratio = timed.timing.median_s / plain.timing.median_s
-            ratios.append(f"{setting.split(' (')[0]} {ratio:.2f}x")
-            base = runs.get("bytes: ZeRO-3")
-            if (isinstance(counted, records.Record) and isinstance(base, records.Record)
-                    and counted.comm.bytes_per_step == base.comm.bytes_per_step and abs(ratio - 1) > 0.1):
-                odd.append(f"{setting.split(' (')[0]} ({ratio:.2f}x)")
-        lines.append(f"{device}, {date} ({regime}): {', '.join(ratios)} ZeRO-3's step time.")
-        if odd:
-            lines.append(f"  On {device}, {' and '.join(odd)} moved the same bytes per step as ZeRO-3, yet took "
-                         "that long: the bytes do not explain it, and the course has not measured where the time "
-                         "goes (a profile of their steps would): its cause is not known.")
+            verdict = load_guard.compare({"ZeRO-3": _steps_s(plain), setting.split(" (")[0]: _steps_s(timed)}, load)
+            lines.append(f"  {load_guard.sentence(verdict)}")
     return "\n".join(lines)
 
 
-def where_it_failed(failure: launch.RunFailed | records.Record, frames: int = 3) -> str:
+def where_it_failed(failure: Refusal | records.Record, frames: int = 3) -> str:
     """The last ``frames`` frames of a rank's traceback, with paths cut to the package (``deepspeed/...``),
     so the text is the same on every machine with the same DeepSpeed. A run that did not fail (quantized
     weights on a GPU) says so instead."""
@@ -511,7 +503,7 @@ def where_it_failed(failure: launch.RunFailed | records.Record, frames: int = 3)
     for path, line, function, code in found[-frames:]:
         short = re.sub(r"^.*?/(deepspeed|torch|helpers)/", r"\1/", path)
         lines.append(f"{short}:{line} in {function}: {code.strip()}")
-    return "\n".join(lines + [f"{failure.error_type}: {failure.message}"])
+    return "\n".join(lines + [f"{failure.type}: {failure.message}"])
 
 
 # --- figures ----------------------------------------------------------------------------------------
@@ -633,9 +625,9 @@ def zeropp_step_prediction(psi: float, layers: int, tokens_per_gpu: int, nodes: 
 
 # --- the key figure and the exercises ---------------------------------------------------------------
 
-def cpu_bytes_figure(results: Mapping[str, records.Record | launch.RunFailed]):
+def cpu_bytes_figure(results: Mapping[str, records.Record | Refusal]):
     """Bars: bytes per step of each collective, for every setting that trained on these ranks
-    (:func:`cpu_attempts`); a refused setting gets no bar and says so under its name."""
+    (:func:`chapter_runs`); a refused setting gets no bar and says so under its name."""
     plt = plots.pyplot()
     ops = sorted({op for r in results.values() if isinstance(r, records.Record) for op in _ops(r)},
                  key=lambda op: -max(_ops(r).get(op, (0, 0))[1] for r in results.values()
@@ -705,29 +697,43 @@ def exercise_cross_node_bytes(answer: Any, psi: float) -> exercises.Verdict:
              "The gradients are now two thirds of what crosses: qgZ is the switch that cuts them."))
 
 
-def measured_bytes(name: str = "zeropp") -> tuple[str, dict[str, records.Record]]:
-    """(device, {setting: record}) of the first committed reference whose bytes runs of ZeRO-3 and qwZ are
-    records (the profiler's counts per step); ("", {}) when none is committed."""
-    for device, _, _, runs in references.reference_runs(name):
-        found = {k.removeprefix("bytes: "): r for k, r in runs.items()
-                 if k.startswith("bytes: ") and isinstance(r, records.Record)}
-        if {"ZeRO-3", "qwZ (quantized weights)"} <= set(found):
-            return device, found
-    return "", {}
-
-
-def exercise_qwz_gather_bytes(answer: Any, device: str, runs: Mapping[str, records.Record]) -> exercises.Verdict:
-    """Exercise: from ZeRO-3's all-gather bytes per step measured on ``device`` (``runs`` from
-    :func:`measured_bytes`), predict qwZ's; the answer is qwZ's measured record."""
-    op = "all_gather_into_tensor"
-    base = runs["ZeRO-3"].comm_ops()[op]
-    qwz = runs["qwZ (quantized weights)"].comm_ops()[op]
-    extra = qwz["bytes"] - base["bytes"] / 2
+def exercise_half_gradient_bytes(answer: Any, runs: Mapping[str, records.Record | Refusal]) -> exercises.Verdict:
+    """Exercise: predict the bytes per optimizer step the comms logger records for ZeRO-3's gradient
+    reduce-scatter with ``communication_data_type`` bf16 in this launch; the answer is the run's record."""
+    half = runs["16-bit gradients (communication_data_type)"]
+    if not isinstance(half, records.Record):
+        raise ValueError(f"the 16-bit gradients run did not train here: {half}")
+    row = half.comm_ops()["reduce_scatter_tensor"]
+    psi, accumulation = half.params, half["grad_accum"]
     return exercises.number(
-        "qwZ's gathers", answer, qwz["bytes"], relative=0.05, unit=" bytes",
-        task=(f"On {device} ZeRO-3 sent {base['bytes']:,.0f} bytes per step in {base['count']:g} "
-              f"{op} calls (bf16 weights). Predict the bytes per step qwZ's gathers send."),
-        hint="qwZ sends each weight as int8 instead of bf16, plus a small scale per block of weights.",
-        why=(f"Measured by the profiler on {device}: {qwz['count']:g} calls, {qwz['bytes'] / base['bytes']:.3f} of "
-             f"ZeRO-3's bytes. int8 halves the weights, and the per-block scales add {extra:,.0f} bytes "
-             f"({extra / base['bytes']:.2%} of ZeRO-3's), which travel in gathers of their own: twice the calls."))
+        "16-bit gradient bytes", answer, row["bytes"], relative=0.01, unit=" bytes",
+        task=f"Predict the bytes per optimizer step the comms logger records for ZeRO-3's gradient reduce-scatter "
+             f"with communication_data_type bf16 in this launch: model '{half.model_name}' (Ψ = {psi:,} parameters), "
+             f"{half['world_size']} ranks, gradient accumulation {accumulation}.",
+        hint="how often ZeRO-3 reduce-scatters the gradients per optimizer step (chapter 05), what size the logger "
+             "records for a reduce-scatter (chapter 05's closing section), and the bytes of one bf16 element.",
+        why=f"{row['count']:g} reduce-scatter calls per step (ZeRO-3 reduces at every micro-step), each logged as "
+            f"the whole gradient in bf16: {row['bytes'] / row['count']:,.0f} bytes, 2 x Ψ. In fp32 it would be "
+            "twice that.")
+
+
+def _steps_s(record: records.Record) -> list[float]:
+    """A run's step times in seconds after the first step (which warms up)."""
+    return list(record.timing.all_s[1:])
+
+
+def timing_verdict(runs: Mapping[str, records.Record | Refusal], load: load_guard.Load,
+                   base: str = "ZeRO-3", again: str = "ZeRO-3 again") -> str:
+    """Each setting that trained on these ranks against plain ZeRO-3, step time by step time, through the course's
+    load guard (:func:`helpers.core.load_guard.compare`, with ``runs[again]``, ZeRO-3 trained again at the end of
+    the launch, as the repeat): a verdict only for a launch alone on its devices, a repeat within ZeRO-3's spread
+    and a difference beyond the steps' spread; otherwise the line says why it withholds one."""
+    repeat = _steps_s(runs[again]) if isinstance(runs.get(again), records.Record) else None
+    lines = [f"Load beside the launch: {load.reason() or 'none, it had its devices to itself'}."]
+    for name, record in runs.items():
+        if name in (base, again) or not isinstance(record, records.Record):
+            continue
+        verdict = load_guard.compare({base: _steps_s(runs[base]), name.split(" (")[0]: _steps_s(record)}, load,
+                                     repeat=repeat)
+        lines.append(f"{name.split(' (')[0]}: {load_guard.sentence(verdict)}")
+    return "\n".join(lines)

@@ -7,11 +7,14 @@ the parallel groups. :func:`split_table` sets the shapes beside those of the uns
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import json
 import math
+from pathlib import Path
 from typing import Mapping, Sequence
 
-from helpers.core import configs, environment, exercises, launch, models, plots, records, references, theory
+from helpers.core import configs, exercises, load_guard, models, plots, records, references, theory
 from helpers.core.probes import Probe, RunContext
 
 
@@ -65,43 +68,43 @@ def split_table(before: Mapping[str, dict], ranks: list[dict], layer: int | None
 
 # --- the chapter's experiment and tables (notebooks/12_tensor_parallelism.ipynb) ---------------------
 
-PROBES = ("timing", "model_states", "peak_memory", "comm", ParamShards)
-
-
 def shards(record: records.Record) -> list[dict]:
     """What the ``param_shards`` probe found on each rank: ``params`` (name -> shape, dtype, bytes),
     ``autotp_size`` and the engine's batch and group sizes."""
     return record.section("param_shards")["per_rank"]
+
+
 #: ZeRO's gradient buckets default to 5e8 elements (2 GB in fp32, allocated at stages 1-3): far beyond these
 #: models, and slow to allocate on a CPU. One bucket of 1e7 elements still holds every gradient of them.
 SMALL_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 10_000_000}}
 
 
-def tensor_parallel_runs(size: str = "llama", micro_batch: int = 4, steps: int = 4, world_size: int | None = None) -> dict:
-    """One launch on N ranks: data parallelism (ZeRO-0), ZeRO-3, and AutoTP over all N ranks (ZeRO-0 and
-    ZeRO-1), all at the same global batch (each tensor-parallel rank reads N times the micro-batch, as
-    the ranks of one group share it); then the traps, recorded: ``train_batch_size`` set to the real
-    global batch, and AutoTP on the GPT-2-style and MLP models. Returns {run name: Record or RunFailed}."""
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A run a chapter's script expected DeepSpeed to refuse: the exception's type, message and (where the script
+    kept it) traceback, as the script wrote them to ``<run>/refused.json``."""
 
-    world = environment.detect(world_size).default_world_size
-    tp = {"tensor_parallel": {"autotp_size": world}, "train_micro_batch_size_per_gpu": micro_batch * world}
-    dp = {"train_micro_batch_size_per_gpu": micro_batch}
-    def spec(config: str, overrides: dict, model: str = size, probes=PROBES, runs: int = steps, **kw) -> launch.RunSpec:
-        return launch.RunSpec(config, model=model, steps=runs, probes=probes,
-                              overrides=configs.merged(SMALL_BUCKETS, overrides), **kw)
+    type: str
+    message: str
+    traceback: str = ""
 
-    specs = {
-        "data-parallel": spec("zero0", dp),
-        "zero3": spec("zero3", dp),
-        "autotp": spec("zero0", tp),
-        "autotp-zero1": spec("zero1", tp),
-        # DeepSpeed's batch check counts every rank: the real global batch is refused
-        "autotp-train-batch": spec("zero0", {**tp, "train_batch_size": micro_batch * world * 2}, probes=(),
-                                   check=False, on_error="record", runs=1),
-        "autotp-gpt2": spec("zero0", tp, model="gpt2", probes=(), on_error="record", runs=1),
-        "autotp-mlp": spec("zero0", tp, model="mlp", probes=(), on_error="record", runs=1),
-    }
-    return launch.sweep(specs, name=f"tensor-parallel-{size}", world_size=world_size)
+    def __str__(self) -> str:
+        return f"refused: {self.type}: {self.message}"
+
+
+def chapter_runs(folder: str | Path, since: float = 0.0) -> dict[str, records.Record | Refusal]:
+    """What the chapter's script wrote into ``folder`` since ``since`` (a ``time.time()``): {run name: its
+    record, or the :class:`Refusal` of a run DeepSpeed refused}, in the order they were written."""
+    found = []
+    for path in Path(folder).glob("*/summary.json"):
+        if path.stat().st_mtime >= since:
+            found.append((path.stat().st_mtime, path.parent.name, records.load(path)))
+    for path in Path(folder).glob("*/refused.json"):
+        if path.stat().st_mtime >= since:
+            found.append((path.stat().st_mtime, path.parent.name, Refusal(**json.loads(path.read_text()))))
+    if not found:
+        raise FileNotFoundError(f"no record in {folder} newer than the launch: did the script run?")
+    return {name: result for _, name, result in sorted(found, key=lambda item: item[0])}
 
 
 def shapes_before(name: str) -> dict[str, dict]:
@@ -266,21 +269,58 @@ def traffic_curves(record_tp, record_zero3, tokens=(64, 256, 1024, 4096, 16384, 
     return list(tokens), lines, measured
 
 
-def speed_verdict(runs: Mapping) -> str:
-    """The step times of AutoTP, ZeRO-3 and plain data parallelism on the same ranks and global batch, as a
-    sentence: whether splitting the matrix products made the step faster here."""
-    tp, z3, dp = (runs[name].timing.median_s for name in ("autotp", "zero3", "data-parallel"))
-    faster = "faster" if tp < z3 else "slower"
-    return (f"AutoTP {tp * 1000:.0f} ms a step, ZeRO-3 {z3 * 1000:.0f} ms, plain data parallelism {dp * 1000:.0f} ms: "
-            f"AutoTP {max(tp, z3) / min(tp, z3):.2f}x {faster} than ZeRO-3 on the same ranks")
+def _steps_s(record: records.Record) -> list[float]:
+    """A run's step times in seconds after the first step (which warms up)."""
+    return list(record.timing.all_s[1:])
+
+
+def speed_verdict(runs: Mapping, load: load_guard.Load | None, again: str = "autotp-again") -> str:
+    """AutoTP's, ZeRO-3's and plain data parallelism's step times on the same ranks and global batch, through the
+    course's load guard (:func:`helpers.core.load_guard.compare`, with ``runs[again]``, AutoTP trained again at
+    the end of the launch, where there is one): a verdict only for a launch alone on its devices and a difference
+    beyond the steps' spread, otherwise the reason it is withheld."""
+    samples = {"AutoTP": _steps_s(runs["autotp"]), "ZeRO-3": _steps_s(runs["zero3"]),
+               "data parallelism": _steps_s(runs["data-parallel"])}
+    repeat = _steps_s(runs[again]) if isinstance(runs.get(again), records.Record) else None
+    return load_guard.sentence(load_guard.compare(samples, load, repeat=repeat))
+
+
+def keep_gpu_runs(folder: str | Path, since: float, load: load_guard.Load, note: str) -> dict[str, records.Record]:
+    """On GPUs: the records the script wrote into ``folder`` since ``since``, each with the ``load`` the guard
+    saw beside the launch (so a later reading can give or withhold its verdict), saved as the chapter's reference
+    (:func:`helpers.core.references.save_reference`, for an instructor to commit)."""
+    runs = {name: r for name, r in chapter_runs(folder, since).items() if isinstance(r, records.Record)}
+    for record in runs.values():
+        record.summary["load"] = dataclasses.asdict(load)
+    references.save_reference("tensor-parallel", runs, note=note)
+    return runs
+
+
+def saved_load(runs: Mapping) -> load_guard.Load:
+    """The load the GPU cell saved with its runs (``summary["load"]``), or an unknown one (every verdict withheld)
+    for runs saved without it."""
+    found = next((r.summary.get("load") for r in runs.values()
+                  if isinstance(r, records.Record) and r.summary.get("load")), None)
+    return load_guard.Load.unknown("gpu") if found is None else load_guard.Load.from_dict(found)
 
 
 def reference_report(name: str = "tensor-parallel") -> str:
-    """Every committed GPU result of this chapter (AutoTP against ZeRO-3 with timings, memory, the step times
-    as a sentence), or a plain statement that none is."""
+    """Every committed GPU result of this chapter (AutoTP against ZeRO-3 with timings, memory, and the step times
+    through the load guard with the load saved beside them), or a plain statement that none is."""
 
     return references.references_report(
-        name, lambda runs: f"{against_zero3_table(runs, timings=True)}\n{memory_table(runs)}\n{speed_verdict(runs)}")
+        name, lambda runs: f"{against_zero3_table(runs, timings=True)}\n{memory_table(runs)}\n"
+                           f"{speed_verdict(runs, saved_load(runs))}")
+
+
+def traffic_sentence(runs: Mapping) -> str:
+    """The key result in one sentence from the runs: AutoTP's bytes sent per optimizer step over ZeRO-3's, at the
+    run's tokens per micro-step."""
+    tp, z3 = runs["autotp"], runs["zero3"]
+    ratio = records.format_ratio(moved_bytes_per_step(tp), moved_bytes_per_step(z3))
+    tokens = tp["micro_batch"] * models.seq_len_of(tp.model_name)
+    return (f"At {tokens:,} tokens per micro-step AutoTP sent {ratio} times ZeRO-3's bytes per step "
+            f"({records.format_bytes(moved_bytes_per_step(tp))} against {records.format_bytes(moved_bytes_per_step(z3))}).")
 
 
 def plan_table(name: str = "llama") -> str:
@@ -345,25 +385,29 @@ def exercise_parameter_bytes(answer: object, name: str = "llama", tp: int = 4, p
             "replicated embedding does not shrink with more ranks.")
 
 
-def exercise_backward_all_reduces(answer: object, name: str = "tensor-parallel") -> exercises.Verdict:
-    """Exercise: predict the all-reduces per micro-step in the backward of AutoTP on the GPU reference's model,
-    checked against the count DeepSpeed's comms logger recorded there."""
-    found = references.reference_runs(name)
-    if not found:
-        raise ValueError(references.no_references(name))
-    device, date, _, runs = found[0]
-    record = runs["autotp"]
-    shape = models.shape_of(record.model_name)
-    expected = record.comm.by_caller["all_reduce"]["backward"]["count"] / record["grad_accum"]
+def crossover_tokens(psi: int, layers: int, hidden: int, vocab: int, tp: int, precision: str = "fp32") -> float:
+    """Tokens per micro-step at which AutoTP over ``tp`` ranks sends as many bytes as ZeRO-3 over as many ranks:
+    :func:`tensor_parallel_wire_bytes` grows in proportion to the tokens, :func:`helpers.core.theory.zero3_wire_bytes`
+    does not."""
+    per_token = tensor_parallel_wire_bytes(layers, 1, 1, hidden, vocab, tp, precision)
+    return theory.zero3_wire_bytes(psi, tp, precision) / per_token
+
+
+def exercise_crossover_tokens(answer: object, psi: int, layers: int = 32, hidden: int = 4096, vocab: int = 32_000,
+                              tp: int = 2) -> exercises.Verdict:
+    """Exercise: predict the tokens per micro-step at which AutoTP's traffic equals ZeRO-3's for a model of ``psi``
+    parameters (LLaMA-7B by default) on ``tp`` ranks; the answer is :func:`crossover_tokens`."""
+    expected = crossover_tokens(psi, layers, hidden, vocab, tp)
     return exercises.number(
-        "AutoTP backward all-reduces", answer, expected,
-        task=f"Predict how many all_reduce calls AutoTP makes per micro-step in the backward of {record.model_name} "
-             f"({shape.layers} decoder layers), as measured on {device} ({date}).",
-        hint="in backward the input gradient of each column-parallel linear is summed over the ranks; count them "
-             "per layer (attention and MLP), then add the LM head.",
-        why=f"DeepSpeed's comms logger recorded {expected:g} per micro-step: 5 per layer (q_proj, k_proj, v_proj, "
-            f"gate_proj, up_proj) x {shape.layers} + 1 (lm_head). Megatron-LM sums the shared inputs once, 2 per "
-            "layer; AutoTP replaces each linear on its own.")
+        "AutoTP against ZeRO-3", answer, expected, relative=0.05, unit=" tokens",
+        task=f"Predict the tokens per micro-step (b x s) at which AutoTP on {tp} ranks sends as many bytes per "
+             f"micro-step as ZeRO-3 on {tp} ranks, for {psi:,} parameters in {layers} layers, hidden size {hidden:,}, "
+             f"vocabulary {vocab:,}.",
+        hint="the two formulas of this section, each collective on its ring: ZeRO-3's bytes do not depend on the "
+             "tokens, AutoTP's grow with b x s (count its messages per token, the logits' all-gather included).",
+        why=f"{expected:,.0f} tokens: below it AutoTP moves fewer bytes than ZeRO-3, above it more. A real model's "
+            f"hidden size makes the crossing {expected / hidden:.1f} x h tokens, a few samples of a long sequence: "
+            "at training batches AutoTP moves more, which is why it stays on fast links inside a node.")
 
 
 def autotp_config_facts(config: dict, world_size: int) -> dict:
