@@ -49,11 +49,15 @@ def write_zero2_checkpoint(folder: Path, params: int = 100) -> None:
 
 
 def test_printed_reads_the_named_runs_lines_only():
-    output = ("[zero3-bf16-gather-true] rank 1: save_16bit_model returned True\n"
-              "noise [zero3-bf16-gather-true] rank 0: save_16bit_model returned True\n"
-              "[zero3-bf16-gather-false] rank 0: save_16bit_model returned False\n")
-    assert checkpoints.printed(output, "zero3-bf16-gather-false") == ["rank 0: save_16bit_model returned False"]
+    output = ("[zero3-bf16-gather-false] rank 1: save_16bit_model returned False[zero3-bf16-gather-false] rank 0: "
+              "save_16bit_model returned False\n\n"  # two ranks printing at once: one line inside the other
+              "noise [zero3-bf16-gather-true] rank 1: save_16bit_model returned True\n"
+              "[zero3-bf16-gather-true] rank 0: save_16bit_model returned True\n")
+    assert checkpoints.printed(output, "zero3-bf16-gather-true") == ["rank 1: save_16bit_model returned True",
+                                                                     "rank 0: save_16bit_model returned True"]
     assert checkpoints._returned(output, "zero3-bf16-gather-true") == [True, True]  # by rank, whatever the order
+    assert checkpoints._returned(output, "zero3-bf16-gather-false") == [False, False]
+    assert checkpoints._returned(output, "zero2-bf16") == []
 
 
 def test_load_one_rank_takes_refusals_from_the_output_and_records_from_disk(tmp_path):
@@ -184,3 +188,24 @@ def test_bad_hooks_are_refused_before_any_process_starts(monkeypatch):
         launch.run("zero3", before_training="resume", world_size=2)
     with pytest.raises(ValueError, match="options"):
         launch.run("zero3", options={"save_dir": object()}, world_size=2)
+
+
+def test_load_runs_reads_the_scripts_records_by_name_and_needs_every_ranks_16bit_answer(tmp_path):
+    names = [f"zero{s}" for s in checkpoints.STAGES] + [f"zero{s}-bf16" for s in checkpoints.BF16_STAGES]
+    names += ["zero3-bf16-gather-false", "zero3-bf16-gather-true"]
+    for name in names:
+        write_record(tmp_path, name, [1.0] * 6)
+    with pytest.raises(FileNotFoundError, match="zero0-resumed"):
+        checkpoints.load_runs(tmp_path, "")
+    for stage in checkpoints.STAGES:
+        write_record(tmp_path, f"zero{stage}-resumed", [1.0] * 2)
+    one_rank = "[zero3-bf16-gather-true] rank 0: save_16bit_model returned True\n"
+    with pytest.raises(ValueError, match="on 1 of 2 ranks for run zero3-bf16-gather-true"):
+        checkpoints.load_runs(tmp_path, one_rank + "[zero3-bf16-gather-false] rank 0: save_16bit_model returned False\n"
+                              "[zero3-bf16-gather-false] rank 1: save_16bit_model returned False\n")
+    output = "".join(f"[zero3-bf16-gather-{g}] rank {r}: save_16bit_model returned {g.title()}\n"
+                     for g in ("false", "true") for r in (1, 0))
+    runs = checkpoints.load_runs(tmp_path, output)
+    assert runs.model16_returned == {False: [False, False], True: [True, True]}
+    assert sorted(runs.bf16) == [0, 2, 3] and runs.bf16[3].name == "zero3-bf16-gather-true"
+    assert runs.crash_after == 4  # 6 steps, of which the resumed runs trained 2

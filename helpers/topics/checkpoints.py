@@ -90,12 +90,10 @@ def _record(folder: Path, name: str) -> records.Record:
 
 
 def _returned(output: str, name: str) -> list[bool]:
-    """What ``save_16bit_model`` returned on each rank, as run ``name`` printed it."""
-    found = {}
-    for line in printed(output, name):
-        match = re.fullmatch(r"rank (\d+): save_16bit_model returned (True|False)", line)
-        if match:
-            found[int(match.group(1))] = match.group(2) == "True"
+    """What ``save_16bit_model`` returned on each rank, as run ``name`` printed it (searched in the whole
+    output: the ranks print at the same moment, and one rank's line can end up inside another's)."""
+    pattern = re.escape(f"[{name}] ") + r"rank (\d+): save_16bit_model returned (True|False)"
+    found = {int(rank): value == "True" for rank, value in re.findall(pattern, output)}
     return [found[rank] for rank in sorted(found)]
 
 
@@ -103,7 +101,7 @@ def load_runs(folder: str | Path, output: str) -> ChapterRuns:
     """The records of the first two launches of the chapter's script (``--out folder``) and what its second
     launch printed (``output``, returned by ``launch.run_script``): the runs named as the script names them."""
     folder = Path(folder)
-    return ChapterRuns(
+    runs = ChapterRuns(
         folder=folder,
         uninterrupted={s: _record(folder, f"zero{s}") for s in STAGES},
         resumed={s: _record(folder, f"zero{s}-resumed") for s in STAGES},
@@ -112,6 +110,12 @@ def load_runs(folder: str | Path, output: str) -> ChapterRuns:
         model16={g: _record(folder, f"zero3-bf16-gather-{str(g).lower()}") for g in (False, True)},
         model16_returned={g: _returned(output, f"zero3-bf16-gather-{str(g).lower()}") for g in (False, True)},
     )
+    for gather, values in runs.model16_returned.items():
+        name, ranks = runs.model16[gather].name, runs.model16[gather].world_size
+        if len(values) != ranks:
+            raise ValueError(f"the output holds what save_16bit_model returned on {len(values)} of {ranks} ranks "
+                             f"for run {name}: pass what launch.run_script returned for the resume phase")
+    return runs
 
 
 def load_one_rank(folder: str | Path, output: str) -> tuple[dict[int, records.Record | str], dict[int, records.Record]]:
