@@ -209,3 +209,28 @@ def test_load_runs_reads_the_scripts_records_by_name_and_needs_every_ranks_16bit
     assert runs.model16_returned == {False: [False, False], True: [True, True]}
     assert sorted(runs.bf16) == [0, 2, 3] and runs.bf16[3].name == "zero3-bf16-gather-true"
     assert runs.crash_after == 4  # 6 steps, of which the resumed runs trained 2
+
+
+def test_loss_of_model_is_the_loss_of_every_sample_the_step_trained_on():
+    from helpers.core import models
+
+    record = records.Record(summary("zero2", [1.0] * 6))  # 2 ranks, micro-batch 4, accumulation 4
+    net = models.build("mlp")
+    step = 3
+    indices = [i for micro in range(record.grad_accum) for rank in range(2)
+               for i in models.sample_indices(step, micro, rank, 2, record.micro_batch, record.grad_accum)]
+    assert len(set(indices)) == record.train_batch  # 32 different samples
+    with torch.no_grad():  # equal micro-batches: the mean of their mean losses is the loss of all of them at once
+        whole = models.loss_of(net, "mlp", models.make_batch("mlp", indices)).item()
+    assert checkpoints.loss_of_model(net, record, step) == pytest.approx(whole, rel=1e-6)
+    assert checkpoints.loss_of_model(net, record, step + 1) != pytest.approx(whole, rel=1e-6)  # other samples
+
+
+def test_precision_ratios_compare_each_stages_bf16_checkpoint_with_its_fp32_one(tmp_path):
+    runs = chapter_runs(tmp_path, [0.7, 0.6, 0.5])
+    runs.bf16 = {2: runs.uninterrupted[2]}
+    write_zero2_checkpoint(runs.checkpoint_dir(2) / "step3", params=400)
+    write_zero2_checkpoint(runs.bf16_checkpoint_dir(2) / "step3", params=200)
+    line = checkpoints.precision_ratios(runs)
+    assert line.startswith("bf16 checkpoint vs fp32 checkpoint") and "ZeRO-2" in line and "(smaller)" in line
+    assert "ZeRO-0" not in line  # only the stages trained in bf16

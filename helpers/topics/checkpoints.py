@@ -18,7 +18,7 @@ import re
 import shutil
 import statistics
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
