@@ -1,62 +1,174 @@
-"""Kill a ZeRO-3 run mid-way (SIGKILL on every rank), resume it in fresh processes from its last
-checkpoint, and get the uninterrupted run's losses bit for bit; then read the checkpoint back.
-
-Two launches for the whole module (helpers.topics.checkpoints.crash_and_resume with one stage, and its bf16
-ZeRO-3 runs that call save_16bit_model with and without the gather switch).
-"""
+"""Chapter 14's helpers: what they read from the chapter script's records, printed lines and checkpoint files,
+and the checks of its exercises. The files here are written the way DeepSpeed 0.19.8 lays them out (its
+key names), small; the chapter's own launches run under nbval."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.core import launch, plan, records, train
-from helpers.topics import checkpoints
 from helpers.core.environment import WORLD_SIZE_VARIABLE
+from helpers.topics import checkpoints
 
-STEPS, CRASH_AFTER = 4, 2
-
-
-@pytest.fixture(scope="module")
-def crashed(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("checkpoints")
-    return checkpoints.crash_and_resume(stages=(3,), model="mlp", steps=STEPS, crash_after=CRASH_AFTER,
-                                        folder=folder, world_size=2, progress=False, bf16_stages=(3,))
+REFUSAL = ("The checkpoint being loaded used a DP world size of 2 but the current world size is 1. Automatic "
+           "adjustment of ZeRO's optimizer state partitioning with a new world size is not currently supported.")
 
 
-def test_the_killed_launch_really_died_and_left_only_its_checkpoints(crashed):
-    assert isinstance(crashed.crashed, launch.RunFailed)
-    assert "return code = -9" in crashed.crashed.log_tail  # SIGKILL, seen by DeepSpeed's launcher
-    killed = crashed.folder / "zero3-crash"
-    assert not (crashed.folder / "run-zero3-crash" / "summary.json").exists()  # no record: no teardown ran
-    assert sorted(p.name for p in killed.glob("step*")) == [f"step{k}" for k in range(1, CRASH_AFTER + 1)]
-    assert (killed / "latest").read_text().strip() == f"step{CRASH_AFTER}"
+def summary(name: str, losses: list[float], world_size: int = 2, stage: int = 2, precision: str = "fp32",
+            params: int = 100, optimizer: str = "DeepSpeedZeroOptimizer") -> dict:
+    """A valid record of the chapter's script: ``losses`` of the steps it trained."""
+    return {"name": name, "world_size": world_size, "backend": "gloo", "device": "cpu", "zero_stage": stage,
+            "precision": precision, "micro_batch": 4, "grad_accum": 8 // world_size, "train_batch": 32,
+            "steps": len(losses), "model": {"name": "mlp", "params": params}, "losses": losses,
+            "optimizer": optimizer,
+            "theory": {"model_states_bytes_per_rank": {}, "comm_bytes_per_step": 0, "comm_wire_bytes_per_step": 0}}
 
 
-def test_the_resumed_run_continues_with_the_uninterrupted_losses_bit_for_bit(crashed):
-    whole, resumed = crashed.uninterrupted[3], crashed.resumed[3]
-    assert resumed["first_step"] == CRASH_AFTER
-    assert len(resumed.losses) == STEPS - CRASH_AFTER
-    assert resumed.losses == whole.losses[CRASH_AFTER:]  # fp32 on CPU: exactly
-    records.validate(resumed.summary)
-    assert "identical" in checkpoints.resume_table(crashed)
+def write_record(folder: Path, name: str, losses: list[float], **kwargs) -> records.Record:
+    (folder / name).mkdir(parents=True, exist_ok=True)
+    (folder / name / "summary.json").write_text(json.dumps(summary(name, losses, **kwargs)))
+    return records.load(folder / name)
 
 
-def test_each_rank_saved_exactly_the_optimizer_states_and_master_copy_it_held(crashed):
-    held = crashed.uninterrupted[3]["memory.model_states_bytes_per_rank"]
-    saved = checkpoints.saved_by_rank(crashed.checkpoint_dir(3) / f"step{CRASH_AFTER}", len(held))
-    for rank, states in enumerate(held):
-        assert saved[rank]["files"] == 2  # its model shard and its optimizer shard
-        assert saved[rank]["optimizer"] == states["optimizer"] and saved[rank]["master"] == states["master"]
-        assert saved[rank]["params"] == 0  # at stage 3 the weights live in the fp32 master shards
+def write_zero2_checkpoint(folder: Path, params: int = 100) -> None:
+    """A ZeRO-2 fp32 checkpoint of 2 ranks: rank 0 the weights, each rank half of Adam's moments and of the
+    master copy, under DeepSpeed's file and key names."""
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"module": {"w": torch.zeros(params)}, "dp_world_size": 2}, folder / "mp_rank_00_model_states.pt")
+    for rank in range(2):
+        half = params // 2
+        state = {"optimizer_state_dict": {
+            "base_optimizer_state": {"state": {0: {"exp_avg": torch.zeros(half), "exp_avg_sq": torch.zeros(half)}}},
+            "single_partition_of_fp32_groups": [torch.zeros(half)]}}
+        torch.save(state, folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
 
 
-def test_zero_to_fp32_gives_a_plain_state_dict_that_reproduces_the_runs_next_loss(crashed):
-    run = crashed.uninterrupted[3].summary
-    state = checkpoints.consolidate(crashed.checkpoint_dir(3), f"step{CRASH_AFTER}")
-    loss = checkpoints.loss_of_state_dict(state, "mlp", CRASH_AFTER, 2, run["micro_batch"], run["grad_accum"])
-    assert records.loss_agreement([loss], [run["losses"][CRASH_AFTER]]) == "within 1e-06"
+def test_printed_reads_the_named_runs_lines_only():
+    output = ("[zero3-bf16-gather-false] rank 1: save_16bit_model returned False[zero3-bf16-gather-false] rank 0: "
+              "save_16bit_model returned False\n\n"  # two ranks printing at once: one line inside the other
+              "noise [zero3-bf16-gather-true] rank 1: save_16bit_model returned True\n"
+              "[zero3-bf16-gather-true] rank 0: save_16bit_model returned True\n")
+    assert checkpoints.printed(output, "zero3-bf16-gather-true") == ["rank 1: save_16bit_model returned True",
+                                                                     "rank 0: save_16bit_model returned True"]
+    assert checkpoints._returned(output, "zero3-bf16-gather-true") == [True, True]  # by rank, whatever the order
+    assert checkpoints._returned(output, "zero3-bf16-gather-false") == [False, False]
+    assert checkpoints._returned(output, "zero2-bf16") == []
+
+
+def test_load_one_rank_takes_refusals_from_the_output_and_records_from_disk(tmp_path):
+    write_record(tmp_path, "zero0-on-1-rank", [1.0, 0.9, 0.8], world_size=1, stage=0)
+    write_record(tmp_path, "zero3-universal", [1.0, 0.9, 0.8], world_size=1, stage=3)
+    output = "\n".join(f"[zero{s}-on-1-rank] load_checkpoint refused: {REFUSAL}" for s in (1, 2, 3))
+    as_saved, universal = checkpoints.load_one_rank(tmp_path, output)
+    assert isinstance(as_saved[0], records.Record) and as_saved[0].losses == [1.0, 0.9, 0.8]
+    assert [as_saved[s] for s in (1, 2, 3)] == [REFUSAL] * 3
+    assert list(universal) == [3]  # no ZeRO-2 universal record: left out, not invented
+    with pytest.raises(FileNotFoundError, match="zero1-on-1-rank"):  # neither a refusal nor a record
+        checkpoints.load_one_rank(tmp_path, output.split("\n", 1)[1])
+
+
+def test_each_rank_is_credited_with_the_weights_moments_and_master_copy_it_wrote(tmp_path):
+    write_zero2_checkpoint(tmp_path / "step3")
+    saved = checkpoints.saved_by_rank(tmp_path / "step3", 2)
+    assert {k: saved[0][k] for k in ("files", "params", "optimizer", "master")} == \
+        {"files": 2, "params": 400, "optimizer": 400, "master": 200}
+    assert {k: saved[1][k] for k in ("files", "params", "optimizer", "master")} == \
+        {"files": 1, "params": 0, "optimizer": 400, "master": 200}
+    assert saved[0]["bytes"] > saved[1]["bytes"] > 600  # files on disk: the tensors and pickle's own bytes
+
+
+def chapter_runs(folder: Path, resumed_losses: list[float]) -> checkpoints.ChapterRuns:
+    whole = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
+    uninterrupted = {s: write_record(folder, f"zero{s}", whole, stage=s) for s in checkpoints.STAGES}
+    resumed = {s: write_record(folder, f"zero{s}-resumed", resumed_losses, stage=s) for s in checkpoints.STAGES}
+    return checkpoints.ChapterRuns(folder, uninterrupted, resumed, bf16={}, model16={},
+                                   model16_returned={False: [False, False], True: [True, True]})
+
+
+def test_the_resume_table_says_identical_only_for_the_same_losses(tmp_path):
+    runs = chapter_runs(tmp_path / "same", [0.7, 0.6, 0.5])
+    assert runs.steps == 6 and runs.crash_after == 3
+    assert runs.checkpoint_dir(3).name == "zero3-killed" and runs.checkpoint_dir(2).name == "zero2"
+    assert checkpoints.resume_table(runs).count("identical") == 4
+    close = chapter_runs(tmp_path / "close", [0.7, 0.6, 0.5 + 1e-7])
+    assert "identical" not in checkpoints.resume_table(close) and "within 1e-06" in checkpoints.resume_table(close)
+
+
+def test_on_disk_table_tells_the_killed_run_by_its_missing_record(tmp_path):
+    for name, last in (("zero0", 6), ("zero1", 6), ("zero2", 6), ("zero3", 6), ("zero3-killed", 3)):
+        for step in range(1, last + 1):
+            (tmp_path / "checkpoints" / name / f"step{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / name / "latest").write_text(f"step{last}")
+        if name != "zero3-killed":
+            write_record(tmp_path, name, [1.0] * 6)
+    (tmp_path / "checkpoints" / "zero3-killed" / "step3_universal").mkdir()  # a conversion, not a step
+    row = next(line for line in checkpoints.on_disk_table(tmp_path).splitlines() if line.startswith("zero3-killed"))
+    assert row.split() == ["zero3-killed", "step1", "step2", "step3", "step3", "no", "(killed)"]
+
+
+def test_crash_report_keeps_the_launchers_lines_without_process_ids_or_timestamps():
+    tail = ("[2026-11-28 16:30:01,123] [INFO] [launch.py:253:sigkill_handler] Killing subprocess 4242\n"
+            "[measure] step 3/6: loss 1.0672 (rank 0)\n"
+            "[2026-11-28 16:30:01,125] [ERROR] [launch.py:259:sigkill_handler] ['/venv/bin/python', '-u', "
+            "'runs/14/train_checkpoint.py', '--local_rank=1', '--phase', 'crash'] exits with return code = -9\n")
+    report = checkpoints.crash_report(launch.RunFailed("failed", log_tail=tail))
+    assert report.splitlines() == ["[INFO] [launch.py:253:sigkill_handler] Killing subprocess PID",
+                                   "[ERROR] [launch.py:259:sigkill_handler] [... train_checkpoint.py ...] "
+                                   "exits with return code = -9"]
+
+
+def test_exercise_bytes_per_rank_is_right_from_what_each_rank_wrote_and_wrong_for_a_replica(tmp_path):
+    runs = chapter_runs(tmp_path, [0.7, 0.6, 0.5])
+    write_zero2_checkpoint(runs.checkpoint_dir(2) / "step3")
+    disk = checkpoints.saved_by_rank(runs.checkpoint_dir(2) / "step3", 2)
+    assert checkpoints.exercise_zero2_bytes_per_rank({r: disk[r]["bytes"] for r in (0, 1)}, runs)
+    assert not checkpoints.exercise_zero2_bytes_per_rank({0: disk[0]["bytes"], 1: disk[0]["bytes"]}, runs)
+    assert "one entry per rank" in str(checkpoints.exercise_zero2_bytes_per_rank([1, 2], runs))
+    assert "to do:" in str(checkpoints.exercise_zero2_bytes_per_rank(..., runs))
+
+
+def test_exercise_save_16bit_wants_no_file_without_the_switch_and_the_file_with_it(tmp_path):
+    runs = chapter_runs(tmp_path, [0.7, 0.6, 0.5])
+    runs.model16 = {g: write_record(tmp_path, f"zero3-bf16-gather-{str(g).lower()}", [1.0] * 6, stage=3,
+                                    precision="bf16", params=1000) for g in (False, True)}
+    runs.model16_dir(True).mkdir(parents=True)
+    torch.save({"w": torch.zeros(1000, dtype=torch.bfloat16)}, runs.model16_dir(True) / "pytorch_model.bin")
+    size = (runs.model16_dir(True) / "pytorch_model.bin").stat().st_size
+    right = checkpoints.exercise_save_16bit({False: 0, True: size}, runs)
+    assert right and "returned False / False" in str(right)
+    assert not checkpoints.exercise_save_16bit({False: size // 2, True: size}, runs)  # rank 0's shard: not written
+    assert not checkpoints.exercise_save_16bit({False: 0, True: 2 * size}, runs)  # fp32: twice the bytes
+    assert "both runs" in str(checkpoints.exercise_save_16bit({True: size}, runs))
+    assert "to do:" in str(checkpoints.exercise_save_16bit(..., runs))
+
+
+def test_exercise_other_ranks_follows_what_deepspeed_did(tmp_path):
+    runs = chapter_runs(tmp_path, [0.7, 0.6, 0.5])
+    loaded = write_record(tmp_path, "zero0-on-1-rank", [0.7, 0.6, 0.5], world_size=1, stage=0)
+    as_saved = {0: loaded, 1: REFUSAL, 2: REFUSAL, 3: REFUSAL}
+    assert checkpoints.exercise_other_ranks({0: "loads", 1: "refused", 2: "refused", 3: "refused"}, runs, as_saved)
+    wrong = checkpoints.exercise_other_ranks({0: "loads", 1: "loads", 2: "refused", 3: "refused"}, runs, as_saved)
+    assert not wrong and "ZeRO-1" in str(wrong)
+    assert "one of" in str(checkpoints.exercise_other_ranks({0: "yes", 1: "no", 2: "no", 3: "no"}, runs, as_saved))
+    assert "to do:" in str(checkpoints.exercise_other_ranks(..., runs, as_saved))
+    assert "its 2-rank run saved" in str(checkpoints.exercise_other_ranks(..., runs, as_saved))
+
+
+def test_one_rank_table_gives_deepspeeds_reason_and_the_loss_agreement(tmp_path):
+    runs = chapter_runs(tmp_path, [0.7, 0.6, 0.5])
+    one = write_record(tmp_path, "zero0-on-1-rank", [0.7, 0.6, 0.5 + 1e-7], world_size=1, stage=0)
+    universal = {3: write_record(tmp_path, "zero3-universal", [0.7, 0.6, 0.5], world_size=1, stage=3)}
+    table = checkpoints.one_rank_table(runs, {0: one, 1: REFUSAL, 2: REFUSAL, 3: REFUSAL}, universal)
+    rows = {line.split()[0]: line for line in table.splitlines()[2:]}
+    assert "loads; losses within 1e-06" in rows["ZeRO-0"] and "4 x 8 x 1" in rows["ZeRO-0"]
+    assert "refused: The checkpoint being loaded used a DP world size of 2" in rows["ZeRO-1"]
+    assert "Automatic" not in table  # the first sentence only
+    assert rows["ZeRO-3"].rstrip().endswith("4 x 8 x 1") and rows["ZeRO-3"].count("loads") == 1
 
 
 def test_before_training_hook_must_return_a_step_of_the_run(monkeypatch):
@@ -67,7 +179,7 @@ def test_before_training_hook_must_return_a_step_of_the_run(monkeypatch):
     assert train.before_training(None, dataclasses.replace(run, before_training=None)) == 0  # no hook: a fresh run
 
 
-def test_bad_hooks_and_options_are_refused_before_any_process_starts(monkeypatch):
+def test_bad_hooks_are_refused_before_any_process_starts(monkeypatch):
     monkeypatch.delenv(WORLD_SIZE_VARIABLE, raising=False)
     monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(ValueError, match="before_training='helpers.topics.checkpoints:nope'"):
@@ -76,88 +188,49 @@ def test_bad_hooks_and_options_are_refused_before_any_process_starts(monkeypatch
         launch.run("zero3", before_training="resume", world_size=2)
     with pytest.raises(ValueError, match="options"):
         launch.run("zero3", options={"save_dir": object()}, world_size=2)
-    with pytest.raises(ValueError, match=r"options\['save_dir'\]"):
-        launch.run("zero3", probes=(checkpoints.Checkpoint,), world_size=2)
-    with pytest.raises(ValueError, match=r"options\['load_dir'\]='nowhere'"):
-        launch.run("zero3", before_training=checkpoints.RESUME, options={"load_dir": "nowhere"},
-                   world_size=2)
 
 
-def test_save_16bit_model_at_stage_3_writes_nothing_without_the_gather_switch(crashed):
-    quiet = crashed.model16[False]
-    assert quiet.section("model_16bit")["returned"] == [False, False]
-    assert not crashed.model16_dir(False).exists()
-    assert "nothing (no folder)" in checkpoints.model16_table(crashed)
+def test_load_runs_reads_the_scripts_records_by_name_and_needs_every_ranks_16bit_answer(tmp_path):
+    names = [f"zero{s}" for s in checkpoints.STAGES] + [f"zero{s}-bf16" for s in checkpoints.BF16_STAGES]
+    names += ["zero3-bf16-gather-false", "zero3-bf16-gather-true"]
+    for name in names:
+        write_record(tmp_path, name, [1.0] * 6)
+    with pytest.raises(FileNotFoundError, match="zero0-resumed"):
+        checkpoints.load_runs(tmp_path, "")
+    for stage in checkpoints.STAGES:
+        write_record(tmp_path, f"zero{stage}-resumed", [1.0] * 2)
+    one_rank = "[zero3-bf16-gather-true] rank 0: save_16bit_model returned True\n"
+    with pytest.raises(ValueError, match="on 1 of 2 ranks for run zero3-bf16-gather-true"):
+        checkpoints.load_runs(tmp_path, one_rank + "[zero3-bf16-gather-false] rank 0: save_16bit_model returned False\n"
+                              "[zero3-bf16-gather-false] rank 1: save_16bit_model returned False\n")
+    output = "".join(f"[zero3-bf16-gather-{g}] rank {r}: save_16bit_model returned {g.title()}\n"
+                     for g in ("false", "true") for r in (1, 0))
+    runs = checkpoints.load_runs(tmp_path, output)
+    assert runs.model16_returned == {False: [False, False], True: [True, True]}
+    assert sorted(runs.bf16) == [0, 2, 3] and runs.bf16[3].name == "zero3-bf16-gather-true"
+    assert runs.crash_after == 4  # 6 steps, of which the resumed runs trained 2
 
 
-def test_with_the_gather_switch_rank_0_writes_the_bf16_weights_alone(crashed):
-    import torch
-
+def test_loss_of_model_is_the_loss_of_every_sample_the_step_trained_on():
     from helpers.core import models
 
-    assert crashed.model16[True].section("model_16bit")["returned"] == [True, True]
-    files = sorted(p.name for p in crashed.model16_dir(True).iterdir())
-    assert files == ["pytorch_model.bin"]
-    state = torch.load(crashed.model16_dir(True) / "pytorch_model.bin", weights_only=True)
+    record = records.Record(summary("zero2", [1.0] * 6))  # 2 ranks, micro-batch 4, accumulation 4
     net = models.build("mlp")
-    assert list(state) == list(net.state_dict())  # every weight of the plain model, nothing else
-    assert {t.dtype for t in state.values()} == {torch.bfloat16}
-    assert sum(t.numel() for t in state.values()) == models.count_parameters(net)
+    step = 3
+    indices = [i for micro in range(record.grad_accum) for rank in range(2)
+               for i in models.sample_indices(step, micro, rank, 2, record.micro_batch, record.grad_accum)]
+    assert len(set(indices)) == record.train_batch  # 32 different samples
+    with torch.no_grad():  # equal micro-batches: the mean of their mean losses is the loss of all of them at once
+        whole = models.loss_of(net, "mlp", models.make_batch("mlp", indices)).item()
+    assert checkpoints.loss_of_model(net, record, step) == pytest.approx(whole, rel=1e-6)
+    assert checkpoints.loss_of_model(net, record, step + 1) != pytest.approx(whole, rel=1e-6)  # other samples
 
 
-def test_the_16bit_file_is_the_master_copy_rounded_and_reproduces_the_runs_next_loss(crashed):
-    table = checkpoints.model16_check(crashed)
-    assert "identical, 16 of 16 tensors" in table
-    assert "within 1e-03" in table
-
-
-def test_a_bf16_checkpoint_keeps_fp32_weights_only_in_the_master_copy(crashed):
-    files = checkpoints.files_per_rank(crashed.bf16_checkpoint_dir(3) / f"step{CRASH_AFTER}")
-    assert not any(f["weights_dtype"] for f in files)  # stage 3: names and shapes only
-    table = checkpoints.precision_table(crashed)
-    bf16_row = next(line for line in table.splitlines() if line.startswith("ZeRO-3") and " bf16 " in line)
-    assert "none (names and shapes only)" in bf16_row and "on each rank" in bf16_row
-
-
-def test_bad_16bit_options_are_refused_before_any_process_starts(monkeypatch):
-    monkeypatch.delenv(WORLD_SIZE_VARIABLE, raising=False)
-    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
-    with pytest.raises(ValueError, match=r"options\['model16_dir'\]"):
-        launch.run("zero3", probes=(checkpoints.Model16bit,), world_size=2)
-    with pytest.raises(ValueError, match=r"options\['model16_after'\]=9"):
-        launch.run("zero3", probes=(checkpoints.Model16bit,), steps=4, world_size=2,
-                   options={"model16_dir": "x", "model16_after": 9})
-
-
-# --- the chapter's exercises, against the module's runs ------------------------------------------
-
-def test_exercise_bytes_per_rank_is_right_from_the_model_states_and_wrong_for_a_replica(crashed):
-    params = crashed.uninterrupted[3].summary["model"]["params"]
-    shard = params // 2
-    # stage 3: no rank writes whole weights; each its shard of Adam's two moments and of the master copy
-    assert checkpoints.exercise_zero2_bytes_per_rank({0: 12 * shard, 1: 12 * shard}, crashed, stage=3)
-    assert not checkpoints.exercise_zero2_bytes_per_rank({0: 4 * params + 12 * shard, 1: 12 * shard}, crashed, stage=3)
-    assert "one entry per rank" in str(checkpoints.exercise_zero2_bytes_per_rank([1, 2], crashed, stage=3))
-    assert "to do:" in str(checkpoints.exercise_zero2_bytes_per_rank(..., crashed, stage=3))
-
-
-def test_exercise_save_16bit_needs_the_method_and_the_gather_switch(crashed):
-    switch = {"stage": 3, checkpoints.GATHER_KEY: True}
-    right = checkpoints.exercise_save_16bit(switch, "engine.save_16bit_model(save_dir)", crashed)
-    assert right and "pytorch_model.bin" in str(right)
-    without = checkpoints.exercise_save_16bit({"stage": 3}, "engine.save_16bit_model(save_dir)", crashed)
-    assert not without and "wrote nothing" in str(without)
-    assert not checkpoints.exercise_save_16bit(switch, "engine.save_checkpoint(save_dir)", crashed)
-    assert "no method" in str(checkpoints.exercise_save_16bit(switch, "engine.save_16bit(save_dir)", crashed))
-    assert "to do:" in str(checkpoints.exercise_save_16bit(..., ..., crashed))
-
-
-def test_exercise_universal_config_keeps_the_global_batch_and_loads_universal(crashed):
-    base = crashed.uninterrupted[3].summary["config"]
-    accum = base["gradient_accumulation_steps"] * 2  # two ranks become one
-    assert checkpoints.exercise_universal_config(
-        {"gradient_accumulation_steps": accum, "checkpoint": {"load_universal": True}}, crashed)
-    assert not checkpoints.exercise_universal_config(
-        {"gradient_accumulation_steps": accum // 2, "checkpoint": {"load_universal": True}}, crashed)
-    assert "load_universal" in str(checkpoints.exercise_universal_config({"gradient_accumulation_steps": accum}, crashed))
-    assert "to do:" in str(checkpoints.exercise_universal_config(..., crashed))
+def test_precision_ratios_compare_each_stages_bf16_checkpoint_with_its_fp32_one(tmp_path):
+    runs = chapter_runs(tmp_path, [0.7, 0.6, 0.5])
+    runs.bf16 = {2: runs.uninterrupted[2]}
+    write_zero2_checkpoint(runs.checkpoint_dir(2) / "step3", params=400)
+    write_zero2_checkpoint(runs.bf16_checkpoint_dir(2) / "step3", params=200)
+    line = checkpoints.precision_ratios(runs)
+    assert line.startswith("bf16 checkpoint vs fp32 checkpoint") and "ZeRO-2" in line and "(smaller)" in line
+    assert "ZeRO-0" not in line  # only the stages trained in bf16

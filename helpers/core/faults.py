@@ -1,4 +1,4 @@
-"""Faults on purpose: a rank that fails, hangs or is killed, to show what the course does then.
+"""Faults on purpose: a rank that fails or hangs, to show what the course does then.
 
 A run asks for them with ``faults=`` (:class:`helpers.core.launch.RunSpec`); the launcher then adds the
 :class:`Faults` probe to its probes, and the probe injects them at the start of an optimizer step, so
@@ -7,22 +7,17 @@ the training loop itself carries no fault switch:
 - ``{"fail_on_rank": r}``: rank ``r`` raises a RuntimeError at the start of the first step (chapter 00
   shows the error a learner then sees);
 - ``{"hang_on_rank": r}``: rank ``r`` sleeps for an hour at the start of the first step (the launch's
-  timeout ends it; the course's tests);
-- ``{"kill_after_step": k}``: every rank ends its own process with SIGKILL after ``k`` optimizer steps,
-  as a power cut or an OOM kill would: no teardown, no record (chapter 14 resumes from a checkpoint).
+  timeout ends it; the course's tests).
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 from helpers.core.probes import Probe, RunContext
 
 #: The faults a run can ask for, and what each takes.
-FAULTS = {"fail_on_rank": "a rank number", "hang_on_rank": "a rank number",
-          "kill_after_step": "a number of optimizer steps"}
+FAULTS = {"fail_on_rank": "a rank number", "hang_on_rank": "a rank number"}
 
 
 def check(faults: dict, world_size: int, steps: int) -> None:
@@ -36,10 +31,6 @@ def check(faults: dict, world_size: int, steps: int) -> None:
         if rank is not None and not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < world_size):
             raise ValueError(f"faults {{'{key}': {rank}}}: this launch has ranks 0-{world_size - 1}; "
                              f"choose one of them (the last is {world_size - 1})")
-    step = faults.get("kill_after_step")
-    if step is not None and not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step < steps):
-        raise ValueError(f"faults {{'kill_after_step': {step}}}: a run of {steps} steps can be killed after "
-                         f"0-{steps - 1} steps")
 
 
 class Faults(Probe):
@@ -49,8 +40,6 @@ class Faults(Probe):
 
     def before_step(self, ctx: RunContext, step: int) -> None:
         faults = ctx.faults
-        if faults.get("kill_after_step") == step:
-            os.kill(os.getpid(), signal.SIGKILL)  # every rank, at once: no teardown runs
         if step == 0 and faults.get("fail_on_rank") == ctx.rank:
             raise RuntimeError(f"deliberate failure on rank {ctx.rank} (fail_on_rank)")
         if step == 0 and faults.get("hang_on_rank") == ctx.rank:

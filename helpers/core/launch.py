@@ -114,13 +114,13 @@ class RunSpec:
     ``client_optimizer=True`` passes ``torch.optim.AdamW`` to ``deepspeed.initialize`` as the source
     article does; ``cast_inputs=False`` feeds fp32 inputs to a half-precision model (to show that
     error); ``on_error="record"`` lets a sweep go on past this run's failure and return the
-    :class:`RunFailed` in place of its record; ``faults`` makes a rank fail, hang or be killed on purpose
+    :class:`RunFailed` in place of its record; ``faults`` makes a rank fail or hang on purpose
     (:mod:`helpers.core.faults`).
 
     ``options`` (JSON) are settings for the run's probes and hooks, which read them as
-    ``ctx.options`` (e.g. the checkpoint probe's ``save_dir``). ``before_training`` names a
-    ``"package.module:function"`` the ranks call after ``deepspeed.initialize`` and before the first
-    step, such as ``"helpers.topics.checkpoints:resume"``; it returns the step training starts from
+    ``ctx.options``. ``before_training`` names a ``"package.module:function"`` the ranks call after
+    ``deepspeed.initialize`` and before the first step (to load a checkpoint, say); it returns the step
+    training starts from
     (:func:`helpers.core.train.before_training`).
     """
 

@@ -1,19 +1,11 @@
-"""Checkpoints: save during training, crash, resume, and read what a sharded checkpoint holds.
+"""Checkpoints (chapter 14): read what the chapter's script saved, resumed and refused.
 
-On the ranks (no change to the training loop, see :mod:`helpers.core.train`):
-
-- the ``checkpoint`` probe saves with ``engine.save_checkpoint`` after every ``save_every``-th optimizer
-  step into ``options["save_dir"]``, tagged ``step<k>``;
-- :func:`resume` is a ``before_training`` hook: it loads ``options["load_dir"]`` (tag
-  ``options["load_tag"]``, default the ``latest`` file) with ``engine.load_checkpoint`` and returns the
-  step training continues from;
-- ``faults={"kill_after_step": k}`` (:mod:`helpers.core.faults`) ends every rank with SIGKILL after
-  step k: a crash, with nothing but the files on disk left behind.
-
-In the notebook's process: :func:`files_per_rank` lists what each rank wrote and what is inside,
-:func:`consolidate` turns a sharded checkpoint into one plain PyTorch state dict with DeepSpeed's
-``zero_to_fp32``, :func:`to_universal` converts it with ``ds_to_universal`` for another number of ranks,
-and :func:`crash_and_resume` runs the chapter's experiment.
+The chapter's script (``runs/14/train_checkpoint.py``, written by the notebook) calls DeepSpeed itself:
+``engine.save_checkpoint`` after its steps, SIGKILL on every rank of a ZeRO-3 run, ``engine.load_checkpoint``
+in fresh processes, ``engine.save_16bit_model``, and a load of the multi-rank checkpoints on 1 rank. This module
+reads what it left: the records and printed lines (:func:`load_runs`, :func:`load_one_rank`), the checkpoint
+files (:func:`files_per_rank`), the tables and figure of the chapter, and its exercises' checks. It also
+converts a checkpoint for another number of ranks (:func:`to_universal`, DeepSpeed's ``ds_to_universal``).
 """
 
 from __future__ import annotations
@@ -25,140 +17,168 @@ import io
 import re
 import shutil
 import statistics
-import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
-from helpers.core import configs, exercises, launch, models, plots, records
-from helpers.core.plan import PlannedRun, reference_of
-from helpers.core.probes import Probe, RunContext
-from helpers.core.environment import REPO_ROOT, quiet_deepspeed_import
+from helpers.core import exercises, launch, models, plots, records
+from helpers.core.environment import quiet_deepspeed_import
 
-#: Where the chapter's checkpoints go (under ``runs/``, which git ignores).
-CHECKPOINT_DIR = REPO_ROOT / "runs" / "checkpoints"
-#: What every checkpoint carries for ``ds_to_universal``: DeepSpeed reads this key of the client state
-#: at stages 1-2 (an empty dict: no tensor or pipeline parallelism to describe).
-UNIVERSAL_INFO = {"universal_checkpoint_info": {}}
+#: The ZeRO stages the chapter's script trains, saves and resumes.
+STAGES = (0, 1, 2, 3)
+#: The ZeRO-3 switch that makes ``save_16bit_model`` gather the shards (DeepSpeed's default: false).
+GATHER_KEY = "stage3_gather_16bit_weights_on_model_save"
+#: The stages the script also trains in bf16 (stage 3: the run with the gather switch).
+BF16_STAGES = (0, 2)
+#: What DeepSpeed answers ``load_checkpoint`` with, per stage, on 1 rank, for a multi-rank checkpoint as saved.
+OUTCOMES = ("loads", "refused")
 
 
 def tag_of(step: int) -> str:
-    """The tag of the checkpoint saved after ``step`` optimizer steps."""
+    """The tag the chapter's script saves the checkpoint of ``step`` optimizer steps under."""
     return f"step{step}"
 
 
-# --- on the ranks ----------------------------------------------------------------------------
-
-class Checkpoint(Probe):
-    """Save a checkpoint after every ``save_every``-th optimizer step (``options``: ``save_dir``,
-    ``save_every`` = 1). Every rank calls ``engine.save_checkpoint``, as DeepSpeed requires: each writes
-    its own shard. Section: ``checkpoint`` (folder, tags saved, seconds each save took on rank 0).
-    """
-
-    name = "checkpoint"
-    keys = ("checkpoint.tags", "checkpoint.save_s")
-
-    @classmethod
-    def check_options(cls, options: dict, steps: int = 0) -> None:
-        if not options.get("save_dir"):
-            raise ValueError("options['save_dir']: the checkpoint probe needs a folder to save into, "
-                             "e.g. options={'save_dir': 'runs/checkpoints/mine'}")
-        every = options.get("save_every", 1)
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"options['save_every']={every!r}: save after every N-th step, N a whole number >= 1")
-
-    def start(self, ctx: RunContext) -> None:
-        self.check_options(ctx.options, ctx.steps)
-        self.every = int(ctx.options.get("save_every", 1))
-        self.tags: list[str] = []
-        self.seconds: list[float] = []
-
-    def after_step(self, ctx: RunContext, step: int) -> None:
-        if (step + 1) % self.every:
-            return
-        started = time.perf_counter()
-        ctx.engine.save_checkpoint(ctx.options["save_dir"], tag=tag_of(step + 1), client_state=UNIVERSAL_INFO)
-        self.seconds.append(time.perf_counter() - started)
-        self.tags.append(tag_of(step + 1))
-
-    def finish(self, ctx: RunContext) -> dict:
-        return {"tags": self.tags, "seconds": self.seconds}
-
-    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
-        return {"checkpoint": {"save_dir": ctx.options["save_dir"], "tags": ranks[0]["tags"],
-                               "save_s": ranks[0]["seconds"]}}
+def printed(output: str, name: str) -> list[str]:
+    """What the chapter's script printed about run ``name`` (its lines ``[name] ...``), prefix removed."""
+    prefix = f"[{name}] "
+    return [line.split(prefix, 1)[1].strip() for line in output.splitlines() if prefix in line]
 
 
-class Model16bit(Probe):
-    """After optimizer step ``options["model16_after"]``, call ``engine.save_16bit_model(options["model16_dir"])``
-    on every rank, as DeepSpeed requires (at stage 3 it gathers each layer's shards on rank 0, and only rank
-    0 writes). Section: ``model_16bit`` (folder, step, and what the call returned on each rank: ``False``
-    where it saved nothing).
-    """
+# --- the records of the chapter's launches -------------------------------------------------------
 
-    name = "model_16bit"
-    keys = ("model_16bit.returned", "model_16bit.after_step")
+@dataclasses.dataclass
+class ChapterRuns:
+    """The records of the chapter's first two launches (see :func:`load_runs`)."""
 
-    @classmethod
-    def check_options(cls, options: dict, steps: int = 0) -> None:
-        if not options.get("model16_dir"):
-            raise ValueError("options['model16_dir']: the model_16bit probe needs a folder to save into, "
-                             "e.g. options={'model16_dir': 'runs/checkpoints/model16', 'model16_after': 3}")
-        after = options.get("model16_after")
-        if not isinstance(after, int) or not 1 <= after <= max(steps, 1):
-            raise ValueError(f"options['model16_after']={after!r}: the optimizer step after which to save, "
-                             f"a whole number in 1..{steps}")
+    folder: Path  # the script's --out: a record per run, and checkpoints/<run>/<tag>
+    uninterrupted: dict[int, records.Record]  # stage -> trained every step, saving after each
+    resumed: dict[int, records.Record]  # stage -> resumed from the step-crash_after checkpoint, fresh processes
+    bf16: dict[int, records.Record]  # stage -> trained in bf16, saving after step crash_after (3: with the gather switch)
+    model16: dict[bool, records.Record]  # the gather switch -> the bf16 ZeRO-3 run that called save_16bit_model
+    model16_returned: dict[bool, list[bool]]  # the gather switch -> what save_16bit_model returned, rank by rank
 
-    def start(self, ctx: RunContext) -> None:
-        self.check_options(ctx.options, ctx.steps)
-        self.returned = None
+    @property
+    def steps(self) -> int:
+        """Optimizer steps of an uninterrupted run."""
+        return len(self.uninterrupted[STAGES[0]].losses)
 
-    def after_step(self, ctx: RunContext, step: int) -> None:
-        if step + 1 == ctx.options["model16_after"]:
-            self.returned = bool(ctx.engine.save_16bit_model(ctx.options["model16_dir"]))
+    @property
+    def crash_after(self) -> int:
+        """The step whose checkpoint the resumed runs loaded (the killed run's last one)."""
+        return self.steps - len(self.resumed[STAGES[0]].losses)
 
-    def finish(self, ctx: RunContext) -> dict:
-        return {"returned": self.returned}
+    def checkpoint_dir(self, stage: int) -> Path:
+        """Where the checkpoints each stage resumed from are (ZeRO-3: the killed run's)."""
+        return self.folder / "checkpoints" / ("zero3-killed" if stage == 3 else f"zero{stage}")
 
-    def combine(self, ranks: list[dict], ctx: RunContext) -> dict:
-        return {"model_16bit": {"dir": ctx.options["model16_dir"], "after_step": ctx.options["model16_after"],
-                                "returned": [r["returned"] for r in ranks]}}
+    def bf16_checkpoint_dir(self, stage: int) -> Path:
+        """Where the bf16 run of ``stage`` saved its checkpoint."""
+        return self.folder / "checkpoints" / (f"zero{stage}-bf16" if stage < 3 else "zero3-bf16-gather-true")
 
-
-def save_seconds(record: records.Record) -> list[float]:
-    """Seconds each ``save_checkpoint`` of a run took on rank 0 (the checkpoint probe)."""
-    return record.section("checkpoint")["save_s"]
+    def model16_dir(self, gather: bool) -> Path:
+        """The folder the bf16 ZeRO-3 run with or without the gather switch gave ``save_16bit_model``."""
+        return self.folder / "checkpoints" / f"zero3-bf16-gather-{str(gather).lower()}-16bit"
 
 
-def resume(engine, run: PlannedRun) -> int:
-    """``before_training`` hook: load the checkpoint ``options["load_dir"]`` (tag ``options["load_tag"]``,
-    else the one its ``latest`` file names) into the freshly initialized engine, model, optimizer and
-    ZeRO partitions included, and return the optimizer steps it had taken: the step to continue from.
-
-    With ``"checkpoint": {"load_universal": true}`` in the config, DeepSpeed reads a universal
-    checkpoint (:func:`to_universal`) and re-partitions it for this run's number of ranks.
-    """
-    options = run.options
-    _check_resume_options(options)
-    path, _ = engine.load_checkpoint(options["load_dir"], tag=options.get("load_tag"))
-    if path is None:
-        raise FileNotFoundError(f"no checkpoint loaded from {options['load_dir']} (tag {options.get('load_tag')})")
-    return int(engine.global_steps)
+def _record(folder: Path, name: str) -> records.Record:
+    if not (folder / name / "summary.json").is_file():
+        raise FileNotFoundError(f"no record of run {name!r} in {folder}: run the chapter's launch cells above "
+                                "(each launch writes its runs' records)")
+    return records.load(folder / name)
 
 
-def _check_resume_options(options: dict) -> None:
-    if not options.get("load_dir"):
-        raise ValueError("options['load_dir']: the resume hook needs the checkpoint folder to load, "
-                         "e.g. options={'load_dir': 'runs/checkpoints/zero3', 'load_tag': 'step3'}")
-    if not Path(options["load_dir"]).is_dir():
-        raise ValueError(f"options['load_dir']={options['load_dir']!r}: no such folder; give the save_dir of the "
-                         "run whose checkpoint to resume")
+def _returned(output: str, name: str) -> list[bool]:
+    """What ``save_16bit_model`` returned on each rank, as run ``name`` printed it (searched in the whole
+    output: the ranks print at the same moment, and one rank's line can end up inside another's)."""
+    pattern = re.escape(f"[{name}] ") + r"rank (\d+): save_16bit_model returned (True|False)"
+    found = {int(rank): value == "True" for rank, value in re.findall(pattern, output)}
+    return [found[rank] for rank in sorted(found)]
 
 
-resume.check_options = _check_resume_options  # the launcher checks the options before any process starts
-#: How a run names the hook (``RunSpec(before_training=RESUME)``).
-RESUME = reference_of(resume)
+def load_runs(folder: str | Path, output: str) -> ChapterRuns:
+    """The records of the first two launches of the chapter's script (``--out folder``) and what its second
+    launch printed (``output``, returned by ``launch.run_script``): the runs named as the script names them."""
+    folder = Path(folder)
+    runs = ChapterRuns(
+        folder=folder,
+        uninterrupted={s: _record(folder, f"zero{s}") for s in STAGES},
+        resumed={s: _record(folder, f"zero{s}-resumed") for s in STAGES},
+        bf16={**{s: _record(folder, f"zero{s}-bf16") for s in BF16_STAGES},
+              3: _record(folder, "zero3-bf16-gather-true")},
+        model16={g: _record(folder, f"zero3-bf16-gather-{str(g).lower()}") for g in (False, True)},
+        model16_returned={g: _returned(output, f"zero3-bf16-gather-{str(g).lower()}") for g in (False, True)},
+    )
+    for gather, values in runs.model16_returned.items():
+        name, ranks = runs.model16[gather].name, runs.model16[gather].world_size
+        if len(values) != ranks:
+            raise ValueError(f"the output holds what save_16bit_model returned on {len(values)} of {ranks} ranks "
+                             f"for run {name}: pass what launch.run_script returned for the resume phase")
+    return runs
+
+
+def load_one_rank(folder: str | Path, output: str) -> tuple[dict[int, records.Record | str], dict[int, records.Record]]:
+    """The third launch (1 rank): per stage, the record of the run that loaded the multi-rank checkpoint as saved,
+    or DeepSpeed's refusal as the script printed it; and per stage, the run resumed from a universal checkpoint."""
+    folder = Path(folder)
+    as_saved: dict[int, records.Record | str] = {}
+    for stage in STAGES:
+        refused = [line.split(":", 1)[1].strip() for line in printed(output, f"zero{stage}-on-1-rank")
+                   if line.startswith("load_checkpoint refused:")]
+        as_saved[stage] = refused[0] if refused else _record(folder, f"zero{stage}-on-1-rank")
+    universal = {s: _record(folder, f"zero{s}-universal") for s in STAGES
+                 if (folder / f"zero{s}-universal" / "summary.json").is_file()}
+    return as_saved, universal
+
+
+def crash_report(failure: launch.RunFailed) -> str:
+    """What the killed launch left in its output: DeepSpeed's launcher naming the rank that died and its
+    return code (-9: SIGKILL), process ids and timestamps sanitized away."""
+    lines = [line.strip() for line in failure.log_tail.splitlines() if "return code" in line or "Killing" in line]
+    lines = [re.sub(r"^\[[^\]]*\]\s*", "", line) for line in lines]
+    lines = [re.sub(r"\[['\"][^\]]*train_checkpoint\.py[^\]]*\]", "[... train_checkpoint.py ...]", line)
+             for line in lines]
+    lines = [re.sub(r"subprocess \d+", "subprocess PID", line) for line in lines]
+    return "\n".join(dict.fromkeys(lines)) or failure.log_tail
+
+
+def on_disk_table(folder: str | Path) -> str:
+    """What the first launch left: per run of it, the checkpoint tags in its folder, the tag its ``latest``
+    file names, and whether the run wrote its record (a killed run never does)."""
+    folder = Path(folder)
+    rows = []
+    for name in [f"zero{s}" for s in STAGES] + ["zero3-killed"]:
+        directory = folder / "checkpoints" / name
+        tags = sorted((p.name for p in directory.glob("step*") if p.is_dir() and p.name[4:].isdigit()),
+                      key=lambda t: int(t[4:]))
+        latest = (directory / "latest").read_text().strip() if (directory / "latest").exists() else "-"
+        rows.append([name, " ".join(tags), latest,
+                     "yes" if (folder / name / "summary.json").exists() else "no (killed)"])
+    return records.format_table(rows, ["run", "checkpoints on disk", "latest", "record written"])
+
+
+def resume_table(runs: ChapterRuns) -> str:
+    """Per stage: the steps compared and whether the resumed run's losses equal the uninterrupted run's
+    bit for bit (``identical``), else within which tolerance (:func:`helpers.core.records.loss_agreement`)."""
+    rows = []
+    for stage, resumed in runs.resumed.items():
+        whole = runs.uninterrupted[stage].losses[runs.crash_after:]
+        same = "identical" if whole == resumed.losses else records.loss_agreement(whole, resumed.losses)
+        source = runs.checkpoint_dir(stage).name
+        rows.append([f"ZeRO-{stage}", f"{source}/{tag_of(runs.crash_after)}",
+                     f"{runs.crash_after + 1}-{runs.steps}", same])
+    return records.format_table(rows, ["stage", "loaded", "steps compared", "resumed vs uninterrupted losses"])
+
+
+def losses_side_by_side(runs: ChapterRuns, digits: int = 6) -> str:
+    """The uninterrupted and resumed losses themselves (digits depend on the processor: an ignored cell)."""
+    rows = []
+    for stage, resumed in runs.resumed.items():
+        whole = runs.uninterrupted[stage].losses
+        rows.append([f"ZeRO-{stage}", " ".join(f"{x:.{digits}f}" for x in whole),
+                     " " * (digits + 3) * runs.crash_after + " ".join(f"{x:.{digits}f}" for x in resumed.losses)])
+    return records.format_table(rows, ["stage", "uninterrupted losses", "resumed losses"])
 
 
 # --- in the notebook: what is on disk ---------------------------------------------------------
@@ -265,11 +285,10 @@ def files_table(folder: str | Path) -> str:
     return records.format_table(rows, ["file", "rank", "holds", "bytes on disk", "tensor bytes inside"])
 
 
-def consolidate(checkpoint_dir: str | Path, tag: str | None = None) -> dict:
+def consolidate(checkpoint_dir: str | Path, tag: str) -> dict:
     """One fp32 PyTorch state dict from a sharded ZeRO checkpoint: DeepSpeed's ``zero_to_fp32``
-    (``get_fp32_state_dict_from_zero_checkpoint``, the function behind the ``zero_to_fp32.py`` script
-    DeepSpeed copies into every checkpoint folder). Runs in this process; no ranks needed."""
-
+    (``get_fp32_state_dict_from_zero_checkpoint``), as the chapter calls it on its page; here for the checks
+    of the 16-bit file. Runs in this process; no ranks needed."""
     quiet_deepspeed_import()
     # deferred: DeepSpeed is imported after the course has chosen its accelerator
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -299,190 +318,20 @@ def to_universal(checkpoint_dir: str | Path, tag: str) -> str:
     return out_tag
 
 
-def loss_of_state_dict(state_dict: dict, model: str, step: int, world_size: int, micro_batch: int,
-                       grad_accum: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> float:
-    """The loss a run records for optimizer step ``step`` (0-based), computed by the plain PyTorch model
-    (no DeepSpeed) in ``dtype`` with ``state_dict`` loaded: the mean of the micro-batch losses of every rank
-    on the samples that step trains on (:func:`helpers.core.models.sample_indices`), floating inputs cast to
-    ``dtype`` as the course's runs cast them."""
-    net = models.build(model, seed).to(dtype)
-    net.load_state_dict(state_dict, strict=True)  # every key, every shape: the unwrapped model itself
+def loss_of_model(net: torch.nn.Module, record: records.Record, step: int) -> float:
+    """The loss ``record``'s run recorded for optimizer step ``step`` (0-based), computed again by the plain
+    PyTorch module ``net`` (no DeepSpeed): the mean of every rank's micro-batch losses on the samples that step
+    trained on (:func:`helpers.core.models.sample_indices`), inputs cast to ``net``'s dtype."""
+    dtype = next(net.parameters()).dtype
     losses = []
     with torch.no_grad():
-        for micro in range(grad_accum):
-            for rank in range(world_size):
-                indices = models.sample_indices(step, micro, rank, world_size, micro_batch, grad_accum)
-                batch = models.make_batch(model, indices, seed).to("cpu", dtype)
-                losses.append(models.loss_of(net, model, batch).item())
+        for micro in range(record.grad_accum):
+            for rank in range(record.world_size):
+                indices = models.sample_indices(step, micro, rank, record.world_size, record.micro_batch,
+                                                record.grad_accum)
+                batch = models.make_batch(record.model_name, indices).to("cpu", dtype)
+                losses.append(models.loss_of(net, record.model_name, batch).item())
     return statistics.fmean(losses)
-
-
-# --- the chapter's experiment -------------------------------------------------------------------
-
-@dataclasses.dataclass
-class CrashAndResume:
-    """Records of a crash-and-resume experiment (see :func:`crash_and_resume`)."""
-
-    uninterrupted: dict[int, records.Record]  # stage -> the run that trained every step
-    crashed: launch.RunFailed  # the launch that was killed
-    crashed_out: Path  # the killed run's folder (its checkpoints are in folder / "zero3-crash")
-    resumed: dict[int, records.Record]  # stage -> the run resumed in fresh processes
-    folder: Path
-    steps: int
-    crash_after: int
-    # stage -> a bf16 run of the first launch that saved a checkpoint after step crash_after (stage 3: with
-    # stage3_gather_16bit_weights_on_model_save, also save_16bit_model after that step)
-    bf16: dict[int, records.Record] = dataclasses.field(default_factory=dict)
-    # stage3_gather_16bit_weights_on_model_save -> the bf16 ZeRO-3 run that called save_16bit_model with it
-    model16: dict[bool, records.Record] = dataclasses.field(default_factory=dict)
-
-    def checkpoint_dir(self, stage: int) -> Path:
-        """Where the checkpoints each stage resumed from are."""
-        return self.folder / ("zero3-crash" if stage == 3 else f"zero{stage}")
-
-    def bf16_checkpoint_dir(self, stage: int) -> Path:
-        """Where the bf16 run of ``stage`` saved its checkpoint."""
-        return self.folder / f"zero{stage}-bf16"
-
-    def model16_dir(self, gather: bool) -> Path:
-        """Where the bf16 ZeRO-3 run with or without the gather flag asked ``save_16bit_model`` to write."""
-        return self.folder / f"model16-{'gather' if gather else 'no-gather'}"
-
-
-#: What the bf16 runs of :func:`crash_and_resume` add to ``ds_configs/zero<N>.json``.
-BF16 = {"bf16": {"enabled": True}}
-#: The ZeRO-3 switch that makes ``save_16bit_model`` gather the shards (DeepSpeed's default: false).
-GATHER_KEY = "stage3_gather_16bit_weights_on_model_save"
-
-
-def crash_and_resume(stages: Sequence[int] = (0, 1, 2, 3), model: str = "mlp", steps: int = 6,
-                     crash_after: int = 3, folder: Path = CHECKPOINT_DIR, world_size: int | None = None,
-                     progress: bool = True, bf16_stages: Sequence[int] = (0, 1, 2, 3)) -> CrashAndResume:
-    """The chapter's experiment, in two launches of the same ranks:
-
-    1. every stage trains ``steps`` steps uninterrupted, saving a checkpoint after each; each of
-       ``bf16_stages`` trains the same in bf16, saving after step ``crash_after``; at stage 3 twice, calling
-       ``save_16bit_model`` after that step with and without :data:`GATHER_KEY`; then a ZeRO-3 run, saving
-       after every step, is killed (SIGKILL on every rank) after ``crash_after`` steps. The launch dies with
-       it: nothing but the files on disk survive.
-    2. fresh processes resume each stage from its checkpoint of step ``crash_after`` (ZeRO-3 from the
-       killed run's last one) and train to ``steps``.
-
-    Returns the records; the losses of steps ``crash_after+1..steps`` can then be compared.
-    """
-
-    folder = Path(folder)
-    shutil.rmtree(folder, ignore_errors=True)
-    probes = ("timing", "model_states", Checkpoint)
-    first = {f"zero{s}": launch.RunSpec(f"zero{s}", model=model, steps=steps, probes=probes, out=folder / f"run-zero{s}",
-                                         options={"save_dir": str(folder / f"zero{s}")}) for s in stages}
-    for s in bf16_stages:
-        saving = {"save_dir": str(folder / f"zero{s}-bf16"), "save_every": crash_after}
-        overrides, run_probes = dict(BF16), ("timing", Checkpoint)
-        if s == 3:
-            saving |= {"model16_dir": str(folder / "model16-gather"), "model16_after": crash_after}
-            overrides, run_probes = {**BF16, "zero_optimization": {GATHER_KEY: True}}, run_probes + (Model16bit,)
-        first[f"zero{s}-bf16"] = launch.RunSpec(f"zero{s}", model=model, steps=steps, probes=run_probes,
-                                                out=folder / f"run-zero{s}-bf16", overrides=overrides, options=saving)
-    if 3 in bf16_stages:
-        first["zero3-bf16-no-gather"] = launch.RunSpec(
-            "zero3", model=model, steps=steps, probes=("timing", Model16bit), out=folder / "run-zero3-bf16-no-gather",
-            overrides={**BF16, "zero_optimization": {GATHER_KEY: False}},
-            options={"model16_dir": str(folder / "model16-no-gather"), "model16_after": crash_after})
-    first["zero3-crash"] = launch.RunSpec("zero3", model=model, steps=steps, probes=probes,
-                                          out=folder / "run-zero3-crash", faults={"kill_after_step": crash_after},
-                                          options={"save_dir": str(folder / "zero3-crash")})
-    try:
-        launch.sweep(first, name="checkpoints-crash", world_size=world_size, progress=progress)
-    except launch.RunFailed as failure:
-        crashed = failure
-    else:
-        raise AssertionError("the launch with a kill_after_step fault was expected to die")
-    uninterrupted = {s: records.load(folder / f"run-zero{s}") for s in stages}
-    result = CrashAndResume(uninterrupted, crashed, folder / "run-zero3-crash", {}, folder, steps, crash_after,
-                            bf16={s: records.load(folder / f"run-zero{s}-bf16") for s in bf16_stages})
-    if 3 in bf16_stages:
-        result.model16 = {True: result.bf16[3], False: records.load(folder / "run-zero3-bf16-no-gather")}
-    second = {f"zero{s}-resumed": launch.RunSpec(
-        f"zero{s}", model=model, steps=steps, probes=("timing", "model_states"), out=folder / f"run-zero{s}-resumed",
-        before_training=RESUME,
-        options={"load_dir": str(result.checkpoint_dir(s)), "load_tag": tag_of(crash_after)}) for s in stages}
-    resumed = launch.sweep(second, name="checkpoints-resume", world_size=world_size, progress=progress)
-    result.resumed = {s: resumed[f"zero{s}-resumed"] for s in stages}
-    return result
-
-
-def crash_report(failure) -> str:
-    """What the killed launch left in its log: DeepSpeed's launcher naming the rank that died and its
-    return code (-9: SIGKILL), with the timestamps sanitized away."""
-    lines = [line.strip() for line in failure.log_tail.splitlines() if "return code" in line or "Killing" in line]
-    lines = [re.sub(r"^\[[^\]]*\]\s*", "", line) for line in lines]
-    lines = [re.sub(r"\[.*?helpers\.core\.train.*?\]", "[... helpers.core.train ...]", line) for line in lines]
-    lines = [re.sub(r"subprocess \d+", "subprocess PID", line) for line in lines]
-    return "\n".join(dict.fromkeys(lines)) or failure.log_tail
-
-
-def resume_table(result: CrashAndResume) -> str:
-    """Per stage: the steps compared and whether the resumed run's losses equal the uninterrupted run's
-    bit for bit (``identical``), else within which tolerance (:func:`helpers.core.records.loss_agreement`)."""
-    rows = []
-    for stage, resumed in result.resumed.items():
-        whole = result.uninterrupted[stage].losses[result.crash_after:]
-        same = "identical" if whole == resumed.losses else records.loss_agreement(whole, resumed.losses)
-        rows.append([f"ZeRO-{stage}", f"{result.crash_after + 1}-{result.steps}",
-                     f"from {tag_of(result.crash_after)}", resumed["first_step"], same])
-    return records.format_table(rows, ["stage", "steps compared", "resumed", "first step (0-based)",
-                                       "resumed vs uninterrupted losses"])
-
-
-def losses_side_by_side(result: CrashAndResume, digits: int = 6) -> str:
-    """The uninterrupted and resumed losses themselves (digits depend on the processor: an ignored cell)."""
-    rows = []
-    for stage, resumed in result.resumed.items():
-        whole = result.uninterrupted[stage].losses
-        rows.append([f"ZeRO-{stage}", " ".join(f"{x:.{digits}f}" for x in whole),
-                     " " * (digits + 3) * result.crash_after + " ".join(f"{x:.{digits}f}" for x in resumed.losses)])
-    return records.format_table(rows, ["stage", "uninterrupted losses", "resumed losses"])
-
-
-def universal_resume(result: CrashAndResume, stages: Sequence[int], world_size: int,
-                     progress: bool = True) -> dict[int, records.Record]:
-    """Resume each of ``stages`` from the crash experiment's step-``crash_after`` checkpoint on ``world_size``
-    ranks (one launch) through a universal checkpoint: convert it (:func:`to_universal`), then train with
-    ``"checkpoint": {"load_universal": true}``. The global batch stays the same: gradient accumulation
-    grows as the ranks shrink (micro-batch x accumulation x ranks is unchanged)."""
-
-    specs = {}
-    for stage in stages:
-        source = result.uninterrupted[stage].summary
-        total = source["grad_accum"] * source["world_size"]
-        if total % world_size:
-            raise ValueError(f"world_size={world_size}: {total} micro-batches per step cannot be split evenly; "
-                             f"use a divisor of {total}")
-        directory = result.checkpoint_dir(stage)
-        universal_tag = to_universal(directory, tag_of(result.crash_after))
-        specs[f"zero{stage}-universal-{world_size}r"] = launch.RunSpec(
-            f"zero{stage}", model=source["model"]["name"], steps=result.steps,
-            out=result.folder / f"run-zero{stage}-universal",
-            overrides={"gradient_accumulation_steps": total // world_size, "checkpoint": {"load_universal": True}},
-            probes=("timing", "model_states"), before_training=RESUME,
-            options={"load_dir": str(directory), "load_tag": universal_tag})
-    runs = launch.sweep(specs, name="checkpoints-universal", world_size=world_size, progress=progress)
-    return {stage: runs[f"zero{stage}-universal-{world_size}r"] for stage in stages}
-
-
-def universal_table(result: CrashAndResume, universal: Mapping[int, records.Record]) -> str:
-    """Per stage: saved on N ranks, resumed on M through a universal checkpoint; do the losses agree with
-    the uninterrupted run's (within fp32's tolerance: M ranks add the micro-batches in another order)?"""
-    rows = []
-    for stage, run in universal.items():
-        whole = result.uninterrupted[stage]
-        rows.append([f"ZeRO-{stage}", whole["world_size"], run["world_size"],
-                     f"{run['micro_batch']} x {run['grad_accum']} x {run['world_size']} = {run['train_batch']}",
-                     f"{result.crash_after + 1}-{result.steps}",
-                     records.loss_agreement(whole.losses[result.crash_after:], run.losses)])
-    return records.format_table(rows, ["stage", "saved on ranks", "resumed on ranks", "micro x accum x ranks",
-                                       "steps", "losses vs uninterrupted"])
 
 
 def saved_by_rank(folder: str | Path, world_size: int) -> dict[int, dict[str, int]]:
@@ -498,15 +347,15 @@ def saved_by_rank(folder: str | Path, world_size: int) -> dict[int, dict[str, in
     return found
 
 
-def stages_table(result: CrashAndResume) -> str:
+def stages_table(runs: ChapterRuns) -> str:
     """Per stage and rank: what it wrote for one checkpoint (files, bytes, and the tensor bytes of
     weights, Adam's states and the fp32 master copy inside), beside the model states it held while
     training (the model_states probe of the uninterrupted run). Gradients are never saved."""
     rows = []
-    for stage in result.resumed:
-        record = result.uninterrupted[stage]
+    for stage in STAGES:
+        record = runs.uninterrupted[stage]
         held = [record.memory.model_states(rank).as_dict() for rank in range(record.world_size)]
-        saved = saved_by_rank(result.checkpoint_dir(stage) / tag_of(result.crash_after), len(held))
+        saved = saved_by_rank(runs.checkpoint_dir(stage) / tag_of(runs.crash_after), len(held))
         for rank, states in enumerate(held):
             disk = saved[rank]
             if all(disk[k] == states[k] for k in ("optimizer", "master")):
@@ -515,48 +364,25 @@ def stages_table(result: CrashAndResume) -> str:
                 same = "none: a replica of rank 0's"
             else:
                 same = "differs"
-
             rows.append([f"ZeRO-{stage}", rank, disk["files"], f"{disk['bytes']:,}", f"{disk['params']:,}",
                          f"{disk['optimizer']:,}", f"{disk['master']:,}",
-                         f"{states['params']:,} / {states['optimizer']:,} / {states['master']:,}",
-                         same])
+                         f"{states['params']:,} / {states['optimizer']:,} / {states['master']:,}", same])
     return records.format_table(rows, ["stage", "rank", "files", "bytes on disk", "weights saved", "Adam saved",
                                        "master saved", "held: params / Adam / master",
                                        "Adam+master on disk = held?"])
 
 
-def on_disk_table(result: CrashAndResume) -> str:
-    """What each stage's runs of the crashed launch left: the checkpoint tags in its folder, the tag its
-    ``latest`` file names, and whether the run wrote its record (a killed run never does)."""
+def consolidation_table(runs: ChapterRuns, states: Mapping[int, dict], plain_losses: Mapping[int, float]) -> str:
+    """Per stage: the state dict ``zero_to_fp32`` made of its step-``crash_after`` checkpoint (``states``) and
+    the loss the plain model computed with it (``plain_losses``), against the loss the run recorded for that step."""
     rows = []
-    folders = [result.folder / f"zero{s}" for s in result.resumed] + [result.folder / "zero3-crash"]
-    for directory in folders:
-        run_dir = result.folder / f"run-{directory.name}"
-        tags = sorted((p.name for p in directory.glob("step*") if p.is_dir() and p.name[4:].isdigit()),
-                      key=lambda t: int(t[4:]))
-        latest = (directory / "latest").read_text().strip() if (directory / "latest").exists() else "-"
-        rows.append([directory.name, " ".join(tags), latest,
-                     "yes" if (run_dir / "summary.json").exists() else "no (killed)"])
-    return records.format_table(rows, ["run", "checkpoints on disk", "latest", "record written"])
-
-
-def consolidation_table(result: CrashAndResume, stages: Sequence[int] = (1, 2, 3)) -> str:
-    """Per stage: ``zero_to_fp32`` on the step-``crash_after`` checkpoint (:func:`consolidate`) gives a plain
-    state dict; it loads strictly into the unwrapped model (``models.build``), whose loss on the next step's
-    samples is compared with the loss the run recorded for that step (:func:`loss_of_state_dict`)."""
-
-    rows = []
-    for stage in stages:
-        run = result.uninterrupted[stage]
-        state = consolidate(result.checkpoint_dir(stage), tag_of(result.crash_after))
-        plain = models.count_parameters(models.build(run.model_name, run.summary["seed"]))
-        loss = loss_of_state_dict(state, run.model_name, result.crash_after, run.world_size,
-                                  run.micro_batch, run.grad_accum, run.summary["seed"])
-        rows.append([f"ZeRO-{stage}", len(state), f"{sum(t.numel() for t in state.values()):,}", f"{plain:,}",
+    for stage, state in states.items():
+        run = runs.uninterrupted[stage]
+        rows.append([f"ZeRO-{stage}", len(state), f"{sum(t.numel() for t in state.values()):,}", f"{run.params:,}",
                      ", ".join(sorted({str(t.dtype).removeprefix('torch.') for t in state.values()})),
-                     records.loss_agreement([loss], [run.losses[result.crash_after]])])
+                     records.loss_agreement([plain_losses[stage]], [run.losses[runs.crash_after]])])
     return records.format_table(rows, ["checkpoint", "tensors", "elements", "model's parameters", "dtype",
-                                       f"plain model's step-{result.crash_after + 1} loss vs the run's"])
+                                       f"plain model's step-{runs.crash_after + 1} loss vs the run's"])
 
 
 def _who(per_rank: Mapping[int, int]) -> str:
@@ -569,61 +395,72 @@ def _who(per_rank: Mapping[int, int]) -> str:
     return "; ".join(f"{n:,} on rank {rank}" for rank, n in held.items())
 
 
-def precision_table(result: CrashAndResume) -> str:
+def precision_table(runs: ChapterRuns) -> str:
     """Per stage, trained in fp32 and in bf16: the optimizer class DeepSpeed built (the run's record) and what
     one checkpoint (step ``crash_after``) holds, read back from its files: the weights in the model file(s)
     (dtype, bytes, who wrote them), the fp32 master copy, Adam's moments, and the checkpoint's bytes on disk."""
     rows = []
-    runs = [(s, "fp32", result.checkpoint_dir(s), result.uninterrupted[s]) for s in result.resumed]
-    runs += [(s, "bf16", result.bf16_checkpoint_dir(s), run) for s, run in result.bf16.items()]
-    for stage, precision, directory, run in sorted(runs, key=lambda run: (run[0], run[1] != "fp32")):
-        files = files_per_rank(directory / tag_of(result.crash_after))
-        ranks = sorted({f["rank"] for f in files} | {0})
-        def per_rank(key: str) -> dict[int, int]:
-            return {r: sum(f["contents"].get(key, 0) for f in files if f["rank"] == r) for r in ranks}
-        dtypes = sorted({f["weights_dtype"] for f in files if f["weights_dtype"]})
-        weights = _who(per_rank("params"))
-        rows.append([f"ZeRO-{stage}", precision, run.summary["optimizer"],
-                     f"{', '.join(dtypes)}: {weights}" if dtypes else "none (names and shapes only)",
-                     _who(per_rank("master")), _who(per_rank("optimizer")),
-                     f"{sum(f['bytes'] for f in files):,}"])
+    for stage in sorted(runs.bf16):
+        for precision, directory, run in (("fp32", runs.checkpoint_dir(stage), runs.uninterrupted[stage]),
+                                          ("bf16", runs.bf16_checkpoint_dir(stage), runs.bf16[stage])):
+            files = files_per_rank(directory / tag_of(runs.crash_after))
+            ranks = sorted({f["rank"] for f in files} | {0})
+
+            def per_rank(key: str) -> dict[int, int]:
+                return {r: sum(f["contents"].get(key, 0) for f in files if f["rank"] == r) for r in ranks}
+
+            dtypes = sorted({f["weights_dtype"] for f in files if f["weights_dtype"]})
+            rows.append([f"ZeRO-{stage}", precision, run.summary["optimizer"],
+                         f"{', '.join(dtypes)}: {_who(per_rank('params'))}" if dtypes else "none (names and shapes only)",
+                         _who(per_rank("master")), _who(per_rank("optimizer")),
+                         f"{sum(f['bytes'] for f in files):,}"])
     return records.format_table(rows, ["stage", "trained in", "optimizer", "weights in the model file(s)",
                                        "fp32 master copy", "Adam's moments", "checkpoint on disk, all ranks"])
 
 
-def _model16_file(result: CrashAndResume, gather: bool) -> Path:
-    return result.model16_dir(gather) / "pytorch_model.bin"
+def precision_ratios(runs: ChapterRuns) -> str:
+    """One line: per stage, the bytes on disk of the bf16 checkpoint (all ranks) over the fp32 one's, and
+    whether it is larger or smaller."""
+    parts = []
+    for stage in sorted(runs.bf16):
+        sizes = [sum(f["bytes"] for f in files_per_rank(d / tag_of(runs.crash_after)))
+                 for d in (runs.bf16_checkpoint_dir(stage), runs.checkpoint_dir(stage))]
+        ratio = sizes[0] / sizes[1]
+        word = "larger" if ratio > 1.005 else "smaller" if ratio < 0.995 else "the same size"
+        parts.append(f"ZeRO-{stage} {ratio:.2f}x ({word})")
+    return "bf16 checkpoint vs fp32 checkpoint, bytes on disk: " + ", ".join(parts)
 
 
-def model16_table(result: CrashAndResume) -> str:
+def _model16_files(runs: ChapterRuns, gather: bool) -> list[Path]:
+    folder = runs.model16_dir(gather)
+    return sorted(p for p in folder.glob("*") if p.is_file()) if folder.is_dir() else []
+
+
+def model16_table(runs: ChapterRuns) -> str:
     """The two bf16 ZeRO-3 runs that called ``save_16bit_model`` after step ``crash_after`` on every rank,
-    without and with :data:`GATHER_KEY`: what the call returned on each rank, whether DeepSpeed's message about
-    it (``Did not save the model ...`` / ``Saving model weights to ...``, logged at INFO) reached the launch's
-    log, and what the folder holds."""
+    without and with :data:`GATHER_KEY`: what the call returned on each rank (as the script printed it) and
+    what the folder holds."""
     rows = []
-    for gather, run in sorted(result.model16.items()):
-        returned = run.section("model_16bit")["returned"]
-        log = Path(run["launch"]["plan"]).parent / "launch.log"
-        message = "Saving model weights to" if gather else "Did not save the model"
-        logged = "yes" if log.exists() and message in log.read_text(errors="replace") else "no"
-        folder = result.model16_dir(gather)
-        files = sorted(p for p in folder.glob("*") if p.is_file()) if folder.is_dir() else []
+    for gather in (False, True):
+        files = _model16_files(runs, gather)
         if files:
-            state = torch.load(files[0], map_location="cpu", weights_only=False)
+            state = torch.load(files[0], map_location="cpu", weights_only=True)
             shown = [", ".join(p.name for p in files), f"{sum(p.stat().st_size for p in files):,}", len(state),
                      ", ".join(sorted(_dtypes(state)))]
         else:
-            shown = ["nothing (no folder)" if not folder.exists() else "nothing", "-", "-", "-"]
-        rows.append([str(gather).lower(), " / ".join(str(r) for r in returned), f"{message!r}: {logged}", *shown])
-    return records.format_table(rows, [GATHER_KEY, "returned on ranks 0 / 1", "its message in the launch log",
-                                       "files written", "bytes on disk", "tensors", "dtype"])
+            shown = ["nothing (no folder)" if not runs.model16_dir(gather).exists() else "nothing", "-", "-", "-"]
+        returned = runs.model16_returned[gather]
+        rows.append([str(gather).lower(), " / ".join(map(str, returned)), *shown])
+    ranks = " / ".join(str(r) for r in range(len(runs.model16_returned[True])))
+    return records.format_table(rows, [GATHER_KEY, f"returned on ranks {ranks}", "files written", "bytes on disk",
+                                       "tensors", "dtype"])
 
 
-def model16_sizes(result: CrashAndResume) -> str:
+def model16_sizes(runs: ChapterRuns) -> str:
     """The 16-bit model file beside the same step's sharded checkpoint (every rank's files) and
     ``zero_to_fp32``'s state dict of it (tensor bytes)."""
-    directory, tag = result.bf16_checkpoint_dir(3), tag_of(result.crash_after)
-    model16 = _model16_file(result, True).stat().st_size
+    directory, tag = runs.bf16_checkpoint_dir(3), tag_of(runs.crash_after)
+    model16 = sum(p.stat().st_size for p in _model16_files(runs, True))
     sharded = sum(f["bytes"] for f in files_per_rank(directory / tag))
     fp32 = _tensor_bytes(consolidate(directory, tag))
     rows = [["save_16bit_model: pytorch_model.bin (bf16 weights)", "file on disk", f"{model16:,}", "1.00"],
@@ -633,29 +470,53 @@ def model16_sizes(result: CrashAndResume) -> str:
     return records.format_table(rows, ["what", "counted as", "bytes", "vs the 16-bit file"])
 
 
-def model16_check(result: CrashAndResume) -> str:
+def model16_check(runs: ChapterRuns) -> str:
     """Two checks of the 16-bit file against what does not come from it: its tensors against ``zero_to_fp32``'s
     fp32 weights of the same step (read from the optimizer shards) rounded to bf16, and the loss of the next
     step computed by the plain model in bf16 (no DeepSpeed), loaded with the file alone, against the loss the
     run recorded for that step."""
-    run = result.model16[True]
-    state = torch.load(_model16_file(result, True), map_location="cpu", weights_only=True)
-    master = consolidate(result.bf16_checkpoint_dir(3), tag_of(result.crash_after))
+    run = runs.model16[True]
+    state = torch.load(_model16_files(runs, True)[0], map_location="cpu", weights_only=True)
+    master = consolidate(runs.bf16_checkpoint_dir(3), tag_of(runs.crash_after))
     same = sum(torch.equal(state[k], master[k].to(state[k].dtype)) for k in state if k in master)
-    loss = loss_of_state_dict(state, run.model_name, result.crash_after, run.world_size, run.micro_batch,
-                              run.grad_accum, run.summary["seed"], dtype=torch.bfloat16)
+    net = models.build(run.model_name).to(torch.bfloat16)
+    net.load_state_dict(state, strict=True)
+    loss = loss_of_model(net, run, runs.crash_after)
     rows = [["its tensors vs zero_to_fp32's fp32 weights rounded to bf16",
              f"identical, {same} of {len(state)} tensors" if same == len(state) == len(master)
              else f"{same} of {len(state)} identical ({len(master)} in zero_to_fp32's)"],
-            [f"plain model in bf16, loaded from it alone: step-{result.crash_after + 1} loss vs the run's",
-             records.loss_agreement([loss], [run.losses[result.crash_after]], "bf16")]]
+            [f"plain model in bf16, loaded from it alone: step-{runs.crash_after + 1} loss vs the run's",
+             records.loss_agreement([loss], [run.losses[runs.crash_after]], "bf16")]]
     return records.format_table(rows, ["check", "result"])
+
+
+def one_rank_table(runs: ChapterRuns, as_saved: Mapping[int, records.Record | str],
+                   universal: Mapping[int, records.Record]) -> str:
+    """Per stage: what ``load_checkpoint`` did on 1 rank with the multi-rank checkpoint as saved (DeepSpeed's
+    refusal, shortened to its first sentence, or the resumed losses against the uninterrupted run's), and the
+    same through a universal checkpoint where the chapter converted one."""
+    rows = []
+    for stage in STAGES:
+        whole = runs.uninterrupted[stage].losses[runs.crash_after:]
+
+        def outcome(run: records.Record | str | None) -> str:
+            if run is None:
+                return "-"
+            if isinstance(run, str):
+                return "refused: " + run.split(". ")[0].strip().rstrip(".")
+            return f"loads; losses {records.loss_agreement(whole, run.losses)}"
+
+        sample = next((r for r in (as_saved.get(stage), universal.get(stage)) if isinstance(r, records.Record)), None)
+        batch = f"{sample.micro_batch} x {sample.grad_accum} x {sample.world_size}" if sample else "-"
+        rows.append([f"ZeRO-{stage}", outcome(as_saved.get(stage)), outcome(universal.get(stage)), batch])
+    saved_on = runs.uninterrupted[STAGES[0]].world_size
+    return records.format_table(rows, ["stage", f"the {saved_on}-rank checkpoint as saved", "through a universal checkpoint",
+                                       "micro x accum x ranks"])
 
 
 def universal_layout(directory: str | Path, tag: str, parameter: str) -> str:
     """The files of one parameter in a universal checkpoint: its fp32 weights and each optimizer state,
     whole (not partitioned), with their shapes."""
-
     folder = Path(directory) / tag / "zero" / parameter
     rows = []
     for path in sorted(folder.glob("*.pt")):
@@ -668,17 +529,16 @@ def universal_layout(directory: str | Path, tag: str, parameter: str) -> str:
 
 # --- figures ----------------------------------------------------------------------------------------
 
-def resumed_losses(uninterrupted: Mapping[str, Sequence[float]], resumed: Mapping[str, Sequence[float]],
-                   first_step: int, title: str = "Uninterrupted and resumed runs"):
-    """Each uninterrupted run's losses (lines) with its resumed run's (markers, from step first_step + 1)."""
+def resumed_losses(runs: ChapterRuns, title: str = "Uninterrupted and resumed runs"):
+    """Each stage's uninterrupted losses (lines) with its resumed run's (markers, from step crash_after + 1)."""
     plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for i, (name, losses) in enumerate(uninterrupted.items()):
-        line, = ax.plot(range(1, len(losses) + 1), losses, "-", alpha=0.6, label=f"{name} uninterrupted")
-        again = resumed[name]
-        ax.plot(range(first_step + 1, first_step + len(again) + 1), again, "o", color=line.get_color(),
-                markersize=9 - 2 * i, markerfacecolor="none", label=f"{name} resumed")
-    ax.axvline(first_step + 0.5, color="grey", linestyle=":", linewidth=1)
+    for i, stage in enumerate(STAGES):
+        losses, again = runs.uninterrupted[stage].losses, runs.resumed[stage].losses
+        line, = ax.plot(range(1, len(losses) + 1), losses, "-", alpha=0.6, label=f"ZeRO-{stage} uninterrupted")
+        ax.plot(range(runs.crash_after + 1, runs.crash_after + len(again) + 1), again, "o", color=line.get_color(),
+                markersize=9 - 2 * i, markerfacecolor="none", label=f"ZeRO-{stage} resumed")
+    ax.axvline(runs.crash_after + 0.5, color="grey", linestyle=":", linewidth=1)
     ax.set(xlabel="optimizer step", ylabel="loss", title=title)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -688,16 +548,15 @@ def resumed_losses(uninterrupted: Mapping[str, Sequence[float]], resumed: Mappin
 
 # --- exercises ---------------------------------------------------------------------------------------
 
-def exercise_zero2_bytes_per_rank(answer: Any, result: CrashAndResume, stage: int = 2) -> exercises.Verdict:
+def exercise_zero2_bytes_per_rank(answer: Any, runs: ChapterRuns, stage: int = 2) -> exercises.Verdict:
     """Exercise: predict the bytes on disk each rank writes for one checkpoint of the ``stage`` run (fp32,
     AdamW); the answer is what the chapter's run wrote (:func:`saved_by_rank`), within 2% for each rank."""
-    record = result.uninterrupted[stage]
-    folder = result.checkpoint_dir(stage) / tag_of(result.crash_after)
+    record = runs.uninterrupted[stage]
+    folder = runs.checkpoint_dir(stage) / tag_of(runs.crash_after)
     saved = saved_by_rank(folder, record.world_size)
-    params = record.summary["model"]["params"]
     files = {rank: [row["file"] for row in files_per_rank(folder) if row["rank"] == rank] for rank in saved}
     task = (f"Predict the bytes on disk each of the {record.world_size} ranks writes for one ZeRO-{stage} "
-            f"checkpoint of this {params:,}-parameter model (fp32 weights, AdamW), as {{rank: bytes}}.")
+            f"checkpoint of this {record.params:,}-parameter model (fp32 weights, AdamW), as {{rank: bytes}}.")
     hint = ("which rank writes the weights, and what does every rank write of Adam's two moments and of the "
             "fp32 master copy at this stage? 4 bytes a number; the files add a little of their own.")
     if answer is exercises.BLANK:
@@ -719,90 +578,55 @@ def exercise_zero2_bytes_per_rank(answer: Any, result: CrashAndResume, stage: in
     return exercises.satisfies(f"ZeRO-{stage} checkpoint", answer, test, task=task, hint=hint)
 
 
-def exercise_save_16bit(answer: Any, call: Any, result: CrashAndResume) -> exercises.Verdict:
-    """Exercise: write the ``zero_optimization`` block of a ZeRO-3 run (``answer``) and the line every rank
-    runs (``call``, a string) so that rank 0 writes the whole weights in 16 bits. The block is read by DeepSpeed's
-    config class, the call is checked against ``DeepSpeedEngine``'s methods, and the outcome for the block's
-    :data:`GATHER_KEY` is what the chapter's two bf16 ZeRO-3 runs measured (``result.model16``)."""
-    import ast  # the learner's line is parsed, never run
+def exercise_save_16bit(answer: Any, runs: ChapterRuns) -> exercises.Verdict:
+    """Exercise: predict the bytes of the file ``save_16bit_model`` wrote in each bf16 ZeRO-3 run of the chapter,
+    without and with :data:`GATHER_KEY` (0 where it wrote none), as ``{False: bytes, True: bytes}``; right when
+    each is within 2% of the files on disk (exactly 0 where there is none)."""
+    written = {gather: sum(p.stat().st_size for p in _model16_files(runs, gather)) for gather in (False, True)}
+    params = runs.model16[True].params
+    task = (f"Predict the bytes of the file engine.save_16bit_model wrote in the two bf16 ZeRO-3 runs of this "
+            f"{params:,}-parameter model, called on both ranks after step {runs.crash_after}: without and with "
+            f"{GATHER_KEY}, as {{False: bytes, True: bytes}} (0 if no file).")
+    hint = ("at stage 3, does any rank hold the whole weights, and what does the switch make DeepSpeed do before "
+            "rank 0 writes? A bf16 number takes 2 bytes; the file adds a little of its own.")
 
-    task = ("Write the zero_optimization block of a ZeRO-3 run (answer) and, as a string, the line every rank "
-            "runs (call) so that rank 0 writes the whole model's weights in 16 bits into save_dir.")
-    hint = "the section above names the engine's method and the one ZeRO-3 switch it depends on."
-    if answer is exercises.BLANK or call is exercises.BLANK:
-        return exercises.blank("save_16bit_model", task, hint)
-
-    def test(block: Any) -> tuple[bool, str]:
-        from deepspeed.runtime.engine import DeepSpeedEngine  # deferred: DeepSpeed imports slowly
-
-        try:
-            expression = ast.parse(str(call).strip(), mode="eval").body
-        except SyntaxError as error:
-            return False, f"call is not a Python expression: {error.msg}."
-        if not (isinstance(expression, ast.Call) and isinstance(expression.func, ast.Attribute)
-                and isinstance(expression.func.value, ast.Name) and expression.func.value.id == "engine"):
-            return False, "call must call a method of the engine: engine.<method>(...)."
-        method = expression.func.attr
-        if not hasattr(DeepSpeedEngine, method):
-            return False, f"DeepSpeedEngine has no method {method!r}."
-        if method != "save_16bit_model":
-            return False, (f"engine.{method} is a DeepSpeedEngine method, but not the one that writes the weights "
-                           "alone: save_checkpoint writes the sharded checkpoint (optimizer states included).")
-        if not expression.args and not expression.keywords:
-            return False, "engine.save_16bit_model needs the folder to write into (save_dir)."
-        try:
-            zero = configs.zero_section(block)
-        except ValueError as refused:
-            return False, f"{refused}."
-        if zero.stage != 3:
-            return False, f"stage {int(zero.stage)}: the task is a ZeRO-3 run."
-        gather = bool(zero.gather_16bit_weights_on_model_save)  # the field behind GATHER_KEY
-        run = result.model16[gather]
-        returned = run.section("model_16bit")["returned"]
-        written = _model16_file(result, gather)
-        if not gather:
-            return False, (f"with {GATHER_KEY} false (DeepSpeed's default) the chapter's run returned "
-                           f"{' / '.join(map(str, returned))} on ranks 0 / 1 and wrote nothing: no rank holds the "
-                           "whole weights at stage 3, and DeepSpeed only gathers them with the switch on.")
-        return True, (f"engine.save_16bit_model(...) on every rank with {GATHER_KEY} true: the chapter's run "
-                      f"returned {' / '.join(map(str, returned))} on ranks 0 / 1 and rank 0 wrote "
-                      f"{written.name}, {written.stat().st_size:,} bytes, the weights gathered layer by layer. "
-                      "Call it on every rank: each must hand over its shards.")
+    def test(guess: Any) -> tuple[bool, str]:
+        if not isinstance(guess, Mapping) or set(guess) != {False, True}:
+            return False, "write a dict with both runs: {False: ..., True: ...}."
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in guess.values()):
+            return False, "give each run's file size as a number of bytes (0 if no file)."
+        ok = {g: guess[g] == 0 if written[g] == 0 else abs(guess[g] / written[g] - 1) <= 0.02 for g in written}
+        returned = {g: " / ".join(map(str, runs.model16_returned[g])) for g in written}
+        if all(ok.values()):
+            return True, (f"without the switch save_16bit_model returned {returned[False]} on ranks 0 / 1 and wrote "
+                          f"nothing: no rank holds the whole weights at stage 3. With it, DeepSpeed gathered each "
+                          f"layer on rank 0, which wrote {written[True]:,} bytes: 2 bytes x {params:,} weights and "
+                          f"the file's own; it returned {returned[True]}.")
+        wrong = [f"{GATHER_KEY}={str(g).lower()}" for g, right in ok.items() if not right]
+        return False, f"not the file on disk for {' and '.join(wrong)}."
     return exercises.satisfies("save_16bit_model", answer, test, task=task, hint=hint)
 
 
-def exercise_universal_config(answer: Any, result: CrashAndResume, world_size: int = 1,
-                              stage: int = 3) -> exercises.Verdict:
-    """Exercise: write the config changes that resume the ``stage`` run (saved on its ranks) on ``world_size``
-    ranks from a universal checkpoint with the same global batch. DeepSpeed's config parser reads the merged
-    config for ``world_size`` ranks; the global batch is compared with the saved run's."""
-    saved = result.uninterrupted[stage]
-    base = saved.summary["config"]
-    micro, accum = base["train_micro_batch_size_per_gpu"], base.get("gradient_accumulation_steps", 1)
-    global_batch = micro * accum * saved.world_size
-    task = (f"Write the config keys that change to resume the ZeRO-{stage} run, saved on {saved.world_size} "
-            f"ranks with micro-batch {micro} x accumulation {accum}, on {world_size} rank(s) from a universal "
-            "checkpoint, keeping the global batch.")
-    hint = ("the global batch is micro-batch x accumulation x ranks; the section above names the key that makes "
-            "load_checkpoint read a universal checkpoint (a block of its own).")
+def exercise_other_ranks(answer: Any, runs: ChapterRuns, as_saved: Mapping[int, records.Record | str]) -> exercises.Verdict:
+    """Exercise: predict, per ZeRO stage, what ``load_checkpoint`` does on 1 rank with the multi-rank checkpoint as
+    saved: ``"loads"`` or ``"refused"`` (:data:`OUTCOMES`); the answer is what the chapter's third launch did."""
+    truth = {stage: "refused" if isinstance(run, str) else "loads" for stage, run in as_saved.items()}
+    task = ("Predict, for each ZeRO stage, what engine.load_checkpoint does on 1 rank given the step-3 checkpoint "
+            f"its {runs.uninterrupted[STAGES[0]].world_size}-rank run saved: {' or '.join(map(repr, OUTCOMES))}, "
+            "as {stage: outcome}.")
+    hint = ("look at the stages table of 'What each rank saved': at which stages does one rank's files hold "
+            "everything, and at which is each rank's file one half of the optimizer's numbers?")
 
-    def test(changes: Any) -> tuple[bool, str]:
-        if not isinstance(changes, dict):
-            return False, f"{type(changes).__name__} is not a config: write a dict of the keys that change."
-        config = configs.merged(base, changes)
-        error = configs.deepspeed_parse(config, world_size)
-        if error is not None:
-            return False, f"DeepSpeed refuses it on {world_size} rank(s): {str(error).splitlines()[0]}."
-        new_micro = config.get("train_micro_batch_size_per_gpu", micro)
-        new_accum = config.get("gradient_accumulation_steps", 1)
-        batch = config.get("train_batch_size") or new_micro * new_accum * world_size
-        if batch != global_batch:
-            return False, (f"global batch {batch} against the saved run's {micro} x {accum} x {saved.world_size} = "
-                           f"{global_batch}: other samples per step, so not the same training.")
-        if not config.get("checkpoint", {}).get("load_universal"):
-            return False, ("the batch is right, but without \"checkpoint\": {\"load_universal\": true} "
-                           "load_checkpoint reads the folder as a sharded checkpoint of this many ranks.")
-        return True, (f"{new_micro} x {new_accum} x {world_size} = {global_batch}, the saved run's global batch, and "
-                      "load_universal on: the chapter's runs below resume this way and match the uninterrupted "
-                      "losses.")
-    return exercises.satisfies("universal resume", answer, test, task=task, hint=hint)
+    def test(guess: Any) -> tuple[bool, str]:
+        if not isinstance(guess, Mapping) or set(guess) != set(truth):
+            return False, f"write a dict with one entry per stage: {{{', '.join(f'{s}: ...' for s in truth)}}}."
+        if any(v not in OUTCOMES for v in guess.values()):
+            return False, f"each outcome is one of {', '.join(map(repr, OUTCOMES))}."
+        wrong = [s for s in truth if guess[s] != truth[s]]
+        if wrong:
+            return False, f"not what DeepSpeed did at {', '.join(f'ZeRO-{s}' for s in wrong)}."
+        loads = [s for s, t in truth.items() if t == "loads"]
+        return True, (f"ZeRO-{', ZeRO-'.join(map(str, loads))} loaded: rank 0's file holds the whole model and "
+                      "optimizer, so any number of ranks can read it. The others were refused: each file holds one "
+                      "rank's partition, and DeepSpeed does not re-cut partitions for another number of ranks.")
+    return exercises.satisfies("another number of ranks", answer, test, task=task, hint=hint)
