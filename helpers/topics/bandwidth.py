@@ -934,7 +934,8 @@ def byte_sum(record: records.Record) -> str:
 def comms_logger_fields() -> str:
     """The fields of DeepSpeed's ``comms_logger`` config block and their defaults, read from DeepSpeed's own
     config model, and what a block does to the logger whatever its ``enabled`` says."""
-    environment.quiet_deepspeed_import()  # deferred: after the course has chosen its accelerator
+    environment.quiet_deepspeed_import()
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
     from deepspeed.comm.config import CommsLoggerConfig
 
     table = [[field, repr(info.default)] for field, info in CommsLoggerConfig.model_fields.items()]
@@ -1778,7 +1779,8 @@ def comms_logger_records(block: dict, ops: Sequence[str] = LOGGED_OPS) -> dict[s
     """Which of ``ops`` DeepSpeed 0.19.8 records with the config block ``comms_logger = block``: DeepSpeed's own
     config model (``DeepSpeedCommsConfig``, which refuses unknown keys) configures a fresh ``CommsLogger``, and
     ``timed_op`` profiles a call when the logger is on and ``prof_all`` is set or the op is in ``prof_ops``."""
-    environment.quiet_deepspeed_import()  # deferred: after the course has chosen its accelerator
+    environment.quiet_deepspeed_import()
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
     from deepspeed.comm.config import DeepSpeedCommsConfig
     from deepspeed.utils.comms_logging import CommsLogger
 
