@@ -395,3 +395,56 @@ def test_the_page_module_trains_the_logged_runs_and_the_course_loop_the_timed_on
     assert len(timed) == 2 and all(s.task == "train" and s.probes == ("timing",) for s in timed)
     assert all(s.task == "train" and "micro_steps" in s.probes
                for n, s in bandwidth.stage_specs(overlap_stage=None).items())
+
+
+def test_the_byte_sum_adds_each_functions_calls_and_checks_the_records_total():
+    from test_records import minimal_summary
+
+    summary = minimal_summary()
+    summary["comm"]["by_caller"] = {"all_reduce": {"allreduce_bucket": {"count": 4.0, "bytes": 8000.0},
+                                                   "get_grad_norm_direct": {"count": 1.0, "bytes": 4.0}},
+                                    "all_gather_into_tensor": {"allgather": {"count": 1.0, "bytes": 1996.0}}}
+    summary["comm"]["bytes_per_step"] = 10_000.0
+    assert bandwidth.byte_sum(records.Record(summary)) == (
+        "1 x 1,996 (all_gather_into_tensor, allgather) + 4 x 2,000 (all_reduce, allreduce_bucket) + 1 x 4 "
+        "(all_reduce, get_grad_norm_direct) = 10,000 bytes per step")
+    summary["comm"]["bytes_per_step"] = 6000.0  # the callers no longer add up to the record's total
+    with pytest.raises(ValueError, match="differ from the record's total"):
+        bandwidth.byte_sum(records.Record(summary))
+
+
+def test_the_comms_logger_fields_are_deepspeeds_own_and_the_block_alone_turns_it_on():
+    text = bandwidth.comms_logger_fields()
+    rows = {line.split()[0]: line.split()[-1] for line in text.splitlines()[2:-1]}
+    assert rows == {"enabled": "False", "prof_all": "True", "prof_ops": "[]", "verbose": "False", "debug": "False"}
+    assert text.splitlines()[-1].endswith("still records all_reduce, all_gather_into_tensor, reduce_scatter_tensor.")
+
+
+def test_the_fit_summary_names_the_load_only_where_the_fit_is_poor_and_others_ran():
+    known = {"all_reduce": (100e-6, 1 / 2e9)}
+    scattered = _synthetic_benchmark(2, known)
+    for i, p in enumerate(scattered["results"]):
+        p["seconds"] *= 4 if i % 2 else 1
+    model = bandwidth.CommModel.from_benchmark(scattered)
+    busy = bandwidth.fit_summary(model, scattered, reference="no-such-reference", load=BUSY)
+    assert "does not hold here: other processes (3) used 40% of the 2 cores' time" in busy
+    assert "other processes" not in bandwidth.fit_summary(model, scattered, reference="no-such-reference", load=ALONE)
+    clean = _synthetic_benchmark(2, known)
+    assert "other processes" not in bandwidth.fit_summary(bandwidth.CommModel.from_benchmark(clean), clean,
+                                                          reference="no-such-reference", load=BUSY)
+
+
+def test_stage_pair_compares_two_runs_on_one_link_through_the_load_guard():
+    rows = [{"name": "zero1-acc1", "fast_each_s": [0.100, 0.102]}, {"name": "zero2-acc1", "fast_each_s": [0.050, 0.051]}]
+    assert bandwidth.stage_pair(rows, ALONE).startswith("zero2-acc1 against zero1-acc1 on the fast link: zero2-acc1 is "
+                                                        "faster")
+    assert "withheld: other processes (3)" in bandwidth.stage_pair(rows, BUSY)
+    assert bandwidth.stage_pair(rows[:1], ALONE) == "(no zero1-acc1 and zero2-acc1 on both links here)"
+
+
+def test_the_reference_readings_are_labelled_with_their_device_and_date():
+    device_date = bandwidth.reference_model()[0]
+    assert bandwidth.reference_fit().startswith(f"GPU reference, measured on {device_date} (NCCL; not this run):")
+    sentence = bandwidth.reference_what_if()
+    assert sentence.startswith(f"GPU reference ({device_date}; not this run): ZeRO-")
+    assert "10 Gb/s" in sentence and "NVLink 4" in sentence

@@ -848,14 +848,19 @@ def worst_points(model: CommModel, result: dict, implementation: str = "deepspee
 POOR_FIT = 0.5
 
 
-def fit_summary(model: CommModel, result: dict, reference: str = "bandwidth-nvlink") -> str:
+def fit_summary(model: CommModel, result: dict, reference: str = "bandwidth-nvlink",
+                load: load_guard.Load | None = None) -> str:
     """A generated sentence on how well the alpha-beta lines fit this run's points, beside the committed GPU
-    reference's fit (its device and date)."""
+    reference's fit (its device and date); where the fit is poor and the launch's ``load`` shows other
+    programs on the devices, it says that their work lands in single calls."""
     mine = worst_errors(model, result)
+    poor = max(mine.values()) > POOR_FIT
+    busy = poor and load is not None and load.samples > 0 and not load.alone
     lines = [f"This run ({model.source}): worst fit error {min(mine.values()):.0%} to {max(mine.values()):.0%} "
-             "over the collectives; " + ("the points scatter far from the lines, so read the shape on the GPU "
-                                         "reference." if max(mine.values()) > POOR_FIT else
-                                         "the lines follow the points within that error.")]
+             "over the collectives; " + ("the points scatter far from the lines, so the model does not hold here"
+                                         + (f": {load.reason()}, and their work lands in single calls at random"
+                                            if busy else "") + "; read the shape on the GPU reference."
+                                         if poor else "the lines follow the points within that error.")]
     found = references.reference_runs(reference)
     if found:
         device, date, _, runs = found[0]
@@ -898,6 +903,47 @@ def slow_alpha_note(slow: CommModel, fast: CommModel, result: dict, rate: float,
     lines.append(f"alpha is the line's intercept, fitted on {len(sizes)} sizes of {result['iters']} calls each: "
                  "whatever the small calls spent beyond their bytes goes into it.")
     return "\n".join(lines)
+
+
+def reference_fit(name: str = "bandwidth-nvlink") -> str:
+    """The committed GPU reference's alpha-beta fit table (:func:`fit_table`), labelled with its device and
+    date, to set beside this machine's fit."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, "run this notebook on a GPU machine to measure them.")
+    device, date, _, runs = found[0]
+    model = CommModel.from_benchmark(runs["collectives"])
+    return f"GPU reference, measured on {device}, {date} (NCCL; not this run):\n" + fit_table(model, runs["collectives"])
+
+
+def byte_sum(record: records.Record) -> str:
+    """A run's logged bytes per optimizer step as a sum over its DeepSpeed functions (calls x bytes per call),
+    checked against the record's own total."""
+    terms, total = [], 0.0
+    for op, callers in sorted(record.section("comm").get("by_caller", {}).items()):
+        for caller, row in sorted(callers.items()):
+            if row["count"]:
+                terms.append(f"{row['count']:g} x {row['bytes'] / row['count']:,.0f} ({op}, {caller or '-'})")
+                total += row["bytes"]
+    if not math.isclose(total, record.comm.bytes_per_step, rel_tol=1e-9):
+        raise ValueError(f"the callers' bytes ({total:,.0f}) differ from the record's total "
+                         f"({record.comm.bytes_per_step:,.0f})")
+    return " + ".join(terms) + f" = {total:,.0f} bytes per step"
+
+
+def comms_logger_fields() -> str:
+    """The fields of DeepSpeed's ``comms_logger`` config block and their defaults, read from DeepSpeed's own
+    config model, and what a block does to the logger whatever its ``enabled`` says."""
+    environment.quiet_deepspeed_import()
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    from deepspeed.comm.config import CommsLoggerConfig
+
+    table = [[field, repr(info.default)] for field, info in CommsLoggerConfig.model_fields.items()]
+    off = comms_logger_records({"enabled": False})
+    recorded = ", ".join(op for op, on in off.items() if on) or "nothing"
+    return (records.format_table(table, ["comms_logger field", "default"]) +
+            f"\nA config holding the block turns the logger on: with {{'enabled': False}} alone, DeepSpeed still "
+            f"records {recorded}.")
 
 
 def caller_table(runs: Mapping[str, records.Record], names: Sequence[str] = ("zero0-acc4", "zero3-acc4"),
@@ -1127,6 +1173,38 @@ def what_if_summary(rows: Sequence[dict]) -> str:
     p = top["profile"]
     return (f"Largest predicted share of communication: {top['comm_share']:.0%} (ZeRO-{p.stage}, accumulation "
             f"{p.accum}, {top['link']}).")
+
+
+def reference_what_if(name: str = "bandwidth-nvlink") -> str:
+    """The committed GPU reference's what-if (:func:`what_if`, alpha as fitted there for all_reduce) read in one
+    sentence, labelled with its device and date: the run and link where communication takes the largest share
+    of the step, and that run's share on the fastest link."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, "run this notebook on a GPU machine to measure them.")
+    device, date, _, runs = found[0]
+    model = CommModel.from_benchmark(runs["collectives"])
+    accum = [r for r in logged_runs(runs).values() if r["grad_accum"] >= 2]
+    profiles = [extrapolate(r, a) for r in sorted(accum, key=lambda r: r.stage) for a in (1, 4)]
+    rows = what_if(profiles, model.fits["all_reduce"].alpha)
+    top = max(rows, key=lambda r: r["comm_share"])
+    same = [r for r in rows if r["profile"] is top["profile"]]
+    fastest = max(same, key=lambda r: r["bandwidth"])
+    p = top["profile"]
+    return (f"GPU reference ({device}, {date}; not this run): ZeRO-{p.stage} at accumulation "
+            f"{p.accum} spends {top['comm_share']:.0%} of its step communicating at {top['link']} and "
+            f"{fastest['comm_share']:.0%} on {fastest['link']}.")
+
+
+def stage_pair(rows: Sequence[dict], load: load_guard.Load | None, first: str = "zero1-acc1",
+               second: str = "zero2-acc1", link: str = "fast") -> str:
+    """Two runs of :func:`slow_link_rows` compared on one link (``fast`` or ``slow``), step times without the
+    warm-up step, through the load guard: its sentence (a verdict, or why it is withheld, with the medians)."""
+    by = {r["name"]: r for r in rows}
+    if first not in by or second not in by:
+        return f"(no {first} and {second} on both links here)"
+    verdict = load_guard.compare({first: by[first][f"{link}_each_s"], second: by[second][f"{link}_each_s"]}, load)
+    return f"{second} against {first} on the {link} link: " + load_guard.sentence(verdict)
 
 
 # --- chapter 09's runs: the model against measurements, on a fast and a slow link ----------------
@@ -1701,6 +1779,7 @@ def comms_logger_records(block: dict, ops: Sequence[str] = LOGGED_OPS) -> dict[s
     """Which of ``ops`` DeepSpeed 0.19.8 records with the config block ``comms_logger = block``: DeepSpeed's own
     config model (``DeepSpeedCommsConfig``, which refuses unknown keys) configures a fresh ``CommsLogger``, and
     ``timed_op`` profiles a call when the logger is on and ``prof_all`` is set or the op is in ``prof_ops``."""
+    environment.quiet_deepspeed_import()
     # deferred: DeepSpeed is imported after the course has chosen its accelerator
     from deepspeed.comm.config import DeepSpeedCommsConfig
     from deepspeed.utils.comms_logging import CommsLogger
