@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -605,6 +606,64 @@ def test_timing_check_gives_a_verdict_only_for_a_run_alone_beyond_the_spread():
     assert "baseline is faster" in capstone.timing_check(ladder, alone)
     assert "Verdict withheld" in capstone.timing_check(ladder, busy)
     assert "ZeRO-3" in capstone.timing_check(ladder, busy) and "baseline, again:" not in capstone.timing_check(ladder, busy)
+
+
+def test_timing_check_comments_the_baselines_two_runs_through_the_load_guard():
+    from helpers.core import load_guard
+
+    setting = capstone.CPU_BASELINE
+    ladder = capstone.Ladder("tiny", 1, 2, "cpu", setting, 60.0, spread=0.4, margin=0.8, candidates=[
+        capstone.Candidate("cpu", "baseline", setting, "a", record=_timed([9.0, 1.0, 1.01, 1.02])),
+        capstone.Candidate("cpu", "baseline, again", setting, "b", record=_timed([9.0, 1.6, 1.61, 1.62]))])
+    alone = load_guard.Load("cpu", other_processes=0, other_share=0.0, cores=2, seconds=10.0, samples=20, source="t")
+    busy = load_guard.Load("cpu", other_processes=3, other_share=0.5, cores=2, seconds=10.0, samples=20, source="t")
+    assert "differ by 40.0% of their mean, hence the 80.0% margin" in capstone.timing_check(ladder, alone)
+    assert "1.59x apart with the machine to itself" in capstone.timing_check(ladder, alone)
+    busy_text = capstone.timing_check(ladder, busy)
+    assert "withheld" in busy_text and "not DeepSpeed" in busy_text and "apart" not in busy_text
+
+
+def test_fsdp2_check_compares_fsdp2s_steps_with_deepspeeds_through_the_load_guard(tmp_path, monkeypatch):
+    from helpers.core import load_guard
+
+    monkeypatch.setattr(capstone.launch, "RUNS_DIR", tmp_path)
+    loaded = {"fsdp2-fsdp2": _timed([9.0, 2.0, 2.01, 2.02]), "fsdp2-fsdp2-grad-op": _timed([9.0, 2.1, 2.1, 2.11])}
+    monkeypatch.setattr(capstone.records, "load", lambda out: loaded[Path(out).name])
+    for name in loaded:
+        (tmp_path / "capstone" / name).mkdir(parents=True)
+    setting = capstone.CPU_BASELINE
+    ladder = capstone.Ladder("tiny", 1, 2, "cpu", setting, 60.0, fsdp2={"measured": True}, candidates=[
+        capstone.Candidate("cpu", "baseline", setting, "a", record=_timed([9.0, 1.0, 1.01, 1.02]), verdict="baseline")])
+    alone = load_guard.Load("cpu", other_processes=0, other_share=0.0, cores=2, seconds=10.0, samples=20, source="t")
+    busy = load_guard.Load("cpu", other_processes=3, other_share=0.5, cores=2, seconds=10.0, samples=20, source="t")
+    text = capstone.fsdp2_check(ladder, alone)
+    assert "DeepSpeed baseline is faster" in text and "same fp32 arithmetic" in text
+    assert "Verdict withheld" in capstone.fsdp2_check(ladder, busy)
+    not_run = dataclasses.replace(ladder, fsdp2={"measured": False, "reason": "time budget: 3 s left"})
+    assert capstone.fsdp2_check(not_run, alone) == "FSDP2 against DeepSpeed: time budget: 3 s left"
+
+
+def test_kept_path_reads_each_kept_rung_and_its_gain_from_the_ladder():
+    two = capstone.kept_path(capstone.key_ladder("2.7b", world_size=2))
+    assert two.count("kept at rung") == 3 and "'compile': engine.compile() (compile=True)" in two
+    assert "accumulation x2 (grad_accum=2)" in two  # from micro 16 x 1 back to x 2, not "x2 the baseline's"
+    assert "ends at ZeRO-2, micro batch 16 x accumulation 2, engine.compile()" in two
+    four = capstone.kept_path(capstone.key_ladder("2.7b", world_size=4))
+    assert "nothing kept" in four and "target 50%: reached" in four
+
+
+def test_failures_are_shown_without_a_cut_word_and_the_peak_note_once():
+    cut = ("rank 0 failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 320.00 MiB. GPU 0 has a total "
+           "capacity of 139.80 GiB of which 303.06 MiB is free. Includi")
+    assert capstone.whole_sentences(cut).endswith("303.06 MiB is free.")
+    nccl = "rank 0 failed: DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3780, unhandled cuda error (run with " \
+           "NCCL_DEBUG=INFO for details), NCCL version 2.27.5 ncclUnhandledCudaError: Call to CUDA function f"
+    assert capstone.whole_sentences(nccl).endswith("to CUDA function ...")
+    assert capstone.whole_sentences("failed: OOM") == "failed: OOM"
+    ladder = capstone.key_ladder("2.7b", world_size=2)
+    assert capstone.marks_peaks(ladder) and records.PEAK_NOTE not in capstone.ladder_table(ladder)
+    assert records.UPPER_BOUND in capstone.ladder_table(ladder) and "Includi" not in capstone.ladder_table(ladder)
+    assert not capstone.marks_peaks(capstone.key_ladder("2.7b", world_size=4))
 
 
 def test_page_trainer_names_the_chapter_modules_train_step(tmp_path, monkeypatch):

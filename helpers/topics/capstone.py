@@ -728,6 +728,34 @@ def _launch_index(run_name: str) -> int:
     return int(match.group(1)) if match else 0
 
 
+#: The mark of a peak that may include memory of earlier runs of its launch, explained once where tables show it
+#: (the course's tables print :data:`helpers.core.records.PEAK_NOTE` under each; the capstone prints this once).
+PEAK_NOTE = ("<= : an upper bound: an earlier run of the same launch may still have held GPU memory when this "
+             "run peaked (docs/capstone-walks.md says which runs, and why).")
+
+
+def _without_peak_note(table: str) -> str:
+    """A table of :func:`records.format_table` without the footnote it adds under marked peaks."""
+    return table.replace("\n" + records.PEAK_NOTE, "")
+
+
+def marks_peaks(ladder: dict) -> bool:
+    """Whether a ladder's tables mark any peak as an upper bound (so :data:`PEAK_NOTE` belongs under them)."""
+    rows = list(ladder["candidates"]) + list(((ladder.get("fsdp2") or {}).get("runs") or {}).values())
+    return any(r.get("peak_upper_bound") or _memory_maybe_held_by_earlier(r) for r in rows)
+
+
+def whole_sentences(failure: str, stored: int = 150) -> str:
+    """A failure message as a ladder stores it (cut at a fixed length), shown without a cut word: an
+    out-of-memory message back to its last whole sentence, another one at least ``stored`` characters long back to
+    its last whole word, marked "...", where it does not end a sentence."""
+    if _out_of_memory(failure) and ". " in failure:
+        return failure[:failure.rindex(". ") + 1]
+    if len(failure) >= stored and not failure.endswith((".", ")")) and " " in failure:
+        return failure[:failure.rindex(" ")] + " ..."
+    return failure
+
+
 def _peak(figures: dict) -> str:
     """A candidate's peak memory, marked where it may include earlier candidates of its launch."""
     return records.format_bytes_bound(figures["peak_bytes"], bool(figures.get("peak_upper_bound")))
@@ -738,7 +766,7 @@ def ladder_table(ladder: dict) -> str:
     changed from the baseline, its figures and its verdict."""
     rows = []
     for c in ladder["candidates"]:
-        verdict = c["verdict"] + (f" ({c['note']})" if c.get("note") else "")
+        verdict = whole_sentences(c["verdict"]) + (f" ({c['note']})" if c.get("note") else "")
         if c.get("failure") and "tokens_per_s" not in c:
             if _memory_maybe_held_by_earlier(c):
                 verdict = f"{records.UPPER_BOUND}memory: earlier candidates of its launch may have held some; " + verdict
@@ -748,8 +776,8 @@ def ladder_table(ladder: dict) -> str:
         rows.append([c["rung"], c["label"], f"{c['tokens_per_s']:,.0f}", tflops, _pct(c["mfu"]),
                      _peak(c), _pct(c["comm_exposed_share"]), verdict])
     per = "rank" if ladder["device"].startswith("CPU") else "GPU"
-    return records.format_table(rows, ["rung", "candidate", "tokens/s", f"TFLOP/s/{per}", "MFU", "peak mem",
-                                       "comm exposed", "verdict"])
+    return _without_peak_note(records.format_table(rows, ["rung", "candidate", "tokens/s", f"TFLOP/s/{per}", "MFU",
+                                                          "peak mem", "comm exposed", "verdict"]))
 
 
 def fsdp2_table(ladder: dict) -> str:
@@ -773,7 +801,7 @@ def fsdp2_table(ladder: dict) -> str:
     rows = [[name, f"{r['tokens_per_s']:,.0f}", "-" if r["tflops_per_gpu"] is None else f"{r['tflops_per_gpu']:.4g}",
              _pct(r["mfu"]), _peak(r)] for name, r in entries if r]
     per = "rank" if ladder["device"].startswith("CPU") else "GPU"
-    return records.format_table(rows, ["run", "tokens/s", f"TFLOP/s/{per}", "MFU", "peak mem"])
+    return _without_peak_note(records.format_table(rows, ["run", "tokens/s", f"TFLOP/s/{per}", "MFU", "peak mem"]))
 
 
 def rungs_table(ladder: dict) -> str:
@@ -872,6 +900,36 @@ def summary(ladder: dict) -> str:
     return "\n".join(lines)
 
 
+def _describe(s: Setting) -> str:
+    return (f"ZeRO-{s.stage}, micro batch {s.micro_batch} x accumulation {s.grad_accum}"
+            + (", checkpointing" if s.checkpointing else "") + (", engine.compile()" if s.compile else ""))
+
+
+def kept_path(ladder: dict) -> str:
+    """The path a ladder kept, from its data: the setting it started from and its figure (the mean of its two
+    runs), each kept candidate with its rung, what it changed from the setting before it and its gain over the
+    best so far, and the setting it ended with, with its MFU against the target."""
+    unit = "model TFLOP/s per " + ("rank" if ladder["device"].startswith("CPU") else "GPU")
+    base = [c["metric"] for c in ladder["candidates"] if c["verdict"] == "baseline"]
+    before = Setting(**ladder["baseline"])
+    lines = [f"{ladder['params'] / 1e9:.2f}B on {ladder['device']}, from {_describe(before)}: "
+             f"{sum(base) / len(base):.3g} {unit}"]
+    for c in ladder["candidates"]:
+        if c["verdict"].startswith("kept"):
+            setting = Setting(**c["setting"])
+            gain = c["verdict"].split(":", 1)[1].strip()
+            lines.append(f"  kept at rung {c['rung']!r}: {c['label']} ({setting.changes_from(before)}): "
+                         f"{c['metric']:.3g}, {gain} over the best so far")
+            before = setting
+    if len(lines) == 1:
+        lines.append(f"  nothing kept: no candidate beat it by more than the {ladder['margin']:.1%} margin")
+    found = best_mfu_and_exposed(ladder)
+    if found is not None:
+        verdict = "reached" if found[0] >= ladder["target_mfu"] else "not reached"
+        lines.append(f"  ends at {_describe(before)}: MFU {found[0]:.1%} (target {ladder['target_mfu']:.0%}: {verdict})")
+    return "\n".join(lines)
+
+
 def best_repeats(ladder: dict) -> list[float]:
     """The MFU of every measured candidate that trained the best setting, in walk order: the run that kept it and
     each "best so far, again" of later launches (the spread between machines and launches)."""
@@ -884,7 +942,7 @@ def fsdp2_line(ladder: dict) -> str:
     """What PyTorch FSDP2 reached on the best setting (eager), beside DeepSpeed's best, or why it did not run."""
     fsdp2 = ladder.get("fsdp2") or {}
     if not fsdp2.get("measured"):
-        return "FSDP2: " + fsdp2.get("reason", "not run")
+        return "FSDP2: " + whole_sentences(fsdp2.get("reason", "not run"))
     parts = []
     for label, r in fsdp2["runs"].items():
         figure = f"{r['mfu']:.1%} MFU" if r.get("mfu") is not None else f"{r['tokens_per_s']:,.0f} tokens/s"
@@ -893,7 +951,8 @@ def fsdp2_line(ladder: dict) -> str:
     earlier = bool(best) and _samples(best) != _samples(setting)
     on = (f"an earlier best setting (micro batch {setting['micro_batch']} x accumulation {setting['grad_accum']}, "
           "measured before a resumed walk changed the batch)" if earlier else "the best setting")
-    latest = f"; on the best setting since: {fsdp2['latest']['reason']}" if earlier and "latest" in fsdp2 else ""
+    latest = (f"; on the best setting since: {whole_sentences(fsdp2['latest']['reason'])}"
+              if earlier and "latest" in fsdp2 else "")
     return (f"FSDP2 on {on}, eager, torch.optim.AdamW: " + "; ".join(parts)
             + (" (DeepSpeed's best above was compiled)" if best.get("compile") else "") + latest)
 
@@ -1118,7 +1177,7 @@ def exercise_hidden_bound(answer: Any, ladder: dict) -> exercises.Verdict:
         task=(f"The best setting of the {ladder['params'] / 1e9:.2f}B ladder on {ladder['device']} reached "
               f"{mfu:.2%} MFU, with {exposed:.2%} of its step exposed communication. Predict the highest MFU it "
               "could reach if overlap hid all of that communication, as a fraction (0.5 for 50%)."),
-        hint="MFU is model FLOPs over time: hiding changes only the step's time; which share of it goes?",
+        hint="MFU's definition (section 2): which of its quantities does hiding communication change, and by how much?",
         why=(f"{mfu:.2%} / (1 - {exposed:.2%}) = {bound:.2%}: the same FLOPs in {1 - exposed:.2%} of the time. "
              "That bounds what overlap can still give; the rest of the gap to the peak is compute (section 5)."))
 
@@ -1138,26 +1197,58 @@ def exercise_margin(answer: Any, ladder: dict) -> exercises.Verdict:
              "moves between two runs is not a gain."))
 
 
-def timing_check(ladder: Ladder, load: load_guard.Load) -> str:
-    """Each candidate's measured steps against the baseline's through the course's load guard
-    (:func:`load_guard.compare`, the baseline's second run as the repeat): a verdict only where the launch had
-    its devices to itself and the difference exceeds the steps' spread; otherwise the reason it is withheld."""
-    def steps(record: records.Record) -> list[float]:
-        section = record["throughput"]
-        return [section["all_step_times_s"][i - 1] for i in section["measured_steps"]]
+def _steps(record: records.Record) -> list[float]:
+    """A record's measured step times (seconds): the middle steps, without warm-up and the profiled last."""
+    section = record["throughput"]
+    return [section["all_step_times_s"][i - 1] for i in section["measured_steps"]]
 
+
+def timing_check(ladder: Ladder, load: load_guard.Load) -> str:
+    """The baseline's two runs against each other, then each candidate's measured steps against the baseline's,
+    through the course's load guard (:func:`load_guard.compare`, the baseline's second run as the repeat): a
+    verdict only where the launch had its devices to itself and the difference exceeds the steps' spread;
+    otherwise the reason it is withheld."""
     measured = [c for c in ladder.candidates if c.record is not None]
     base = next((c for c in measured if c.label == "baseline"), None)
     again = next((c for c in measured if c.label == "baseline, again"), None)
     lines = [f"Load beside the launch: {load.reason() or 'none, it had its devices to itself'}."]
     if base is None:
         return "\n".join(lines + ["No baseline was measured: nothing to compare."])
+    if again is not None and ladder.spread is not None:
+        noise = load_guard.compare({"baseline": _steps(base.record), "baseline, again": _steps(again.record)}, load)
+        why = (f"the same setting ran {noise.ratio:.2f}x apart with the machine to itself, beyond its steps' spread: "
+               "that is this machine's own noise, and the margin absorbs it" if noise.given else
+               f"no verdict on that difference, withheld: {noise.withheld}"
+               + ("; on a busy machine the margin measures the other processes, not DeepSpeed, and can grow until no "
+                  "candidate is kept" if not load.alone else ""))
+        lines.append(f"The baseline's two runs differ by {ladder.spread:.1%} of their mean, hence the "
+                     f"{ladder.margin:.1%} margin: {why}.")
     for c in measured:
         if c is not base and c is not again:
-            verdict = load_guard.compare({"baseline": steps(base.record), c.label: steps(c.record)}, load,
-                                         repeat=steps(again.record) if again else None)
+            verdict = load_guard.compare({"baseline": _steps(base.record), c.label: _steps(c.record)}, load,
+                                         repeat=_steps(again.record) if again else None)
             lines.append(f"{c.label}: {load_guard.sentence(verdict)}")
     return "\n".join(lines)
+
+
+def fsdp2_check(ladder: Ladder, load: load_guard.Load) -> str:
+    """FSDP2's measured steps against DeepSpeed's on the same setting (the kept candidate's, else the baseline's)
+    through the load guard: a verdict only for a launch alone whose difference exceeds the steps' spread."""
+    kept = [c for c in ladder.candidates if c.verdict.startswith("kept") and c.record is not None]
+    deepspeed_run = kept[-1] if kept else next((c for c in ladder.candidates if c.label == "baseline"
+                                                and c.record is not None), None)
+    folder = launch.RUNS_DIR / ladder.name
+    found = {label: folder / f"fsdp2-{strategy}" for strategy, label in
+             ((s, frameworks.STRATEGIES[s].label) for s in FSDP2_STRATEGIES)}
+    samples = {label: _steps(records.load(out)) for label, out in found.items()
+               if (ladder.fsdp2 or {}).get("measured") and out.exists()}
+    if deepspeed_run is None or not samples:
+        return "FSDP2 against DeepSpeed: " + whole_sentences((ladder.fsdp2 or {}).get("reason", "not measured"))
+    verdict = load_guard.compare({f"DeepSpeed {deepspeed_run.label}": _steps(deepspeed_run.record), **samples}, load)
+    return ("FSDP2 against DeepSpeed on the same setting: " + load_guard.sentence(verdict)
+            + (" Both do the same fp32 arithmetic here (the losses above match), so on a model this small a verdict "
+               "compares the work each does around it per step, not the GPU ladders' question."
+               if verdict.given and ladder.baseline.precision == "fp32" else ""))
 
 
 def exercise_mfu(answer: Any, ladder: dict, label: str = "baseline") -> exercises.Verdict:
@@ -1178,8 +1269,8 @@ def exercise_mfu(answer: Any, ladder: dict, label: str = "baseline") -> exercise
                                                f"({answer / 100:g}).")
     return exercises.number(
         "MFU", answer, c["mfu"], relative=0.02, task=task,
-        hint=("FLOPs per token from section 2 (the 2.7b row at T=2048), times tokens/s, divided by the GPUs and "
-              "by one GPU's dense bf16 peak (the table above)."),
+        hint=("MFU as section 2 defines it, with its FLOPs-per-token row for this model and sequence length; the "
+              "tokens/s count all the GPUs, the peak one."),
         why=(f"{flops:.4g} FLOPs/token x {c['tokens_per_s']:,.0f} tokens/s / {gpus} GPUs = "
              f"{flops * c['tokens_per_s'] / gpus / 1e12:.4g} TFLOP/s per GPU, over {peak:g} TFLOP/s dense bf16: "
              f"{c['mfu']:.1%}, the MFU the throughput probe recorded."))
