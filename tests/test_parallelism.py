@@ -646,19 +646,19 @@ def test_chapter_runs_reads_records_and_refusals_written_since_the_launch(tmp_pa
         tensor_parallel.chapter_runs(tmp_path, since=time.time() + 60)
 
 
-def _stepped(steps_s):
+def _stepped_record(steps_s):
     summary = minimal_summary()
     summary["step_time_s"] = {"median": sorted(steps_s)[len(steps_s) // 2], "all": list(steps_s)}
     return records.Record(summary)
 
 
 def test_speed_verdict_is_withheld_without_a_load_and_given_alone_beyond_the_spread():
-    runs = {"autotp": _stepped([9.0, 2.0, 2.02, 2.01]), "zero3": _stepped([9.0, 1.0, 1.01, 1.02]),
-            "data-parallel": _stepped([9.0, 1.0, 1.01, 1.0]), "autotp-again": _stepped([2.0, 2.01, 2.02, 2.0])}
+    runs = {"autotp": _stepped_record([9.0, 2.0, 2.02, 2.01]), "zero3": _stepped_record([9.0, 1.0, 1.01, 1.02]),
+            "data-parallel": _stepped_record([9.0, 1.0, 1.01, 1.0]), "autotp-again": _stepped_record([2.0, 2.01, 2.02, 2.0])}
     assert "withheld" in tensor_parallel.speed_verdict(runs, load_guard.Load.unknown("gpu"))
     alone = load_guard.Load("gpu", 0, None, 2, 10.0, 20, "test")
     assert "faster" in tensor_parallel.speed_verdict(runs, alone)
-    warmed = {**runs, "autotp-again": _stepped([1.0, 1.01, 1.0, 1.02])}  # AutoTP's repeat far from its first run
+    warmed = {**runs, "autotp-again": _stepped_record([1.0, 1.01, 1.0, 1.02])}  # AutoTP's repeat far from its first run
     assert "warmed" in tensor_parallel.speed_verdict(warmed, alone)
 
 
@@ -681,4 +681,4 @@ def test_gpu_runs_keep_the_load_beside_them_and_a_later_reading_gets_it_back(tmp
     kept = tensor_parallel.keep_gpu_runs(tmp_path, 0.0, seen, note="test")  # a CPU record: nothing is saved
     assert set(kept) == {"autotp", "zero3"}
     assert tensor_parallel.saved_load(kept) == seen
-    assert tensor_parallel.saved_load({"zero3": _stepped([1.0, 2.0])}).samples == 0  # saved without one: unknown
+    assert tensor_parallel.saved_load({"zero3": _stepped_record([1.0, 2.0])}).samples == 0  # saved without one: unknown
