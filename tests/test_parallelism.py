@@ -209,6 +209,34 @@ def test_timing_verdicts_speak_only_for_a_launch_alone_and_beyond_the_spread():
     assert pipeline.timing_verdicts(drifted, ALONE).count("the machine warmed during the sweep") == 2
 
 
+def test_timings_compare_the_runs_probed_alike_where_the_launch_has_them():
+    light = {**_timed_runs(290, 110), pipeline.TIMED: _stepped(900, 50, 51, 49),
+             pipeline.DATA_PARALLEL_TIMED: _stepped(900, 60, 61, 59), pipeline.AGAIN: _stepped(900, 50, 50, 51)}
+    assert pipeline.timed_names(light) == (pipeline.TIMED, pipeline.DATA_PARALLEL_TIMED)
+    assert pipeline.timed_names(_timed_runs(290, 110)) == (pipeline.DEFAULT, "data-parallel")
+    lines = pipeline.timing_verdicts(light, ALONE).splitlines()
+    assert lines[1].startswith(f"DualPipeV against 1F1B: {pipeline.TIMED} is faster: pipeline-dualpipev takes 5.80x")
+    assert lines[3].startswith(f"the pipeline against data parallelism: {pipeline.TIMED} is faster")
+
+
+def test_step_times_leave_the_warm_up_step_out():
+    assert pipeline.step_median_s(_stepped(900, 100, 130, 99)) == pytest.approx(0.100)
+
+
+def test_the_bubble_trend_is_said_from_the_points():
+    assert "falls as M grows" in pipeline.bubble_trend({1: [0.5, 0.5], 2: [0.35, 0.3], 4: [0.2, 0.21]})
+    assert "do not fall" in pipeline.bubble_trend({1: [0.5, 0.5], 2: [0.35, 0.3], 4: [0.2, 0.4]}, "a CPU")
+    figure = pipeline.bubble_vs_micro_batches({1: [0.5, 0.5], 4: [0.4, 0.4]}, 2,
+                                              reference=("GPU, day", {1: [0.5, 0.5], 2: [0.3, 0.3], 8: [0.1, 0.1]}))
+    labels = [line.get_label() for line in figure.axes[0].lines]
+    assert labels == ["(S-1)/(M+S-1)", "stage 0, this launch", "stage 1, this launch", "stage 0, GPU, day",
+                      "stage 1, GPU, day"]
+
+
+def test_the_default_gradient_bucket_is_deepspeeds_documented_size():
+    assert pipeline.default_bucket_elements() == 500_000_000  # DeepSpeed's docs: reduce_bucket_size 5e8
+
+
 def test_the_gpu_reference_is_shown_beside_the_launch_and_a_disagreement_beyond_noise_is_said(monkeypatch):
     reference = {pipeline.SCHEDULES_REFERENCE: [("2 x GPU", "2026-01-01", "", _timed_runs(99, 75))],
                  "pipeline": [("2 x GPU", "2026-01-02", "", _timed_runs(99, 75))]}

@@ -367,8 +367,19 @@ DUALPIPEV, DEFAULT = "pipeline-dualpipev", "pipeline"
 
 #: Probes of the data-parallel baseline: the pipeline's, less the one that times schedule instructions.
 DATA_PARALLEL_PROBES = ("timing", "model_states", "comm", activations.Activations)
-#: The chapter script's run of the ``pipeline`` run's config again, last in its launch (the load guard's repeat).
+#: The chapter script's run of the first timed run's config again, last in its launch (the load guard's repeat).
 AGAIN = "pipeline-again"
+#: The runs the chapter compares step times between, each carrying only the light probes (timer, comms logger
+#: and, in a pipeline, the instruction timer): 1F1B at M = 4 and data parallelism. Records without them (the GPU
+#: references, measured before) fall back to :data:`DEFAULT` and ``data-parallel``.
+TIMED, DATA_PARALLEL_TIMED = "pipeline-M4", "data-parallel-timed"
+
+
+def timed_names(runs: Mapping) -> tuple[str, str]:
+    """The 1F1B run and the data-parallel run whose step times ``runs`` compares: :data:`TIMED` and
+    :data:`DATA_PARALLEL_TIMED` where present, else :data:`DEFAULT` and ``data-parallel``."""
+    return (TIMED if TIMED in runs else DEFAULT,
+            DATA_PARALLEL_TIMED if DATA_PARALLEL_TIMED in runs else "data-parallel")
 #: The file a chapter script writes in a run's folder where DeepSpeed refused the run (:func:`record_refusal`).
 REFUSED = "refused.txt"
 
@@ -455,6 +466,13 @@ def p2p_table(record) -> str:
     return records.format_table(rows, ["op (stage 0)", "calls/step", "bytes per call", "b·s·h·bytes", "calls per micro-batch"])
 
 
+def default_bucket_elements() -> int:
+    """DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements): the size of ZeRO-1/2's gradient
+    bucket, allocated whatever the model's size."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    return int(DeepSpeedZeroConfig().reduce_bucket_size)
+
+
 def in_flight_table(record) -> str:
     """Activations each stage holds when its first backward starts, in micro-batches (bytes saved in its
     decoder layers / bytes one micro-batch saves there), against 1F1B's min(S - stage, M)."""
@@ -470,7 +488,7 @@ def in_flight_table(record) -> str:
         per_micro = activations.layer_formula(record, 0)  # every stage's first decoder layer saves the rotary too
         held = measured["per_layer"][0] / per_micro
         rows.append([rank, f"{measured['per_layer'][0]:,}", f"{per_micro:,.0f}", f"{held:g}", min(stages - rank, m)])
-    return records.format_table(rows, ["stage", "saved by its first decoder layer", "one micro-batch (formula)",
+    return records.format_table(rows, ["stage", "saved by its first decoder layer", "one micro-batch (chapter 10's formula)",
                                        "micro-batches held", "min(S - stage, M)"])
 
 
@@ -493,7 +511,7 @@ def bubble_table(runs: dict, counts=MICRO_BATCH_COUNTS) -> str:
         r = runs[f"pipeline-M{m}"]
         section = r.summary["pipeline"]
         rows.append([m, r["micro_batch"], *(f"{b:.3f}" for b in section["bubble_per_rank"]),
-                     f"{bubble_fraction(section['stages'], m):.3f}", f"{r.timing.median_s * 1000:.1f}"])
+                     f"{bubble_fraction(section['stages'], m):.3f}", f"{step_median_s(r) * 1000:.1f}"])
     stages = runs[f"pipeline-M{counts[0]}"].summary["pipeline"]["stages"]
     return records.format_table(rows, ["M", "micro-batch", *(f"stage {s} idle" for s in range(stages)),
                                        "(S-1)/(M+S-1)", "step ms"])
@@ -520,18 +538,18 @@ def utilization_table(runs: dict, counts=MICRO_BATCH_COUNTS) -> str:
     M/(M+S-1), and the step time against data parallelism's at the same global batch. Timings: print in a
     cell nbval does not compare."""
 
-    base = runs["data-parallel"].timing.median_s
+    base = step_median_s(runs[timed_names(runs)[1]])
     rows = []
     for m in counts:
         r = runs[f"pipeline-M{m}"]
         section = r.summary["pipeline"]
         busy = [1 - b for b in section["bubble_per_rank"]]
         rows.append([m, *(f"{b:.2f}" for b in busy), f"{1 - bubble_fraction(section['stages'], m):.2f}",
-                     f"{r.timing.median_s * 1000:.1f}", f"{r.timing.median_s / base:.2f}x"])
+                     f"{step_median_s(r) * 1000:.1f}", f"{step_median_s(r) / base:.2f}x"])
     stages = runs[f"pipeline-M{counts[0]}"].summary["pipeline"]["stages"]
     rows.append(["data parallel", *([""] * stages), "1.00 (no bubble)", f"{base * 1000:.1f}", "1.00x"])
     return records.format_table(rows, ["M", *(f"stage {s} computing" for s in range(stages)), "M/(M+S-1)",
-                                       "step ms", "vs data parallel"])
+                                       "step ms", "step time / data parallel's (lower is faster)"])
 
 
 def measured_bubbles(runs: dict, counts=MICRO_BATCH_COUNTS) -> dict[int, list[float]]:
@@ -817,23 +835,25 @@ def schedule_comparison(runs: Mapping, names=(DEFAULT, DUALPIPEV), baseline: str
     return "\n".join(lines)
 
 
-def schedule_timing_table(runs: Mapping, names=(DEFAULT, DUALPIPEV)) -> str:
+def schedule_timing_table(runs: Mapping, names: Sequence[str] | None = None) -> str:
     """Per schedule: step time (median), against the first, and each rank's measured idle share (the
-    ``pipeline`` probe) beside the formula's (:func:`bubble_share`, backward = 2 x forward). Timings: print in
-    a cell nbval does not compare."""
+    ``pipeline`` probe) beside the formula's (:func:`bubble_share`, backward = 2 x forward); ``names`` default
+    to the 1F1B run probed as DualPipeV's (:func:`timed_names`). Timings: print in a cell nbval does not compare."""
+    names = names or (timed_names(runs)[0], DUALPIPEV)
     failure = next(filter(None, (_failed(runs, n) for n in names)), None)
     if failure:
         return f"did not train: {failure}"
-    base = runs[names[0]].timing.median_s
+    base = step_median_s(runs[names[0]])
     rows = []
     for name in names:
         r = runs[name]
         section = r.summary["pipeline"]
-        rows.append([name, section["schedule"], f"{r.timing.median_s * 1000:.1f}", f"{r.timing.median_s / base:.2f}x",
+        rows.append([name, section["schedule"], f"{step_median_s(r) * 1000:.1f}", f"{step_median_s(r) / base:.2f}x",
                      *(f"{b:.2f}" for b in section["bubble_per_rank"]),
                      f"{bubble_share(section['schedule'], section['stages'], section['micro_batches']):.3f}"])
     ranks = runs[names[0]].summary["pipeline"]["stages"]
-    return records.format_table(rows, ["run", "schedule", "step ms", "vs first", *(f"rank {s} idle" for s in range(ranks)),
+    return records.format_table(rows, ["run", "schedule", "step ms", "step time / 1F1B's (lower is faster)",
+                                       *(f"rank {s} idle" for s in range(ranks)),
                                        "idle by formula"])
 
 
@@ -842,8 +862,13 @@ def step_seconds(record: records.Record) -> list[float]:
     return record.timing.all_s[1:]
 
 
-#: The launch's two timing comparisons: (label, the run compared with :data:`DEFAULT`).
-TIMED_PAIRS = (("DualPipeV against 1F1B", DUALPIPEV), ("the pipeline against data parallelism", "data-parallel"))
+def step_median_s(record: records.Record) -> float:
+    """The median of :func:`step_seconds`: the step time every table and verdict of the chapter quotes."""
+    return statistics.median(step_seconds(record))
+
+
+#: The launch's two timing comparisons: (label, the run compared with 1F1B; ``None``: data parallelism's timed run).
+TIMED_PAIRS = (("DualPipeV against 1F1B", DUALPIPEV), ("the pipeline against data parallelism", None))
 
 
 def _meaning(other: str, ratio: float) -> str:
@@ -867,12 +892,14 @@ def timing_verdicts(runs: Mapping, load: load_guard.Load | None) -> str:
     reason = load.reason() if load is not None else "not recorded"
     lines = [f"Load beside the launch: {reason or 'none, it had its devices to itself'}."]
     repeat = step_seconds(runs[AGAIN]) if AGAIN in runs and not _failed(runs, AGAIN) else None
+    first, baseline = timed_names(runs)
     for label, other in TIMED_PAIRS:
-        failure = _failed(runs, other) or _failed(runs, DEFAULT)
+        other = other or baseline
+        failure = _failed(runs, other) or _failed(runs, first)
         if failure:
             lines.append(f"{label}: no verdict, {failure}")
             continue
-        verdict = load_guard.compare({DEFAULT: step_seconds(runs[DEFAULT]), other: step_seconds(runs[other])}, load,
+        verdict = load_guard.compare({first: step_seconds(runs[first]), other: step_seconds(runs[other])}, load,
                                      repeat=repeat)
         lines.append(f"{label}: {load_guard.sentence(verdict)}")
         if verdict.given:
@@ -887,26 +914,30 @@ def reference_timings(runs: Mapping | None = None, load: load_guard.Load | None 
     load or a drift, that no comparison is drawn."""
     found = {**{n: (d, day, r) for d, day, _, r in references.reference_runs(SCHEDULES_REFERENCE)
                 for n in (DUALPIPEV,)},
-             **{n: (d, day, r) for d, day, _, r in references.reference_runs("pipeline") for n in ("data-parallel",)}}
+             **{n: (d, day, r) for d, day, _, r in references.reference_runs("pipeline") for n in (None,)}}
     lines = []
-    for label, other in TIMED_PAIRS:
-        if other not in found:
+    for label, key in TIMED_PAIRS:
+        if key not in found:
             lines.append(f"{label}: no committed GPU reference")
             continue
-        device, day, ref = found[other]
-        first, second = step_seconds(ref[DEFAULT]), step_seconds(ref[other])
+        device, day, ref = found[key]
+        pipe, other = timed_names(ref)[0], key or timed_names(ref)[1]
+        first, second = step_seconds(ref[pipe]), step_seconds(ref[other])
         # shown as DualPipeV against 1F1B, and as the pipeline against data parallelism
-        slow, fast = (other, DEFAULT) if other == DUALPIPEV else (DEFAULT, other)
+        slow, fast = (other, pipe) if other == DUALPIPEV else (pipe, other)
         ratio = statistics.median(step_seconds(ref[slow])) / statistics.median(step_seconds(ref[fast]))
         spread = max(load_guard.spread(first), load_guard.spread(second))
         line = (f"{label}, reference ({device}, {day}): {slow} {ratio:.2f}x {fast}'s step time "
                 f"(medians {statistics.median(step_seconds(ref[slow])) * 1e3:,.1f} and "
                 f"{statistics.median(step_seconds(ref[fast])) * 1e3:,.1f} ms, steps' spread {spread:.0%})")
-        if runs is not None and not (_failed(runs, other) or _failed(runs, DEFAULT)):
+        mine_pipe, mine_other = timed_names(runs or {})[0], key or timed_names(runs or {})[1]
+        if runs is not None and not (_failed(runs, mine_other) or _failed(runs, mine_pipe)):
             repeat = step_seconds(runs[AGAIN]) if AGAIN in runs and not _failed(runs, AGAIN) else None
-            mine = load_guard.compare({DEFAULT: step_seconds(runs[DEFAULT]), other: step_seconds(runs[other])}, load,
-                                      repeat=repeat)
-            measured = statistics.median(step_seconds(runs[slow])) / statistics.median(step_seconds(runs[fast]))
+            mine = load_guard.compare({mine_pipe: step_seconds(runs[mine_pipe]),
+                                       mine_other: step_seconds(runs[mine_other])}, load, repeat=repeat)
+            mine_slow, mine_fast = (mine_other, mine_pipe) if key == DUALPIPEV else (mine_pipe, mine_other)
+            measured = (statistics.median(step_seconds(runs[mine_slow]))
+                        / statistics.median(step_seconds(runs[mine_fast])))
             # a launch whose two runs differ within their spread still compares; one not alone, or drifting, does not
             if not mine.given and not mine.withheld.startswith("the difference"):
                 line += "; this launch's verdict is withheld, so no comparison with it is drawn"
@@ -919,10 +950,11 @@ def reference_timings(runs: Mapping | None = None, load: load_guard.Load | None 
     return "\n".join(lines)
 
 
-def save_schedules_reference(runs: Mapping, note: str, names=(DEFAULT, DUALPIPEV)):
-    """On GPUs, keep the default schedule's run and DualPipeV's (:data:`SCHEDULES_REFERENCE`) the way
-    :func:`helpers.core.references.save_reference` keeps a chapter's results, when both trained. Returns the
-    file written, or None (CPU runs, or a schedule that did not train)."""
+def save_schedules_reference(runs: Mapping, note: str, names: Sequence[str] | None = None):
+    """On GPUs, keep the default schedule's runs (the memory-probed one and :data:`TIMED`, where present) and
+    DualPipeV's (:data:`SCHEDULES_REFERENCE`) the way :func:`helpers.core.references.save_reference` keeps a
+    chapter's results, when they trained. Returns the file written, or None (a schedule that did not train)."""
+    names = names or (DEFAULT, *((TIMED,) if TIMED in runs else ()), DUALPIPEV)
     if any(_failed(runs, n) for n in names):
         return None
     return references.save_reference(SCHEDULES_REFERENCE, {n: runs[n] for n in names}, note=note)
@@ -968,15 +1000,39 @@ def pipeline_timeline(record, title: str | None = None):
     return fig
 
 
-def bubble_vs_micro_batches(measured: Mapping[int, Sequence[float]], stages: int, title: str | None = None):
-    """Measured idle share of each stage against the number of micro-batches M, beside (S-1)/(M+S-1)."""
+def reference_bubbles(name: str = "pipeline") -> tuple[str, dict[int, list[float]]] | None:
+    """The first committed GPU reference's measured idle shares per M (:func:`measured_bubbles`), labelled with
+    its device and date; None where none is committed."""
+    for device, day, _, runs in references.reference_runs(name):
+        counts = sorted(int(n.removeprefix("pipeline-M")) for n in runs if n.startswith("pipeline-M"))
+        return f"{device}, {day}", measured_bubbles(runs, counts)
+    return None
+
+
+def bubble_trend(measured: Mapping[int, Sequence[float]], where: str = "this launch") -> str:
+    """Whether each stage's measured idle share falls as M grows, as (S-1)/(M+S-1) does, said of ``where``."""
+    counts = sorted(measured)
+    falls = all(measured[a][s] > measured[b][s] for a, b in zip(counts, counts[1:])
+                for s in range(len(measured[counts[0]])))
+    return (f"{where}: every stage's idle share falls as M grows, as the formula's does." if falls else
+            f"{where}: the idle shares do not fall steadily as M grows; the formula's trend does not show here.")
+
+
+def bubble_vs_micro_batches(measured: Mapping[int, Sequence[float]], stages: int, title: str | None = None,
+                            reference: tuple[str, Mapping[int, Sequence[float]]] | None = None):
+    """Measured idle share of each stage against the number of micro-batches M, beside (S-1)/(M+S-1);
+    ``reference``: (label, the same for a committed run), drawn with open markers."""
     plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(6.0, 3.6))
-    counts = sorted(measured)
+    counts = sorted(set(measured) | set(reference[1] if reference else ()))
     dense = list(range(1, max(counts) + 1))
     ax.plot(dense, [bubble_fraction(stages, m) for m in dense], "k--", label="(S-1)/(M+S-1)")
-    for stage in range(len(measured[counts[0]])):
-        ax.plot(counts, [measured[m][stage] for m in counts], marker="o", label=f"stage {stage}, measured")
+    for label, points, style in ([("this launch", measured, "o-")]
+                                 + ([(reference[0], reference[1], "s:")] if reference else [])):
+        ms = sorted(points)
+        for stage in range(len(points[ms[0]])):
+            ax.plot(ms, [points[m][stage] for m in ms], style, mfc="none" if style == "s:" else None,
+                    label=f"stage {stage}, {label}")
     ax.set_xscale("log", base=2)
     ax.set(xlabel="micro-batches per step M", ylabel="share of the step idle", ylim=(0, 1),
            title=title or f"Pipeline bubble, {stages} stages")
@@ -1085,9 +1141,9 @@ def exercise_partition(answer: object, name: str = "llama-gpu", num_stages: int 
              f"that gives each stage the same number of decoder layers of {name} ({models.shape_of(name).layers} "
              f"decoder layers between an embedding and a head: {len(layers)} pipeline layers) with a vocabulary "
              f"of {vocab:,} tokens, as LLaMA's.",
-        hint="DeepSpeed knows 'uniform' (the same number of layers), 'parameters' (the same number of parameters) "
-             "and 'type:<regex>' (the same number of layers whose class name matches); compare the embedding's "
-             "vocabulary x hidden parameters with a decoder layer's.")
+        hint="the quantity to make equal is the count of one kind of layer, not all layers nor parameters; "
+             "PipelineModule._partition_layers (deepspeed/runtime/pipe/module.py) lists the rules DeepSpeed "
+             "knows: pick the one that can count a chosen kind, which the stage table above names.")
 
 
 # --- formulas ---------------------------------------------------------------------------------------
