@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -262,8 +263,9 @@ def logger_check_table(by_bytes: Mapping[str, records.Record]) -> str:
 def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record] | None = None,
               baseline: str = "ZeRO-3") -> str:
     """Per setting: each collective's calls and bytes per step and the total against plain ZeRO-3's (the
-    comms-logger runs), then the median step time against ZeRO-3's and the peak memory per rank (the timing
-    runs). A side that was not measured or failed says so in its columns."""
+    comms-logger runs), then the median step time after the first step (:func:`_median_step_s`, the figure
+    :func:`one_node_reading` and :func:`one_node_slowdowns` use) against ZeRO-3's and the peak memory per rank
+    (the timing runs). A side that was not measured or failed says so in its columns."""
     by_time = by_time or {}
     names = list(dict.fromkeys([*by_time, *by_bytes]))
     base = by_bytes.get(baseline)
@@ -287,14 +289,14 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
             elif timed is None or _failure(timed):
                 row += [f"failed: {_failure(timed)}" if timed is not None else "not measured", "-", "-"]
             else:
-                t = timed.timing.median_s
-                t0 = base_time.timing.median_s if base_time is not None and not _failure(base_time) else None
+                t = _median_step_s(timed)
+                t0 = _median_step_s(base_time) if base_time is not None and not _failure(base_time) else None
                 row += [f"{t * 1000:.1f}", records.format_ratio(t, t0 or 0, none="-"),
                         records.format_peak(timed)]
         rows.append(row)
     headers = ["setting", "collectives per step: calls x bytes per call", "bytes/step", "vs ZeRO-3"]
     if by_time:
-        headers += ["step ms", "vs ZeRO-3", "peak/rank"]
+        headers += [STEP_HEADER, "vs ZeRO-3", "peak/rank"]
     return records.format_table(rows, headers)
 
 
@@ -307,10 +309,49 @@ def _failure(result) -> str:
     return ""
 
 
+#: The step-time column of :func:`gpu_table`: what its figure is.
+STEP_HEADER = "median step ms (steps 2+)"
+#: The footnote under a table with a peak marked ``<=`` (the history: the chapter's closing section).
+PEAK_FOOTNOTE = ("<= : an upper bound: this run followed others in its launch, and its record does not say their "
+                 "engines had released GPU memory, so its peak may include theirs.")
+
+
 def reference_report(name: str = "zeropp") -> str:
-    """The committed GPU results of this chapter, each labelled with its device, date and note."""
-    return references.bytes_and_time_report(
+    """The committed GPU results of this chapter, each labelled with its device, date and note and the
+    conditions it was measured under; a peak that may include earlier runs is marked ``<=``
+    (:data:`PEAK_FOOTNOTE`)."""
+    report = references.bytes_and_time_report(
         name, both_tables, how="run this notebook on a machine with 2 or more NVIDIA GPUs to measure them.")
+    return report.replace(records.PEAK_NOTE, PEAK_FOOTNOTE)
+
+
+def bytes_reading(name: str = "zeropp") -> str:
+    """Why qwZ's measured byte ratio differs from the paper's accounting, per committed reference, from its
+    records: the all-gathers are counted at their shard size (the model's bytes / ranks per gather pass), the
+    reduce-scatter at the whole gradient's, so halving only the gathers saves less of the total than the
+    accounting's 3M -> 2M; and qwZ's gathers are twice as many, at about a quarter the size each, because
+    DeepSpeed 0.19.8 gathers each quantized tensor's int8 values and its scales in two all-gathers
+    (``runtime/zero/partition_parameters.py``, ``_all_gather_coalesced``)."""
+    lines = []
+    for device, _, _, runs in references.reference_runs(name):
+        plain, qwz = runs.get("bytes: ZeRO-3"), runs.get("bytes: qwZ (quantized weights)")
+        if not all(isinstance(r, records.Record) and r.comm is not None for r in (plain, qwz)):
+            continue
+        ops, q_ops = plain.comm_ops(), qwz.comm_ops()
+        gather, scatter = ops["all_gather_into_tensor"], ops["reduce_scatter_tensor"]
+        q_gather = q_ops["all_gather_into_tensor"]
+        measured = qwz.comm.bytes_per_step / plain.comm.bytes_per_step
+        accounting = (sum(v["intra"] for v in zeropp_volume(1.0, qwz=True, nodes=1).values())
+                      / sum(v["intra"] for v in zeropp_volume(1.0, nodes=1).values()))
+        lines.append(
+            f"{device}: the all-gathers count {gather['bytes'] / scatter['bytes']:.2f}x the reduce-scatter's bytes "
+            f"({plain['world_size']} ranks: each gather is counted at its shard, 1/{plain['world_size']} of the "
+            f"layer, the reduce-scatter at the whole gradient), so halving only the gathers leaves qwZ at "
+            f"{measured:.2f}x ZeRO-3's bytes, not the accounting's {accounting:.2f}x (3M -> 2M, every "
+            f"collective at full size). qwZ issues {q_gather['count'] / gather['count']:g}x the all-gather calls, "
+            f"each {q_gather['bytes'] / q_gather['count'] / (gather['bytes'] / gather['count']):.2f}x the size: "
+            "per gather, one call for the int8 values (half of bf16) and one for their scales.")
+    return "\n".join(lines)
 
 
 def both_tables(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record] | None = None) -> str:
@@ -369,7 +410,8 @@ def one_node_slowdowns(name: str = "zeropp") -> list[tuple[str, float]]:
     """ZeRO++'s measured cost on one node: (device, ZeRO++ step time / ZeRO-3 step time) from each committed
     reference of ``name`` whose timing runs released layers after use (``stage3_max_live_parameters`` 0,
     :data:`GPU_OVERRIDES`), the regime :func:`zeropp_volume` counts (backward gathers again). On one node
-    ZeRO++ moves no fewer bytes across a slow link, so the ratio is what its kernels and copies cost there."""
+    ZeRO++ moves no fewer bytes across a slow link, so the ratio is what its kernels and copies cost there.
+    The medians are :func:`_median_step_s`', the figures of :func:`gpu_table` and :func:`one_node_reading`."""
     found = []
     for device, _, _, runs in references.reference_runs(name):
         plain, zeropp = runs.get("time: ZeRO-3"), runs.get("time: ZeRO++ (all three)")
@@ -377,7 +419,7 @@ def one_node_slowdowns(name: str = "zeropp") -> list[tuple[str, float]]:
             continue
         knobs = plain.summary["config"].get("zero_optimization", {})
         if knobs.get("stage3_max_live_parameters") == 0:
-            found.append((device, zeropp.timing.median_s / plain.timing.median_s))
+            found.append((device, _median_step_s(zeropp) / _median_step_s(plain)))
     return found
 
 
@@ -433,7 +475,8 @@ def prediction_table(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: 
         for _, cost, _ in costs:
             row.append(f"{p['zero3_s'] / (p['zeropp_s'] + cost):.2f}x")
         rows.append(row)
-    header = (f"assumed: inside a node {intra.bandwidth / 1e9:g} GB/s and {intra.alpha * 1e6:g} µs a call; "
+    header = (f"assumed: inside a node {intra.bandwidth / 1e9:g} GB/s ({intra.bandwidth * 8 / 1e9:g} Gb/s; "
+              f"GB/s are bytes, Gb/s bits) and {intra.alpha * 1e6:g} µs a call; "
               f"across nodes {inter.alpha * 1e6:g} µs a call; compute {flops_per_s / 1e12:g} TFLOP/s per GPU; "
               "no overlap of communication with compute")
     for device, cost, ratio in costs:
@@ -456,7 +499,8 @@ def prediction_reading(psi: float, layers: int, tokens_per_gpu: int, flops_per_s
 
     slow, fast = inter_gbit[0], inter_gbit[-1]
     lines = [f"By the paper's accounting, ZeRO++ is predicted {speedup(slow, 0):.2f}x as fast as ZeRO-3 at {slow:g} "
-             f"Gb/s per GPU and {speedup(fast, 0):.2f}x at {fast:g} Gb/s."]
+             f"Gb/s (gigabits) per GPU and {speedup(fast, 0):.2f}x at {fast:g} Gb/s."]
+    crossovers = []
     for device, ratio in slowdowns:
         cost = overhead_from_slowdown(psi, layers, tokens_per_gpu, flops_per_s, ratio)
         even = breakeven_gbit(psi, layers, tokens_per_gpu, flops_per_s, cost)
@@ -465,15 +509,25 @@ def prediction_reading(psi: float, layers: int, tokens_per_gpu: int, flops_per_s
         lines.append(f"With the cost measured on one node of {device} ({ratio:.2f}x ZeRO-3's step): "
                      f"{speedup(slow, cost):.2f}x at {slow:g} Gb/s, {speedup(fast, cost):.2f}x at {fast:g} Gb/s; "
                      f"ZeRO++ is {where}.")
+        if even:
+            crossovers.append(even)
+    if len(crossovers) > 1:
+        lines.append(f"Neither measured cost is more trustworthy than the other: each is one GPU count's ratio for an 85M-parameter model, "
+                     f"carried to LLaMA-7B. Read them as a range: with ZeRO++'s own work costing between those "
+                     f"ratios, it pays off below somewhere between {min(crossovers):.0f} and {max(crossovers):.0f} "
+                     "Gb/s per GPU (by the accounting alone, at every bandwidth of the table). Your own one-node ratio, "
+                     "measured with your model, narrows it.")
     return "\n".join(lines)
 
 
 def one_node_reading(name: str = "zeropp") -> str:
     """The committed one-node step times, each switch against ZeRO-3 per reference, through the course's load
-    guard (:func:`helpers.core.load_guard.compare`) with the load saved beside the runs: a reference saved
-    without one (every one committed so far) gets its medians and no verdict."""
+    guard (:func:`helpers.core.load_guard.compare`) with the load saved beside the runs, or, for a reference
+    saved without one, the load its written conditions state (:meth:`~helpers.core.load_guard.Load.from_conditions`:
+    "alone" where they say so). The medians are :func:`_median_step_s`', the figures of :func:`gpu_table`."""
     lines = []
-    for device, date, note, runs in references.reference_runs(name):
+    for (device, date, note, runs), conditions in zip(references.reference_runs(name),
+                                                      references.reference_conditions(name)):
         plain = runs.get("time: ZeRO-3")
         if not isinstance(plain, records.Record):
             continue
@@ -481,8 +535,9 @@ def one_node_reading(name: str = "zeropp") -> str:
         regime = ("layers released after use" if knobs.get("stage3_max_live_parameters") == 0
                   else "DeepSpeed's default knobs")
         saved = plain.summary.get("load")
-        load = load_guard.Load.from_dict(saved) if saved else load_guard.Load.unknown("gpu")
-        lines.append(f"{device}, {date} ({regime}):")
+        load = load_guard.Load.from_dict(saved) if saved else load_guard.Load.from_conditions(conditions)
+        lines.append(f"{device}, {date} ({regime}; {'alone' if load.alone else 'not alone'}, by "
+                     f"{'its saved load' if saved else 'its written conditions'}):")
         for setting in zeropp_settings(2):
             timed = runs.get(f"time: {setting}")
             if setting == "ZeRO-3" or not isinstance(timed, records.Record):
@@ -649,37 +704,52 @@ def cpu_bytes_figure(results: Mapping[str, records.Record | Refusal]):
     return fig
 
 
-def exercise_zeropp_block(answer: Any, gpus_per_node: int = 8, nodes: int = 4) -> exercises.Verdict:
-    """Exercise: write the ``zero_optimization`` block that turns on all three ZeRO++ switches for ``nodes``
-    nodes of ``gpus_per_node`` GPUs. DeepSpeed's own config class parses it (a misspelt key is refused as
-    DeepSpeed refuses it); the verdict gives what it sends across nodes by :func:`zeropp_volume`."""
-    def test(block: Any) -> tuple[bool, str]:
+def exercise_zeropp_block(answer: Any, gpus_per_node: int = 8, nodes: int = 2) -> exercises.Verdict:
+    """Exercise: for ``nodes`` nodes of ``gpus_per_node`` GPUs, write the ``zero_optimization`` block with all
+    three ZeRO++ switches, choosing hpZ's partition size, and predict (in M, the model in 16 bits) what one GPU
+    would send across nodes per step if that size were every GPU of the cluster instead. ``answer`` is a dict
+    ``{"zero_optimization": block, "across_if_whole_cluster": M}``. DeepSpeed's own config class parses the
+    block (a misspelt key is refused as DeepSpeed refuses it); the bytes are :func:`zeropp_cross_node_bytes`."""
+    cluster = gpus_per_node * nodes
+    wide = zeropp_cross_node_bytes(1.0, qwz=True, hpz=False, qgz=True) / 2.0  # the backward gather crosses again
+
+    def test(given: Any) -> tuple[bool, str]:
+        if not isinstance(given, Mapping) or set(given) != {"zero_optimization", "across_if_whole_cluster"}:
+            return False, 'the answer is a dict {"zero_optimization": {...}, "across_if_whole_cluster": M}.'
         try:
-            zero = configs.zero_section(block)
+            zero = configs.zero_section(given["zero_optimization"])
         except ValueError as refused:
             return False, f"{refused}."
         if zero.stage != 3:
             return False, f"stage {int(zero.stage)}: ZeRO++ is built into ZeRO-3's partitioner, so only stage 3 reads it."
         qwz, qgz, hpz = zero.zero_quantized_weights, zero.zero_quantized_gradients, zero.zero_hpz_partition_size
-        across = zeropp_cross_node_bytes(1.0, qwz, hpz == gpus_per_node, qgz) / 2.0
         if not (qwz and qgz):
-            return False, (f"zero_quantized_weights={qwz}, zero_quantized_gradients={qgz}: this block sends "
-                           f"{across:g}M across nodes, not all three switches' 0.75M.")
-        if hpz != gpus_per_node:
-            return False, (f"zero_hpz_partition_size={hpz}: hpZ's secondary copy of the weights must live inside "
-                           f"one node, so its group is one node's {gpus_per_node} GPUs (1, the default, turns hpZ "
-                           f"off; more than a node spans the network again). This block sends {across:g}M across "
-                           "nodes, not 0.75M.")
-        return True, (f"DeepSpeed reads stage 3, int8 weights, int4 gradients and a secondary partition of "
-                      f"{hpz} GPUs (one node): {across:g}M across nodes per GPU and step instead of ZeRO-3's 3M "
-                      f"(M = the model in 16 bits; zeropp_volume). On these {nodes} x {gpus_per_node} GPUs hpZ "
-                      "keeps a second copy of the weight shards per node: memory, not bytes.")
+            return False, f"zero_quantized_weights={qwz}, zero_quantized_gradients={qgz}: not all three switches."
+        if hpz <= 1 or hpz > gpus_per_node or gpus_per_node % hpz:
+            where = "turns hpZ off" if hpz <= 1 else "is not a group inside one node"
+            return False, f"zero_hpz_partition_size={hpz} {where}: the backward gather would still cross the network."
+        if hpz < gpus_per_node:
+            return False, (f"zero_hpz_partition_size={hpz} keeps the backward gather inside a node too, but each GPU "
+                           f"then holds 1/{hpz} of the secondary copy instead of 1/{gpus_per_node}: more memory "
+                           "for the same bytes.")
+        predicted = float(given["across_if_whole_cluster"])
+        if abs(predicted - wide) > 0.02 * wide:
+            return False, (f"the block is right; {predicted:g}M for a partition of all {cluster} GPUs is not what "
+                           "the accounting gives.")
+        return True, (f"DeepSpeed reads stage 3, int8 weights, int4 gradients and a secondary partition of {hpz} "
+                      f"GPUs, one node: {zeropp_cross_node_bytes(1.0, True, True, True) / 2.0:g}M across nodes per "
+                      f"GPU and step instead of ZeRO-3's 3M. With all {cluster} GPUs as the partition, the secondary "
+                      f"group spans both nodes, so backward gathers its int8 weights across the network again: "
+                      f"{wide:g}M (0.5M forward + 0.5M backward + 0.25M gradients), as without hpZ.")
     return exercises.satisfies(
-        "ZeRO++ block", answer, test,
-        task=(f"Write the zero_optimization block that turns on qwZ, hpZ and qgZ for {nodes} nodes of "
-              f"{gpus_per_node} GPUs."),
-        hint="the three switches are in the table at the top of the chapter; hpZ's value is a number of GPUs: "
-             "how many share a node's fast links?")
+        "ZeRO++ block for a cluster", answer, test,
+        task=(f"For {nodes} nodes of {gpus_per_node} GPUs: write the zero_optimization block with qwZ, hpZ and qgZ, "
+              f"choosing hpZ's partition size, and predict the M one GPU would send across nodes per step if the "
+              f"partition size were {cluster} instead."),
+        hint=("hpZ gives backward a gather group of its own: which GPUs share the fast links, and what does each "
+              "GPU hold of the secondary copy as the group grows? For the prediction, ask which phase hpZ keeps off "
+              "the network when its group spans both nodes, and go phase by phase through the accounting table, "
+              "as in Exercise 1."))
 
 
 def exercise_cross_node_bytes(answer: Any, psi: float) -> exercises.Verdict:
@@ -720,6 +790,12 @@ def exercise_half_gradient_bytes(answer: Any, runs: Mapping[str, records.Record 
 def _steps_s(record: records.Record) -> list[float]:
     """A run's step times in seconds after the first step (which warms up)."""
     return list(record.timing.all_s[1:])
+
+
+def _median_step_s(record: records.Record) -> float:
+    """A run's median step time in seconds after the first step: the figure every GPU table and ratio uses."""
+    steps = _steps_s(record) or list(record.timing.all_s)
+    return statistics.median(steps)
 
 
 def timing_verdict(runs: Mapping[str, records.Record | Refusal], load: load_guard.Load,
