@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from helpers.core import load_guard, records, theory
+from helpers.core import load_guard, records, references, theory
 from helpers.topics import bandwidth
 
 SIZES = [2.0**k for k in range(10, 31, 2)]  # 1 KiB .. 1 GiB, as the GPU benchmark
@@ -184,14 +184,14 @@ def test_exercise_latency_bound_size_turns_alpha_over_beta_into_the_gathered_mes
     assert not bandwidth.exercise_latency_bound_size(...).answered
 
 
-def test_exercise_comms_logger_asks_deepspeed_which_ops_its_logger_records():
+def test_deepspeeds_config_model_and_logger_say_which_ops_a_block_records():
     only = {"prof_all": False, "prof_ops": ["all_reduce"]}
     assert bandwidth.comms_logger_records(only) == {"all_reduce": True, "all_gather_into_tensor": False,
                                                     "reduce_scatter_tensor": False}
-    assert bandwidth.exercise_comms_logger({"enabled": True, **only})
-    assert not bandwidth.exercise_comms_logger({"enabled": True})  # prof_all's default records every op
-    assert "ValidationError" in str(bandwidth.exercise_comms_logger({"prof_al": False}))  # DeepSpeed refuses the key
-    assert not bandwidth.exercise_comms_logger(...).answered
+    assert all(bandwidth.comms_logger_records({"enabled": True}).values())  # prof_all's default records every op
+    assert all(bandwidth.comms_logger_records({"enabled": False}).values())  # the block's presence turns it on
+    with pytest.raises(ValueError, match="prof_al"):  # DeepSpeed's config model refuses an unknown key
+        bandwidth.comms_logger_records({"prof_al": False})
 
 
 ALONE = load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test: an idle machine")
@@ -417,7 +417,8 @@ def test_the_comms_logger_fields_are_deepspeeds_own_and_the_block_alone_turns_it
     text = bandwidth.comms_logger_fields()
     rows = {line.split()[0]: line.split()[-1] for line in text.splitlines()[2:-1]}
     assert rows == {"enabled": "False", "prof_all": "True", "prof_ops": "[]", "verbose": "False", "debug": "False"}
-    assert text.splitlines()[-1].endswith("still records all_reduce, all_gather_into_tensor, reduce_scatter_tensor.")
+    assert text.splitlines()[-1].endswith("still records all_reduce, all_gather_into_tensor, reduce_scatter_tensor; "
+                                          "to turn the logger off, leave the block out.")
 
 
 def test_the_fit_summary_names_the_load_only_where_the_fit_is_poor_and_others_ran():
@@ -448,3 +449,36 @@ def test_the_reference_readings_are_labelled_with_their_device_and_date():
     sentence = bandwidth.reference_what_if()
     assert sentence.startswith(f"GPU reference ({device_date}; not this run): ZeRO-")
     assert "10 Gb/s" in sentence and "NVLink 4" in sentence
+
+
+def test_the_worked_row_writes_each_ops_calls_times_alpha_plus_its_wire_bytes_over_the_bandwidth():
+    world = 4
+    known = {"all_reduce": (100e-6, 1 / 2e9), "all_gather": (50e-6, 1 / 3e9)}
+    model = bandwidth.CommModel.from_benchmark(_synthetic_benchmark(world, known))
+    record = references.reference_runs("bandwidth-nvlink")[0][3]["zero2-acc4"]
+    ops = record.comm_ops()
+    lines = bandwidth.worked_row(record, model).splitlines()
+    assert len(lines) == 1 + len(ops) + 1
+    # all_reduce logs the whole tensor (2(n-1)/n of it on the wire), all_gather one shard ((n-1) shards on the wire)
+    expected = (ops["all_reduce"]["count"] * 100e-6 + 1.5 * ops["all_reduce"]["bytes"] / 2e9
+                + ops["all_gather_into_tensor"]["count"] * 50e-6 + 3 * ops["all_gather_into_tensor"]["bytes"] / 3e9)
+    assert lines[-1] == f"  predicted collectives: {expected * 1e3:.3f} ms"
+    assert any("w = (n-1) x " in line and "= 3 x " in line for line in lines if "all_gather" in line)
+
+
+def test_the_logged_calls_exercise_counts_only_what_the_block_records_at_the_new_accumulation():
+    ar = {"all_reduce": {"count": 1, "bytes": 1000, "seconds": 0.002}}
+    ag = {"all_gather_into_tensor": {"count": 1, "bytes": 500, "seconds": 0.001}}
+    r = _record_with_phases(2, ar, ar, ag, {"micro-step 1": 0.010, "micro-step 2": 0.012, "optimizer step": 0.005})
+    assert not bandwidth.exercise_logged_calls(..., r).answered
+    assert bandwidth.exercise_logged_calls({"all_reduce": 8}, r)  # the default block records all_reduce only
+    assert not bandwidth.exercise_logged_calls({"all_reduce": 2}, r)  # the run's own accumulation, not 8
+    assert not bandwidth.exercise_logged_calls({"all_reduce": 8, "all_gather_into_tensor": 1}, r)
+    assert bandwidth.exercise_logged_calls({"all_reduce": 8, "all_gather_into_tensor": 1}, r, block={})
+
+
+def test_the_reference_what_if_table_is_labelled_and_has_every_link():
+    device_date = bandwidth.reference_model()[0]
+    table = bandwidth.reference_what_if_table()
+    assert table.startswith(f"GPU reference ({device_date}; not this run)")
+    assert all(f"{link}: step (comm)" in table for link in bandwidth.LINKS)

@@ -905,6 +905,53 @@ def slow_alpha_note(slow: CommModel, fast: CommModel, result: dict, rate: float,
     return "\n".join(lines)
 
 
+#: Wire bytes per logged byte on n ranks (the ring; nccl-tests' bus-bandwidth factors), as the worked row writes them.
+WIRE_FACTORS = {"all_reduce": "2(n-1)/n", "all_gather": "(n-1)", "reduce_scatter": "(n-1)/n", "broadcast": "1"}
+
+
+def worked_row(record: records.Record, model: CommModel, where: str = "this run") -> str:
+    """One run's predicted collective time per step written out from its logged bytes: per op, calls x alpha
+    plus beta x w, w = the op's wire factor x the logged bytes (all_gather logs one rank's shard, all_reduce and
+    reduce_scatter the whole tensor), then the total that :func:`comparison_rows` predicts."""
+    n, terms, total = model.world_size, [], 0.0
+    for op, row in sorted(record.comm_ops().items()):
+        ab, factor = model.fit_for(op), theory.wire_bytes(op, 1.0, n)
+        w = theory.wire_bytes(op, row["bytes"], n)
+        seconds = ab.seconds(w, row["count"])
+        total += seconds
+        terms.append(f"  {op}: {row['count']:g} call(s), {row['bytes']:,.0f} logged bytes in all; "
+                     f"w = {WIRE_FACTORS[collective_of(op)]} x {row['bytes']:,.0f} = {factor:g} x "
+                     f"{row['bytes']:,.0f} = {w:,.0f} bytes; {row['count']:g} x {ab.alpha * 1e6:,.1f} us + "
+                     f"{w:,.0f} B / {ab.bandwidth / 1e9:.3g} GB/s = {seconds * 1e3:.3f} ms")
+    if not math.isclose(total, model.predict_total(record.comm_ops()), rel_tol=1e-9):
+        raise ValueError("the worked terms do not add up to the model's prediction")
+    return (f"{record.summary['name']} ({where}, {n} ranks), one optimizer step:\n" + "\n".join(terms) +
+            f"\n  predicted collectives: {total * 1e3:.3f} ms")
+
+
+def reference_worked_row(run: str = "zero0-acc4", name: str = "bandwidth-nvlink") -> str:
+    """:func:`worked_row` for one run of the committed GPU reference, with the model fitted there."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, "run this notebook on a GPU machine to measure them.")
+    device, date, _, runs = found[0]
+    return worked_row(runs[run], CommModel.from_benchmark(runs["collectives"]), f"{device}, {date}; not this run")
+
+
+def reference_what_if_table(name: str = "bandwidth-nvlink") -> str:
+    """The committed GPU reference's what-if table (:func:`what_if_table`, alpha as fitted there for
+    all_reduce), labelled with its device and date."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, "run this notebook on a GPU machine to measure them.")
+    device, date, _, runs = found[0]
+    model = CommModel.from_benchmark(runs["collectives"])
+    accum = [r for r in logged_runs(runs).values() if r["grad_accum"] >= 2]
+    profiles = [extrapolate(r, a) for r in sorted(accum, key=lambda r: r.stage) for a in (1, 4)]
+    return (f"GPU reference ({device}, {date}; not this run), its measured computation and fitted model:\n"
+            + what_if_table(what_if(profiles, model.fits["all_reduce"].alpha)))
+
+
 def reference_fit(name: str = "bandwidth-nvlink") -> str:
     """The committed GPU reference's alpha-beta fit table (:func:`fit_table`), labelled with its device and
     date, to set beside this machine's fit."""
@@ -942,8 +989,9 @@ def comms_logger_fields() -> str:
     off = comms_logger_records({"enabled": False})
     recorded = ", ".join(op for op, on in off.items() if on) or "nothing"
     return (records.format_table(table, ["comms_logger field", "default"]) +
-            f"\nA config holding the block turns the logger on: with {{'enabled': False}} alone, DeepSpeed still "
-            f"records {recorded}.")
+            f"\n'enabled' does not switch the logger in DeepSpeed 0.19.8: the block's presence does "
+            f"(deepspeed/comm/config.py: comms_logger_enabled = 'comms_logger' in ds_config), so a block of "
+            f"{{'enabled': False}} alone still records {recorded}; to turn the logger off, leave the block out.")
 
 
 def caller_table(runs: Mapping[str, records.Record], names: Sequence[str] = ("zero0-acc4", "zero3-acc4"),
@@ -1126,8 +1174,8 @@ def comparison_table(rows: Sequence[dict]) -> str:
     verdict on them is :func:`model_verdict_summary`'s)."""
     table = [[r["name"], f"{r['calls']:g}", f"{r['bytes']:,.0f}", f"{r['measured_s'] * 1e3:.2f}",
               f"{r['predicted_s'] * 1e3:.2f}", f"{r['error']:+.0%}"] for r in rows]
-    return records.format_table(table, ["run", "calls/step", "logged bytes/step", "measured ms", "predicted ms",
-                                        "error"])
+    return records.format_table(table, ["run", "calls/step", "logged bytes/step", "measured comm ms",
+                                        "predicted comm ms", "error"])
 
 
 def model_verdicts(rows: Sequence[dict], load: load_guard.Load | None) -> list[load_guard.Verdict]:
@@ -1368,8 +1416,8 @@ def slow_link_table(rows: Sequence[dict]) -> str:
         table.append([r["name"], f"{r['batch']}", f"{r['fast_s'] * 1e3:,.1f}", f"{r['slow_s'] * 1e3:,.0f}", predicted,
                       "-" if r["nominal_s"] is None else f"{r['nominal_s'] * 1e3:,.0f}",
                       f"{r['batch'] / r['fast_s']:,.0f}", f"{r['batch'] / r['slow_s']:,.0f}"])
-    return records.format_table(table, ["run", "batch", "fast link ms", "slow link ms", "predicted ms",
-                                        "from set rate ms", "samples/s fast", "samples/s slow"])
+    return records.format_table(table, ["run", "batch", "fast link step ms", "slow link step ms",
+                                        "predicted step ms", "set-rate step ms", "samples/s fast", "samples/s slow"])
 
 
 def _change(x: float) -> str:
@@ -1761,10 +1809,9 @@ def exercise_latency_bound_size(answer: object, op: str = "all_gather",
         f"{op} latency-bound below", answer, expected, relative=0.05, unit=" bytes",
         task=f"Predict the message size S, in bytes, at which {op}'s alpha equals its bytes term, with the model "
              f"fitted on {_fit_words(op, where, model)}.",
-        hint=f"with the alpha and 1/beta of this to-do line (not this machine's fit table), the model "
-             "t = alpha + beta x w of 'A model of a collective' has its two terms equal at one number of wire "
-             f"bytes w; the message S is not w: {op}'s bus-bandwidth factor ('The collectives, measured') "
-             "relates the two.",
+        hint=f"use the alpha and 1/beta of this to-do line (not this machine's fit table). The crossover of "
+             "'A model of a collective' is a number of wire bytes w; the answer is asked in S, the message: "
+             "'The collectives, measured' says how the two relate for this collective.",
         why=f"alpha / beta = {records.format_bytes(ab.half_bandwidth_bytes)} of wire bytes, and each rank sends "
             f"{per_byte:g} x S, so S = {records.format_bytes(expected)}: below it a call costs about alpha whatever "
             "its size, which is why many small collectives (stage 3's per-layer gathers, small buckets) cost more "
@@ -1791,23 +1838,30 @@ def comms_logger_records(block: dict, ops: Sequence[str] = LOGGED_OPS) -> dict[s
     return {op: bool(logger.enabled and (logger.prof_all or op in logger.prof_ops)) for op in ops}
 
 
-def exercise_comms_logger(answer: object, wanted: str = "all_reduce") -> exercises.Verdict:
-    """Exercise: write a ``comms_logger`` config block that makes DeepSpeed record ``wanted`` calls only (of the
-    collectives ZeRO calls), checked by configuring DeepSpeed's own logger with it."""
-    def test(block: dict) -> tuple[bool, str]:
-        logged = comms_logger_records(block)
-        found = ", ".join(op for op, on in logged.items() if on) or "nothing"
-        right = logged[wanted] and not any(on for op, on in logged.items() if op != wanted)
-        if right:
-            return True, (f"DeepSpeed records {found}. The block's presence alone turns the logger on "
-                          "(DeepSpeedCommsConfig reads 'comms_logger' in the config, not its 'enabled'); prof_all "
-                          "(default true) records every op, so it must be false for prof_ops to select.")
-        return False, f"With this block DeepSpeed records: {found}."
-    return exercises.satisfies(
-        "comms_logger block", answer, test,
-        task=f"Write the comms_logger block (a dict) that makes DeepSpeed record the {wanted} calls of a ZeRO run "
-             f"and not its {', '.join(op for op in LOGGED_OPS if op != wanted)}.",
-        hint="the comms_logger section of DeepSpeed's config ('Communication Logging' in DeepSpeed's config "
-             "docs; its fields and their defaults: CommsLoggerConfig in deepspeed/comm/config.py). Read every "
-             "field's default, not only the one that names ops; a wrong block is answered with the calls it "
-             "would record.")
+#: Exercise 3's comms_logger block and accumulation.
+EXERCISE_LOGGER = {"enabled": False, "prof_all": False, "prof_ops": ["all_reduce"]}
+EXERCISE_ACCUM = 8
+
+
+def exercise_logged_calls(answer: object, record: records.Record, block: dict | None = None,
+                          accum: int = EXERCISE_ACCUM) -> exercises.Verdict:
+    """Exercise: predict which collectives, and how many calls of each per optimizer step, DeepSpeed's logger
+    records with the config block ``block`` for ``record``'s configuration at accumulation ``accum``: the ops
+    :func:`comms_logger_records` says the block records, counted by :func:`extrapolate` from the record."""
+    block = EXERCISE_LOGGER if block is None else block
+    recorded = comms_logger_records(block)
+    counts = extrapolate(record, accum).by_op
+    expected = {op: int(round(row["count"])) for op, row in sorted(counts.items()) if recorded.get(op, True)}
+    stage = record.stage
+    all_counts = ", ".join(f"{op} {int(round(row['count']))}" for op, row in sorted(counts.items()))
+    return exercises.choice(
+        "logged calls", answer, expected,
+        task=f"With comms_logger = {block!r}, which collectives would DeepSpeed record for ZeRO-{stage} at "
+             f"accumulation {accum} (micro batch as in the runs), and how many calls of each per optimizer step? "
+             "Answer a dict {logged name: calls per step}.",
+        hint="two things to settle: which ops this block records (the field table under the training script, and "
+             f"what each field does), and how ZeRO-{stage}'s calls per step change with the accumulation (the "
+             "table of calls per step at accumulation 1 and 4, and the reading under it).",
+        why=f"the block's presence turns the logger on whatever 'enabled' says, and prof_all false leaves only "
+            f"prof_ops; ZeRO-{stage}'s per-step counts at accumulation {accum}, built from the run's measured "
+            f"micro-steps: {all_counts}.")
