@@ -1076,7 +1076,7 @@ def bubble_vs_micro_batches(measured: Mapping[int, Sequence[float]], stages: int
     return fig
 
 
-# --- exercises: predict the bubble, partition a pipeline, the bytes between stages ---------------------
+# --- exercises: the micro-batches for a bubble, partition a pipeline, the bytes between stages --------------------
 
 def exercise_p2p_bytes(answer: object, record: records.Record) -> exercises.Verdict:
     """Exercise: the bytes stage 0 of the pipeline run ``record`` sends to stage 1 per optimizer step, read from
