@@ -254,6 +254,52 @@ def test_the_gpu_reference_is_shown_beside_the_launch_and_a_disagreement_beyond_
     assert pipeline.reference_timings().count("reference (2 x GPU") == 2
 
 
+def _micro_batch_runs(*steps_ms: float) -> dict:
+    """:func:`_timed_runs` with pipeline-M1, M2, M4, M8 at these step times (data parallelism: 110 ms)."""
+    return {**_timed_runs(290, 110),
+            **{f"pipeline-M{m}": _stepped(900, ms, ms, ms) for m, ms in zip(pipeline.MICRO_BATCH_COUNTS, steps_ms)}}
+
+
+def test_the_utilization_reading_withholds_a_busy_launchs_direction_and_shows_the_gpu_reference(monkeypatch):
+    reference = {"pipeline": [("2 x GPU", "2026-01-02", "", _timed_runs(99, 75))]}
+    monkeypatch.setattr(pipeline.references, "reference_runs", lambda name: reference.get(name, []))
+    busy = pipeline.utilization_reading(_micro_batch_runs(25, 30, 100, 50), BUSY).splitlines()
+    assert busy[0].startswith("This launch: the pipeline took 0.23x to 0.91x data parallelism's step time, "
+                              "not falling steadily as M grows. Verdicts withheld (other processes (3) used 60%")
+    assert "say nothing for or against it" in busy[0]
+    assert busy[1] == ("The GPU reference (2 x GPU, 2026-01-02) is what tests it: there pipeline took 1.33x "
+                       "data-parallel's step time.")
+    steady = pipeline.utilization_reading(_micro_batch_runs(180, 140, 100, 95), BUSY).splitlines()[0]
+    assert "not falling steadily" not in steady
+    alone = pipeline.utilization_reading(_micro_batch_runs(25, 30, 100, 50), ALONE).splitlines()[0]
+    assert alone.startswith("This launch ran alone") and "withheld" not in alone
+    drifted = {**_micro_batch_runs(25, 30, 100, 50), pipeline.AGAIN: _stepped(900, 150, 151, 149)}
+    assert pipeline.utilization_reading(drifted, ALONE).splitlines()[0].endswith("show no direction either way.")
+
+
+class _States(dict):
+    """A stand-in record: ``world_size`` and, per rank, model-state bytes by kind."""
+
+    def __init__(self, by_kind: dict[str, int]):
+        super().__init__(world_size=1)
+        self.by_kind = by_kind
+
+    def states(self, rank: int = 0) -> dict[str, int]:
+        return self.by_kind
+
+    def model_state_bytes(self, rank: int = 0) -> int:
+        return sum(self.by_kind.values())
+
+
+def test_the_states_table_has_a_row_for_every_part_of_the_total():
+    pipe = _States({"params": 10, "grads": 10, "optimizer": 20, "master": 10})
+    baseline = _States({"params": 20, "grads": 20, "optimizer": 40, "master": 0})
+    rows = [line.split() for line in pipeline.states_table(pipe, baseline).splitlines()[2:]]
+    assert rows[3] == ["0", "master", "copy", "10", "0", "(none)"]
+    assert rows[4] == ["0", "model", "states", "50", "80", "0.625"]
+    assert sum(int(r[-3]) for r in rows[:4]) == int(rows[4][-3])  # the rows add up to the total
+
+
 @pytest.mark.parametrize("name, checkpointed", [("llama", False), ("llama-ckpt", True)])
 def test_saved_tensor_counter_matches_the_formula_in_process(name, checkpointed):
     model = models.build(name)
@@ -603,10 +649,12 @@ def test_chapter_records_reads_the_runs_newer_than_the_launch_in_training_order(
 
 # --- chapter 11's exercises: DeepSpeed's schedule and partitioning, run without processes ---------------
 
-def test_exercise_bubble_counts_deepspeeds_schedule():
-    assert pipeline.exercise_bubble(3 / 9, stages=4, micro_batches=6)
-    assert not pipeline.exercise_bubble(3 / 6, stages=4, micro_batches=6)  # (S-1)/M: the fill counted twice
-    assert not pipeline.exercise_bubble(..., stages=4, micro_batches=6).answered
+def test_exercise_micro_batches_counts_deepspeeds_schedule():
+    assert pipeline.exercise_micro_batches(28, stages=4, share=0.1)  # 3/31 < 0.1
+    assert not pipeline.exercise_micro_batches(27, stages=4, share=0.1)  # 3/30: the bubble is 0.1, not under it
+    assert not pipeline.exercise_micro_batches(30, stages=4, share=0.1)  # (S-1)/share: the fill left in M
+    assert pipeline.exercise_micro_batches(8, stages=2, share=0.12)  # 1/9 < 0.12 <= 1/8
+    assert not pipeline.exercise_micro_batches(..., stages=4, share=0.1).answered
 
 
 def test_exercise_p2p_bytes_reads_the_comms_loggers_sends():

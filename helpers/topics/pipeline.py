@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -424,13 +425,15 @@ def stage_table(record) -> str:
 
 
 def states_table(pipe, baseline) -> str:
-    """Model states per rank of the pipeline against the unsplit model trained with data parallelism."""
+    """Model states per rank of the pipeline against the unsplit model trained with data parallelism, by kind: the
+    rows add up to the "model states" row (the master copy is ZeRO-1's fp32 copy of the weights; none at ZeRO-0)."""
 
     rows = []
     for rank in range(pipe["world_size"]):
         p, b = pipe.states(rank), baseline.states(rank)
-        for key in ("params", "grads", "optimizer"):
-            rows.append([rank, key, f"{p[key]:,}", f"{b[key]:,}", f"{p[key] / b[key]:.3f}"])
+        for key in ("params", "grads", "optimizer", "master"):
+            ratio = f"{p[key] / b[key]:.3f}" if b[key] else "(none)"
+            rows.append([rank, "master copy" if key == "master" else key, f"{p[key]:,}", f"{b[key]:,}", ratio])
         rows.append([rank, "model states", f"{pipe.model_state_bytes(rank):,}", f"{baseline.model_state_bytes(rank):,}",
                      f"{pipe.model_state_bytes(rank) / baseline.model_state_bytes(rank):.3f}"])
     return records.format_table(rows, ["rank", "state", "pipeline bytes", "data parallel bytes", "ratio"])
@@ -550,6 +553,35 @@ def utilization_table(runs: dict, counts=MICRO_BATCH_COUNTS) -> str:
     rows.append(["data parallel", *([""] * stages), "1.00 (no bubble)", f"{base * 1000:.1f}", "1.00x"])
     return records.format_table(rows, ["M", *(f"stage {s} computing" for s in range(stages)), "M/(M+S-1)",
                                        "step ms", "step time / data parallel's (lower is faster)"])
+
+
+def utilization_reading(runs: Mapping, load: load_guard.Load | None, counts=MICRO_BATCH_COUNTS) -> str:
+    """What the step times of :func:`utilization_table` may be read for: where the load guard withholds the verdict
+    of the pipeline against data parallelism (a busy machine, a drift, a difference within the spread), the range
+    of this launch's ratios and why they do not show the schedule's cost; then the committed GPU reference's ratio,
+    labelled with its device and date, which does."""
+    first, base = timed_names(runs)
+    ratios = [step_median_s(runs[f"pipeline-M{m}"]) / step_median_s(runs[base]) for m in counts]
+    repeat = step_seconds(runs[AGAIN]) if AGAIN in runs and not _failed(runs, AGAIN) else None
+    verdict = load_guard.compare({first: step_seconds(runs[first]), base: step_seconds(runs[base])}, load,
+                                 repeat=repeat)
+    steady = all(a >= b for a, b in zip(ratios, ratios[1:]))
+    if verdict.given:
+        lines = [f"This launch ran alone: its step times may be read (verdicts below); the pipeline took "
+                 f"{min(ratios):.2f}x to {max(ratios):.2f}x data parallelism's step time."]
+    else:
+        busy = load is None or bool(load.reason())
+        why = ("these times hold the machine's other load and the Python work between instructions, not the cost of "
+               "the bubble and the transfers, so they say nothing for or against it" if busy
+               else "so these times show no direction either way")
+        lines = [f"This launch: the pipeline took {min(ratios):.2f}x to {max(ratios):.2f}x data parallelism's step "
+                 f"time{'' if steady else ', not falling steadily as M grows'}. Verdicts withheld ({verdict.withheld}): "
+                 f"{why}."]
+    for device, day, _, ref in references.reference_runs("pipeline")[-1:]:
+        pipe, other = timed_names(ref)
+        lines.append(f"The GPU reference ({device}, {day}) is what tests it: there {pipe} took "
+                     f"{step_median_s(ref[pipe]) / step_median_s(ref[other]):.2f}x {other}'s step time.")
+    return "\n".join(lines)
 
 
 def measured_bubbles(runs: dict, counts=MICRO_BATCH_COUNTS) -> dict[int, list[float]]:
@@ -1044,7 +1076,7 @@ def bubble_vs_micro_batches(measured: Mapping[int, Sequence[float]], stages: int
     return fig
 
 
-# --- exercises: predict the bubble, partition a pipeline, the bytes between stages ---------------------
+# --- exercises: the micro-batches for a bubble, partition a pipeline, the bytes between stages --------------------
 
 def exercise_p2p_bytes(answer: object, record: records.Record) -> exercises.Verdict:
     """Exercise: the bytes stage 0 of the pipeline run ``record`` sends to stage 1 per optimizer step, read from
@@ -1064,20 +1096,20 @@ def exercise_p2p_bytes(answer: object, record: records.Record) -> exercises.Verd
 
 
 
-def exercise_bubble(answer: object, stages: int = 4, micro_batches: int = 6) -> exercises.Verdict:
-    """Exercise: predict the share of its steps each stage idles in DeepSpeed's schedule of ``stages`` stages and
-    ``micro_batches`` micro-batches, counted in DeepSpeed's own ``TrainSchedule``; within 0.01."""
-    expected = schedule_bubble(stages, micro_batches)
-    steps = len(schedule_grid(stages, micro_batches)[0])
+def exercise_micro_batches(answer: object, stages: int = 4, share: float = 0.1) -> exercises.Verdict:
+    """Exercise: predict the fewest micro-batches M that bring each stage's idle share in DeepSpeed's schedule of
+    ``stages`` stages under ``share``, counted in DeepSpeed's own ``TrainSchedule`` for M = 1, 2, ..."""
+    fewest = next(m for m in itertools.count(1) if schedule_bubble(stages, m) < share)
     return exercises.number(
-        "bubble", answer, expected, absolute=0.01,
-        task=f"Predict the share of its steps (a fraction, 0 to 1) each stage idles in DeepSpeed's schedule with "
-             f"S = {stages} stages and M = {micro_batches} micro-batches.",
-        hint="count, in a grid like the two above, the steps of the whole schedule and the steps one stage "
-             "computes in (a forward and a backward per micro-batch); the rest is idle.",
-        why=f"DeepSpeed's TrainSchedule has {steps} steps, each stage computes in {2 * micro_batches}: "
-            f"(S-1)/(M+S-1) = {stages - 1}/{micro_batches + stages - 1}. The S-1 idle steps at each end are the "
-            "filling and draining of the pipeline; only more micro-batches per step dilute them.")
+        "micro-batches", answer, fewest, absolute=0.5,
+        task=f"Predict the fewest micro-batches M per step for which each stage of a {stages}-stage pipeline idles "
+             f"less than {share:.0%} of its steps in DeepSpeed's schedule.",
+        hint="write the idle share of the grids above as a function of S and M (count a grid's steps and one "
+             "stage's computing steps), set it below the target and solve for M; M is a whole number.",
+        why=f"(S-1)/(M+S-1) < {share:g} needs M > {(stages - 1) / share - (stages - 1):g}: M = {fewest} gives "
+            f"{schedule_bubble(stages, fewest):.4f} in DeepSpeed's TrainSchedule, M = {fewest - 1} still "
+            f"{schedule_bubble(stages, fewest - 1):.4f}. The S-1 idle steps at each end do not shrink; only more "
+            "micro-batches dilute them, and at a fixed global batch each gets smaller.")
 
 
 def pipeline_layers(name: str = "llama-gpu", vocab: int | None = None) -> list[nn.Module]:
@@ -1141,9 +1173,9 @@ def exercise_partition(answer: object, name: str = "llama-gpu", num_stages: int 
              f"that gives each stage the same number of decoder layers of {name} ({models.shape_of(name).layers} "
              f"decoder layers between an embedding and a head: {len(layers)} pipeline layers) with a vocabulary "
              f"of {vocab:,} tokens, as LLaMA's.",
-        hint="the quantity to make equal is the count of one kind of layer, not all layers nor parameters; "
-             "PipelineModule._partition_layers (deepspeed/runtime/pipe/module.py) lists the rules DeepSpeed "
-             "knows: pick the one that can count a chosen kind, which the stage table above names.")
+        hint="with this vocabulary the embedding and the head each hold far more parameters than a decoder layer; "
+             "ask of each option what it makes equal across stages, and which of those quantities is the one "
+             "the task names (the stage table above gives the layers' class names).")
 
 
 # --- formulas ---------------------------------------------------------------------------------------
