@@ -427,6 +427,22 @@ def test_the_recomputation_findings_say_nothing_of_time_when_the_load_guard_with
     assert drifted.startswith("Verdict withheld: the machine warmed during the sweep")
 
 
+def test_the_reference_price_gives_each_ratio_and_withholds_the_verdict_without_a_load(monkeypatch):
+    plain = {"forward_s": 10, "layers_s": 8, "backward_s": 15, "rest_s": 5, "step_s": 30}
+    runs = {"plain": _timed(30, plain), "deepspeed": _timed(45, {**plain, "backward_s": 30, "step_s": 45})}
+    monkeypatch.setattr(activations.references, "references_report", lambda name, render: render(runs))
+    found = activations.reference_price().splitlines()
+    assert found[0] == "Median step over no checkpointing's: deepspeed.checkpointing 1.50x (the rule: 1.33x)."
+    assert found[1].startswith("Verdict withheld: nothing recorded what else used the devices")
+
+
+def test_the_totals_table_adds_up_every_layer_and_the_rest():
+    runs = {"plain": _Run("llama", [508, 500]), "torch": _Run("llama", [20, 20])}
+    rows = activations.totals_table(runs, ["plain", "torch"]).splitlines()
+    assert rows[2].split()[-4:] == ["1,008", "1,000", "2,008", "1.000"]  # 508 + 500 summed, the rest beside it
+    assert rows[3].split()[-4:] == ["40", "1,000", "1,040", "0.518"]
+
+
 def test_the_pipeline_probe_on_a_model_that_is_no_pipeline_stops_before_any_process_starts(monkeypatch):
     monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(ValueError, match="probe 'pipeline' measures training by helpers.topics.pipeline:train_step"):
@@ -611,12 +627,12 @@ def test_exercise_cpu_checkpointing_block_is_parsed_by_deepspeed_and_names_ignor
 
 def test_exercise_block_bytes_is_checked_against_the_block_only_run():
     same = {"plain": _Run("llama", [500, 500]), "block-only": _Run("llama", [500, 500])}
-    assert activations.exercise_block_bytes(2000, same)
-    assert not activations.exercise_block_bytes(1000, same)  # the layers alone, not the step's total
-    assert "the same as the plain run's" in str(activations.exercise_block_bytes(2000, same))
+    assert activations.exercise_block_bytes(1.0, same)
+    assert not activations.exercise_block_bytes(0.5, same)  # the layers alone, not the step's total
+    assert "the same as the plain run's 2,000" in str(activations.exercise_block_bytes(1.0, same))
     fewer = {"plain": _Run("llama", [500, 500]), "block-only": _Run("llama", [20, 20])}
-    assert activations.exercise_block_bytes(1040, fewer) and "unlike the plain run's" in str(
-        activations.exercise_block_bytes(1040, fewer))
+    assert activations.exercise_block_bytes(0.52, fewer) and "unlike the plain run's" in str(
+        activations.exercise_block_bytes(0.52, fewer))
     assert not activations.exercise_block_bytes(..., same).answered
 
 

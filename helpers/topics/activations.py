@@ -403,15 +403,17 @@ def terms_table(record) -> str:
 
 
 def totals_table(runs: dict, names) -> str:
-    """Per run: bytes saved per decoder layer (the last), outside the layers, in total, against the first run."""
+    """Per run: bytes saved by the decoder layers (summed), outside them, in total (the sum of the two), against
+    the first run's total."""
 
     base = measured(runs[names[0]])["total"]
     rows = []
     for name in names:
         m = measured(runs[name])
-        rows.append([LABELS.get(name, name), f"{m['per_layer'][-1]:,}", f"{m['outside']:,}", f"{m['total']:,}",
+        rows.append([LABELS.get(name, name), f"{sum(m['per_layer']):,}", f"{m['outside']:,}", f"{m['total']:,}",
                      f"{m['total'] / base:.3f}"])
-    return records.format_table(rows, ["run", "per layer", "outside layers", "total", f"vs {LABELS.get(names[0], names[0])}"])
+    return records.format_table(rows, ["run", "layers, summed", "outside layers", "total",
+                                       f"vs {LABELS.get(names[0], names[0])}"])
 
 
 #: The cost of recomputation as the FLOP count gives it: a backward of twice the forward's FLOPs, and one more
@@ -451,20 +453,33 @@ def recompute_rows(runs: dict, names: Sequence[str]) -> list[dict]:
 
 
 def recompute_table(runs: dict, names: Sequence[str]) -> str:
-    """Where the step time of each run goes (rank 0, its fastest step; print it in a cell nbval does not compare),
-    against the first run: the 4/3 rule's two assumptions side by side with the measurement."""
+    """Each run's step, its forward and its backward (the loss and ``engine.backward``, where the replays run), rank 0,
+    its fastest step (print it in a cell nbval does not compare), and its step time over the first run's."""
 
     table = []
     for row in recompute_rows(runs, names):
         p = row["phases"] or {}
         ms = (lambda key: f"{p[key] * 1e3:.1f}" if key in p else "-")
-        table.append([row["label"], f"{row['step_s'] * 1e3:.1f}", ms("forward_s"), ms("layers_s"), ms("backward_s"),
-                      ms("rest_s"), f"{p['backward_s'] / p['forward_s']:.2f}" if p else "-",
-                      f"{row['ratio']:.2f}x", f"{row['predicted']:.2f}x" if "predicted" in row else "-",
-                      f"{row['replay_forwards']:.2f}" if "replay_forwards" in row else "-"])
-    return records.format_table(table, ["run", "step ms", "forward ms", "layers ms", "loss+backward ms", "rest ms",
-                                        "backward/forward", f"step vs {LABELS.get(names[0], names[0])}",
-                                        "one more forward of the layers would give", "backward grew by (layer forwards)"])
+        table.append([row["label"], f"{row['step_s'] * 1e3:.1f}", ms("forward_s"), ms("backward_s"),
+                      f"{row['ratio']:.2f}x"])
+    return records.format_table(table, ["run", "step ms", "forward ms", "backward ms",
+                                        f"step vs {LABELS.get(names[0], names[0])}"])
+
+
+def reference_price(name: str = "activation-checkpointing") -> str:
+    """Each committed GPU result's median step time over its run without checkpointing, labelled with its device,
+    date and conditions, beside the 4/3 rule, then the load guard's verdict on those times
+    (:func:`recompute_findings`)."""
+
+    def render(runs: dict) -> str:
+        names = [n for n in ("plain", "transformers", "torch", "deepspeed", "deepspeed-cpu")
+                 if n in runs and not isinstance(runs[n], Exception)]
+        base = runs[names[0]].timing.median_s
+        ratios = ", ".join(f"{LABELS.get(n, n)} {runs[n].timing.median_s / base:.2f}x" for n in names[1:])
+        return (f"Median step over {LABELS.get(names[0], names[0])}'s: {ratios} (the rule: {RULE_OF_THUMB:.2f}x).\n"
+                + recompute_findings(runs, names, None))
+
+    return references.references_report(name, render)
 
 
 def _steps_s(record: records.Record) -> list[float]:
@@ -741,8 +756,8 @@ def exercise_checkpointed_layer_bytes(answer: object, runs: Mapping[str, Any], n
         "checkpointed layer bytes", answer, expected, relative=0.01, unit=" bytes",
         task=f"Predict the bytes one checkpointed decoder layer keeps for backward in the run '{name}' "
              f"(micro-batch {batch}, {shape.seq} tokens, hidden {shape.hidden}, {record['precision']}).",
-        hint="a checkpointed layer keeps only its input, the hidden states entering it: b x s x h elements, "
-             f"at {width} bytes an element in {record['precision']}.",
+        hint="a checkpointed layer keeps only its input, the hidden states entering it: count their elements from "
+             "the run's shape, then the bytes of its precision.",
         why=f"the probe measured {expected:,} bytes; b x s x h x {width} = {batch} x {shape.seq} x {shape.hidden} x "
             f"{width} = {formula:,.0f}. Nothing from inside the layer stays, not even the s² softmax: the replay "
             "recomputes it during backward.")
@@ -788,21 +803,23 @@ def exercise_cpu_checkpointing_block(answer: object) -> exercises.Verdict:
         "cpu_checkpointing block", answer, test,
         task="Predict the smallest activation_checkpointing section (a dict) that has DeepSpeed's checkpoint keep "
              "each layer's input in host memory: the settings it needs on, every other off.",
-        hint=f"the section's settings are {', '.join(block_settings())}; \"How this was measured\" follows the "
-             "code of CheckpointFunction.forward with cpu_checkpointing: which settings does its path read?")
+        hint=f"the section's settings are {', '.join(block_settings())}; which of them does the copy to host "
+             "memory in CheckpointFunction.forward (deepspeed/runtime/activation_checkpointing/checkpointing.py) "
+             "test? The script's deepspeed-cpu run gives one section DeepSpeed accepts.")
 
 
 def exercise_block_bytes(answer: object, runs: Mapping[str, Any]) -> exercises.Verdict:
     """Exercise: predict the bytes rank 0 saves for backward in the 'block-only' run (the plain model, the config's
-    ``activation_checkpointing`` section with every setting on), checked against the ``activations`` probe."""
+    ``activation_checkpointing`` section with every setting on) as a fraction of the plain run's, checked against
+    the ``activations`` probe."""
     block, plain = measured(runs["block-only"]), measured(runs["plain"])
     same = block["total"] == plain["total"]
     return exercises.number(
-        "the section alone", answer, block["total"], relative=0.001, unit=" bytes",
-        task="Predict the bytes rank 0 saves for backward in the 'block-only' run: the plain model, trained with "
-             "the config's activation_checkpointing section, every setting on.",
-        hint="find, in the script, which call reads the activation_checkpointing section and whether 'block-only' "
-             "makes it; then take the matching row of the totals table above.",
+        "the section alone", answer, block["total"] / plain["total"], relative=0.01, unit=" of the plain run's bytes",
+        task="Predict the bytes rank 0 saves for backward in the 'block-only' run (the plain model, trained with "
+             "the config's activation_checkpointing section, every setting on) as a fraction of the plain run's.",
+        hint="find, in the script, which call reads the activation_checkpointing section and which function its "
+             "settings change; does 'block-only' make that call, and does its model call that function?",
         why=f"the probe measured {block['total']:,} bytes, {'the same as' if same else 'unlike'} the plain run's "
             f"{plain['total']:,}: deepspeed.initialize parses the section but nothing in it acts on it; only "
             "deepspeed.checkpointing.configure reads it, for deepspeed.checkpointing.checkpoint.")
