@@ -4,18 +4,15 @@ The chapter's script (``runs/14/train_checkpoint.py``, written by the notebook) 
 ``engine.save_checkpoint`` after its steps, SIGKILL on every rank of a ZeRO-3 run, ``engine.load_checkpoint``
 in fresh processes, ``engine.save_16bit_model``, and a load of the multi-rank checkpoints on 1 rank. This module
 reads what it left: the records and printed lines (:func:`load_runs`, :func:`load_one_rank`), the checkpoint
-files (:func:`files_per_rank`), the tables and figure of the chapter, and its exercises' checks. It also
-converts a checkpoint for another number of ranks (:func:`to_universal`, DeepSpeed's ``ds_to_universal``).
+files (:func:`files_per_rank`), the tables and figure of the chapter, and its exercises' checks.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import io
 import re
-import shutil
 import statistics
 from pathlib import Path
 from typing import Any, Mapping
@@ -297,27 +294,6 @@ def consolidate(checkpoint_dir: str | Path, tag: str) -> dict:
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
 
 
-def to_universal(checkpoint_dir: str | Path, tag: str) -> str:
-    """Convert checkpoint ``tag`` of ``checkpoint_dir`` into a universal checkpoint (DeepSpeed's
-    ``python -m deepspeed.checkpoint.ds_to_universal``, called in this process with one worker) saved as
-    tag ``<tag>_universal`` beside it; return that tag. A universal checkpoint stores each parameter
-    and its optimizer states whole, so a run with another number of ranks can partition them anew."""
-
-    quiet_deepspeed_import()
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.checkpoint import ds_to_universal
-
-    out_tag = f"{tag}_universal"
-    output = Path(checkpoint_dir) / out_tag
-    shutil.rmtree(output, ignore_errors=True)
-    args = argparse.Namespace(input_folder=str(Path(checkpoint_dir) / tag), output_folder=str(output),
-                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=False)
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints every step
-        ds_to_universal.main(args)
-    return out_tag
-
-
 def loss_of_model(net: torch.nn.Module, record: records.Record, step: int) -> float:
     """The loss ``record``'s run recorded for optimizer step ``step`` (0-based), computed again by the plain
     PyTorch module ``net`` (no DeepSpeed): the mean of every rank's micro-batch losses on the samples that step
@@ -587,8 +563,9 @@ def exercise_save_16bit(answer: Any, runs: ChapterRuns) -> exercises.Verdict:
     task = (f"Predict the bytes of the file engine.save_16bit_model wrote in the two bf16 ZeRO-3 runs of this "
             f"{params:,}-parameter model, called on both ranks after step {runs.crash_after}: without and with "
             f"{GATHER_KEY}, as {{False: bytes, True: bytes}} (0 if no file).")
-    hint = ("at stage 3, does any rank hold the whole weights, and what does the switch make DeepSpeed do before "
-            "rank 0 writes? A bf16 number takes 2 bytes; the file adds a little of its own.")
+    hint = ("in the stages table of 'What each rank saved', how much of the weights does one rank hold at "
+            "stage 3, and what would have to happen before one file could hold them all? The switch's name says "
+            "what it adds. A bf16 number takes 2 bytes; the file adds a little of its own.")
 
     def test(guess: Any) -> tuple[bool, str]:
         if not isinstance(guess, Mapping) or set(guess) != {False, True}:
@@ -614,8 +591,9 @@ def exercise_other_ranks(answer: Any, runs: ChapterRuns, as_saved: Mapping[int, 
     task = ("Predict, for each ZeRO stage, what engine.load_checkpoint does on 1 rank given the step-3 checkpoint "
             f"its {runs.uninterrupted[STAGES[0]].world_size}-rank run saved: {' or '.join(map(repr, OUTCOMES))}, "
             "as {stage: outcome}.")
-    hint = ("look at the stages table of 'What each rank saved': at which stages does one rank's files hold "
-            "everything, and at which is each rank's file one half of the optimizer's numbers?")
+    hint = ("in the stages table of 'What each rank saved', are the numbers one rank needs to train in rank 0's "
+            "files, or split between the two ranks' files? Where they are split, would one rank get a file "
+            "cut for it, and do you expect load_checkpoint to cut them anew?")
 
     def test(guess: Any) -> tuple[bool, str]:
         if not isinstance(guess, Mapping) or set(guess) != set(truth):
