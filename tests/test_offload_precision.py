@@ -632,3 +632,40 @@ def test_the_bf16_bytes_exercise_divides_the_measured_states_by_the_parameters(s
     assert not check(...).answered
     assert check(9) and "bf16 parameters 2.00 + bf16 gradients 1.00" in str(check(9))  # 2 + (2 + 12) / 2
     assert not check(16)
+
+
+def test_the_stage_3_bucket_is_deepspeeds_default_reduce_bucket_size():
+    """The bucket the committed GPU reference measured on the accelerator at stage 3 is DeepSpeed's default
+    ``reduce_bucket_size`` in bf16, whatever the model."""
+    assert offload.stage3_bucket_bytes(4) == 2 * offload.stage3_bucket_bytes(2)
+    for _, _, _, runs in references.reference_runs("offload"):
+        stage3 = runs["stage 3"]
+        assert stage3.memory.placement(0)["accelerator"]["buffers"] == offload.stage3_bucket_bytes(2)
+        assert stage3.params * 2 != offload.stage3_bucket_bytes(2)  # not the model's size
+
+
+def test_the_reference_step_times_go_through_the_load_guard(monkeypatch):
+    found = references.reference_runs("offload")
+    text = offload.reference_step_verdicts()
+    assert text.count("withheld") >= 5 and "not measured alone" in text  # the reference shared its host
+    runs = found[0][3]
+    pinned, unpinned = runs["stage 2 + optimizer offload"], runs["stage 2 + optimizer offload, unpinned"]
+    expected = (f"{statistics.median(pinned.timing.all_s[1:]) * 1e3:.0f} vs "
+                f"{statistics.median(unpinned.timing.all_s[1:]) * 1e3:.0f}")
+    assert expected in text and "host to device pageable" in text
+    monkeypatch.setattr(references, "reference_conditions", lambda name: ["alone"] * len(found))
+    alone = offload.reference_step_verdicts()
+    assert "stage 2 faster" in alone  # stage 2 without offload: far beyond the steps' spread
+    monkeypatch.setattr(references, "reference_runs", lambda name: [])
+    assert "No GPU results" in offload.reference_step_verdicts()
+
+
+def test_an_old_benchmark_says_it_does_not_compare():
+    assert "does not compare" in offload.cost_lines(_bench(None), "old")
+    assert "does not compare" not in offload.cost_lines(_bench(2), "new")
+
+
+def test_the_timing_table_names_its_peak_once():
+    for _, _, _, runs in references.reference_runs("offload"):
+        table = offload.timing_table({k: r for k, r in runs.items() if isinstance(r, records.Record)})
+        assert "accelerator peak" in table and table.count("max_memory_allocated") == 1

@@ -229,8 +229,8 @@ def timing_table(runs: Mapping[str, object], rank: int = 0) -> str:
     for name, r in runs.items():
         rows.append([name, f"{r.timing.median_s * 1000:.1f}", records.format_peak(r, rank),
                      records.format_bytes(r.memory.host_peak(rank))])
-    return records.format_table(rows, ["run", "step ms", f"peak ({runs[next(iter(runs))].memory.peak_source})",
-                                       "host peak RSS"])
+    return (records.format_table(rows, ["run", "step ms", "accelerator peak", "host peak RSS"])
+            + f"\n(accelerator peak: {runs[next(iter(runs))].memory.peak_source})")
 
 
 def _benchmark_conditions(adam: dict) -> str:
@@ -301,6 +301,46 @@ def step_verdicts(runs: Mapping[str, records.Record], again: records.Record, loa
                                          repeat=steps(again) if base == first else None)
             lines.append(f"{name}: {load_guard.sentence(verdict)}")
     return "\n".join(lines)
+
+
+def reference_step_verdicts(name: str = "offload") -> str:
+    """The step times of every committed GPU result of the chapter's experiment, labelled with its device and
+    date: each pinned offloading run against its unpinned twin and against its stage without offload, through
+    :func:`helpers.core.load_guard.compare` under the reference's written conditions
+    (:meth:`~helpers.core.load_guard.Load.from_conditions`), steps after each run's first; then its pinned and
+    pageable copy bandwidths (:func:`transfer_table`)."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    parts = []
+    for (device, date, note, runs), conditions in zip(found, references.reference_conditions(name)):
+        trained = {k: r for k, r in runs.items() if not isinstance(r, dict)}
+        load = load_guard.Load.from_conditions(conditions)
+        rows, reasons = [], set()
+        for run, r in trained.items():
+            if run.endswith("unpinned"):
+                continue
+            for other in (f"stage {r.stage}", f"{run}, unpinned"):
+                if other in trained and other != run:
+                    v = load_guard.compare({run: r.timing.all_s[1:], other: trained[other].timing.all_s[1:]}, load)
+                    reasons.add(v.withheld)
+                    rows.append([run, other, f"{v.medians[0] * 1e3:.0f} vs {v.medians[1] * 1e3:.0f}",
+                                 f"{v.spread:.0%}", f"{v.faster} faster" if v.given else "withheld"])
+        lines = [f"GPU reference, {device}, {date} ({note}; medians of the steps after the first):",
+                 records.format_table(rows, ["run", "against", "ms", "spread", "verdict"])]
+        lines += [f"withheld: {why}" for why in sorted(reasons) if why]
+        bench = next((r for r in runs.values() if isinstance(r, dict) and r.get("task") == "benchmark"), None)
+        if bench and bench.get("transfers"):
+            lines += ["", transfer_table(bench)]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def stage3_bucket_bytes(dtype_bytes: int = 2) -> int:
+    """Bytes of the gradient bucket stage 3 allocates on the accelerator with DeepSpeed's default
+    ``reduce_bucket_size`` (read from its ``DeepSpeedZeroConfig``), in a ``dtype_bytes``-byte dtype."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    return DeepSpeedZeroConfig().reduce_bucket_size * dtype_bytes
 
 
 def transfer_table(bench: dict) -> str:
@@ -627,8 +667,10 @@ def cost_lines(bench: dict, label: str, gpus: int = 8, psis: Sequence[float] = (
     adam = bench["adam"]
     host = host_adam_s_per_param(bench)
     shared = f"; measured while {load.reason()}, so alone it may step faster" if load and not load.alone else ""
+    old = ("; the older method: one rank stepped every parameter while the others waited, so this rate does not "
+           "compare with one measured with every rank stepping at once") if not adam.get("ranks") else ""
     lines = [f"{label}: DeepSpeedCPUAdam {host * 1e9:.2f} ns per parameter for the host "
-             f"({_benchmark_conditions(adam)}{shared})"]
+             f"({_benchmark_conditions(adam)}{shared}{old})"]
     transfers = (bench.get("transfers") or {}).get("bytes_per_s")
     for psi in psis:
         if not transfers:
@@ -669,9 +711,7 @@ def exercise_host_bytes(answer: float, runs: Mapping[str, records.Record], name:
            "so plan host memory with the measured figure.")
     return exercises.number("host bytes per parameter", answer, total / shard, relative=0.01,
                             task=f"Predict the host bytes per partition element in the run '{name}'.",
-                            hint="start from the paper's host bytes per partition element, 2 + K, and replace its one "
-                                 "16-bit gradient by the gradients DeepSpeed keeps at stage 3 (the paragraph above), "
-                                 "each at its dtype's bytes",
+                            hint="which gradients does DeepSpeed keep, and in which dtypes?",
                             why=why)
 
 
