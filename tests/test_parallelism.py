@@ -4,6 +4,7 @@ out the same before and after them in the same ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -14,7 +15,7 @@ import types
 import pytest
 import torch
 
-from helpers.core import launch, load_guard, models, records, theory
+from helpers.core import launch, load_guard, models, records, references, theory
 from helpers.topics import activations, pipeline, tensor_parallel
 from helpers.core.environment import WORLD_SIZE_VARIABLE
 from test_records import minimal_summary
@@ -774,3 +775,32 @@ def test_gpu_runs_keep_the_load_beside_them_and_a_later_reading_gets_it_back(tmp
     assert set(kept) == {"autotp", "zero3"}
     assert tensor_parallel.saved_load(kept) == seen
     assert tensor_parallel.saved_load({"zero3": _stepped_record([1.0, 2.0])}).samples == 0  # saved without one: unknown
+
+
+def _reference_tp_runs() -> dict:
+    """The committed GPU reference's runs (a fresh copy each call)."""
+    return references.reference_runs("tensor-parallel")[0][3]
+
+
+def test_model_size_states_the_shape_and_the_tokens_per_micro_step():
+    text = tensor_parallel.model_size(_reference_tp_runs()["autotp"])  # llama-gpu, 8 samples per group
+    assert "8 decoder layers, hidden size 1024, MLP width 2816" in text
+    assert "8 samples x 1024 = 8,192 tokens per micro-step" in text
+
+
+def test_beyond_formula_finds_the_gradient_norms_all_reduce():
+    runs = _reference_tp_runs()
+    assert tensor_parallel.beyond_formula(runs).count("8 (its gradient norm's all-reduce: 8)") == 2
+    runs["autotp"].summary["comm"]["by_caller"]["all_reduce"].pop("clip_grad_norm_")  # a record without it
+    assert "autotp 0 (its gradient norm's all-reduce: 0)" in tensor_parallel.beyond_formula(runs)  # the gap was it
+
+
+def test_reference_sentence_reports_what_was_measured_and_withholds_without_a_load():
+    runs = _reference_tp_runs()
+    text = tensor_parallel.reference_sentence(runs)
+    assert "median step longer" in text and "no verdict: nothing recorded" in text and "recorded peak was higher" in text
+    runs["autotp"].summary["step_time_s"]["all"] = [9.0, 0.01, 0.01, 0.01]
+    for record in runs.values():
+        record.summary["load"] = dataclasses.asdict(load_guard.Load("gpu", 0, None, 2, 10.0, 20, "test"))
+    faster = tensor_parallel.reference_sentence(runs, who="This run")
+    assert faster.startswith("This run measured AutoTP's median step shorter") and "ran alone" in faster

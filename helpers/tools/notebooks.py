@@ -38,10 +38,11 @@ def course_notebooks() -> list[Path]:
     return sorted(NOTEBOOK_DIR.glob(CHAPTER_GLOB))
 
 
-def chapter_time(notebook: str) -> str:
+def chapter_time(notebook: str, min_ranks: int = 1) -> str:
     """How long executing ``notebook`` (its file name or stem) took, as the committed check reports
     (``docs/gpu-check/``, ``docs/cpu-check/``) measured it: the latest time on each machine they name, with the
-    date and how many notebooks shared the machine. A sentence for the opening of a chapter."""
+    date and how many notebooks shared the machine. A sentence for the opening of a chapter. Checks that ran it
+    on fewer than ``min_ranks`` ranks are left out (a chapter whose topic needs several ranks)."""
     name = notebook if notebook.endswith(".ipynb") else f"{notebook}.ipynb"
     latest: dict[tuple[str, int], tuple[str, float, str, str]] = {}  # (folder, ranks) -> the newest
     for folder in CHECK_REPORTS:
@@ -54,7 +55,8 @@ def chapter_time(notebook: str) -> str:
                 date, ranks, shared = str(check.get("date", ""))[:10], check.get("ranks", 0), check.get("jobs", 1)
                 for entry in check.get("notebooks", []):
                     key = (folder.name, ranks)
-                    if entry.get("notebook") == name and entry.get("ok") and date >= latest.get(key, ("",))[0]:
+                    if (entry.get("notebook") == name and entry.get("ok") and ranks >= min_ranks
+                            and date >= latest.get(key, ("",))[0]):
                         latest[key] = (date, entry["seconds"], machine,
                                        "alone" if shared == 1 else f"{shared} notebooks at a time")
     if not latest:
