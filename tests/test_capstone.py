@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -650,6 +651,69 @@ def test_kept_path_reads_each_kept_rung_and_its_gain_from_the_ladder():
     assert "ends at ZeRO-2, micro batch 16 x accumulation 2, engine.compile()" in two
     four = capstone.kept_path(capstone.key_ladder("2.7b", world_size=4))
     assert "nothing kept" in four and "target 50%: reached" in four
+
+
+def test_kept_path_prints_the_figures_each_gain_is_computed_from():
+    ladder = capstone.key_ladder("2.7b", world_size=2)
+    for line in capstone.kept_path(ladder).splitlines():
+        if "kept at rung" in line:
+            before, after, gain = (float(x) for x in re.search(r"([\d.]+) -> ([\d.]+), ([+-][\d.]+)%", line).groups())
+            gain /= 100
+            assert after / before - 1 == pytest.approx(gain, abs=6e-4)  # the printed figures give the printed gain
+    assert "over 'best so far, again'" in capstone.kept_path(ladder)  # a resumed walk's yardstick is named
+
+
+def test_guarded_marks_kept_verdicts_unverified_only_where_the_machine_was_shared():
+    from helpers.core import load_guard
+
+    ladder = {"candidates": [{"verdict": "baseline"}, {"verdict": "kept: +181.2%"}, {"verdict": "dropped: -5.0%"}],
+              "best_label": "cpu: checkpointing"}
+    alone = load_guard.Load("cpu", other_processes=0, other_share=0.0, cores=2, seconds=10.0, samples=20, source="t")
+    busy = load_guard.Load("cpu", other_processes=3, other_share=0.5, cores=2, seconds=10.0, samples=20, source="t")
+    assert capstone.guarded(ladder, alone) == ladder
+    shown = capstone.guarded(ladder, busy)
+    assert shown["candidates"][1]["verdict"] == f"kept (unverified: {busy.reason()}): +181.2%"
+    assert shown["candidates"][2]["verdict"] == "dropped: -5.0%"
+    assert shown["best_label"] == f"cpu: checkpointing (unverified: {busy.reason()})"
+    assert ladder["candidates"][1]["verdict"] == "kept: +181.2%"  # the walk's own data is left as it was
+
+
+def test_warm_up_compares_each_baseline_runs_first_step_with_its_measured_ones():
+    from helpers.core import load_guard
+
+    setting = capstone.CPU_BASELINE
+    alone = load_guard.Load("cpu", other_processes=0, other_share=0.0, cores=2, seconds=10.0, samples=20, source="t")
+    busy = load_guard.Load("cpu", other_processes=3, other_share=0.5, cores=2, seconds=10.0, samples=20, source="t")
+    slow_first = capstone.Ladder("tiny", 1, 2, "cpu", setting, 60.0, candidates=[
+        capstone.Candidate("cpu", "baseline", setting, "a", record=_timed([9.0, 2.0, 2.02, 2.01])),
+        capstone.Candidate("cpu", "baseline, again", setting, "b", record=_timed([0.5, 1.01, 1.0, 1.02]))])
+    text = capstone.warm_up(slow_first, alone)
+    assert "first step took 9.00 s (4.5x its measured median of 2010 ms), its repeat's 0.50 s" in text
+    assert text.endswith("a warm-up beyond them.")
+    assert "cannot tell which" in capstone.warm_up(slow_first, busy)
+    fast_first = dataclasses.replace(slow_first, candidates=slow_first.candidates[::-1])
+    assert "shows no warm-up" in capstone.warm_up(fast_first, busy) and "other load" in capstone.warm_up(fast_first, busy)
+    assert "not measured twice" in capstone.warm_up(dataclasses.replace(slow_first, candidates=slow_first.candidates[:1]), alone)
+
+
+def test_each_committed_ladder_ends_with_its_takeaway_from_its_data():
+    four = capstone.key_ladder("2.7b", world_size=4)
+    line = capstone.takeaway(four)
+    assert line.startswith("Takeaway: nothing beat the start") and "target reached" in line
+    two = capstone.takeaway(capstone.key_ladder("2.7b", world_size=2))
+    assert "kept engine.compile()" in two and "target not reached" in two
+    for entry in capstone.reference_ladders("1.2b") + capstone.reference_ladders("2.7b"):
+        block = capstone.reference_block(entry)
+        assert block.startswith(f"{entry[4]['params'] / 1e9:.2f}B parameters, measured on {entry[0]}")
+        assert block.splitlines()[-1] == capstone.takeaway(entry[4]) and entry[3] not in block
+
+
+def test_knobs_lists_every_field_with_knobs_accepts():
+    listed = [line.split(":")[0] for line in capstone.knobs().splitlines()]
+    assert listed == [f.name for f in dataclasses.fields(capstone.Setting)]
+    for name in listed:
+        with pytest.raises(ValueError, match=name):
+            capstone.GPU_BASELINE.with_knobs(f"{name}=")  # each is a knob: the error names what it takes
 
 
 def test_failures_are_shown_without_a_cut_word_and_the_peak_note_once():

@@ -479,6 +479,8 @@ def _slug(text: str) -> str:
 
 #: Label of the kept setting trained again in a resumed walk's first launch.
 AGAIN = "best so far, again"
+#: The verdict of a resumed walk's first run, the best setting trained again: its later candidates' yardstick.
+AGAIN_VERDICT = "best so far, trained again"
 
 #: How much longer a candidate takes when it compiles, where no compiled launch has been timed yet.
 COMPILE_FACTOR = 2.5
@@ -656,7 +658,7 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
             first, found_rest, again = found[0], found[1:], False
             if first.record is not None:
                 best_value = metric(first.record)
-                first.verdict = "best so far, trained again: the candidates below are judged against it"
+                first.verdict = f"{AGAIN_VERDICT}: the candidates below are judged against it"
             else:
                 first.verdict = f"failed: {first.failure}; the candidates are judged against the earlier figure"
         else:
@@ -914,13 +916,16 @@ def kept_path(ladder: dict) -> str:
     before = Setting(**ladder["baseline"])
     lines = [f"{ladder['params'] / 1e9:.2f}B on {ladder['device']}, from {_describe(before)}: "
              f"{sum(base) / len(base):.3g} {unit}"]
+    against, what = sum(base) / len(base), "the baseline's mean"
     for c in ladder["candidates"]:
-        if c["verdict"].startswith("kept"):
+        if c["verdict"].startswith(AGAIN_VERDICT) and "metric" in c:
+            against, what = c["metric"], f"{AGAIN!r} (the kept setting trained again by a later walk)"
+        elif c["verdict"].startswith("kept"):
             setting = Setting(**c["setting"])
-            gain = c["verdict"].split(":", 1)[1].strip()
+            gain = c["verdict"].rsplit(":", 1)[1].strip()
             lines.append(f"  kept at rung {c['rung']!r}: {c['label']} ({setting.changes_from(before)}): "
-                         f"{c['metric']:.3g}, {gain} over the best so far")
-            before = setting
+                         f"{against:.4g} -> {c['metric']:.4g}, {gain} over {what}")
+            before, against, what = setting, c["metric"], "the candidate kept before it"
     if len(lines) == 1:
         lines.append(f"  nothing kept: no candidate beat it by more than the {ladder['margin']:.1%} margin")
     found = best_mfu_and_exposed(ladder)
@@ -1160,6 +1165,41 @@ def ladder(ladder: dict, title: str | None = None, horizontal: bool = False):
 
 # --- the key result and the exercises -------------------------------------------------------------
 
+def takeaway(ladder: dict) -> str:
+    """One line from a ladder's data: what it kept, where it ended against the target, what bounds the rest."""
+    kept = [c["label"] for c in ladder["candidates"] if c["verdict"].startswith("kept")]
+    skipped = [r["rung"] for r in ladder["rungs"] if not r["ran"] and r["why"].startswith(BUDGET_SKIP)]
+    found = best_mfu_and_exposed(ladder)
+    line = "Takeaway: " + (f"kept {', '.join(kept)}" if kept else
+                           f"nothing beat the start by more than the {ladder['margin']:.1%} margin")
+    if found is not None:
+        mfu, exposed = found
+        line += (f"; MFU {mfu:.1%}, target {'reached' if mfu >= ladder['target_mfu'] else 'not reached'}; "
+                 f"exposed communication {exposed:.1%} of a step, so hiding it could add at most "
+                 f"{(mfu / (1 - exposed) - mfu) * 100:.1f} points of MFU")
+    if skipped:
+        line += f"; rungs the time budget skipped: {', '.join(skipped)}"
+    return line + "."
+
+
+def reference_block(entry: tuple[str, str, str, str, dict]) -> str:
+    """One committed GPU ladder (an entry of :func:`reference_ladders`) as the chapter shows it: headed by its
+    device and date, its candidates, rungs, summary, shortfall, FSDP2 beside it, and its takeaway."""
+    device, date, note, _conditions, gpu_ladder = entry
+    parts = [f"{gpu_ladder['params'] / 1e9:.2f}B parameters, measured on {device}, {date} ({note}):",
+             ladder_table(gpu_ladder), rungs_table(gpu_ladder), summary(gpu_ladder), shortfall(gpu_ladder)]
+    if (gpu_ladder.get("fsdp2") or {}).get("measured"):
+        parts += [fsdp2_table(gpu_ladder), fsdp2_same_math(gpu_ladder)]
+    return "\n".join(parts + [takeaway(gpu_ladder)])
+
+
+def knobs() -> str:
+    """The knobs :meth:`Setting.with_knobs` accepts, read from :class:`Setting`'s fields, with their types and
+    the GPU baseline's values."""
+    return "\n".join(f"{f.name}: {f.type} (baseline {_short(getattr(GPU_BASELINE, f.name))})"
+                     for f in dataclasses.fields(Setting))
+
+
 def key_ladder(size: str = "2.7b", world_size: int = 2) -> dict | None:
     """The committed GPU ladder of ``size`` climbed on ``world_size`` GPUs (the newest such file), or None."""
     found = [entry[4] for entry in reference_ladders(size) if entry[4]["world_size"] == world_size]
@@ -1195,6 +1235,40 @@ def exercise_margin(answer: Any, ladder: dict) -> exercises.Verdict:
         why=(f"the two runs differ by {ladder['spread']:.2%} of their mean; the rule keeps a candidate only above "
              f"max({MIN_MARGIN:.0%}, twice that) = {ladder['margin']:.2%}: a gain smaller than what the same setting "
              "moves between two runs is not a gain."))
+
+
+def guarded(ladder: dict, load: load_guard.Load) -> dict:
+    """``ladder`` (``Ladder.to_dict()``) with each "kept" verdict marked "kept (unverified: <why>)" where the
+    launch did not have its devices to itself (``load``): the rule kept it, the load guard cannot vouch for it."""
+    if load.alone:
+        return ladder
+    mark = f"kept (unverified: {load.reason()})"
+    candidates = [{**c, "verdict": mark + c["verdict"][len("kept"):]} if c["verdict"].startswith("kept") else c
+                  for c in ladder["candidates"]]
+    changed = any(c is not d for c, d in zip(candidates, ladder["candidates"]))
+    return {**ladder, "candidates": candidates,
+            "best_label": ladder["best_label"] + (f" {mark[len('kept '):]}" if changed else "")}
+
+
+def warm_up(ladder: Ladder, load: load_guard.Load) -> str:
+    """The baseline's first run against its repeat, in one line from their records: each first step (left out of
+    every figure) beside the median of its measured steps, and what the data can say about a warm-up, given the
+    machine's ``load``."""
+    runs = [c for c in ladder.candidates if c.label in ("baseline", "baseline, again") and c.record is not None]
+    if len(runs) < 2:
+        return "Warm-up: the baseline was not measured twice, nothing to compare."
+    first = [c.record["throughput"]["all_step_times_s"][0] for c in runs]
+    median = [statistics.median(_steps(c.record)) for c in runs]
+    line = (f"Warm-up: the baseline's first step took {first[0]:.2f} s ({first[0] / median[0]:.1f}x its measured "
+            f"median of {median[0] * 1e3:.0f} ms), its repeat's {first[1]:.2f} s ({first[1] / median[1]:.1f}x of "
+            f"{median[1] * 1e3:.0f} ms); no figure counts the first two steps. ")
+    if median[0] <= median[1]:
+        return line + ("The first run's measured steps were the faster: it shows no warm-up beyond them"
+                       + (f"; the gap is the machine's other load ({load.reason()})." if not load.alone else "."))
+    if load.alone:
+        return line + "The first run's measured steps were the slower, alone on the machine: a warm-up beyond them."
+    return line + (f"The first run's measured steps were the slower: warm-up or the other processes' load "
+                   f"({load.reason()}); these figures cannot tell which.")
 
 
 def _steps(record: records.Record) -> list[float]:
