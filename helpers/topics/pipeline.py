@@ -472,6 +472,7 @@ def p2p_table(record) -> str:
 def default_bucket_elements() -> int:
     """DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements): the size of ZeRO-1/2's gradient
     bucket, allocated whatever the model's size."""
+    # deferred: DeepSpeed is imported after the course has chosen its accelerator
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     return int(DeepSpeedZeroConfig().reduce_bucket_size)
 
