@@ -143,13 +143,14 @@ def test_gpu_runs_time_every_setting_in_one_launch_and_give_the_bytes_and_logger
     settings = list(compression.zeropp_settings(2))
     assert [name for name, _, _ in launches] == ["zeropp-gpu-time", "zeropp-gpu-bytes", "zeropp-gpu-logger"]
     (_, timing, seconds), (_, counting, counted), (_, logging, logged) = launches
-    assert [(n, k) for n, k, _ in timing] == [(f"zeropp-time-{i}", 12) for i in range(5)] and seconds == 60 * 5
+    timed = [(f"zeropp-time-{i}", 12) for i in range(5)] + [("zeropp-time-again", 12)]  # ZeRO-3 again at the end
+    assert [(n, k) for n, k, _ in timing] == timed and seconds == 60 * 6
+    assert list(by_time) == [*settings, compression.AGAIN]
     assert [(n, k) for n, k, _ in counting] == [(f"zeropp-bytes-{i}", compression.BYTES_STEPS) for i in range(5)]
     assert counted == 60 * 5 and compression.BYTES_STEPS < 12  # the profiler's trace is read in Python: fewer steps
     checks = len(compression.LOGGER_CHECKS)
     assert [(k, probes) for _, k, probes in logging] == [(compression.LOGGER_STEPS, compression.LOGGER_PROBES)] * checks
     assert logged == 60 * compression.LOGGER_TIMEOUT_FACTOR * checks  # the logger waits for the device: more time
-    assert list(by_time) == settings
     assert [k for k in by_bytes if k.endswith(compression.LOGGER_SUFFIX)] == [
         name + compression.LOGGER_SUFFIX for name in compression.LOGGER_CHECKS]
     assert compression.gpu_runs(steps=2, passes=("logger",)) and launches[-1][1][0][1] == 2  # never more than steps

@@ -177,6 +177,10 @@ LOGGER_TIMEOUT_FACTOR = 2
 PASSES = ("time", "bytes", "logger")
 
 
+#: The timing pass's last run: plain ZeRO-3 timed again, so that drift during the sweep shows.
+AGAIN = "ZeRO-3 again"
+
+
 def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = True, timeout: float = 60,
              zero_knobs: Mapping | None = None, tag: str = "zeropp", passes: Sequence[str] = PASSES,
              bytes_steps: int = BYTES_STEPS, logger_steps: int = LOGGER_STEPS
@@ -184,7 +188,8 @@ def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = Tr
     """On GPUs, three passes over plain ZeRO-3 and every ZeRO++ setting, each launch given ``timeout``
     seconds a run (a run that fails or hangs comes back as its :class:`helpers.core.launch.RunFailed`; for a
     hang its ranks' stacks say where):
-    1. time: every setting timed, one after another in one launch, with no probe that synchronizes the
+    1. time: every setting timed, one after another in one launch, then ZeRO-3 again (``"ZeRO-3 again"``,
+       the repeat :func:`one_node_reading` checks drift with), with no probe that synchronizes the
        device (:func:`helpers.core.launch.sweep_retrying`: a setting that fails after another failed is timed
        again in a launch of its own, so a failure costs only itself);
     2. bytes: the settings that trained, together in one launch, at most ``bytes_steps`` steps each, their
@@ -204,10 +209,11 @@ def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = Tr
     settings = zeropp_settings(env.default_world_size)
 
     def spec(name: str, purpose: str, probes: tuple[str, ...], n_steps: int = steps) -> launch.RunSpec:
-        index = list(settings).index(name)
+        index = "again" if name == AGAIN else list(settings).index(name)
+        setting = settings["ZeRO-3" if name == AGAIN else name]
         return launch.RunSpec("zero3", model=GPU_MODEL, steps=n_steps, probes=probes, name=f"{tag}-{purpose}-{index}",
                               on_error="record", overrides=configs.merged(
-                                  GPU_OVERRIDES, {"zero_optimization": {**(zero_knobs or {}), **settings[name]}}))
+                                  GPU_OVERRIDES, {"zero_optimization": {**(zero_knobs or {}), **setting}}))
 
     def each(names: Sequence[str], purpose: str, probes: tuple[str, ...], n_steps: int = steps,
              seconds: float = timeout) -> dict[str, records.Record | launch.RunFailed]:
@@ -218,7 +224,7 @@ def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = Tr
                                          timeout_each=seconds, progress=progress)
         return {name: found[one.name] for name, one in specs.items()}
 
-    by_time = each(list(settings), "time", ("timing", "peak_memory")) if "time" in passes else {}
+    by_time = each([*settings, AGAIN], "time", ("timing", "peak_memory")) if "time" in passes else {}
     trained = [name for name in settings if not isinstance(by_time.get(name), launch.RunFailed)]
     counted = ({name: spec(name, "bytes", BYTES_PROBES, min(steps, bytes_steps)) for name in trained}
                if "bytes" in passes else {})
@@ -563,7 +569,7 @@ def one_node_reading(name: str = "zeropp", timing_only: bool | None = None) -> s
         load = load_guard.Load.from_dict(saved) if saved else load_guard.Load.from_conditions(conditions)
         lines.append(f"{device}, {date} ({regime}; {'alone' if load.alone else 'not alone'}, by "
                      f"{'its saved load' if saved else 'its written conditions'}):")
-        again = runs.get("time: ZeRO-3 again")
+        again = runs.get(f"time: {AGAIN}")
         repeat = _steps_s(again) if isinstance(again, records.Record) else None
         for setting in zeropp_settings(2):
             timed = runs.get(f"time: {setting}")
