@@ -143,13 +143,14 @@ def test_gpu_runs_time_every_setting_in_one_launch_and_give_the_bytes_and_logger
     settings = list(compression.zeropp_settings(2))
     assert [name for name, _, _ in launches] == ["zeropp-gpu-time", "zeropp-gpu-bytes", "zeropp-gpu-logger"]
     (_, timing, seconds), (_, counting, counted), (_, logging, logged) = launches
-    assert [(n, k) for n, k, _ in timing] == [(f"zeropp-time-{i}", 12) for i in range(5)] and seconds == 60 * 5
+    timed = [(f"zeropp-time-{i}", 12) for i in range(5)] + [("zeropp-time-again", 12)]  # ZeRO-3 again at the end
+    assert [(n, k) for n, k, _ in timing] == timed and seconds == 60 * 6
+    assert list(by_time) == [*settings, compression.AGAIN]
     assert [(n, k) for n, k, _ in counting] == [(f"zeropp-bytes-{i}", compression.BYTES_STEPS) for i in range(5)]
     assert counted == 60 * 5 and compression.BYTES_STEPS < 12  # the profiler's trace is read in Python: fewer steps
     checks = len(compression.LOGGER_CHECKS)
     assert [(k, probes) for _, k, probes in logging] == [(compression.LOGGER_STEPS, compression.LOGGER_PROBES)] * checks
     assert logged == 60 * compression.LOGGER_TIMEOUT_FACTOR * checks  # the logger waits for the device: more time
-    assert list(by_time) == settings
     assert [k for k in by_bytes if k.endswith(compression.LOGGER_SUFFIX)] == [
         name + compression.LOGGER_SUFFIX for name in compression.LOGGER_CHECKS]
     assert compression.gpu_runs(steps=2, passes=("logger",)) and launches[-1][1][0][1] == 2  # never more than steps
@@ -308,6 +309,37 @@ def test_one_node_reading_judges_each_reference_by_its_written_conditions():
         assert ("; alone, by its written conditions" in header) == alone
     assert "nothing recorded what else used" not in reading  # every committed reference states its conditions
     assert "not measured alone" in reading  # the 2026-11-26 one ran beside another job: no verdict
+    assert "not measured alone" not in compression.one_node_reading(timing_only=False)
+    assert "not measured alone" in compression.one_node_reading(timing_only=True)
+
+
+def test_one_node_reading_withholds_a_sweep_without_a_repeat_and_judges_one_with_it(monkeypatch):
+    from helpers.core import references
+
+    zero_knobs = {"zero_optimization": {"stage3_max_live_parameters": 0}}
+    fast, slow = (0.5, 0.10, 0.11), (0.5, 0.30, 0.31)
+    runs = {"time: ZeRO-3": _run({}, fast, **zero_knobs), "time: hpZ (node-local partition)": _run({}, slow)}
+    sweeps = {"no repeat": runs, "repeat": {**runs, "time: ZeRO-3 again": _run({}, fast)}}
+    monkeypatch.setattr(references, "reference_runs",
+                        lambda name: [("2 x GPU", "today", note, found) for note, found in sweeps.items()])
+    monkeypatch.setattr(references, "reference_conditions", lambda name: ["alone", "alone"])
+    reading = compression.one_node_reading().split("2 x GPU")[1:]
+    assert compression.NO_REPEAT in reading[0]
+    assert "ZeRO-3 is faster: hpZ takes" in reading[1] and compression.NO_REPEAT not in reading[1]
+
+
+def test_reference_report_keeps_timing_only_references_apart():
+    whole = compression.reference_report()
+    timing, rest = compression.reference_report(timing_only=True), compression.reference_report(timing_only=False)
+    assert compression.TIMING_ONLY in timing and compression.TIMING_ONLY not in rest
+    assert whole.count("Measured on") == timing.count("Measured on") + rest.count("Measured on")
+
+
+def test_prediction_table_prints_the_cost_formula_and_its_caveat_only_with_a_cost():
+    args = dict(psi=PSI * 1000, layers=32, tokens_per_gpu=8192, flops_per_s=400e12)
+    assert compression.COST_CAVEAT in compression.prediction_table(**args, slowdowns=[("2 x GPU", 1.5)])
+    assert "cost =" in compression.prediction_table(**args, slowdowns=[("2 x GPU", 1.5)])
+    assert compression.COST_CAVEAT not in compression.prediction_table(**args)
 
 
 def test_gpu_table_step_column_is_the_median_after_the_first_step():

@@ -177,6 +177,10 @@ LOGGER_TIMEOUT_FACTOR = 2
 PASSES = ("time", "bytes", "logger")
 
 
+#: The timing pass's last run: plain ZeRO-3 timed again, so that drift during the sweep shows.
+AGAIN = "ZeRO-3 again"
+
+
 def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = True, timeout: float = 60,
              zero_knobs: Mapping | None = None, tag: str = "zeropp", passes: Sequence[str] = PASSES,
              bytes_steps: int = BYTES_STEPS, logger_steps: int = LOGGER_STEPS
@@ -184,7 +188,8 @@ def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = Tr
     """On GPUs, three passes over plain ZeRO-3 and every ZeRO++ setting, each launch given ``timeout``
     seconds a run (a run that fails or hangs comes back as its :class:`helpers.core.launch.RunFailed`; for a
     hang its ranks' stacks say where):
-    1. time: every setting timed, one after another in one launch, with no probe that synchronizes the
+    1. time: every setting timed, one after another in one launch, then ZeRO-3 again (``"ZeRO-3 again"``,
+       the repeat :func:`one_node_reading` checks drift with), with no probe that synchronizes the
        device (:func:`helpers.core.launch.sweep_retrying`: a setting that fails after another failed is timed
        again in a launch of its own, so a failure costs only itself);
     2. bytes: the settings that trained, together in one launch, at most ``bytes_steps`` steps each, their
@@ -204,10 +209,11 @@ def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = Tr
     settings = zeropp_settings(env.default_world_size)
 
     def spec(name: str, purpose: str, probes: tuple[str, ...], n_steps: int = steps) -> launch.RunSpec:
-        index = list(settings).index(name)
+        index = "again" if name == AGAIN else list(settings).index(name)
+        setting = settings["ZeRO-3" if name == AGAIN else name]
         return launch.RunSpec("zero3", model=GPU_MODEL, steps=n_steps, probes=probes, name=f"{tag}-{purpose}-{index}",
                               on_error="record", overrides=configs.merged(
-                                  GPU_OVERRIDES, {"zero_optimization": {**(zero_knobs or {}), **settings[name]}}))
+                                  GPU_OVERRIDES, {"zero_optimization": {**(zero_knobs or {}), **setting}}))
 
     def each(names: Sequence[str], purpose: str, probes: tuple[str, ...], n_steps: int = steps,
              seconds: float = timeout) -> dict[str, records.Record | launch.RunFailed]:
@@ -218,7 +224,7 @@ def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = Tr
                                          timeout_each=seconds, progress=progress)
         return {name: found[one.name] for name, one in specs.items()}
 
-    by_time = each(list(settings), "time", ("timing", "peak_memory")) if "time" in passes else {}
+    by_time = each([*settings, AGAIN], "time", ("timing", "peak_memory")) if "time" in passes else {}
     trained = [name for name in settings if not isinstance(by_time.get(name), launch.RunFailed)]
     counted = ({name: spec(name, "bytes", BYTES_PROBES, min(steps, bytes_steps)) for name in trained}
                if "bytes" in passes else {})
@@ -316,13 +322,26 @@ PEAK_FOOTNOTE = ("<= : an upper bound: this run followed others in its launch, a
                  "engines had released GPU memory, so its peak may include theirs.")
 
 
-def reference_report(name: str = "zeropp") -> str:
+#: The words a reference's note ends with where it holds timing runs only (no bytes).
+TIMING_ONLY = "timing runs only"
+#: Why a reference's step times get no verdict where its sweep has no repeat of its first setting.
+NO_REPEAT = ("the sweep did not measure its first setting again at the end: a machine warming during it "
+             "cannot be ruled out")
+
+
+def reference_report(name: str = "zeropp", timing_only: bool | None = None) -> str:
     """The committed GPU results of this chapter, each labelled with its device, date and note and the
     conditions it was measured under; a peak that may include earlier runs is marked ``<=``
-    (:data:`PEAK_FOOTNOTE`)."""
+    (:data:`PEAK_FOOTNOTE`). ``timing_only``: None for every reference, True for only those whose note says
+    they hold timing runs only (:data:`TIMING_ONLY`), False for only the others."""
     report = references.bytes_and_time_report(
         name, both_tables, how="run this notebook on a machine with 2 or more NVIDIA GPUs to measure them.")
-    return report.replace(records.PEAK_NOTE, PEAK_FOOTNOTE)
+    report = report.replace(records.PEAK_NOTE, PEAK_FOOTNOTE)
+    if timing_only is None:
+        return report
+    blocks = report.split("\n\nMeasured on ")
+    blocks = blocks[:1] + [f"Measured on {b}" for b in blocks[1:]]
+    return "\n\n".join(b for b in blocks if (TIMING_ONLY in b.splitlines()[0]) == timing_only)
 
 
 def bytes_reading(name: str = "zeropp") -> str:
@@ -453,6 +472,12 @@ def breakeven_gbit(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: fl
     return low
 
 
+#: Why the cost columns of :func:`prediction_table` are illustrative, printed with them.
+COST_CAVEAT = ("the ratio is ZeRO++'s one-node step over ZeRO-3's from a sweep without a repeat of its first "
+               "setting, in which qgZ and hpZ, which change nothing sent on one node, also timed slower: it "
+               "includes whatever drifted during the sweep, not only ZeRO++'s own work")
+
+
 def prediction_table(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float,
                      inter_gbit: Sequence[float] = (100, 200, 400, 800),
                      intra: theory.AlphaBeta = DEFAULT_INTRA_NODE,
@@ -479,6 +504,9 @@ def prediction_table(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: 
               f"GB/s are bytes, Gb/s bits) and {intra.alpha * 1e6:g} µs a call; "
               f"across nodes {inter.alpha * 1e6:g} µs a call; compute {flops_per_s / 1e12:g} TFLOP/s per GPU; "
               "no overlap of communication with compute")
+    if costs:
+        header += ("\nZeRO++'s own cost (illustrative): cost = ratio x predicted ZeRO-3 step - predicted ZeRO++ step, "
+                   "both on one node; " + COST_CAVEAT)
     for device, cost, ratio in costs:
         header += (f"\nZeRO++'s own cost from {device}: +{cost * 1e3:.0f} ms a micro-step (it makes the one-node "
                    f"prediction {ratio:.2f}x ZeRO-3's step, the ratio measured there)")
@@ -512,22 +540,25 @@ def prediction_reading(psi: float, layers: int, tokens_per_gpu: int, flops_per_s
         if even:
             crossovers.append(even)
     if len(crossovers) > 1:
-        lines.append(f"Neither measured cost is more trustworthy than the other: each is one GPU count's ratio for an 85M-parameter model, "
-                     f"carried to LLaMA-7B. Read them as a range: with ZeRO++'s own work costing between those "
-                     f"ratios, it pays off below somewhere between {min(crossovers):.0f} and {max(crossovers):.0f} "
-                     "Gb/s per GPU (by the accounting alone, at every bandwidth of the table). Your own one-node ratio, "
-                     "measured with your model, narrows it.")
+        lines.append(f"These crossings ({min(crossovers):.0f} and {max(crossovers):.0f} Gb/s per GPU) illustrate how a "
+                     "one-node cost caps the gain; they are not a measured range: each ratio is one sweep of an "
+                     "85M-parameter model without a repeat, carried to LLaMA-7B, and includes the sweep's drift. "
+                     "Your own one-node ratio, from a sweep that repeats its first setting, replaces them.")
     return "\n".join(lines)
 
 
-def one_node_reading(name: str = "zeropp") -> str:
+def one_node_reading(name: str = "zeropp", timing_only: bool | None = None) -> str:
     """The committed one-node step times, each switch against ZeRO-3 per reference, through the course's load
     guard (:func:`helpers.core.load_guard.compare`) with the load saved beside the runs, or, for a reference
     saved without one, the load its written conditions state (:meth:`~helpers.core.load_guard.Load.from_conditions`:
-    "alone" where they say so). The medians are :func:`_median_step_s`', the figures of :func:`gpu_table`."""
+    "alone" where they say so). A reference whose sweep did not time ZeRO-3 again at its end gets no verdict
+    (:data:`NO_REPEAT`). The medians are :func:`_median_step_s`', the figures of :func:`gpu_table`.
+    ``timing_only`` selects references as in :func:`reference_report`."""
     lines = []
     for (device, date, note, runs), conditions in zip(references.reference_runs(name),
                                                       references.reference_conditions(name)):
+        if timing_only is not None and (TIMING_ONLY in note) != timing_only:
+            continue
         plain = runs.get("time: ZeRO-3")
         if not isinstance(plain, records.Record):
             continue
@@ -538,11 +569,16 @@ def one_node_reading(name: str = "zeropp") -> str:
         load = load_guard.Load.from_dict(saved) if saved else load_guard.Load.from_conditions(conditions)
         lines.append(f"{device}, {date} ({regime}; {'alone' if load.alone else 'not alone'}, by "
                      f"{'its saved load' if saved else 'its written conditions'}):")
+        again = runs.get(f"time: {AGAIN}")
+        repeat = _steps_s(again) if isinstance(again, records.Record) else None
         for setting in zeropp_settings(2):
             timed = runs.get(f"time: {setting}")
             if setting == "ZeRO-3" or not isinstance(timed, records.Record):
                 continue
-            verdict = load_guard.compare({"ZeRO-3": _steps_s(plain), setting.split(" (")[0]: _steps_s(timed)}, load)
+            verdict = load_guard.compare({"ZeRO-3": _steps_s(plain), setting.split(" (")[0]: _steps_s(timed)}, load,
+                                         repeat=repeat)
+            if repeat is None and load.alone:  # no repeat: drift during the sweep cannot be ruled out
+                verdict = dataclasses.replace(verdict, withheld=NO_REPEAT)
             lines.append(f"  {load_guard.sentence(verdict)}")
     return "\n".join(lines)
 
@@ -747,9 +783,8 @@ def exercise_zeropp_block(answer: Any, gpus_per_node: int = 8, nodes: int = 2) -
               f"choosing hpZ's partition size, and predict the M one GPU would send across nodes per step if the "
               f"partition size were {cluster} instead."),
         hint=("hpZ gives backward a gather group of its own: which GPUs share the fast links, and what does each "
-              "GPU hold of the secondary copy as the group grows? For the prediction, ask which phase hpZ keeps off "
-              "the network when its group spans both nodes, and go phase by phase through the accounting table, "
-              "as in Exercise 1."))
+              "GPU hold of the secondary copy as the group grows? For the prediction, go phase by phase through the "
+              "accounting table, as in Exercise 1, with that group's size."))
 
 
 def exercise_cross_node_bytes(answer: Any, psi: float) -> exercises.Verdict:
@@ -781,7 +816,8 @@ def exercise_half_gradient_bytes(answer: Any, runs: Mapping[str, records.Record 
              f"with communication_data_type bf16 in this launch: model '{half.model_name}' (Ψ = {psi:,} parameters), "
              f"{half['world_size']} ranks, gradient accumulation {accumulation}.",
         hint="how often ZeRO-3 reduce-scatters the gradients per optimizer step (chapter 05), what size the logger "
-             "records for a reduce-scatter (chapter 05's closing section), and the bytes of one bf16 element.",
+             "records for a reduce-scatter (chapter 05's \"Communication per step\" table, its reduce_scatter_tensor "
+             "row), and the bytes of one bf16 element.",
         why=f"{row['count']:g} reduce-scatter calls per step (ZeRO-3 reduces at every micro-step), each logged as "
             f"the whole gradient in bf16: {row['bytes'] / row['count']:,.0f} bytes, 2 x Ψ. In fp32 it would be "
             "twice that.")
