@@ -941,6 +941,17 @@ def reference_worked_row(run: str = "zero0-acc4", name: str = "bandwidth-nvlink"
 def reference_what_if_table(name: str = "bandwidth-nvlink") -> str:
     """The committed GPU reference's what-if table (:func:`what_if_table`, alpha as fitted there for
     all_reduce), labelled with its device and date."""
+    found = _reference_what_if_rows(name)
+    if isinstance(found, str):
+        return found
+    device, date, rows = found
+    return (f"GPU reference ({device}, {date}; not this run), its measured computation and fitted model:\n"
+            + what_if_table(rows))
+
+
+def _reference_what_if_rows(name: str) -> tuple[str, str, list[dict]] | str:
+    """(device, date, :func:`what_if` rows) of the newest committed GPU reference ``name``, alpha as fitted there
+    for all_reduce, accumulation 1 and 4 for each stage that ran with accumulation; or why there is none."""
     found = references.reference_runs(name)
     if not found:
         return references.no_references(name, "run this notebook on a GPU machine to measure them.")
@@ -948,8 +959,7 @@ def reference_what_if_table(name: str = "bandwidth-nvlink") -> str:
     model = CommModel.from_benchmark(runs["collectives"])
     accum = [r for r in logged_runs(runs).values() if r["grad_accum"] >= 2]
     profiles = [extrapolate(r, a) for r in sorted(accum, key=lambda r: r.stage) for a in (1, 4)]
-    return (f"GPU reference ({device}, {date}; not this run), its measured computation and fitted model:\n"
-            + what_if_table(what_if(profiles, model.fits["all_reduce"].alpha)))
+    return device, date, what_if(profiles, model.fits["all_reduce"].alpha)
 
 
 def reference_fit(name: str = "bandwidth-nvlink") -> str:
@@ -1227,14 +1237,10 @@ def reference_what_if(name: str = "bandwidth-nvlink") -> str:
     """The committed GPU reference's what-if (:func:`what_if`, alpha as fitted there for all_reduce) read in one
     sentence, labelled with its device and date: the run and link where communication takes the largest share
     of the step, and that run's share on the fastest link."""
-    found = references.reference_runs(name)
-    if not found:
-        return references.no_references(name, "run this notebook on a GPU machine to measure them.")
-    device, date, _, runs = found[0]
-    model = CommModel.from_benchmark(runs["collectives"])
-    accum = [r for r in logged_runs(runs).values() if r["grad_accum"] >= 2]
-    profiles = [extrapolate(r, a) for r in sorted(accum, key=lambda r: r.stage) for a in (1, 4)]
-    rows = what_if(profiles, model.fits["all_reduce"].alpha)
+    found = _reference_what_if_rows(name)
+    if isinstance(found, str):
+        return found
+    device, date, rows = found
     top = max(rows, key=lambda r: r["comm_share"])
     same = [r for r in rows if r["profile"] is top["profile"]]
     fastest = max(same, key=lambda r: r["bandwidth"])
