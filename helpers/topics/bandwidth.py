@@ -1815,7 +1815,7 @@ def exercise_latency_bound_size(answer: object, op: str = "all_gather",
         f"{op} latency-bound below", answer, expected, relative=0.05, unit=" bytes",
         task=f"Predict the message size S, in bytes, at which {op}'s alpha equals its bytes term, with the model "
              f"fitted on {_fit_words(op, where, model)}.",
-        hint=f"use the alpha and 1/beta of this to-do line (not this machine's fit table). The crossover of "
+        hint="use the alpha and 1/beta of this to-do line (not this machine's fit table). The crossover of "
              "'A model of a collective' is a number of wire bytes w; the answer is asked in S, the message: "
              "'The collectives, measured' says how the two relate for this collective.",
         why=f"alpha / beta = {records.format_bytes(ab.half_bandwidth_bytes)} of wire bytes, and each rank sends "
