@@ -13,8 +13,12 @@ import pytest
 import torch
 
 from test_records import minimal_summary
-from helpers.core import configs, launch, models, performance, records
+from helpers.core import configs, launch, load_guard, models, performance, records
 from helpers.topics import capstone
+
+#: Loads for the load-guard tests: the machine to itself, and three other busy processes on it.
+ALONE = load_guard.Load("cpu", other_processes=0, other_share=0.0, cores=2, seconds=10.0, samples=20, source="t")
+BUSY = load_guard.Load("cpu", other_processes=3, other_share=0.5, cores=2, seconds=10.0, samples=20, source="t")
 
 
 # --- model FLOPs, peaks, MFU ---------------------------------------------------------------------
@@ -595,38 +599,28 @@ def _timed(times: list[float]) -> records.Record:
 
 
 def test_timing_check_gives_a_verdict_only_for_a_run_alone_beyond_the_spread():
-    from helpers.core import load_guard
-
     setting = capstone.CPU_BASELINE
     ladder = capstone.Ladder("tiny", 1, 2, "cpu", setting, 60.0, candidates=[
         capstone.Candidate("cpu", "baseline", setting, "a", record=_timed([9.0, 1.0, 1.02, 1.01])),
         capstone.Candidate("cpu", "baseline, again", setting, "b", record=_timed([9.0, 1.01, 1.0, 1.02])),
         capstone.Candidate("cpu", "ZeRO-3", setting, "c", record=_timed([9.0, 2.0, 2.02, 2.01]))])
-    alone = load_guard.Load("cpu", other_processes=0, other_share=0.0, cores=2, seconds=10.0, samples=20, source="t")
-    busy = load_guard.Load("cpu", other_processes=3, other_share=0.5, cores=2, seconds=10.0, samples=20, source="t")
-    assert "baseline is faster" in capstone.timing_check(ladder, alone)
-    assert "Verdict withheld" in capstone.timing_check(ladder, busy)
-    assert "ZeRO-3" in capstone.timing_check(ladder, busy) and "baseline, again:" not in capstone.timing_check(ladder, busy)
+    assert "baseline is faster" in capstone.timing_check(ladder, ALONE)
+    assert "Verdict withheld" in capstone.timing_check(ladder, BUSY)
+    assert "ZeRO-3" in capstone.timing_check(ladder, BUSY) and "baseline, again:" not in capstone.timing_check(ladder, BUSY)
 
 
 def test_timing_check_comments_the_baselines_two_runs_through_the_load_guard():
-    from helpers.core import load_guard
-
     setting = capstone.CPU_BASELINE
     ladder = capstone.Ladder("tiny", 1, 2, "cpu", setting, 60.0, spread=0.4, margin=0.8, candidates=[
         capstone.Candidate("cpu", "baseline", setting, "a", record=_timed([9.0, 1.0, 1.01, 1.02])),
         capstone.Candidate("cpu", "baseline, again", setting, "b", record=_timed([9.0, 1.6, 1.61, 1.62]))])
-    alone = load_guard.Load("cpu", other_processes=0, other_share=0.0, cores=2, seconds=10.0, samples=20, source="t")
-    busy = load_guard.Load("cpu", other_processes=3, other_share=0.5, cores=2, seconds=10.0, samples=20, source="t")
-    assert "differ by 40.0% of their mean, hence the 80.0% margin" in capstone.timing_check(ladder, alone)
-    assert "1.59x apart with the machine to itself" in capstone.timing_check(ladder, alone)
-    busy_text = capstone.timing_check(ladder, busy)
+    assert "differ by 40.0% of their mean, hence the 80.0% margin" in capstone.timing_check(ladder, ALONE)
+    assert "1.59x apart with the machine to itself" in capstone.timing_check(ladder, ALONE)
+    busy_text = capstone.timing_check(ladder, BUSY)
     assert "withheld" in busy_text and "not DeepSpeed" in busy_text and "apart" not in busy_text
 
 
 def test_fsdp2_check_compares_fsdp2s_steps_with_deepspeeds_through_the_load_guard(tmp_path, monkeypatch):
-    from helpers.core import load_guard
-
     monkeypatch.setattr(capstone.launch, "RUNS_DIR", tmp_path)
     loaded = {"fsdp2-fsdp2": _timed([9.0, 2.0, 2.01, 2.02]), "fsdp2-fsdp2-grad-op": _timed([9.0, 2.1, 2.1, 2.11])}
     monkeypatch.setattr(capstone.records, "load", lambda out: loaded[Path(out).name])
@@ -635,13 +629,11 @@ def test_fsdp2_check_compares_fsdp2s_steps_with_deepspeeds_through_the_load_guar
     setting = capstone.CPU_BASELINE
     ladder = capstone.Ladder("tiny", 1, 2, "cpu", setting, 60.0, fsdp2={"measured": True}, candidates=[
         capstone.Candidate("cpu", "baseline", setting, "a", record=_timed([9.0, 1.0, 1.01, 1.02]), verdict="baseline")])
-    alone = load_guard.Load("cpu", other_processes=0, other_share=0.0, cores=2, seconds=10.0, samples=20, source="t")
-    busy = load_guard.Load("cpu", other_processes=3, other_share=0.5, cores=2, seconds=10.0, samples=20, source="t")
-    text = capstone.fsdp2_check(ladder, alone)
+    text = capstone.fsdp2_check(ladder, ALONE)
     assert "DeepSpeed baseline is faster" in text and "same fp32 arithmetic" in text
-    assert "Verdict withheld" in capstone.fsdp2_check(ladder, busy)
+    assert "Verdict withheld" in capstone.fsdp2_check(ladder, BUSY)
     not_run = dataclasses.replace(ladder, fsdp2={"measured": False, "reason": "time budget: 3 s left"})
-    assert capstone.fsdp2_check(not_run, alone) == "FSDP2 against DeepSpeed: time budget: 3 s left"
+    assert capstone.fsdp2_check(not_run, ALONE) == "FSDP2 against DeepSpeed: time budget: 3 s left"
 
 
 def test_kept_path_reads_each_kept_rung_and_its_gain_from_the_ladder():
@@ -664,36 +656,28 @@ def test_kept_path_prints_the_figures_each_gain_is_computed_from():
 
 
 def test_guarded_marks_kept_verdicts_unverified_only_where_the_machine_was_shared():
-    from helpers.core import load_guard
-
     ladder = {"candidates": [{"verdict": "baseline"}, {"verdict": "kept: +181.2%"}, {"verdict": "dropped: -5.0%"}],
               "best_label": "cpu: checkpointing"}
-    alone = load_guard.Load("cpu", other_processes=0, other_share=0.0, cores=2, seconds=10.0, samples=20, source="t")
-    busy = load_guard.Load("cpu", other_processes=3, other_share=0.5, cores=2, seconds=10.0, samples=20, source="t")
-    assert capstone.guarded(ladder, alone) == ladder
-    shown = capstone.guarded(ladder, busy)
-    assert shown["candidates"][1]["verdict"] == f"kept (unverified: {busy.reason()}): +181.2%"
+    assert capstone.guarded(ladder, ALONE) == ladder
+    shown = capstone.guarded(ladder, BUSY)
+    assert shown["candidates"][1]["verdict"] == f"kept (unverified: {BUSY.reason()}): +181.2%"
     assert shown["candidates"][2]["verdict"] == "dropped: -5.0%"
-    assert shown["best_label"] == f"cpu: checkpointing (unverified: {busy.reason()})"
+    assert shown["best_label"] == f"cpu: checkpointing (unverified: {BUSY.reason()})"
     assert ladder["candidates"][1]["verdict"] == "kept: +181.2%"  # the walk's own data is left as it was
 
 
 def test_warm_up_compares_each_baseline_runs_first_step_with_its_measured_ones():
-    from helpers.core import load_guard
-
     setting = capstone.CPU_BASELINE
-    alone = load_guard.Load("cpu", other_processes=0, other_share=0.0, cores=2, seconds=10.0, samples=20, source="t")
-    busy = load_guard.Load("cpu", other_processes=3, other_share=0.5, cores=2, seconds=10.0, samples=20, source="t")
     slow_first = capstone.Ladder("tiny", 1, 2, "cpu", setting, 60.0, candidates=[
         capstone.Candidate("cpu", "baseline", setting, "a", record=_timed([9.0, 2.0, 2.02, 2.01])),
         capstone.Candidate("cpu", "baseline, again", setting, "b", record=_timed([0.5, 1.01, 1.0, 1.02]))])
-    text = capstone.warm_up(slow_first, alone)
+    text = capstone.warm_up(slow_first, ALONE)
     assert "first step took 9.00 s (4.5x its measured median of 2010 ms), its repeat's 0.50 s" in text
     assert text.endswith("a warm-up beyond them.")
-    assert "cannot tell which" in capstone.warm_up(slow_first, busy)
+    assert "cannot tell which" in capstone.warm_up(slow_first, BUSY)
     fast_first = dataclasses.replace(slow_first, candidates=slow_first.candidates[::-1])
-    assert "shows no warm-up" in capstone.warm_up(fast_first, busy) and "other load" in capstone.warm_up(fast_first, busy)
-    assert "not measured twice" in capstone.warm_up(dataclasses.replace(slow_first, candidates=slow_first.candidates[:1]), alone)
+    assert "shows no warm-up" in capstone.warm_up(fast_first, BUSY) and "other load" in capstone.warm_up(fast_first, BUSY)
+    assert "not measured twice" in capstone.warm_up(dataclasses.replace(slow_first, candidates=slow_first.candidates[:1]), ALONE)
 
 
 def test_each_committed_ladder_ends_with_its_takeaway_from_its_data():
