@@ -71,19 +71,40 @@ def test_a_difference_within_the_spread_is_withheld_even_when_alone():
     assert verdict.change == (0.0, pytest.approx(0.111 / 0.105 - 1))
 
 
-def test_gpu_processes_outside_the_run_withhold_the_verdict(tmp_path, monkeypatch):
-    # a stand-in for nvidia-smi: two compute processes (one of them this process), 90% utilization
+def _fake_smi(tmp_path, monkeypatch, apps: str, gpus: str) -> None:
+    """A stand-in for nvidia-smi on PATH (and no pynvml): ``apps`` and ``gpus`` are its CSV answers."""
     fake = tmp_path / "nvidia-smi"
-    fake.write_text(f'#!/bin/sh\ncase "$1" in\n  --query-compute-apps*) echo "{os.getpid()}, 100"; echo "1, 2000";;\n'
-                    '  --query-gpu*) echo "90";;\nesac\n')
+    fake.write_text(f'#!/bin/sh\ncase "$1" in\n  --query-compute-apps*) printf "{apps}";;\n'
+                    f'  --query-gpu*) printf "{gpus}";;\nesac\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.setitem(sys.modules, "pynvml", None)  # force the command-line tool
+
+
+def test_gpu_processes_outside_the_run_withhold_the_verdict(tmp_path, monkeypatch):
+    # two compute processes on GPU 0 (one of them this process), 90% utilization
+    _fake_smi(tmp_path, monkeypatch, f"{os.getpid()}, GPU-a\\n1, GPU-a\\n", "0, GPU-a, 90\\n")
+    monkeypatch.delenv("COURSE_GPUS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with load_guard.watch(device="gpu", interval=0.05) as w:
         time.sleep(0.2)
     assert w.load.source == "nvidia-smi" and w.load.pids == (1,) and w.load.other_share == pytest.approx(0.9)
     verdict = load_guard.compare({"a": [1.0, 1.01], "b": [2.0, 2.02]}, w.load)
     assert verdict.withheld == "1 other process used this GPU during the run"
+
+
+def test_processes_on_gpus_the_run_does_not_use_do_not_count(tmp_path, monkeypatch):
+    # four GPUs; another check runs on GPUs 2,3 (process 7) while this run has GPUs 0,1 (COURSE_GPUS)
+    _fake_smi(tmp_path, monkeypatch, "7, GPU-c\\n7, GPU-d\\n",
+              "0, GPU-a, 0\\n1, GPU-b, 0\\n2, GPU-c, 95\\n3, GPU-d, 97\\n")
+    monkeypatch.setenv("COURSE_GPUS", "0,1")
+    with load_guard.watch(device="gpu", interval=0.05) as w:
+        time.sleep(0.2)
+    assert w.load.pids == () and w.load.cores == 2 and w.load.alone
+    monkeypatch.setenv("COURSE_GPUS", "1,2")  # one of the other check's GPUs: its process counts
+    with load_guard.watch(device="gpu", interval=0.05) as w:
+        time.sleep(0.2)
+    assert w.load.pids == (7,) and not w.load.alone
 
 
 def test_a_sweep_that_drifted_is_withheld_as_warming():

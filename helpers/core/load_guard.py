@@ -140,20 +140,34 @@ def _ours(me: psutil.Process) -> set[int]:
         return {me.pid}
 
 
+def watched_gpus() -> list[int] | None:
+    """The GPU numbers (as ``nvidia-smi`` lists them) whose other processes count against a run here: those
+    ``$COURSE_GPUS`` names (the course's ranks use only those), else those ``$CUDA_VISIBLE_DEVICES`` names,
+    else None (every GPU). Two checks sharing one box, each on its own GPUs, then do not count each other."""
+    for variable in ("COURSE_GPUS", "CUDA_VISIBLE_DEVICES"):  # environment.GPUS_VARIABLE first
+        value = os.environ.get(variable, "").strip()
+        if value:
+            numbers = [int(i) for i in value.split(",") if i.strip().isdigit()]
+            if numbers:
+                return numbers
+    return None
+
+
 def _gpu_sampler() -> tuple[str, object] | None:
-    """How to read the GPUs' processes and utilization here: ("pynvml", handles), ("nvidia-smi", None), or None."""
+    """How to read the watched GPUs' processes and utilization here: ("pynvml", handles), ("nvidia-smi",
+    GPU numbers or None for all), or None."""
+    chosen = watched_gpus()
     try:
         import pynvml  # optional: NVIDIA's bindings, where installed
 
         pynvml.nvmlInit()
         count = pynvml.nvmlDeviceGetCount()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        indices = [int(i) for i in visible.split(",") if i.strip().isdigit()] if visible else list(range(count))
+        indices = chosen if chosen is not None else list(range(count))
         return "pynvml", [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices if i < count]
     except Exception:  # no module, no driver, no device: try the command line tool
         pass
     if shutil.which("nvidia-smi"):
-        return "nvidia-smi", None
+        return "nvidia-smi", chosen
     return None
 
 
@@ -172,8 +186,18 @@ def gpu_sample(sampler: tuple[str, object]) -> tuple[set[int], float, int]:
         pids = {p.pid for h in handles for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
         use = [pynvml.nvmlDeviceGetUtilizationRates(h).gpu / 100 for h in handles]
         return pids, (sum(use) / len(use) if use else 0.0), len(handles)
-    pids = {int(row[0]) for row in _smi("--query-compute-apps=pid,used_memory") if row and row[0].isdigit()}
-    use = [float(row[0]) / 100 for row in _smi("--query-gpu=utilization.gpu") if row and row[0].replace(".", "").isdigit()]
+    return _smi_sample(handles, _smi("--query-gpu=index,uuid,utilization.gpu"),
+                       _smi("--query-compute-apps=pid,gpu_uuid"))
+
+
+def _smi_sample(chosen: Sequence[int] | None, gpus: list[list[str]],
+                apps: list[list[str]]) -> tuple[set[int], float, int]:
+    """:func:`gpu_sample` from ``nvidia-smi``'s rows (index, uuid, utilization; pid, gpu uuid), keeping the
+    GPUs numbered in ``chosen`` (all where None)."""
+    kept = {row[1]: float(row[2]) / 100 for row in gpus if len(row) >= 3 and row[0].isdigit()
+            and (chosen is None or int(row[0]) in chosen) and row[2].replace(".", "").isdigit()}
+    pids = {int(row[0]) for row in apps if len(row) >= 2 and row[0].isdigit() and row[1] in kept}
+    use = list(kept.values())
     return pids, (sum(use) / len(use) if use else 0.0), len(use)
 
 
