@@ -1,12 +1,12 @@
-"""Measure only the bytes half of chapters 13 and 15 on GPUs (no timing), as a reference file of its own.
+"""Measure only the bytes half of chapter 15 on GPUs (no timing), as a reference file of its own.
 
-    python3 benchmarks/bytes_reference.py zeropp        # -> runs/reference/zeropp-bytes-<N>x<GPU>.json
     python3 benchmarks/bytes_reference.py frameworks    # -> runs/reference/frameworks-bytes-<N>x<GPU>.json
 
-Bytes per collective do not depend on what else runs on the GPUs, so the two can share them; timings come
-from the notebooks' own runs (``benchmarks/reference.py``). This is how the committed ``*-bytes-*`` files were
-made: ``benchmarks/device_run.py jobs "0,1:python3 benchmarks/bytes_reference.py zeropp" "0,1:python3
-benchmarks/bytes_reference.py frameworks"``, with ``COURSE_REFERENCE_CONDITIONS`` saying so.
+Bytes per collective do not depend on what else runs on the GPUs, so two jobs can share them; timings come
+from the notebook's own runs (``benchmarks/reference.py``). This is how the committed ``*-bytes-*`` files were
+made: ``benchmarks/device_run.py jobs "0,1:python3 benchmarks/bytes_reference.py frameworks"``, with
+``COURSE_REFERENCE_CONDITIONS`` saying so. Chapter 13's GPU runs launch the script its page writes
+(``runs/13/train_zeropp.py``), so they are measured by running that notebook.
 """
 
 from __future__ import annotations
@@ -17,28 +17,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from helpers.topics import compression, frameworks  # noqa: E402
+from helpers.topics import frameworks  # noqa: E402
 from helpers.core import profiler_comm, references  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("chapter", choices=("zeropp", "frameworks"))
+    parser.add_argument("chapter", choices=("frameworks",))
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args(argv)
-    if args.chapter == "zeropp":
-        by_bytes, by_time = compression.gpu_runs(steps=args.steps, bytes_steps=args.steps, passes=("bytes", "logger"),
-                                                 progress=False)
-        print(compression.save_gpu_reference(by_bytes, by_time, name="zeropp-bytes", note=(
-            "compression chapter, one node; bytes by the PyTorch profiler, the comms logger beside it")))
-        print(compression.both_tables(by_bytes, by_time))
-    else:
-        by_bytes = frameworks.ordered(frameworks.compare(frameworks.GPU_MODEL, args.steps, frameworks.GPU_OVERRIDES,
-                                                         tag="gpu-bytes", progress=False))
-        print(references.save_reference("frameworks-bytes", {f"bytes: {k}": r for k, r in by_bytes.items()},
-                                         "frameworks chapter, one node; bytes only"))
-        print(frameworks.gpu_table(by_bytes, {}))
-        print(profiler_comm.profiler_check_table(by_bytes))
+    by_bytes = frameworks.ordered(frameworks.compare(frameworks.GPU_MODEL, args.steps, frameworks.GPU_OVERRIDES,
+                                                     tag="gpu-bytes", progress=False))
+    print(references.save_reference("frameworks-bytes", {f"bytes: {k}": r for k, r in by_bytes.items()},
+                                     "frameworks chapter, one node; bytes only"))
+    print(frameworks.gpu_table(by_bytes, {}))
+    print(profiler_comm.profiler_check_table(by_bytes))
     return 0
 
 

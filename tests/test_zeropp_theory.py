@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 
@@ -81,36 +80,33 @@ def test_step_prediction_gain_grows_as_the_network_slows():
 
 
 def test_gpu_table_shows_timing_only_references_and_failures():
-    from helpers.core import launch, records
-    from helpers.topics import compression
+    from helpers.core import records
     from test_records import minimal_summary
 
     def timed(median: float) -> records.Record:
         return records.Record({**minimal_summary(), "step_time_s": {"median": median, "all": [median]}})
 
-    hung = launch.RunFailed("timed out", error_type="Timeout", message="not done within the launch's 45 s (3 of 12 steps)")
+    hung = {"error_type": "RunFailed", "message": "train_zeropp.py ran past its timeout of 600 s: stopped"}
     table = compression.gpu_table({}, {"ZeRO-3": timed(0.2), "qwZ (quantized weights)": timed(0.3), "hpZ": hung})
     rows = {line.split("  ")[0]: line for line in table.splitlines()[2:]}
     assert "not measured" in rows["ZeRO-3"] and "200.0" in rows["ZeRO-3"]
     assert "300.0" in rows["qwZ (quantized weights)"] and "1.50" in rows["qwZ (quantized weights)"]
-    assert "failed: Timeout: not done within the launch's 45 s (3 of 12 steps)" in rows["hpZ"]
+    assert "failed: RunFailed: train_zeropp.py ran past its timeout of 600 s: stopped" in rows["hpZ"]
 
 
 def test_a_hung_logger_run_shows_every_ranks_innermost_frame_and_a_finished_one_its_cross_check():
-    from helpers.core import launch, records
-    from helpers.topics import compression
+    from helpers.core import records
     from test_records import minimal_summary
 
-    stacks = "\n".join([
+    stacks = [
         "Stack (most recent call first):",
         '  File "/x/torch/cuda/__init__.py", line 175 in is_available',  # shown: the frame in DeepSpeed below it
         '  File "/x/deepspeed/comm/comm.py", line 120 in log_wrapper',
         '  File "/x/deepspeed/runtime/zero/partition_parameters.py", line 1426 in _all_gather_dtype',
         "Stack (most recent call first):",
         '  File "/x/deepspeed/runtime/zero/stage3.py", line 1300 in __avg_scatter_grads',
-    ])
-    hung = launch.RunFailed("timed out", error_type="Timeout", message="not done within 60 s", traceback=stacks)
-    assert compression._where(hung, frames=1) == [stacks.splitlines()[i] for i in (0, 1, 4, 5)]
+    ]
+    hung = {"error_type": "Timeout", "message": "not done within 60 s", "where": stacks}  # as a reference keeps it
     op = {"count": 2.0, "bytes": 100.0}
     section = {"by_op": {"all_gather_into_tensor": op}, "bytes_per_step": 100.0, "wire_bytes_per_step": 50.0}
     logged = records.Record({**minimal_summary(), "comm": section, "comm_profiler": section})
@@ -118,52 +114,6 @@ def test_a_hung_logger_run_shows_every_ranks_innermost_frame_and_a_finished_one_
     assert "same" in table
     assert "log_wrapper (comm.py:120)" in table and "__avg_scatter_grads (stage3.py:1300)" in table
     assert "is_available" not in table
-    saved = {"error_type": "Timeout", "message": "not done", "where": compression._where(hung)}  # as a reference keeps it
-    assert "log_wrapper (comm.py:120)" in compression.logger_check_table({"qwZ (quantized weights), comms logger": saved})
-
-
-def test_gpu_runs_time_every_setting_in_one_launch_and_give_the_bytes_and_logger_runs_fewer_steps(monkeypatch):
-    from helpers.core import environment, launch, records
-    from helpers.topics import compression
-
-    gpus = environment.detect(2)
-    monkeypatch.setattr(compression.environment, "detect", lambda world_size=None: dataclasses.replace(
-        gpus, device="cuda", default_world_size=2))
-    launches, failing = [], set()
-    trained = records.Record.__new__(records.Record)  # a record; its contents are not read here
-
-    def fake_sweep(specs, name, world_size, progress, timeout):
-        launches.append((name, [(s.name, s.steps, s.probes) for s in specs], timeout))
-        # a run named in `failing` fails when it shares a launch with another run
-        return {s.name: launch.RunFailed("rank 0 failed: NCCL error") if s.name in failing and len(specs) > 1
-                else trained for s in specs}
-
-    monkeypatch.setattr(compression.launch, "sweep", fake_sweep)
-    by_bytes, by_time = compression.gpu_runs(steps=12, timeout=60)
-    settings = list(compression.zeropp_settings(2))
-    assert [name for name, _, _ in launches] == ["zeropp-gpu-time", "zeropp-gpu-bytes", "zeropp-gpu-logger"]
-    (_, timing, seconds), (_, counting, counted), (_, logging, logged) = launches
-    timed = [(f"zeropp-time-{i}", 12) for i in range(5)] + [("zeropp-time-again", 12)]  # ZeRO-3 again at the end
-    assert [(n, k) for n, k, _ in timing] == timed and seconds == 60 * 6
-    assert list(by_time) == [*settings, compression.AGAIN]
-    assert [(n, k) for n, k, _ in counting] == [(f"zeropp-bytes-{i}", compression.BYTES_STEPS) for i in range(5)]
-    assert counted == 60 * 5 and compression.BYTES_STEPS < 12  # the profiler's trace is read in Python: fewer steps
-    checks = len(compression.LOGGER_CHECKS)
-    assert [(k, probes) for _, k, probes in logging] == [(compression.LOGGER_STEPS, compression.LOGGER_PROBES)] * checks
-    assert logged == 60 * compression.LOGGER_TIMEOUT_FACTOR * checks  # the logger waits for the device: more time
-    assert [k for k in by_bytes if k.endswith(compression.LOGGER_SUFFIX)] == [
-        name + compression.LOGGER_SUFFIX for name in compression.LOGGER_CHECKS]
-    assert compression.gpu_runs(steps=2, passes=("logger",)) and launches[-1][1][0][1] == 2  # never more than steps
-
-    # two settings fail in the time launch: the first keeps its failure, the one after it is timed alone
-    failing.update({"zeropp-time-1", "zeropp-time-3"})
-    del launches[:]
-    _, by_time = compression.gpu_runs(steps=12, timeout=60, passes=("time",))
-    assert [name for name, _, _ in launches] == ["zeropp-gpu-time", "zeropp-gpu-time-again-0"]
-    assert launches[1][1][0][0] == "zeropp-time-3" and launches[1][2] == 60
-    assert [isinstance(by_time[name], launch.RunFailed) for name in settings] == [False, True, False, False, False]
-    with pytest.raises(ValueError, match="choose from time, bytes, logger"):
-        compression.gpu_runs(passes=("speed",))
 
 
 def test_zeropp_own_cost_is_added_to_its_step_and_never_negative():
@@ -366,3 +316,21 @@ def test_bytes_reading_explains_the_measured_qwz_ratio_from_the_records():
             continue
         assert f"{qwz.comm.bytes_per_step / plain.comm.bytes_per_step:.2f}x ZeRO-3's bytes" in reading
         assert "2x the all-gather calls" in reading
+
+def test_sweep_caveat_reads_each_committed_sweep_and_says_whether_it_timed_zero3_again(monkeypatch):
+    from helpers.core import references
+
+    released = {"zero_optimization": {"stage3_max_live_parameters": 0}}
+    sweep = {"time: ZeRO-3": _run({}, (0.5, 0.10, 0.10), **released),
+             "time: hpZ (node-local partition)": _run({}, (0.5, 0.13, 0.13)),
+             "time: qgZ (quantized gradients)": _run({}, (0.5, 0.10, 0.10))}
+    found = [("2 x GPU", "today", "", sweep), ("4 x GPU", "today", "", {**sweep, "time: ZeRO-3 again": _run({}, (0.5, 0.11, 0.11))}),
+             ("8 x GPU", "today", "", {**sweep, "time: ZeRO-3": _run({}, (0.5, 0.10, 0.10))})]  # DeepSpeed's default knobs
+    monkeypatch.setattr(references, "reference_runs", lambda name: found)
+    no_repeat, repeat = compression.sweep_caveat("2 x GPU"), compression.sweep_caveat("4 x GPU")
+    assert "drift not ruled out" in no_repeat and "hpZ 1.30x and qgZ 1.00x" in no_repeat
+    assert "again at its end 1.10x" in repeat and "drift not ruled out" not in repeat
+    assert compression.sweep_caveat("8 x GPU") == "" and compression.sweep_caveat("1 x GPU") == ""
+    table = compression.prediction_table(psi=PSI * 1000, layers=32, tokens_per_gpu=8192, flops_per_s=400e12,
+                                         slowdowns=[("2 x GPU", 1.5)])
+    assert no_repeat in table and "(illustrative)" in table

@@ -3,8 +3,9 @@
 - :func:`chapter_runs`: what the chapter's script (``runs/13/train_zeropp.py``, written by the notebook) recorded:
   for each ZeRO++ part, the 16-bit gradient reduction every backend has (``communication_data_type``) and the
   removed 1-bit optimizers, the real error, or a run whose collectives can be compared with plain ZeRO-3.
-- :func:`gpu_runs`: on GPUs, ZeRO-3 against each ZeRO++ part: step time (every setting in one launch), bytes
-  per collective (the PyTorch profiler, one launch), and the comms logger on ZeRO-3 as a cross-check.
+- :func:`gpu_passes`: on GPUs, the same script launched three times with other arguments (:class:`GpuPass`):
+  step times of ZeRO-3 and each ZeRO++ part, bytes per collective (the PyTorch profiler), and the comms logger
+  on ZeRO-3 as a cross-check; :func:`gpu_results` reads their records, :func:`save_gpu_reference` keeps them.
 - the lines of DeepSpeed's installed code that decide what applies on one node
   (:func:`helpers.core.environment.deepspeed_source`).
 - :func:`prediction_table`: the cross-node gain from :func:`zeropp_step_prediction`, by the paper's accounting
@@ -19,7 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from helpers.core import configs, environment, exercises, launch, load_guard, plots, profiler_comm, records, references, theory
+from helpers.core import configs, environment, exercises, load_guard, plots, profiler_comm, records, references, theory
 from helpers.topics import tensor_parallel
 from helpers.topics.tensor_parallel import Refusal
 
@@ -29,19 +30,6 @@ from helpers.topics.tensor_parallel import Refusal
 #: one 100 Gb/s NIC per GPU (12.5 GB/s), 20 µs a call: a commodity cluster, where ZeRO++ is meant to help.
 DEFAULT_INTRA_NODE = theory.AlphaBeta.link(bandwidth=300e9, latency=10e-6)
 DEFAULT_INTER_NODE = theory.AlphaBeta.link(bandwidth=12.5e9, latency=20e-6)
-
-
-def zeropp_settings(ranks_per_node: int) -> dict[str, dict]:
-    """Setting name -> ``zero_optimization`` overrides on top of ``ds_configs/zero3.json``: plain ZeRO-3,
-    each ZeRO++ switch alone, all three. hpZ's secondary group gets the size of one node (every rank here)."""
-    return {
-        "ZeRO-3": {},
-        "qwZ (quantized weights)": {"zero_quantized_weights": True},
-        "hpZ (node-local partition)": {"zero_hpz_partition_size": ranks_per_node},
-        "qgZ (quantized gradients)": {"zero_quantized_gradients": True},
-        "ZeRO++ (all three)": {"zero_quantized_weights": True, "zero_hpz_partition_size": ranks_per_node,
-                               "zero_quantized_gradients": True},
-    }
 
 
 #: The optimizers DeepSpeed 0.19.8 removed (PR #8490, issue #8489), as their configs named them.
@@ -132,111 +120,109 @@ def removed_features_issue() -> str:
 
 # --- on GPUs ----------------------------------------------------------------------------------
 
-#: The GPU runs' model and shape: LLaMA-style, 85M parameters, bf16; layers released after use, as a model
-#: too large to keep gathered would be (else DeepSpeed keeps them and backward gathers nothing).
+#: The GPU runs' model: LLaMA-style, 85M parameters (``helpers.core.models``).
 GPU_MODEL = "llama-medium"
+#: The GPU runs' changes to the script's ZeRO-3 config, for every setting (the notebook writes them to the JSON
+#: file the script's ``--config`` reads): bf16, 16 samples a micro-step, and layers released after use, as a
+#: model too large to keep gathered would be (else DeepSpeed keeps them and backward gathers nothing).
 GPU_OVERRIDES = {"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1,
                  "zero_optimization": {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}}
-
-
 #: DeepSpeed's own ZeRO-3 defaults for what :data:`GPU_OVERRIDES` and ``ds_configs/zero3.json`` set to 0
-#: (``gpu_runs(zero_knobs=DEEPSPEED_DEFAULTS)`` measures the settings with these instead).
+#: (``gpu_config(zero_knobs=DEEPSPEED_DEFAULTS)`` measures the settings with these instead).
 DEEPSPEED_DEFAULTS = {"stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
                       "stage3_param_persistence_threshold": 100_000}
-
-
-#: The bytes pass counts collectives with the PyTorch profiler (``torch_comm``), which only watches the
-#: ops as they are issued: DeepSpeed's comms logger synchronizes the device after every collective, and
-#: with ZeRO++ on GPUs a launch with it did not finish (see :data:`LOGGER_CHECKS`).
-BYTES_PROBES = ("model_states", "peak_memory", profiler_comm.TorchComm)
+#: The script's run names that the GPU runs train: plain ZeRO-3 and every ZeRO++ setting.
+GPU_SETTINGS = ("zero3", "qwz", "hpz", "qgz", "zeropp")
+#: The PyTorch profiler's probe, by the import path the script's ``--probes`` takes: it only watches the
+#: collectives as they are issued, where DeepSpeed's comms logger synchronizes the device after every one.
+TORCH_COMM = "helpers.core.profiler_comm:TorchComm"
+#: Steps of a timing run: the first warms up, the medians read the rest.
+TIME_STEPS = 12
 #: Steps of a bytes run: one to warm up, then the profiled ones (bytes are per step). The profiler records
-#: every CPU op of those steps with its shapes, read in Python when the run ends: on 4 x H200 the bytes
-#: launch of five 12-step runs took 147 s for about 26 s of training, and 74 s with 4 steps each (chapter
-#: 13's check, 2026-11-27).
+#: every CPU op of those steps with its shapes, read in Python when the run ends: on 4 x H200 a bytes launch of
+#: five 12-step runs took 147 s for about 26 s of training, and 74 s with 4 steps each (chapter 13's check,
+#: 2026-11-27).
 BYTES_STEPS = 4
-#: The comms logger and the profiler on the same run: section ``comm`` from the logger, ``comm_profiler``
-#: from the profiler, so the two methods can be compared (``profiler_comm.profiler_check_table``).
-LOGGER_PROBES = ("comm", profiler_comm.TorchComm)
-#: Settings also run with the comms logger, in one launch after the bytes pass: plain ZeRO-3, the
-#: cross-check of the profiler's bytes. Not qwZ: on 4 x H200 its logger run (3 steps, then 2) had printed
-#: the logger's summary, its all-gathers timed at 5.0 s each on average against ZeRO-3's 0.35-0.77 s, but
-#: had not ended when the calls' deadlines came, 91 s after it started in the first (2026-11-27). No committed
-#: reference keeps its ranks' stacks (the 2026-11-26 one was adopted with timing runs only).
-LOGGER_CHECKS = ("ZeRO-3",)
+#: Settings also run with the comms logger beside the profiler, to compare the two methods call for call
+#: (``profiler_comm.profiler_check_table``): plain ZeRO-3. Not qwZ: on 4 x H200 its logger run had printed the
+#: logger's summary, its all-gathers timed at 5.0 s each on average against ZeRO-3's 0.35-0.77 s, but had not
+#: ended when its deadline came, 91 s after it started (2026-11-27).
+LOGGER_CHECKS = ("zero3",)
 LOGGER_SUFFIX = ", comms logger"
 #: Steps of a comms-logger run: one to warm up, one logged. The logger waits for the device after every
-#: collective, so on 2 x H200 plain ZeRO-3 took about 3 s a step with it, 0.6 s with the profiler alone (the
-#: launch logs of chapter 13 on GPUs); the bytes it checks are per step.
+#: collective: on 2 x H200 plain ZeRO-3 took about 3 s a step with it, 0.6 s with the profiler alone.
 LOGGER_STEPS = 2
-#: A comms-logger run's time-out, in multiples of the other passes' (``gpu_runs(timeout=...)``): on 4 x H200,
-#: with 3 steps, plain ZeRO-3 with the logger took 53 s of its launch (start-up included), and qwZ (its
-#: logged all-gathers 5 s each on average, against ZeRO-3's 0.8 s) had printed its comms summary but not
-#: finished after 67 s (see :data:`LOGGER_CHECKS` for the later tries).
-LOGGER_TIMEOUT_FACTOR = 2
-#: :func:`gpu_runs`' passes, in the order they run.
-PASSES = ("time", "bytes", "logger")
-
-
 #: The timing pass's last run: plain ZeRO-3 timed again, so that drift during the sweep shows.
 AGAIN = "ZeRO-3 again"
 
 
-def gpu_runs(steps: int = 12, world_size: int | None = None, progress: bool = True, timeout: float = 60,
-             zero_knobs: Mapping | None = None, tag: str = "zeropp", passes: Sequence[str] = PASSES,
-             bytes_steps: int = BYTES_STEPS, logger_steps: int = LOGGER_STEPS
-             ) -> tuple[dict[str, records.Record | launch.RunFailed], dict[str, records.Record | launch.RunFailed]]:
-    """On GPUs, three passes over plain ZeRO-3 and every ZeRO++ setting, each launch given ``timeout``
-    seconds a run (a run that fails or hangs comes back as its :class:`helpers.core.launch.RunFailed`; for a
-    hang its ranks' stacks say where):
-    1. time: every setting timed, one after another in one launch, then ZeRO-3 again (``"ZeRO-3 again"``,
-       the repeat :func:`one_node_reading` checks drift with), with no probe that synchronizes the
-       device (:func:`helpers.core.launch.sweep_retrying`: a setting that fails after another failed is timed
-       again in a launch of its own, so a failure costs only itself);
-    2. bytes: the settings that trained, together in one launch, at most ``bytes_steps`` steps each, their
-       collectives counted by the PyTorch profiler (:data:`BYTES_PROBES`);
-    3. logger: each of :data:`LOGGER_CHECKS` that trained, with DeepSpeed's comms logger, in one launch (as
-       in 1), at most ``logger_steps`` steps and :data:`LOGGER_TIMEOUT_FACTOR` times ``timeout`` each (named
-       ``"<setting>, comms logger"``).
+@dataclasses.dataclass(frozen=True)
+class GpuPass:
+    """One launch of the chapter's script on GPUs: which of its settings, how many steps, which probes."""
 
-    ``zero_knobs`` go into every setting's ``zero_optimization`` (e.g. :data:`DEEPSPEED_DEFAULTS`).
-    ``passes`` picks some of ``"time"``, ``"bytes"``, ``"logger"`` (without ``"time"`` every setting is tried).
-    Returns ({setting: record of pass 2 or 3}, {setting: record of pass 1}); a setting that failed to
-    train comes back as its failure in both."""
-    unknown = sorted(set(passes) - set(PASSES))
-    if unknown:
-        raise ValueError(f"passes {unknown}: choose from {', '.join(PASSES)}")
-    env = environment.detect(world_size)
-    settings = zeropp_settings(env.default_world_size)
+    name: str
+    settings: tuple[str, ...]
+    steps: int
+    probes: tuple[str, ...]
 
-    def spec(name: str, purpose: str, probes: tuple[str, ...], n_steps: int = steps) -> launch.RunSpec:
-        index = "again" if name == AGAIN else list(settings).index(name)
-        setting = settings["ZeRO-3" if name == AGAIN else name]
-        return launch.RunSpec("zero3", model=GPU_MODEL, steps=n_steps, probes=probes, name=f"{tag}-{purpose}-{index}",
-                              on_error="record", overrides=configs.merged(
-                                  GPU_OVERRIDES, {"zero_optimization": {**(zero_knobs or {}), **setting}}))
+    def args(self, config: str | Path, out: str | Path) -> list[str]:
+        """The script's arguments for this pass: the GPU model, the JSON file of :func:`gpu_config` and ``out``."""
+        return ["--out", str(out), "--model", GPU_MODEL, "--steps", str(self.steps), "--config", str(config),
+                "--settings", *self.settings, "--probes", *self.probes]
 
-    def each(names: Sequence[str], purpose: str, probes: tuple[str, ...], n_steps: int = steps,
-             seconds: float = timeout) -> dict[str, records.Record | launch.RunFailed]:
-        specs = {name: spec(name, purpose, probes, n_steps) for name in names}
-        if not specs:
-            return {}
-        found, _ = launch.sweep_retrying(list(specs.values()), name=f"{tag}-gpu-{purpose}", world_size=world_size,
-                                         timeout_each=seconds, progress=progress)
-        return {name: found[one.name] for name, one in specs.items()}
 
-    by_time = each([*settings, AGAIN], "time", ("timing", "peak_memory")) if "time" in passes else {}
-    trained = [name for name in settings if not isinstance(by_time.get(name), launch.RunFailed)]
-    counted = ({name: spec(name, "bytes", BYTES_PROBES, min(steps, bytes_steps)) for name in trained}
-               if "bytes" in passes else {})
-    found = launch.sweep(list(counted.values()), name=f"{tag}-gpu-bytes", world_size=world_size,
-                         progress=progress, timeout=timeout * len(counted)) if counted else {}
-    by_bytes = {name: found[counted[name].name] if name in counted else by_time[name]
-                for name in settings if name in counted or name in by_time}
-    checks = [n for n in LOGGER_CHECKS if n in trained and "logger" in passes]
-    by_bytes.update({name + LOGGER_SUFFIX: record for name, record in
-                     each(checks, "logger", LOGGER_PROBES, min(steps, logger_steps),
-                          timeout * LOGGER_TIMEOUT_FACTOR).items()})
-    return by_bytes, by_time
+def gpu_config(zero_knobs: Mapping | None = None) -> dict:
+    """What every GPU run changes in the script's ZeRO-3 config (:data:`GPU_OVERRIDES`), with ``zero_knobs``
+    (e.g. :data:`DEEPSPEED_DEFAULTS`) in its ``zero_optimization``."""
+    return configs.merged(GPU_OVERRIDES, {"zero_optimization": dict(zero_knobs or {})})
+
+
+def gpu_passes() -> list[GpuPass]:
+    """The three launches of the GPU measurement, in order:
+
+    1. ``time``: every setting, then ZeRO-3 again (:data:`AGAIN`, the repeat the load guard checks drift with),
+       timed with no probe that synchronizes the device after a collective;
+    2. ``bytes``: every setting, :data:`BYTES_STEPS` steps, collectives counted by the PyTorch profiler;
+    3. ``logger``: :data:`LOGGER_CHECKS` with DeepSpeed's comms logger and the profiler on the same run."""
+    return [GpuPass("time", (*GPU_SETTINGS, "zero3-again"), TIME_STEPS, ("timing", "peak_memory")),
+            GpuPass("bytes", GPU_SETTINGS, BYTES_STEPS, ("model_states", "peak_memory", TORCH_COMM)),
+            GpuPass("logger", LOGGER_CHECKS, LOGGER_STEPS, ("comm", TORCH_COMM))]
+
+
+def _as_failure(result: Refusal | Exception) -> dict:
+    """A run that did not train, as a reference file keeps it: its error, message and last lines."""
+    if isinstance(result, Refusal):
+        return {"error_type": result.type, "message": result.message, "device": "cuda",
+                "where": result.traceback.strip().splitlines()[-12:]}
+    tail = getattr(result, "log_tail", "") or ""
+    return {"error_type": getattr(result, "error_type", None) or type(result).__name__,
+            "message": (str(result).splitlines() or [""])[0], "device": "cuda",
+            "where": tail.strip().splitlines()[-12:]}
+
+
+def gpu_results(folder: str | Path, since: float = 0.0, failed: Mapping[str, Exception] | None = None
+                ) -> tuple[dict[str, records.Record | dict], dict[str, records.Record | dict]]:
+    """The GPU passes' records (:func:`gpu_passes`, each written to ``folder/<pass>``) since ``since``, by label:
+    ({setting: bytes run, "<setting>, comms logger": logger run}, {setting: timing run}). A setting DeepSpeed
+    refused, or that a pass's launch ended before (``failed``: {pass: its exception}), comes back as a dict
+    with its error (``error_type``, ``message``, ``where``), as :func:`save_gpu_reference` keeps it."""
+    failed = failed or {}
+    found: dict[str, dict[str, records.Record | dict]] = {}
+    for one in gpu_passes():
+        where = Path(folder) / one.name
+        try:
+            runs = tensor_parallel.chapter_runs(where, since)
+        except FileNotFoundError:  # the pass wrote nothing (its launch failed before a run ended)
+            runs = {}
+        found[one.name] = {}
+        for name in one.settings:
+            result = runs.get(name)
+            if result is None and one.name not in failed:
+                continue
+            label = LABELS[name] + (LOGGER_SUFFIX if one.name == "logger" else "")
+            found[one.name][label] = (result if isinstance(result, records.Record)
+                                      else _as_failure(result if result is not None else failed[one.name]))
+    return {**found["bytes"], **found["logger"]}, found["time"]
 
 
 def logger_check_table(by_bytes: Mapping[str, records.Record]) -> str:
@@ -250,7 +236,7 @@ def logger_check_table(by_bytes: Mapping[str, records.Record]) -> str:
             continue
         name = key[:-len(LOGGER_SUFFIX)]
         if _failure(result):
-            where = result.get("where", []) if isinstance(result, dict) else _where(result)
+            where = result.get("where", [])
             # per stack (a rank's thread), its innermost frame in DeepSpeed's or the course's code, else its
             # innermost frame; an exception: its last line
             heads = [i for i, line in enumerate(where) if "most recent call first" in line]
@@ -307,9 +293,7 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
 
 
 def _failure(result) -> str:
-    """A failed run's error in a line (a RunFailed, or its saved form in a reference file), else ""."""
-    if isinstance(result, launch.RunFailed):
-        return f"{result.error_type}: {result.message}".splitlines()[0]
+    """A failed run's error in a line (as :func:`gpu_results` and a reference file keep it), else ""."""
     if isinstance(result, dict) and "error_type" in result:
         return f"{result['error_type']}: {result['message']}".splitlines()[0]
     return ""
@@ -379,24 +363,12 @@ def both_tables(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, re
     return gpu_table(by_bytes, by_time) + (f"\n\nThe comms logger beside the profiler:\n{check}" if check else "")
 
 
-def _where(failure: launch.RunFailed, frames: int = 14) -> list[str]:
-    """Where a failed run was: for a hang, every rank's stack (its header and ``frames`` innermost frames
-    each: a deadlock shows in how the ranks' stacks differ); for an exception, its last frames."""
-    lines = failure.traceback.strip().splitlines()
-    if failure.error_type == "Timeout":
-        heads = [i for i, line in enumerate(lines) if "most recent call first" in line] or [0]
-        return [line for i in heads for line in lines[i:i + frames + 1]]
-    return lines[-12:]
-
-
-def save_gpu_reference(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record],
+def save_gpu_reference(by_bytes: Mapping[str, records.Record | dict], by_time: Mapping[str, records.Record | dict],
                        note: str, name: str = "zeropp", load: load_guard.Load | None = None) -> Path | None:
-    """Keep both GPU passes as one reference file (``runs/reference/<name>-<N>x<GPU>.json``), each record with
-    the ``load`` the guard saw beside the launches (so :func:`one_node_reading` can give or withhold a verdict)."""
-    def kept(result):  # a failure is kept as its error, so the committed file says what failed
-        if isinstance(result, launch.RunFailed):
-            return {"error_type": result.error_type, "message": result.message, "device": "cuda",
-                    "where": _where(result)}
+    """Keep the GPU passes (:func:`gpu_results`) as one reference file (``runs/reference/<name>-<N>x<GPU>.json``),
+    each record with the ``load`` the guard saw beside the launches (so :func:`one_node_reading` can give or
+    withhold a verdict); a failure is kept as its error, so the committed file says what failed."""
+    def kept(result):
         if load is not None and isinstance(result, records.Record):
             result.summary["load"] = dataclasses.asdict(load)
         return result
@@ -472,10 +444,30 @@ def breakeven_gbit(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: fl
     return low
 
 
-#: Why the cost columns of :func:`prediction_table` are illustrative, printed with them.
-COST_CAVEAT = ("the ratio is ZeRO++'s one-node step over ZeRO-3's from a sweep without a repeat of its first "
-               "setting, in which qgZ and hpZ, which change nothing sent on one node, also timed slower: it "
-               "includes whatever drifted during the sweep, not only ZeRO++'s own work")
+#: Why the cost columns of :func:`prediction_table` are illustrative whatever the sweep, printed with them.
+COST_CAVEAT = ("the ratio is ZeRO++'s one-node step over ZeRO-3's from one sweep of a smaller model, carried to "
+               "this one; it includes whatever else changed during the sweep, not only ZeRO++'s own work")
+
+
+def sweep_caveat(device: str, name: str = "zeropp") -> str:
+    """What the committed sweep of ``device`` behind :func:`one_node_slowdowns` can rule out, from its records: its
+    model's size, whether it timed ZeRO-3 again at its end (drift), and how far hpZ and qgZ, which change nothing
+    sent on one node, timed from ZeRO-3 (the noise or drift the ZeRO++ ratio carries too). "" for another device."""
+    for found, _, _, runs in references.reference_runs(name):
+        plain = runs.get("time: ZeRO-3")
+        if found != device or not isinstance(plain, records.Record):
+            continue
+        if plain.summary["config"].get("zero_optimization", {}).get("stage3_max_live_parameters") != 0:
+            continue  # the regime one_node_slowdowns leaves out
+        same = [f"{label.split(' (')[0]} {_median_step_s(timed) / _median_step_s(plain):.2f}x"
+                for label in (LABELS["hpz"], LABELS["qgz"])
+                for timed in [runs.get(f"time: {label}")] if isinstance(timed, records.Record)]
+        again = runs.get(f"time: {AGAIN}")
+        repeat = (f"ZeRO-3 timed again at its end {_median_step_s(again) / _median_step_s(plain):.2f}x its first "
+                  "median" if isinstance(again, records.Record) else "no repeat of ZeRO-3 at its end: drift not ruled out")
+        return (f"a model of {plain.params / 1e6:.0f}M parameters; {repeat}; settings that change nothing sent on one "
+                f"node timed {' and '.join(same) or 'not measured'} ZeRO-3's step")
+    return ""
 
 
 def prediction_table(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float,
@@ -508,10 +500,11 @@ def prediction_table(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: 
         header += ("\nZeRO++'s own cost (illustrative): cost = ratio x predicted ZeRO-3 step - predicted ZeRO++ step, "
                    "both on one node; " + COST_CAVEAT)
     for device, cost, ratio in costs:
+        caveat = sweep_caveat(device)
         header += (f"\nZeRO++'s own cost from {device}: +{cost * 1e3:.0f} ms a micro-step (it makes the one-node "
-                   f"prediction {ratio:.2f}x ZeRO-3's step, the ratio measured there)")
+                   f"prediction {ratio:.2f}x ZeRO-3's step, the ratio measured there" + (f"; {caveat})" if caveat else ")"))
     headers = ["where", "compute ms", "ZeRO-3 ms", "ZeRO++ ms", "speed-up, paper's accounting"]
-    headers += [f"speed-up, {device} cost" for device, _, _ in costs]
+    headers += [f"speed-up, {device} cost (illustrative)" for device, _, _ in costs]
     return header + "\n" + records.format_table(rows, headers)
 
 
@@ -541,9 +534,9 @@ def prediction_reading(psi: float, layers: int, tokens_per_gpu: int, flops_per_s
             crossovers.append(even)
     if len(crossovers) > 1:
         lines.append(f"These crossings ({min(crossovers):.0f} and {max(crossovers):.0f} Gb/s per GPU) illustrate how a "
-                     "one-node cost caps the gain; they are not a measured range: each ratio is one sweep of an "
-                     "85M-parameter model without a repeat, carried to LLaMA-7B, and includes the sweep's drift. "
-                     "Your own one-node ratio, from a sweep that repeats its first setting, replaces them.")
+                     "one-node cost caps the gain; they are not a measured range: each ratio is one sweep of a "
+                     "smaller model, carried to this one (what each sweep rules out: above the table). Your own "
+                     "one-node ratio, from a sweep alone on its GPUs that repeats its first setting, replaces them.")
     return "\n".join(lines)
 
 
@@ -571,7 +564,7 @@ def one_node_reading(name: str = "zeropp", timing_only: bool | None = None) -> s
                      f"{'its saved load' if saved else 'its written conditions'}):")
         again = runs.get(f"time: {AGAIN}")
         repeat = _steps_s(again) if isinstance(again, records.Record) else None
-        for setting in zeropp_settings(2):
+        for setting in (LABELS[name] for name in GPU_SETTINGS):
             timed = runs.get(f"time: {setting}")
             if setting == "ZeRO-3" or not isinstance(timed, records.Record):
                 continue
@@ -632,7 +625,7 @@ def zeropp_speedup(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: fl
     plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     curves = [("paper's accounting (no cost for quantization)", 0.0)]
-    curves += [(f"with the cost measured on {device} ({ratio:.2f}x on one node)",
+    curves += [(f"with {device}'s one-node ratio ({ratio:.2f}x), illustrative",
                 overhead_from_slowdown(psi, layers, tokens_per_gpu, flops_per_s, ratio)) for device, ratio in slowdowns]
     for label, cost in curves:
         speedups = [zeropp_step_prediction(psi, layers, tokens_per_gpu, 2, flops_per_s,
@@ -842,6 +835,8 @@ def timing_verdict(runs: Mapping[str, records.Record | Refusal], load: load_guar
     and a difference beyond the steps' spread; otherwise the line says why it withholds one."""
     repeat = _steps_s(runs[again]) if isinstance(runs.get(again), records.Record) else None
     lines = [f"Load beside the launch: {load.reason() or 'none, it had its devices to itself'}."]
+    if not isinstance(runs.get(base), records.Record):
+        return "\n".join(lines + [f"{base} did not train: no step time to compare the others with."])
     for name, record in runs.items():
         if name in (base, again) or not isinstance(record, records.Record):
             continue
