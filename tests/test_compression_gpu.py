@@ -116,3 +116,5 @@ def test_a_saved_gpu_reference_reads_back_as_the_committed_ones_do(tmp_path, mon
     assert "bytes: ZeRO-3" in kept and kept["time: qwZ (quantized weights)"]["error_type"] == "RuntimeError"
     report = compression.reference_report()
     assert report.startswith("Measured on 2 x GPU") and "failed: RuntimeError: rank 1 died" in report
+    nothing_trained = {"ZeRO-3": {"error_type": "RunFailed", "message": "stopped", "device": "cuda"}}
+    assert compression.save_gpu_reference(nothing_trained, nothing_trained, note="test") is None

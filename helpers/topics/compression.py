@@ -367,7 +367,11 @@ def save_gpu_reference(by_bytes: Mapping[str, records.Record | dict], by_time: M
                        note: str, name: str = "zeropp", load: load_guard.Load | None = None) -> Path | None:
     """Keep the GPU passes (:func:`gpu_results`) as one reference file (``runs/reference/<name>-<N>x<GPU>.json``),
     each record with the ``load`` the guard saw beside the launches (so :func:`one_node_reading` can give or
-    withhold a verdict); a failure is kept as its error, so the committed file says what failed."""
+    withhold a verdict); a failure is kept as its error, so the committed file says what failed. Nothing is
+    saved where no run trained (a reference needs a record to name its device)."""
+    if not any(isinstance(r, records.Record) for r in [*by_bytes.values(), *by_time.values()]):
+        return None
+
     def kept(result):
         if load is not None and isinstance(result, records.Record):
             result.summary["load"] = dataclasses.asdict(load)
