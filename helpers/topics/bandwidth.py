@@ -1239,10 +1239,10 @@ def what_if_sources(rows: Sequence[dict], runs: Mapping[str, records.Record]) ->
     line = ("The what-if keeps the computation and replaces the collectives with a link's; at accumulation 1 it "
             "takes the accumulation-4 run's last micro-step and optimizer step.")
     if gaps:
-        line += (f" Its computation is {min(kept):+.0%} to {max(kept):+.0%} off the measured runs' (micro_steps). The "
+        line += (f" Its computation is {_change(min(kept))} to {_change(max(kept))} off the measured runs' (micro_steps). The "
                  f"two probes time different steps (timing: the median of all {'/'.join(map(str, steps))}, the warm-up "
-                 f"included; micro_steps: the mean after the first): the timing step is {min(gaps):+.0%} to "
-                 f"{max(gaps):+.0%} off the micro_steps sum.")
+                 f"included; micro_steps: the mean after the first): the timing step is {_change(min(gaps))} to "
+                 f"{_change(max(gaps))} off the micro_steps sum.")
     return text + "\n" + line
 
 
