@@ -257,18 +257,27 @@ def test_accumulation_is_judged_per_sample_through_the_load_guard():
         "2.00x over the fast link, 3.82x over the slow link.")
 
 
-def test_the_fit_summary_calls_a_noiseless_fit_good_and_a_scattered_one_poor():
+def _scattered(known: dict) -> dict:
+    """A synthetic benchmark whose every other point is 4 times slower: far off any line."""
+    scattered = _synthetic_benchmark(2, known)
+    for i, p in enumerate(scattered["results"]):
+        p["seconds"] *= 4 if i % 2 else 1
+    return scattered
+
+
+def test_the_fit_reading_calls_a_noiseless_fit_good_and_a_scattered_one_poor():
     known = {"all_reduce": (100e-6, 1 / 2e9), "all_gather": (50e-6, 1 / 3e9)}
     clean = _synthetic_benchmark(2, known)
     model = bandwidth.CommModel.from_benchmark(clean)
     assert max(bandwidth.worst_errors(model, clean).values()) < 1e-6
-    assert "the lines follow the points" in bandwidth.fit_summary(model, clean, reference="no-such-reference")
-    scattered = _synthetic_benchmark(2, known)
-    for i, p in enumerate(scattered["results"]):  # every other point 4 times slower: far off any line
-        p["seconds"] *= 4 if i % 2 else 1
+    assert bandwidth.fit_reading(model, clean).startswith(f"median fit error 0% over {len(clean['results'])} points")
+    assert "the lines follow the points" in bandwidth.fit_reading(model, clean)
+    scattered = _scattered(known)
     model = bandwidth.CommModel.from_benchmark(scattered)
-    assert max(bandwidth.worst_errors(model, scattered).values()) > bandwidth.POOR_FIT
-    assert "scatter far from the lines" in bandwidth.fit_summary(model, scattered, reference="no-such-reference")
+    worst = max(bandwidth.worst_errors(model, scattered).values())
+    assert worst > bandwidth.POOR_FIT
+    reading = bandwidth.fit_reading(model, scattered)
+    assert f"worst {worst:.0%}" in reading and reading.endswith("the points scatter far from the lines.")
 
 
 def test_rate_match_says_whether_the_fitted_bandwidth_recovers_the_set_rate():
@@ -421,18 +430,56 @@ def test_the_comms_logger_fields_are_deepspeeds_own_and_the_block_alone_turns_it
                                           "to turn the logger off, leave the block out.")
 
 
-def test_the_fit_summary_names_the_load_only_where_the_fit_is_poor_and_others_ran():
+def test_the_fit_summary_comments_this_runs_fit_only_where_the_run_was_alone():
     known = {"all_reduce": (100e-6, 1 / 2e9)}
-    scattered = _synthetic_benchmark(2, known)
-    for i, p in enumerate(scattered["results"]):
-        p["seconds"] *= 4 if i % 2 else 1
+    scattered = _scattered(known)
     model = bandwidth.CommModel.from_benchmark(scattered)
-    busy = bandwidth.fit_summary(model, scattered, reference="no-such-reference", load=BUSY)
-    assert "does not hold here: other processes (3) used 40% of the 2 cores' time" in busy
-    assert "other processes" not in bandwidth.fit_summary(model, scattered, reference="no-such-reference", load=ALONE)
+    busy = bandwidth.fit_summary(model, scattered, load=BUSY)
+    assert "Comment withheld: other processes (3) used 40% of the 2 cores' time" in busy
+    assert "scatter" not in busy and "follow" not in busy  # figures only
+    assert "Comment withheld: nothing recorded" in bandwidth.fit_summary(model, scattered)
+    alone = bandwidth.fit_summary(model, scattered, load=ALONE)
+    assert "alone on its devices" in alone and alone.endswith("the points scatter far from the lines.")
     clean = _synthetic_benchmark(2, known)
-    assert "other processes" not in bandwidth.fit_summary(bandwidth.CommModel.from_benchmark(clean), clean,
-                                                          reference="no-such-reference", load=BUSY)
+    assert "the lines follow the points" in bandwidth.fit_summary(bandwidth.CommModel.from_benchmark(clean), clean,
+                                                                  load=ALONE)
+
+
+def test_a_term_fitted_as_zero_is_explained_from_the_points():
+    rate = 50e6
+    bench = _synthetic_benchmark(2, {"all_reduce": (0.0, 1 / rate)})
+    smallest = min(bench["results"], key=lambda p: p["bytes"])
+    smallest["seconds"] *= 0.9  # faster than its bytes at the rate: no intercept left, alpha clamps to 0
+    model = bandwidth.CommModel.from_benchmark(bench)
+    assert model.fits["all_reduce"].alpha == 0
+    line = bandwidth.degenerate_fits(model, bench, rate)
+    assert line.startswith("all_reduce: alpha = 0 is the fit's floor, not a measured latency: its smallest message "
+                           f"({records.format_bytes(smallest['bytes'])}) took {smallest['seconds'] * 1e3:.2f} ms")
+    assert f"the set rate alone account for {1 / 0.9:.0%} of that" in line
+    flat = _synthetic_benchmark(2, {"all_gather": (1e-3, 0.0)})
+    for i, p in enumerate(sorted(flat["results"], key=lambda p: p["bytes"])):
+        p["seconds"] *= 1 - 0.01 * i  # larger messages a little faster: beta clamps to 0
+    flat_model = bandwidth.CommModel.from_benchmark(flat)
+    assert flat_model.fits["all_gather"].beta == 0
+    assert bandwidth.degenerate_fits(flat_model, flat).startswith("all_gather: beta = 0 is the fit's floor")
+    clean = _synthetic_benchmark(2, {"all_reduce": (100e-6, 1 / 2e9)})
+    assert bandwidth.degenerate_fits(bandwidth.CommModel.from_benchmark(clean), clean).startswith("Every fit has")
+
+
+def test_the_accumulation_floor_explains_each_ratio_below_one_from_the_computation():
+    def row(accum, batch, fast, slow, compute):
+        return {"name": f"zero1-acc{accum}", "accum": accum, "batch": batch, "fast_s": fast, "slow_s": slow,
+                "compute_s": compute}
+    above = [row(1, 8, 0.020, 0.150, 0.015), row(4, 32, 0.070, 0.250, 0.060)]
+    assert bandwidth.accumulation_floor(above).endswith("Every ratio here is at or above that floor.")
+    slower = [row(1, 8, 0.020, 0.150, 0.015), row(4, 32, 0.120, 0.250, 0.100)]  # 0.67x over the fast link
+    lines = bandwidth.accumulation_floor(slower).splitlines()
+    assert len(lines) == 2 and lines[1].startswith("ZeRO-1 over the fast link, 0.67x: its accumulation-4 step took "
+                                                   "120.0 ms, more than four accumulation-1 steps (80.0 ms)")
+    assert lines[1].endswith("100.0 ms against 4 x 15.0 ms, so the same work ran slower in the accumulation-4 run: "
+                             "the cores' load, not the link.")
+    slower[1]["compute_s"] = 0.050
+    assert bandwidth.accumulation_floor(slower).endswith("its computation does not account for the extra time.")
 
 
 def test_stage_pair_compares_two_runs_on_one_link_through_the_load_guard():
@@ -482,3 +529,39 @@ def test_the_reference_what_if_table_is_labelled_and_has_every_link():
     table = bandwidth.reference_what_if_table()
     assert table.startswith(f"GPU reference ({device_date}; not this run)")
     assert all(f"{link}: step (comm)" in table for link in bandwidth.LINKS)
+
+
+def test_the_what_if_sources_set_its_computation_beside_each_measured_runs_split():
+    runs = bandwidth.logged_runs(references.reference_runs("bandwidth-nvlink")[0][3])
+    device, date, rows = bandwidth._reference_what_if_rows("bandwidth-nvlink")
+    text = bandwidth.what_if_sources(rows, runs)
+    lines = text.splitlines()
+    split = bandwidth.profile(runs["zero1-acc4"])
+    own = bandwidth.extrapolate(runs["zero1-acc4"], 4)
+    zero1 = next(line for line in lines if line.startswith("ZeRO-1      4"))
+    assert f"{own.compute_s * 1e3:,.1f}" in zero1 and f"{runs['zero1-acc4'].timing.median_s * 1e3:,.1f}" in zero1
+    assert zero1.endswith(f"{split.compute_s * 1e3:,.1f} + {split.measured_comm_s * 1e3:,.1f} = "
+                          f"{split.measured_step_s * 1e3:,.1f}")
+    assert next(line for line in lines if line.startswith("ZeRO-0      1")).split()[-3:] == ["-", "-", "-"]
+    assert lines[-1].startswith("The what-if keeps the computation")
+
+
+def test_overlap_comm_is_one_line_per_reference_here_and_the_details_stay_in_the_findings():
+    short = bandwidth.reference_findings(capstone=False, overlap=False)
+    assert "ZeRO-1, accumulation 4 against 1" in short and "overlap_comm" not in short
+    assert "the model's range there" in bandwidth.reference_findings(capstone=False)
+    brief = bandwidth.overlap_brief().splitlines()
+    device_date = bandwidth.reference_model()[0]
+    assert brief[0].startswith(f"overlap_comm on against off (ZeRO-2, accumulation 4; {device_date}): step time ")
+    ladder = bandwidth.overlap_in_capstone()
+    assert brief[-1].startswith(f"Chapter 16's ladders tried it {len(ladder)} times and dropped it "
+                                f"{sum(line.endswith('so it was dropped') for line, _ in ladder)} of them")
+
+
+def test_the_reference_fit_is_read_and_drawn_with_its_device_and_date():
+    device_date = bandwidth.reference_model()[0]
+    assert bandwidth.reference_fit_reading().startswith(f"GPU reference ({device_date}, NCCL; not this run): "
+                                                        "median fit error ")
+    figure = bandwidth.reference_alpha_beta()
+    assert figure.axes[0].get_title() == f"GPU reference: {device_date} (NCCL; not this run)"
+    assert bandwidth.reference_alpha_beta("no-such-reference") is None

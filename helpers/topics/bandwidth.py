@@ -848,27 +848,76 @@ def worst_points(model: CommModel, result: dict, implementation: str = "deepspee
 POOR_FIT = 0.5
 
 
-def fit_summary(model: CommModel, result: dict, reference: str = "bandwidth-nvlink",
-                load: load_guard.Load | None = None) -> str:
-    """A generated sentence on how well the alpha-beta lines fit this run's points, beside the committed GPU
-    reference's fit (its device and date); where the fit is poor and the launch's ``load`` shows other
-    programs on the devices, it says that their work lands in single calls."""
-    mine = worst_errors(model, result)
-    poor = max(mine.values()) > POOR_FIT
-    busy = poor and load is not None and load.samples > 0 and not load.alone
-    lines = [f"This run ({model.source}): worst fit error {min(mine.values()):.0%} to {max(mine.values()):.0%} "
-             "over the collectives; " + ("the points scatter far from the lines, so the model does not hold here"
-                                         + (f": {load.reason()}, and their work lands in single calls at random"
-                                            if busy else "") + "; read the shape on the GPU reference."
-                                         if poor else "the lines follow the points within that error.")]
-    found = references.reference_runs(reference)
-    if found:
-        device, date, _, runs = found[0]
-        ref_model = CommModel.from_benchmark(runs["collectives"])
-        theirs = worst_errors(ref_model, runs["collectives"])
-        lines.append(f"GPU reference ({device}, {date}, NCCL): worst fit error {min(theirs.values()):.0%} to "
-                     f"{max(theirs.values()):.0%}.")
-    return "\n".join(lines)
+def _fit_figures(model: CommModel, result: dict, implementation: str = "deepspeed.comm") -> tuple[str, float]:
+    """The median and worst relative error of a fit over the benchmark's points, with the point behind the worst
+    (words), and the worst error."""
+    errors: list[tuple[float, str, dict]] = []
+    for op, ab in model.fits.items():
+        points = rows(result, implementation, op)
+        errors += [(abs(e), op, p) for e, p in zip(relative_errors(ab, [p["wire_bytes"] for p in points],
+                                                                   [p["seconds"] for p in points]), points)]
+    worst, op, where = max(errors, key=lambda e: e[0])
+    median = statistics.median(e for e, _, _ in errors)
+    return (f"median fit error {median:.0%} over {len(errors)} points, worst {worst:.0%} "
+            f"({op}, {records.format_bytes(where['bytes'])})"), worst
+
+
+def fit_reading(model: CommModel, result: dict, implementation: str = "deepspeed.comm") -> str:
+    """The figures of a fit read in one sentence, without a timing verdict: the median and worst relative error
+    over the points, the point behind the worst, and whether the lines follow the points (worst error within
+    :data:`POOR_FIT`) or scatter far from them."""
+    figures, worst = _fit_figures(model, result, implementation)
+    return figures + (": the lines follow the points within that error; small messages cost about alpha, large "
+                      "ones their bytes over the bandwidth." if worst <= POOR_FIT else
+                      ": the points scatter far from the lines.")
+
+
+def reference_fit_reading(name: str = "bandwidth-nvlink") -> str:
+    """:func:`fit_reading` of the committed GPU reference, labelled with its device, date and conditions."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, "run this notebook on a GPU machine to measure them.")
+    device, date, _, runs = found[0]
+    model = CommModel.from_benchmark(runs["collectives"])
+    return f"GPU reference ({device}, {date}, NCCL; not this run): " + fit_reading(model, runs["collectives"])
+
+
+def fit_summary(model: CommModel, result: dict, load: load_guard.Load | None = None) -> str:
+    """This run's fit through the load guard: its figures always (:func:`fit_reading`'s errors); their comment
+    only where the launch's ``load`` shows the run had its devices to itself, else why it is withheld: other
+    programs' work lands in single calls at random, so a busy machine's scatter says nothing about the model."""
+    figures = fit_reading(model, result)
+    if load is None or load.samples == 0 or not load.alone:
+        why = load.reason() if load is not None and load.samples else "nothing recorded what else used the devices"
+        return (f"This run ({model.source}): {_fit_figures(model, result)[0]}. Comment withheld: {why}; other programs' work "
+                "lands in single calls at random, so these points measure the load as much as the link. The "
+                "model is judged on the GPU reference above.")
+    return f"This run ({model.source}), alone on its devices: {figures}"
+
+
+def degenerate_fits(model: CommModel, result: dict, rate: float | None = None,
+                    implementation: str = "deepspeed.comm") -> str:
+    """Why a fit clamped a term to 0, from the benchmark's figures: alpha = 0 where even the smallest message is
+    already as costly per byte as the large ones (its bytes over the set ``rate``, or the fitted bandwidth,
+    account for nearly all its time: no intercept left to see); beta = 0 where the times do not rise with the
+    size. One line per such collective, or one saying there is none."""
+    lines = []
+    for op, ab in model.fits.items():
+        points = sorted(rows(result, implementation, op), key=lambda p: p["bytes"])
+        first, last = points[0], points[-1]
+        if ab.alpha == 0:
+            bandwidth_ = rate or ab.bandwidth
+            share = first["wire_bytes"] / bandwidth_ / first["seconds"]
+            lines.append(f"{op}: alpha = 0 is the fit's floor, not a measured latency: its smallest message "
+                         f"({records.format_bytes(first['bytes'])}) took {first['seconds'] * 1e3:.2f} ms and its bytes at "
+                         f"the {'set rate' if rate else 'fitted bandwidth'} alone account for {share:.0%} of that, so "
+                         "the smallest size measured is already bandwidth-bound and these sizes cannot show alpha.")
+        elif ab.beta == 0:
+            lines.append(f"{op}: beta = 0 is the fit's floor: its calls did not take longer as the message grew "
+                         f"({records.format_bytes(first['bytes'])}: {first['seconds'] * 1e3:.2f} ms, "
+                         f"{records.format_bytes(last['bytes'])}: {last['seconds'] * 1e3:.2f} ms), so these sizes "
+                         "cannot show the bandwidth.")
+    return "\n".join(lines) or "Every fit has alpha > 0 and beta > 0: both terms were seen in the points."
 
 
 #: How close (relative) a fitted 1/beta must come to a link's set rate for the chapter to say it recovers it.
@@ -1161,6 +1210,40 @@ def what_if_table(rows: Sequence[dict]) -> str:
             cells.append(f"{r['step_s'] * 1e3:,.1f} ms ({r['comm_share']:.0%})")
         table.append(cells)
     return records.format_table(table, ["stage", "accum", "batch"] + [f"{link}: step (comm)" for link in links])
+
+
+def what_if_sources(rows: Sequence[dict], runs: Mapping[str, records.Record]) -> str:
+    """How the computation a what-if (:func:`what_if`) keeps relates to the step times the runs measured: per
+    profile, that computation, and for the run measured at the same stage and accumulation (where one ran) its
+    step as the ``timing`` probe gives it (median of every step, the warm-up included) and as the ``micro_steps``
+    probe splits it (computation + collectives, mean of the steps after the first); then one generated line."""
+    profiles = list({id(r["profile"]): r["profile"] for r in rows}.values())
+    measured = {(r.stage, r["grad_accum"]): r for r in runs.values() if "micro_steps" in r.probes}
+    table, gaps, kept = [], [], []
+    for p in profiles:
+        cells = [f"ZeRO-{p.stage}", f"{p.accum}", f"{p.compute_s * 1e3:,.1f}"]
+        run = measured.get((p.stage, p.accum))
+        if run is None:
+            cells += ["-", "-", "-"]
+        else:
+            split = profile(run)
+            cells += [run.summary["name"], f"{run.timing.median_s * 1e3:,.1f}",
+                      f"{split.compute_s * 1e3:,.1f} + {split.measured_comm_s * 1e3:,.1f} = "
+                      f"{split.measured_step_s * 1e3:,.1f}"]
+            gaps.append(run.timing.median_s / split.measured_step_s - 1)
+            kept.append(p.compute_s / split.compute_s - 1)
+        table.append(cells)
+    text = records.format_table(table, ["stage", "accum", "what-if computation ms", "measured run",
+                                        "step ms (timing)", "computation + collectives ms (micro_steps)"])
+    steps = sorted({len(r.timing.all_s) for r in runs.values()})
+    line = ("The what-if keeps the computation and replaces the collectives with a link's; at accumulation 1 it "
+            "takes the accumulation-4 run's last micro-step and optimizer step.")
+    if gaps:
+        line += (f" Its computation is {_change(min(kept))} to {_change(max(kept))} off the measured runs' (micro_steps). The "
+                 f"two probes time different steps (timing: the median of all {'/'.join(map(str, steps))}, the warm-up "
+                 f"included; micro_steps: the mean after the first): the timing step is {_change(min(gaps))} to "
+                 f"{_change(max(gaps))} off the micro_steps sum.")
+    return text + "\n" + line
 
 
 def comparison_rows(runs: Mapping[str, records.Record], model: CommModel) -> list[dict]:
@@ -1463,6 +1546,38 @@ def accumulation_verdicts(rows: Sequence[dict], load: load_guard.Load | None,
     return "\n".join(lines)
 
 
+def accumulation_floor(rows: Sequence[dict],
+                       links: Mapping[str, str] = {"fast": "the fast link", "slow": "the slow link"}) -> str:
+    """What the model allows for accumulation 4 against 1 at a fixed micro batch (stages 1 and 2), beside the
+    figures of :func:`slow_link_rows`: an accumulation-4 step does four micro-steps, one optimizer step and no
+    more collectives than four accumulation-1 steps, so its samples/s is at least 1x the accumulation-1 run's.
+    For each ratio below that floor, the two measured steps and the computation the ``micro_steps`` probe
+    measured in each (on the fast link), which says whether the computation or the collectives took the time."""
+    by = {r["name"]: r for r in rows}
+    lines = ["In the model an accumulation-4 step costs at most four accumulation-1 steps (four micro-steps, one "
+             "optimizer step, no more collectives), so accumulation 4 gives at least 1x the samples/s."]
+    below = 0
+    for stage in (1, 2):
+        one, four = by.get(f"zero{stage}-acc1"), by.get(f"zero{stage}-acc4")
+        if not (one and four):
+            continue
+        for key, link in links.items():
+            ratio = (four["batch"] / four[f"{key}_s"]) / (one["batch"] / one[f"{key}_s"])
+            if ratio >= 1:
+                continue
+            below += 1
+            grew = four["compute_s"] > 4 * one["compute_s"]
+            lines.append(f"ZeRO-{stage} over {link}, {ratio:.2f}x: its accumulation-4 step took "
+                         f"{four[f'{key}_s'] * 1e3:,.1f} ms, more than four accumulation-1 steps "
+                         f"({4 * one[f'{key}_s'] * 1e3:,.1f} ms); computation alone (micro_steps probe, fast link): "
+                         f"{four['compute_s'] * 1e3:,.1f} ms against 4 x {one['compute_s'] * 1e3:,.1f} ms, so "
+                         + ("the same work ran slower in the accumulation-4 run: the cores' load, not the link."
+                            if grew else "its computation does not account for the extra time."))
+    if not below:
+        lines.append("Every ratio here is at or above that floor.")
+    return "\n".join(lines)
+
+
 def link_findings(rows: Sequence[dict], fast: str = "the fast link", slow: str = "the slow link",
                   streams: bool = True) -> str:
     """What committed runs on both links (:func:`slow_link_rows`) say about the two levers, in sentences generated
@@ -1521,23 +1636,30 @@ def overlap_in_capstone(sizes: Sequence[str] = ("1.2b", "2.7b")) -> list[tuple[s
     return found
 
 
-def reference_findings(name: str = "bandwidth-nvlink", sockets: str = "bandwidth-sockets",
-                       capstone: bool = True) -> str:
-    """:func:`link_findings` for each committed GPU result measured over both transports (NVLink and NCCL over
-    sockets), then, with ``capstone``, :func:`overlap_in_capstone`."""
+def _reference_link_rows(name: str, sockets: str) -> list[tuple[str, str, list[dict]]]:
+    """(device, date, :func:`slow_link_rows`) for each committed GPU result measured over both transports."""
     over_sockets = {device: runs for device, _, _, runs in references.reference_runs(sockets)}
-    parts, changes = [], []
+    found = []
     for device, date, _, runs in references.reference_runs(name):
         socket_runs = over_sockets.get(device)
-        if not socket_runs or f"{SLOW}collectives" not in socket_runs:
-            continue
-        slow_model = CommModel.from_benchmark(socket_runs[f"{SLOW}collectives"])
-        rows = slow_link_rows(runs, socket_runs, slow_model)
-        parts += [f"On {device}, {date}, NVLink against NCCL over sockets:",
-                  link_findings(rows, fast="NVLink", slow="sockets")]
+        if socket_runs and f"{SLOW}collectives" in socket_runs:
+            slow_model = CommModel.from_benchmark(socket_runs[f"{SLOW}collectives"])
+            found.append((device, date, slow_link_rows(runs, socket_runs, slow_model)))
+    return found
+
+
+def reference_findings(name: str = "bandwidth-nvlink", sockets: str = "bandwidth-sockets",
+                       capstone: bool = True, overlap: bool = True) -> str:
+    """:func:`link_findings` for each committed GPU result measured over both transports (NVLink and NCCL over
+    sockets), its ``overlap_comm`` lines only with ``overlap``; then, with ``capstone``, :func:`overlap_in_capstone`."""
+    parts, changes = [], []
+    for device, date, rows in _reference_link_rows(name, sockets):
+        found = link_findings(rows, fast="NVLink", slow="sockets").splitlines()
+        parts += [f"On {device}, {date}, NVLink against NCCL over sockets:"]
+        parts += found if overlap else [line for line in found if line.startswith("ZeRO-")]
         by = {r["name"]: r for r in rows}
         off, on = by.get("zero2-acc4-overlap-off"), by.get("zero2-acc4-overlap-on")
-        if off and on:  # a shorter step is a gain in speed
+        if off and on and overlap:  # a shorter step is a gain in speed
             changes += [off[key] / on[key] - 1 for key in ("fast_s", "slow_s")]
     if capstone:
         ladder = overlap_in_capstone()
@@ -1548,6 +1670,25 @@ def reference_findings(name: str = "bandwidth-nvlink", sockets: str = "bandwidth
         parts.append(f"overlap_comm made training faster in {sum(g > 0 for g in changes)} of these {len(changes)} "
                      "measurements.")
     return "\n".join(parts)
+
+
+def overlap_brief(name: str = "bandwidth-nvlink", sockets: str = "bandwidth-sockets") -> str:
+    """``overlap_comm`` in one line per committed GPU result (step time on against off at ZeRO-2, accumulation 4,
+    on each transport), then chapter 16's ladders counted: how often the knob was kept."""
+    lines = []
+    for device, date, rows in _reference_link_rows(name, sockets):
+        by = {r["name"]: r for r in rows}
+        off, on = by.get("zero2-acc4-overlap-off"), by.get("zero2-acc4-overlap-on")
+        if off and on:
+            lines.append(f"overlap_comm on against off (ZeRO-2, accumulation 4; {device}, {date}): step time "
+                         f"{_change(on['fast_s'] / off['fast_s'] - 1)} over NVLink, "
+                         f"{_change(on['slow_s'] / off['slow_s'] - 1)} over sockets.")
+    ladder = overlap_in_capstone()
+    if ladder:
+        dropped = sum(line.endswith("so it was dropped") for line, _ in ladder)
+        lines.append(f"Chapter 16's ladders tried it {len(ladder)} times and dropped it {dropped} of them (no gain "
+                     "beyond their noise margin).")
+    return "\n".join(lines) or "No committed GPU result with overlap_comm runs."
 
 
 #: The GPU-scale runs of chapter 09 (``python -m helpers reference bandwidth-nvlink|bandwidth-sockets``).
@@ -1676,6 +1817,16 @@ def bus_bandwidth(result: dict, title: str | None = None):
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+def reference_alpha_beta(name: str = "bandwidth-nvlink"):
+    """:func:`alpha_beta` of the committed GPU reference, titled with its device and date; None without one."""
+    found = references.reference_runs(name)
+    if not found:
+        return None
+    device, date, _, runs = found[0]
+    return alpha_beta(runs["collectives"], CommModel.from_benchmark(runs["collectives"]),
+                      title=f"GPU reference: {device}, {date} (NCCL; not this run)")
 
 
 def alpha_beta(result: dict, model, implementation: str = "deepspeed.comm", title: str | None = None):
