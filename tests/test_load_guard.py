@@ -111,7 +111,7 @@ def test_a_sweep_that_drifted_is_withheld_as_warming():
     first, second = [0.200, 0.202, 0.201], [0.100, 0.101, 0.100]
     repeat = [0.150, 0.151, 0.150]  # the first configuration again at the end: 25% faster
     verdict = load_guard.compare({"first": first, "second": second}, ALONE, repeat=repeat)
-    assert verdict.withheld.startswith("the machine warmed during the sweep: first, repeated at the end, differs by 25%")
+    assert verdict.withheld.startswith("the machine changed during the sweep: first, repeated at the end, took 25% less than at the start")
     steady = load_guard.compare({"first": first, "second": second}, ALONE, repeat=[0.201, 0.200, 0.202])
     assert steady.given and steady.faster == "second" and steady.ratio == pytest.approx(2.0, rel=0.01)
 
@@ -140,8 +140,8 @@ def test_the_load_describes_itself_in_one_line():
 def test_every_verdict_goes_to_the_log_a_check_counts(tmp_path, monkeypatch):
     log = tmp_path / "verdicts.jsonl"
     monkeypatch.setenv(load_guard.LOG_VARIABLE, str(log))
-    load_guard.compare({"a": [1.0, 1.01], "b": [2.0, 2.02]}, ALONE)  # given
-    load_guard.compare({"a": [1.0, 1.5], "b": [1.1, 1.2]}, ALONE)  # within the spread
+    load_guard.compare({"a": [1.0, 1.01, 1.0], "b": [2.0, 2.02, 2.01]}, ALONE)  # given
+    load_guard.compare({"a": [1.0, 1.5, 1.2], "b": [1.1, 1.2, 1.15]}, ALONE)  # within the spread
     load_guard.compare({"a": [1.0], "b": [3.0]}, load_guard.Load.unknown())  # nothing recorded
     busy = load_guard.Load("gpu", 3, 0.9, 2, 5.0, 10, "test: a shared box")
     load_guard.compare({"a": [1.0], "b": [3.0]}, busy)  # not alone
@@ -168,3 +168,21 @@ def test_watches_holding_the_lock_take_turns(tmp_path, monkeypatch):
         released = time.time()
     out, _ = waiting.communicate(timeout=30)
     assert float(out.strip()) >= released - 0.05
+
+
+def test_two_measured_steps_are_too_few_for_a_verdict():
+    two = load_guard.compare({"a": [0.100, 0.101], "b": [0.200, 0.202]}, ALONE)
+    assert two.withheld == "too few measured steps to judge (a: 2, b: 2; a spread needs at least 3)"
+    three = load_guard.compare({"a": [0.100, 0.101, 0.100], "b": [0.200, 0.202, 0.201]}, ALONE)
+    assert three.given and three.faster == "a"
+    predicted = load_guard.compare({"measured": [0.100, 0.101, 0.100], "predicted": [0.2]}, ALONE)
+    assert predicted.given  # a single value is a prediction, not a list of steps
+
+
+def test_a_sweep_without_its_repeat_is_withheld():
+    lists = {"first": [0.200, 0.202, 0.201], "second": [0.100, 0.101, 0.100]}
+    assert load_guard.compare(lists, ALONE, sweep=True).withheld == (
+        "the sweep did not measure its first setting (first) again at its end")
+    assert load_guard.compare(lists, ALONE, sweep=True, repeat=[0.201, 0.200, 0.202]).given
+    slower = load_guard.compare(lists, ALONE, repeat=[0.300, 0.301, 0.300])
+    assert "took 49% longer than at the start" in slower.withheld

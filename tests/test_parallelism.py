@@ -207,7 +207,7 @@ def test_timing_verdicts_speak_only_for_a_launch_alone_and_beyond_the_spread():
     within = pipeline.timing_verdicts(_timed_runs(100.5, 100.5), ALONE)
     assert within.count("Verdict withheld: the difference") == 2
     drifted = {**_timed_runs(290, 110), pipeline.AGAIN: _stepped(900, 150, 151, 149)}
-    assert pipeline.timing_verdicts(drifted, ALONE).count("the machine warmed during the sweep") == 2
+    assert pipeline.timing_verdicts(drifted, ALONE).count("the machine changed during the sweep") == 2
 
 
 def test_timings_compare_the_runs_probed_alike_where_the_launch_has_them():
@@ -425,7 +425,7 @@ def test_the_recomputation_findings_say_nothing_of_time_when_the_load_guard_with
     assert found[0].startswith("Verdict withheld: other processes (3) used 50%") and len(found) == 2
     assert "rule" not in "\n".join(found)
     drifted = activations.recompute_findings(runs, ["plain", "deepspeed"], ALONE, again=_timed(45, plain))
-    assert drifted.startswith("Verdict withheld: the machine warmed during the sweep")
+    assert drifted.startswith("Verdict withheld: the machine changed during the sweep")
 
 
 def test_the_reference_price_gives_each_ratio_and_withholds_the_verdict_without_a_load(monkeypatch):
@@ -752,7 +752,7 @@ def test_speed_verdict_is_withheld_without_a_load_and_given_alone_beyond_the_spr
     alone = load_guard.Load("gpu", 0, None, 2, 10.0, 20, "test")
     assert "faster" in tensor_parallel.speed_verdict(runs, alone)
     warmed = {**runs, "autotp-again": _stepped_record([1.0, 1.01, 1.0, 1.02])}  # AutoTP's repeat far from its first run
-    assert "warmed" in tensor_parallel.speed_verdict(warmed, alone)
+    assert "changed during the sweep" in tensor_parallel.speed_verdict(warmed, alone)
 
 
 def test_exercise_autotp_config_is_parsed_by_deepspeed_and_counts_the_real_samples():

@@ -160,7 +160,7 @@ def test_timing_verdict_needs_the_devices_alone_a_steady_repeat_and_a_clear_diff
     withheld = zero.timing_verdict(settings, _steps([21, 21, 21]), busy)
     assert "used 40% of the 2 cores' time" in withheld and "is faster" not in withheld
     drifted = zero.timing_verdict(settings, _steps([15, 15, 15]), alone)
-    assert "the machine warmed during the sweep" in drifted and "is faster" not in drifted
+    assert "the machine changed during the sweep" in drifted and "is faster" not in drifted
 
 
 # --- building the model: the meter, the builder's checks, the estimate -----------------------------

@@ -16,7 +16,7 @@ steps' own scatter. This module records the first and checks both:
 Sweep order: the first run of a sweep warms the machine (caches, clocks, allocators), so an early
 configuration can look slower than it is. Measure the first configuration again at the end and pass
 those times as ``repeat=``: where the two measurements of one configuration differ by more than their
-spread, the verdict is withheld ("the machine warmed during the sweep").
+spread, the verdict is withheld ("the machine changed during the sweep").
 
 Checks that execute many notebooks (``check-gpu``) set two variables: :data:`LOCK_VARIABLE`, a file that
 :func:`watch` locks for its block, so that the timed launches of notebooks executed together take turns;
@@ -55,6 +55,8 @@ MIN_OTHER_CPU_S = 0.2
 LOCK_VARIABLE = "COURSE_TIMING_LOCK"
 #: A file :func:`compare` adds one JSON line to for each verdict, where set (read back by :func:`read_log`).
 LOG_VARIABLE = "COURSE_VERDICT_LOG"
+#: The fewest measured steps a list may have for its spread, and so a verdict, to mean something.
+MIN_STEPS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,14 +346,15 @@ class Verdict:
 
 
 def compare(samples: Mapping[str, Sequence[float]], load: Load | None,
-            repeat: Sequence[float] | None = None) -> Verdict:
+            repeat: Sequence[float] | None = None, sweep: bool = False) -> Verdict:
     """Compare two or more named lists of measured step times (seconds) under a recorded ``load``.
 
     The verdict is withheld, with the reason, where the load is unknown or the run was not alone
-    (:attr:`Load.alone`), where ``repeat`` (the first configuration measured again at the end of the
-    sweep) differs from the first list by more than their spread, or where the difference between the
-    slowest and the fastest median does not exceed the widest spread of the lists. A single value (a
-    prediction) has no spread of its own.
+    (:attr:`Load.alone`), where a list of measured steps has fewer than :data:`MIN_STEPS` (too few for a
+    spread), where ``repeat`` (the first configuration measured again at the end of the sweep) differs from
+    the first list by more than their spread, where ``sweep`` says the lists come from one sweep but no
+    ``repeat`` was measured, or where the difference between the slowest and the fastest median does not
+    exceed the widest spread of the lists. A single value (a prediction) has no spread of its own.
     """
     if len(samples) < 2:
         raise ValueError("compare needs two or more lists of step times")
@@ -363,18 +366,25 @@ def compare(samples: Mapping[str, Sequence[float]], load: Load | None,
     fastest = min(range(len(names)), key=lambda i: medians[i])
     ratio = max(medians) / medians[fastest]
     change = tuple(m / medians[0] - 1 for m in medians)
+    few = [n for n in names if 1 < len(samples[n]) < MIN_STEPS]
     reason = ""
     if load is None or load.samples == 0:
         reason = "nothing recorded what else used the devices during the run"
     elif not load.alone:
         reason = load.reason()
+    elif few:
+        reason = (f"too few measured steps to judge ({', '.join(f'{n}: {len(samples[n])}' for n in few)}; "
+                  f"a spread needs at least {MIN_STEPS})")
     elif repeat is not None:
         first = samples[names[0]]
-        drift = abs(statistics.median(repeat) / medians[0] - 1)
+        moved = statistics.median(repeat) / medians[0] - 1
         bound = max(spread(first), spread(repeat))
-        if drift > bound:
-            reason = (f"the machine warmed during the sweep: {names[0]}, repeated at the end, differs by "
-                      f"{drift:.0%}, more than its spread ({bound:.0%})")
+        if abs(moved) > bound:
+            reason = (f"the machine changed during the sweep: {names[0]}, repeated at the end, took "
+                      f"{abs(moved):.0%} {'longer' if moved > 0 else 'less'} than at the start, more than its "
+                      f"spread ({bound:.0%})")
+    elif sweep:
+        reason = f"the sweep did not measure its first setting ({names[0]}) again at its end"
     if not reason and ratio - 1 <= widest:
         reason = f"the difference ({ratio - 1:.0%}) is within the steps' spread ({widest:.0%})"
     verdict = Verdict(names, medians, widest, ratio, names[fastest], change, reason)
@@ -393,7 +403,8 @@ def _log(verdict: Verdict) -> None:
 
 def read_log(path: str | os.PathLike) -> dict:
     """Count the verdicts a :data:`LOG_VARIABLE` file holds: ``given``, ``withheld`` and, for those withheld,
-    how many for each kind of reason ("not alone", "within the spread", "warmed", "not recorded")."""
+    how many for each kind of reason ("not alone", "within the spread", "changed during the sweep", "no repeat",
+    "too few steps", "not recorded")."""
     counts: dict = {"given": 0, "withheld": 0, "reasons": {}}
     if not os.path.exists(path):
         return counts
@@ -404,7 +415,10 @@ def read_log(path: str | os.PathLike) -> dict:
                 counts["given"] += 1
                 continue
             counts["withheld"] += 1
-            kind = ("within the spread" if "within the steps' spread" in why else "warmed" if "warmed" in why
+            kind = ("within the spread" if "within the steps' spread" in why
+                    else "changed during the sweep" if "during the sweep" in why
+                    else "no repeat" if "again at its end" in why
+                    else "too few steps" if "too few measured steps" in why
                     else "not recorded" if "nothing recorded" in why else "not alone")
             counts["reasons"][kind] = counts["reasons"].get(kind, 0) + 1
     return counts

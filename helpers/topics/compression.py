@@ -308,9 +308,6 @@ PEAK_FOOTNOTE = ("<= : an upper bound: this run followed others in its launch, a
 
 #: The words a reference's note ends with where it holds timing runs only (no bytes).
 TIMING_ONLY = "timing runs only"
-#: Why a reference's step times get no verdict where its sweep has no repeat of its first setting.
-NO_REPEAT = ("the sweep did not measure its first setting again at the end: a machine warming during it "
-             "cannot be ruled out")
 
 
 def reference_report(name: str = "zeropp", timing_only: bool | None = None) -> str:
@@ -548,8 +545,7 @@ def one_node_reading(name: str = "zeropp", timing_only: bool | None = None) -> s
     """The committed one-node step times, each switch against ZeRO-3 per reference, through the course's load
     guard (:func:`helpers.core.load_guard.compare`) with the load saved beside the runs, or, for a reference
     saved without one, the load its written conditions state (:meth:`~helpers.core.load_guard.Load.from_conditions`:
-    "alone" where they say so). A reference whose sweep did not time ZeRO-3 again at its end gets no verdict
-    (:data:`NO_REPEAT`). The medians are :func:`_median_step_s`', the figures of :func:`gpu_table`.
+    "alone" where they say so). A reference whose sweep did not time ZeRO-3 again at its end gets no verdict. The medians are :func:`_median_step_s`', the figures of :func:`gpu_table`.
     ``timing_only`` selects references as in :func:`reference_report`."""
     lines = []
     for (device, date, note, runs), conditions in zip(references.reference_runs(name),
@@ -573,9 +569,7 @@ def one_node_reading(name: str = "zeropp", timing_only: bool | None = None) -> s
             if setting == "ZeRO-3" or not isinstance(timed, records.Record):
                 continue
             verdict = load_guard.compare({"ZeRO-3": _steps_s(plain), setting.split(" (")[0]: _steps_s(timed)}, load,
-                                         repeat=repeat)
-            if repeat is None and load.alone:  # no repeat: drift during the sweep cannot be ruled out
-                verdict = dataclasses.replace(verdict, withheld=NO_REPEAT)
+                                         repeat=repeat, sweep=True)
             lines.append(f"  {load_guard.sentence(verdict)}")
     return "\n".join(lines)
 
