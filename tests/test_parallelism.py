@@ -816,7 +816,7 @@ def test_calls_breakdown_rebuilds_the_calls_per_step_from_the_layers():
 
 def test_attention_heads_come_from_the_config_and_the_ranks_q_proj():
     text = tensor_parallel.attention_heads(_reference_tp_runs()["autotp"])  # llama-gpu on 2 ranks
-    assert text.startswith("16 attention heads of 64") and "512 of 1024 rows: 8 heads, 1/2 of them" in text
+    assert text.startswith("16 attention heads of 64") and "512 of its 1024 rows: 8 of the 16 heads, on each of 2" in text
 
 
 def test_beyond_formula_finds_the_gradient_norms_all_reduce():

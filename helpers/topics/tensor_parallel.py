@@ -250,7 +250,8 @@ def attention_heads(record) -> str:
     ranks = shards(record)
     rows = ranks[0]["params"]["model.layers.0.self_attn.q_proj.weight"]["shape"][0]
     return (f"{heads} attention heads of {head_dim} (num_attention_heads in the model's config); rank 0's q_proj "
-            f"keeps {rows} of {config.hidden_size} rows: {rows // head_dim} heads, 1/{len(ranks)} of them.")
+            f"keeps {rows} of its {config.hidden_size} rows: {rows // head_dim} of the {heads} heads, on each of "
+            f"{len(ranks)} ranks.")
 
 
 def against_zero3_table(runs: Mapping, timings: bool = False) -> str:
