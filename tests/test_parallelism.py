@@ -626,6 +626,21 @@ def test_exercise_cpu_checkpointing_block_is_parsed_by_deepspeed_and_names_ignor
     assert not activations.exercise_cpu_checkpointing_block(...).answered
 
 
+def test_the_exercises_hints_name_the_quantity_not_the_solution():
+    hint = lambda verdict: str(verdict).split("Hint: ", 1)[1]
+    cpu = hint(activations.exercise_cpu_checkpointing_block(...))
+    assert "CheckpointFunction.forward" in cpu and "deepspeed-cpu" not in cpu and "{" not in cpu
+    bubble = hint(pipeline.exercise_micro_batches(..., stages=4, share=0.1))
+    assert "bubble" in bubble and "(S-1)" not in bubble and "solve" not in bubble
+    sends = {"by_op": {"send": {"count": 4.0, "bytes": 262144.0}}, "bytes_per_step": 262144.0,
+             "wire_bytes_per_step": 262144.0}
+    record = records.Record({**minimal_summary(), "name": "pipeline", "model": {"name": "llama-pipe", "params": 1},
+                             "grad_accum": 4, "train_batch": 32, "comm": sends})
+    p2p = hint(pipeline.exercise_p2p_bytes(..., record))
+    assert "b·s·h" not in p2p and "b x s x h" not in p2p
+    assert "class name" not in hint(pipeline.exercise_partition(...))
+
+
 def test_exercise_block_bytes_is_checked_against_the_block_only_run():
     same = {"plain": _Run("llama", [500, 500]), "block-only": _Run("llama", [500, 500])}
     assert activations.exercise_block_bytes(1.0, same)
@@ -786,6 +801,22 @@ def test_model_size_states_the_shape_and_the_tokens_per_micro_step():
     text = tensor_parallel.model_size(_reference_tp_runs()["autotp"])  # llama-gpu, 8 samples per group
     assert "8 decoder layers, hidden size 1024, MLP width 2816" in text
     assert "8 samples x 1024 = 8,192 tokens per micro-step" in text
+
+
+def test_calls_breakdown_rebuilds_the_calls_per_step_from_the_layers():
+    runs = _reference_tp_runs()  # llama-gpu: 8 decoder layers, 2 micro-steps a step
+    text = tensor_parallel.calls_breakdown(runs["autotp"])
+    assert text.startswith("119 calls per step = 2 micro-steps x 58 calls of AutoTP's layers + 3 once a step.")
+    assert "8 decoder layers x 7 (all_reduce in forward 2, all_reduce in backward 5) + 2 for the LM head" in text
+    assert "= 58." in text and "clip_grad_norm_, 2" in text and "allreduce_bucket, 1" in text
+    runs["autotp"].summary["comm"]["by_caller"]["all_reduce"]["mystery"] = {"count": 4.0, "bytes": 16.0}
+    text = tensor_parallel.calls_breakdown(runs["autotp"])  # a call of unknown origin is counted and named
+    assert text.startswith("123 calls per step") and "mystery, 4 (not in the formula)" in text
+
+
+def test_attention_heads_come_from_the_config_and_the_ranks_q_proj():
+    text = tensor_parallel.attention_heads(_reference_tp_runs()["autotp"])  # llama-gpu on 2 ranks
+    assert text.startswith("16 attention heads of 64") and "512 of its 1024 rows: 8 of the 16 heads, on each of 2" in text
 
 
 def test_beyond_formula_finds_the_gradient_norms_all_reduce():

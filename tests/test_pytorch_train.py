@@ -303,3 +303,40 @@ def test_a_page_modules_deepspeed_task_trains_the_plain_loops_losses_and_is_reco
         import shutil
 
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_states_and_wire_formulas_spell_each_part():
+    assert frameworks.states_formula("FSDP2 full, no-sync", 100, 2) == ("4Ψ/n + 4Ψ + 8Ψ/n", 1000)
+    assert frameworks.states_formula("ZeRO-1", 100, 4) == ("4Ψ + 4Ψ + 8Ψ/n + 4Ψ/n", 1100)
+    assert frameworks.states_formula("DDP", 100, 4) == ("4Ψ + 4Ψ + 8Ψ", 1600)
+    text, sent = frameworks.wire_formula("ZeRO-2", 100, 2, 2)  # 2 all-reduces of 2Ψ and a gather of Ψ, x 1/2 x 4 B
+    assert text == "A x all-reduce 2Ψ + all-gather Ψ" and sent == 1000
+    assert frameworks.wire_formula("DDP + ZeroRedundancyOptimizer", 100, 4, 2)[1] == 3 * 100 * 3 / 4 * 4
+    assert set(frameworks.STATE_FORMULAS) == set(frameworks.WIRE_FORMULAS)
+
+
+class _Comm:
+    """A record stand-in with what :func:`frameworks.sent_bytes_per_step` reads."""
+
+    def __init__(self, world_size: int, by_caller: dict):
+        self.world_size, self.summary = world_size, {"comm": {"by_caller": by_caller}}
+
+
+def test_a_broadcast_is_sent_once_per_other_rank_averaged_over_the_ranks():
+    broadcasts = {"broadcast": {"step": {"count": 16, "bytes": 1000.0}}}
+    assert frameworks.sent_bytes_per_step(_Comm(2, broadcasts)) == 500  # each rank sends its own half
+    assert frameworks.sent_bytes_per_step(_Comm(4, broadcasts)) == 750
+    gather = {"all_gather_into_tensor": {"x": {"count": 1, "bytes": 250.0}}}  # each rank's shard
+    assert frameworks.sent_bytes_per_step(_Comm(4, gather)) == 750  # the same as the broadcasts of the shards
+    reduce = {"all_reduce": {"x": {"count": 2, "bytes": 1000.0}}}
+    assert frameworks.sent_bytes_per_step(_Comm(2, reduce)) == 1000  # 2 x 2(n-1)/n x 500
+
+
+def test_the_formulas_match_what_the_torchrun_runs_sent_and_hold(torch_runs):
+    runs = _labelled(torch_runs, **{"FSDP2 full, no-sync": torch_runs["fsdp2-no-sync"]})
+    for name, r in runs.items():
+        text, sent = frameworks.wire_formula(name, r.params, r.world_size, r.grad_accum)
+        assert frameworks.sent_bytes_per_step(r) == pytest.approx(sent, rel=1e-3), (name, text)
+        assert r.model_state_bytes(0) == pytest.approx(frameworks.states_formula(name, r.params, 2)[1], rel=1e-3)
+    ddp, zero1 = runs["DDP"], runs["DDP + ZeroRedundancyOptimizer"]
+    assert frameworks.sent_bytes_per_step(zero1) == pytest.approx(1.5 * frameworks.sent_bytes_per_step(ddp), rel=1e-3)

@@ -803,9 +803,9 @@ def exercise_cpu_checkpointing_block(answer: object) -> exercises.Verdict:
         "cpu_checkpointing block", answer, test,
         task="Predict the smallest activation_checkpointing section (a dict) that has DeepSpeed's checkpoint keep "
              "each layer's input in host memory: the settings it needs on, every other off.",
-        hint=f"the section's settings are {', '.join(block_settings())}; which of them does the copy to host "
-             "memory in CheckpointFunction.forward (deepspeed/runtime/activation_checkpointing/checkpointing.py) "
-             "test? The script's deepspeed-cpu run gives one section DeepSpeed accepts.")
+        hint=f"the section's settings are {', '.join(block_settings())}. In CheckpointFunction.forward "
+             "(deepspeed/runtime/activation_checkpointing/checkpointing.py), find the branch that moves the layer's "
+             "inputs to host memory: which settings does its condition read, and which belong to other branches?")
 
 
 def exercise_block_bytes(answer: object, runs: Mapping[str, Any]) -> exercises.Verdict:

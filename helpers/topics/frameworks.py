@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import gc
 import json
+import math
 import sys
 import textwrap
 import time
@@ -417,6 +418,7 @@ def zero1_reading(runs: Mapping[str, records.Record], rank: int = 0) -> str:
     calls = sum(row["count"] for row in step_broadcasts.values())
     sent = sum(row["bytes"] for row in step_broadcasts.values())
     gather = _op(theirs, "all_gather_into_tensor")
+    n = ours.world_size
     return "\n".join([
         f"Adam's states on rank {rank}: {mine['optimizer']:,} bytes with ZeroRedundancyOptimizer, {ds['optimizer']:,} "
         f"with DeepSpeed's ZeRO-1, {plain['optimizer']:,} with DDP alone; fp32 master copy: {mine['master']:,} and "
@@ -425,12 +427,13 @@ def zero1_reading(runs: Mapping[str, records.Record], rank: int = 0) -> str:
         f"({sent:,.0f} bytes as logged: every rank records every broadcast, as the root of the ones of the "
         f"parameters it owns and a receiver of the rest); DeepSpeed's ZeRO-1 adds one all-gather "
         f"({gather['bytes']:,.0f} bytes: this rank's shard).",
-        f"The wire column counts a broadcast's whole message on every rank (theory.wire_bytes), so for "
-        f"ZeroRedundancyOptimizer it shows {ours.comm.wire_bytes_per_step:,.0f} bytes a step"
-        + (f"; on 2 ranks only the root of a broadcast sends, so what a rank sends of them is its own parameters, "
-           f"{sent / 2:,.0f} bytes if they split evenly (PyTorch assigns whole parameters, largest first, each to "
-           f"the rank with the fewest elements so far): ZeRO-1's all-gather's share." if ours.world_size == 2
-           else ", more than a rank sends: the root of a broadcast sends it whole, the others relay or receive.")])
+        f"On the wire a broadcast leaves its owner and reaches each of the {n - 1} other rank(s) once: averaged over "
+        f"the {n} ranks, a rank sends (n-1)/n of the broadcast bytes, {(n - 1) / n * sent:,.0f} a step (the 'sent "
+        f"per rank' column); ZeRO-1's all-gather sends "
+        f"{theory.wire_bytes('all_gather', gather['bytes'], n):,.0f}: "
+        + ("the same: each rank's updated shard reaches every other rank once either way."
+           if math.isclose((n - 1) / n * sent, theory.wire_bytes("all_gather", gather["bytes"], n), rel_tol=0.01)
+           else "not the same here.")])
 
 
 def no_sync_reading(runs: Mapping[str, records.Record], rank: int = 0) -> str:
@@ -485,19 +488,51 @@ def losses_digits(runs: Mapping[str, records.Record], digits: int = 6) -> str:
     return records.format_table(rows, ["run", "losses"])
 
 
+#: Per run, its model states in fp32 as the bytes a parameter takes in weights, gradients, Adam's two moments and
+#: DeepSpeed's fp32 master copy, each with whether the run shards that part over the n ranks.
+STATE_FORMULAS: dict[str, tuple[tuple[int, bool], ...]] = {
+    "DDP": ((4, False), (4, False), (8, False), (0, False)),
+    "ZeRO-0": ((4, False), (4, False), (8, False), (0, False)),
+    "DDP + ZeroRedundancyOptimizer": ((4, False), (4, False), (8, True), (0, False)),
+    "ZeRO-1": ((4, False), (4, False), (8, True), (4, True)),
+    "ZeRO-2": ((4, False), (4, True), (8, True), (4, True)),
+    "FSDP2 grad-op": ((4, True), (4, True), (8, True), (0, False)),
+    "ZeRO-3": ((4, True), (4, True), (8, True), (4, True)),
+    "FSDP2 full": ((4, True), (4, True), (8, True), (0, False)),
+    "FSDP2 full, no-sync": ((4, True), (4, False), (8, True), (0, False)),
+}
+
+
+def states_formula(name: str, psi: int, world: int) -> tuple[str, float]:
+    """Run ``name``'s model states per rank in fp32 (:data:`STATE_FORMULAS`): the formula in Ψ and n, and its bytes."""
+    parts = [(c, sharded) for c, sharded in STATE_FORMULAS[name] if c]
+    text = " + ".join(f"{c}Ψ{'/n' if sharded else ''}" for c, sharded in parts)
+    return text, sum(c * psi / (world if sharded else 1) for c, sharded in parts)
+
+
+def symbols(runs: Mapping[str, records.Record]) -> str:
+    """What the chapter's formulas' symbols stand for in these runs: Ψ, n and A."""
+    r = next(iter(runs.values()))
+    return (f"Ψ = {r.params:,} parameters, n = {r.world_size} ranks, A = {r.grad_accum} micro-steps a step, "
+            f"{r['precision']}")
+
+
 def states_table(runs: Mapping[str, records.Record], rank: int = 0) -> str:
     """Measured bytes per rank: parameters, gradients, Adam's states, fp32 master copy (the model states),
-    communication buffers, and the model states against DDP's."""
+    communication buffers, the model states against DDP's, and each run's formula for them
+    (:func:`states_formula`) with the measured bytes over the formula's."""
     base = None
     rows = []
     for name, r in runs.items():
         states = r.states(rank)
         total = r.model_state_bytes(rank)
         base = base or total
-        rows.append([name, *(f"{states[k]:,}" for k in records.STATE_KEYS), f"{total:,}", f"{total / base:.2f}"])
+        text, expected = states_formula(name, r.params, r.world_size)
+        rows.append([name, *(f"{states[k]:,}" for k in records.STATE_KEYS), f"{total:,}", f"{total / base:.2f}",
+                     text, f"{total / expected:.3f}"])
     first = next(iter(runs))
     return records.format_table(rows, ["run", "params", "grads", "Adam", "master", "buffers", "model states",
-                                       f"vs {first}"])
+                                       f"vs {first}", "formula: weights + grads + Adam + master", "measured/formula"])
 
 
 def comm_table(runs: Mapping[str, records.Record]) -> str:
@@ -515,17 +550,59 @@ def comm_table(runs: Mapping[str, records.Record]) -> str:
     return records.format_table(rows, ["run", "collective", "issued by", "calls/step", "bytes/step"])
 
 
+def sent_bytes_per_step(record: records.Record) -> float:
+    """Bytes a rank sends per optimizer step, averaged over the ranks: each collective by the ring algorithm
+    (:func:`helpers.core.theory.wire_bytes`), except a broadcast. Its owner's message reaches the n-1 other
+    ranks, so the ranks together send it n-1 times, (n-1)/n of it a rank, whatever the route; ZeroRedundancyOptimizer
+    broadcasts each rank's shard from its owner, as an all-gather would."""
+    n = record.world_size
+    total = 0.0
+    for op, callers in record.summary["comm"]["by_caller"].items():
+        for row in callers.values():
+            if op.startswith("broadcast"):
+                total += (n - 1) / n * row["bytes"]
+            else:
+                total += theory.wire_bytes(op, row["bytes"] / row["count"], n) * row["count"] if row["count"] else 0
+    return total
+
+
+#: Per run, what it sends per optimizer step: (once per micro-step?, collective, elements in units of Ψ), each
+#: sent (n-1)/n per rank on a ring.
+WIRE_FORMULAS: dict[str, tuple[tuple[bool, str, int], ...]] = {
+    "DDP": ((False, "all-reduce", 2),),
+    "ZeRO-0": ((False, "all-reduce", 2),),
+    "DDP + ZeroRedundancyOptimizer": ((False, "all-reduce", 2), (False, "broadcasts", 1)),
+    "ZeRO-1": ((False, "all-reduce", 2), (False, "all-gather", 1)),
+    "ZeRO-2": ((True, "all-reduce", 2), (False, "all-gather", 1)),
+    "FSDP2 grad-op": ((True, "all-gather", 1), (True, "reduce-scatter", 1)),
+    "ZeRO-3": ((True, "all-gather", 1), (True, "reduce-scatter", 1)),
+    "FSDP2 full": ((True, "all-gathers", 2), (True, "reduce-scatter", 1)),
+    "FSDP2 full, no-sync": ((True, "all-gathers", 2), (False, "reduce-scatter", 1)),
+}
+
+
+def wire_formula(name: str, psi: int, world: int, accumulation: int, precision: str = "fp32") -> tuple[str, float]:
+    """Run ``name``'s bytes sent per rank and step (:data:`WIRE_FORMULAS`): the formula in Ψ and A, and its bytes."""
+    terms = WIRE_FORMULAS[name]
+    text = " + ".join(f"{'A x ' if per_micro else ''}{op} {'' if c == 1 else c}Ψ" for per_micro, op, c in terms)
+    elements = sum(c * psi * (accumulation if per_micro else 1) for per_micro, _, c in terms)
+    return text, elements * theory.ring_factor(world) * theory.bytes_per_element(precision)
+
+
 def summary_table(runs: Mapping[str, records.Record]) -> str:
-    """One row per run: collective calls per step, bytes per step, wire bytes per rank (ring), and wire bytes
-    against the paper's volume for the ZeRO stage (or PyTorch strategy) it matches."""
+    """One row per run: collective calls per step, bytes per step as logged, bytes one rank sends
+    (:func:`sent_bytes_per_step`), and the run's formula for them (:func:`wire_formula`) with sent over formula."""
     rows = []
     for name, r in runs.items():
         comm = r.summary["comm"]
         calls = sum(row["count"] for row in r.comm_ops().values())
-        rows.append([name, f"{calls:g}", f"{comm['bytes_per_step']:,.0f}", f"{comm['wire_bytes_per_step']:,.0f}",
-                     records.format_ratio(comm['wire_bytes_per_step'], r.theory.comm_wire_bytes_per_step)])
-    return records.format_table(rows, ["run", "calls/step", "bytes/step", "wire bytes/step (ring)",
-                                       "wire / paper's 2Ψ or 3Ψ"])
+        sent = sent_bytes_per_step(r)
+        text, expected = wire_formula(name, r.params, r.world_size, r.grad_accum, r["precision"])
+        rows.append([name, f"{calls:g}", f"{comm['bytes_per_step']:,.0f}", f"{sent:,.0f}", text,
+                     f"{sent / expected:.3f}"])
+    width = theory.bytes_per_element(next(iter(runs.values()))["precision"])
+    return records.format_table(rows, ["run", "calls/step", "bytes/step (logged)", "sent per rank",
+                                       f"formula, x (n-1)/n x {width} B", "sent/formula"])
 
 
 def timing_table(runs: Mapping[str, records.Record]) -> str:
@@ -552,16 +629,17 @@ ADVICE = {
 
 
 def pick_table(runs: Mapping[str, records.Record], baseline: str = "DDP") -> str:
-    """Which to pick: per run, model states per rank and wire bytes per step against ``baseline``, whether
+    """Which to pick: per run, model states per rank and bytes a rank sends per step (:func:`sent_bytes_per_step`)
+    against ``baseline``, whether
     its losses agree, and when it is the right choice."""
     base = runs[baseline]
     rows = []
     for name, r in runs.items():
         rows.append([name, f"{r.model_state_bytes() / base.model_state_bytes():.2f}x",
-                     records.format_ratio(r.comm.wire_bytes_per_step, base.comm.wire_bytes_per_step, suffix="x"),
+                     records.format_ratio(sent_bytes_per_step(r), sent_bytes_per_step(base), suffix="x"),
                      records.loss_agreement(base.losses, r.losses, r.summary["precision"]) if name != baseline else "-",
                      ADVICE.get(name, "")])
-    return records.format_table(rows, ["run", f"states vs {baseline}", f"wire bytes vs {baseline}", "losses",
+    return records.format_table(rows, ["run", f"states vs {baseline}", f"sent vs {baseline}", "losses",
                                        "pick it when"])
 
 
@@ -732,21 +810,22 @@ def bytes_per_step_figure(runs: Sequence[records.Record], title: str = "Bytes pe
 
 def tradeoff_figure(runs: Mapping[str, records.Record], baseline: str = "DDP",
                     title: str = "Memory against traffic: each run against DDP"):
-    """One point per run: model states per rank (x) and wire bytes per step (y), both against ``baseline``'s;
+    """One point per run: model states per rank (x) and bytes a rank sends per step (y, :func:`sent_bytes_per_step`),
+    both against ``baseline``'s;
     PyTorch's runs as circles, DeepSpeed's as squares. Left and low is cheap in both."""
     plt = plots.pyplot()
     base = runs[baseline]
     fig, ax = plt.subplots(figsize=(7.0, 4.2))
     for name, r in runs.items():
         x = r.model_state_bytes() / base.model_state_bytes()
-        y = r.comm.wire_bytes_per_step / base.comm.wire_bytes_per_step
+        y = sent_bytes_per_step(r) / sent_bytes_per_step(base)
         deepspeed = name.startswith("ZeRO-")
         ax.scatter(x, y, marker="s" if deepspeed else "o", s=50, color="#C44E52" if deepspeed else "#4C72B0")
         # PyTorch's labels above their points, DeepSpeed's below: neighbours such as DDP and ZeRO-0 coincide
         ax.annotate(name, (x, y), textcoords="offset points", xytext=(6, -11) if deepspeed else (6, 4), fontsize=7)
     ax.scatter([], [], marker="o", color="#4C72B0", label="PyTorch")
     ax.scatter([], [], marker="s", color="#C44E52", label="DeepSpeed")
-    ax.set(xlabel=f"model states per rank, x {baseline}'s", ylabel=f"wire bytes per step, x {baseline}'s",
+    ax.set(xlabel=f"model states per rank, x {baseline}'s", ylabel=f"bytes a rank sends per step, x {baseline}'s",
            title=title)
     ax.set_xlim(0.4, 1.15)
     ax.legend(fontsize=8, loc="upper right")
@@ -791,8 +870,9 @@ def exercise_zero_redundancy_bytes(answer: Any, runs: Mapping[str, records.Recor
               "step() each parameter's owner broadcasts it to the others. 4 bytes a number."),
         why=(f"Measured by the profiler: DDP all-reduces the whole gradients once ({grads:,} bytes), then every "
              f"parameter is broadcast by the rank that updated it (the same {grads:,} again), plus the few bytes "
-             "of DDP's bucket rebuild: twice DDP's traffic, where DeepSpeed's ZeRO-1 gathers only each rank's "
-             "shard."))
+             "of DDP's bucket rebuild: twice DDP's bytes as logged, because every rank logs every broadcast, "
+             "the ones it sends and the ones it receives; on the wire each leaves its owner only (the 'sent per "
+             "rank' column below)."))
 
 
 def exercise_zero1_config(answer: Any, runs: Mapping[str, records.Record], world_size: int = 2) -> exercises.Verdict:

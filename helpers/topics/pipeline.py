@@ -1089,8 +1089,8 @@ def exercise_p2p_bytes(answer: object, record: records.Record) -> exercises.Verd
         task=f"Predict the bytes stage 0 sends to stage 1 per optimizer step in the run '{record.name}': "
              f"M = {record['grad_accum']} micro-batches of b = {record['micro_batch']} samples, s = {shape.seq} "
              f"tokens, hidden size h = {shape.hidden}, {record['precision']} (within 1%).",
-        hint="what crosses a stage boundary per micro-batch on the way forward, and its size, from the first "
-             "paragraph of 'What travels between stages'; then count the micro-batches of one train_batch.",
+        hint="the quantity is the tensor stage 0's last decoder layer hands on, once for every micro-batch of "
+             "one train_batch: it has the shape of a decoder layer's input (chapter 10's checkpointed layer).",
         why=f"DeepSpeed's comms logger on rank 0: {sent['count']:g} send calls per step, {sent['bytes']:,.0f} bytes: "
             "one activation of b·s·h elements per micro-batch. The gradients of the same size come back (recv).")
 
@@ -1105,8 +1105,8 @@ def exercise_micro_batches(answer: object, stages: int = 4, share: float = 0.1) 
         "micro-batches", answer, fewest, absolute=0.5,
         task=f"Predict the fewest micro-batches M per step for which each stage of a {stages}-stage pipeline idles "
              f"less than {share:.0%} of its steps in DeepSpeed's schedule.",
-        hint="write the idle share of the grids above as a function of S and M (count a grid's steps and one "
-             "stage's computing steps), set it below the target and solve for M; M is a whole number.",
+        hint="the quantity is each stage's idle share, and the formula is the bubble of the key result; M is a "
+             "whole number.",
         why=f"(S-1)/(M+S-1) < {share:g} needs M > {(stages - 1) / share - (stages - 1):g}: M = {fewest} gives "
             f"{schedule_bubble(stages, fewest):.4f} in DeepSpeed's TrainSchedule, M = {fewest - 1} still "
             f"{schedule_bubble(stages, fewest - 1):.4f}. The S-1 idle steps at each end do not shrink; only more "
@@ -1175,8 +1175,7 @@ def exercise_partition(answer: object, name: str = "llama-gpu", num_stages: int 
              f"decoder layers between an embedding and a head: {len(layers)} pipeline layers) with a vocabulary "
              f"of {vocab:,} tokens, as LLaMA's.",
         hint="with this vocabulary the embedding and the head each hold far more parameters than a decoder layer; "
-             "ask of each option what it makes equal across stages, and which of those quantities is the one "
-             "the task names (the stage table above gives the layers' class names).")
+             "ask of each option of 'The stages' what it makes equal across stages.")
 
 
 # --- formulas ---------------------------------------------------------------------------------------

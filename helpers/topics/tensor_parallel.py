@@ -201,6 +201,59 @@ def collectives_table(record) -> str:
                                        "bytes each", "formula bytes"])
 
 
+#: The issuing functions of AutoTP's own collectives: the forward and backward of the layers it replaced.
+AUTOTP_CALLERS = ("forward", "backward")
+
+#: What the other collectives of an AutoTP step are, by issuing function (DeepSpeed 0.19.8).
+ONCE_A_STEP = {"allreduce_bucket": "the gradients, over the data-parallel group",
+               "clip_grad_norm_": "gradient clipping's norm, over the tensor-parallel group, then the data-parallel one"}
+
+
+def calls_breakdown(record) -> str:
+    """How the AutoTP run's collective calls per optimizer step follow from the model: the calls AutoTP's layers
+    issued per micro-step (measured) against L x (calls per decoder layer) + the LM head's (the passes of
+    :func:`tensor_parallel_collectives`), times the micro-steps, plus the calls DeepSpeed makes once a step, by
+    issuing function."""
+    shape, t = models.shape_of(record.model_name), shards(record)[0]["autotp_size"]
+
+    def formula(layers: int) -> dict[tuple[str, str], int]:
+        return {key: count for key, (count, _) in tensor_parallel_collectives(
+            layers, record["micro_batch"], shape.seq, shape.hidden, models.LM_VOCAB, t, record["precision"]).items()}
+
+    head, one = formula(0), formula(1)
+    per_layer = {key: one[key] - head[key] for key in one}
+    layer_parts = ", ".join(f"{op} in {where} {n}" for (op, where), n in per_layer.items() if n)
+    head_parts = ", ".join(f"{op} in {where} {n}" for (op, where), n in head.items() if n)
+    expected = sum(formula(shape.layers).values())
+    accum = record["grad_accum"]
+    by_caller = record.comm.by_caller
+    autotp = sum(row["count"] for callers in by_caller.values() for caller, row in callers.items()
+                 if caller in AUTOTP_CALLERS)
+    others = [(op, caller, row["count"]) for op, callers in by_caller.items() for caller, row in callers.items()
+              if caller not in AUTOTP_CALLERS and row["count"]]
+    total = sum(row["count"] for callers in by_caller.values() for row in callers.values())
+    return "\n".join([
+        f"{total:g} calls per step = {accum} micro-steps x {autotp / accum:g} calls of AutoTP's layers "
+        f"+ {sum(n for *_, n in others):g} once a step.",
+        f"Per micro-step, {autotp / accum:g} measured; the formula: {shape.layers} decoder layers x "
+        f"{sum(per_layer.values())} ({layer_parts}) + {sum(head.values())} for the LM head ({head_parts}) "
+        f"= {expected}.",
+        *(f"Once a step: {op} by {caller}, {n:g} ({ONCE_A_STEP.get(caller, 'not in the formula')})."
+          for op, caller, n in others)])
+
+
+def attention_heads(record) -> str:
+    """The attention heads of the AutoTP run's model (its transformers config) and the share one rank computes,
+    read from the rows of ``q_proj`` that rank holds."""
+    config = models.llama_config(models.llama_parts(record.model_name)[0])
+    heads, head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    ranks = shards(record)
+    rows = ranks[0]["params"]["model.layers.0.self_attn.q_proj.weight"]["shape"][0]
+    return (f"{heads} attention heads of {head_dim} (num_attention_heads in the model's config); rank 0's q_proj "
+            f"keeps {rows} of its {config.hidden_size} rows: {rows // head_dim} of the {heads} heads, on each of "
+            f"{len(ranks)} ranks.")
+
+
 def against_zero3_table(runs: Mapping, timings: bool = False) -> str:
     """AutoTP against ZeRO-3 on the same ranks and global batch: model states (rank 0), collective calls and
     bytes per optimizer step (logged; sent by rank 0 on a ring, beside the formula), and with ``timings``
