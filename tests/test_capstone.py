@@ -729,7 +729,8 @@ def test_every_candidates_spec_names_the_pages_initialize_and_step(monkeypatch):
     monkeypatch.setattr(capstone.launch, "sweep_retrying", lambda specs, **kw: seen.extend(specs) or ({}, []))
     pairs = [("baseline", capstone.CPU_BASELINE), *capstone.CPU_LADDER[0].propose(capstone.CPU_BASELINE)]
     found = capstone._launch_rung(0, capstone.CPU_LADDER[0], pairs, "tiny", 2, 2, "t", 60.0,
-                                  trainer="runs.16.capstone_rank:train_step", initialize="runs.16.capstone_rank:initialize")
+                                  trainer="runs.16.capstone_rank:train_step",
+                                  initialize="runs.16.capstone_rank:initialize")
     assert len(seen) == len(found) == 4
     assert {(s.builder, s.initialize, s.trainer) for s in seen} == {
         (capstone.BUILDER, "runs.16.capstone_rank:initialize", "runs.16.capstone_rank:train_step")}

@@ -59,7 +59,8 @@ import psutil
 from helpers.core import configs, environment, models, records
 from helpers.core import faults as course_faults
 from helpers.core import probes as probe_registry
-from helpers.core.plan import COURSE_MODELS, DATA_PARALLEL_STEP, DEEPSPEED_INITIALIZE, EVENT_PREFIX, STACK_SIGNAL, Plan, PlannedRun, resolve
+from helpers.core.plan import (COURSE_MODELS, DATA_PARALLEL_STEP, DEEPSPEED_INITIALIZE, EVENT_PREFIX, STACK_SIGNAL,
+                               Plan, PlannedRun, resolve)
 
 #: Where runs write their folders: ``$COURSE_RUNS_DIR`` when set, else ``runs/`` in the repository.
 RUNS_DIR = Path(os.environ.get("COURSE_RUNS_DIR") or environment.REPO_ROOT / "runs").resolve()
@@ -108,9 +109,10 @@ class RunSpec:
     :mod:`helpers.core.models`); a topic with its own way of training (a pipeline, the capstone) names its
     own. ``initialize`` names the function that wraps the model in DeepSpeed's engine,
     ``function(model, config, run) -> engine`` (default :func:`helpers.core.train.initialize`, the source
-    article's call); a chapter whose ranks need more arguments (Ulysses' ``mpu``) writes its own. ``task`` is ``"train"``, or ``"package.module:function"`` for other work on the ranks, whose
-    result comes back as a :class:`helpers.core.records.Record` when its ``summary.json`` is a run record,
-    else as the plain dict. ``model_options`` are keyword arguments of the builder.
+    article's call); a chapter whose ranks need more arguments (Ulysses' ``mpu``) writes its own. ``task`` is
+    ``"train"``, or ``"package.module:function"`` for other work on the ranks, whose result comes back as a
+    :class:`helpers.core.records.Record` when its ``summary.json`` is a run record, else as the plain dict.
+    ``model_options`` are keyword arguments of the builder.
 
     ``check=False`` skips the config checker (to let DeepSpeed itself show an error);
     ``client_optimizer=True`` passes ``torch.optim.AdamW`` to ``deepspeed.initialize`` as the source

@@ -41,8 +41,8 @@ class PlannedRun:
     probe classes (``"helpers.core.probes:Timing"``); ``trainer`` takes one optimizer step
     (``function(ctx, run, step, probes) -> micro-batch losses``); ``builder`` builds the model
     (``function(name, seed, config, **model_options) -> model``); ``initialize`` wraps it in DeepSpeed's engine
-    (``function(model, config, run) -> engine``: the call to ``deepspeed.initialize``); ``task`` is ``"train"`` or the import path of
-    other work (``function(run, position, count, born)``); ``before_training`` an optional hook
+    (``function(model, config, run) -> engine``: the call to ``deepspeed.initialize``); ``task`` is ``"train"`` or
+    the import path of other work (``function(run, position, count, born)``); ``before_training`` an optional hook
     (``function(engine, run) -> first step``). ``faults`` are the course's fault injections
     (:mod:`helpers.core.faults`), ``options`` settings that probes, tasks and hooks read.
     """

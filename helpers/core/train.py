@@ -20,9 +20,9 @@ with the run's probes (:mod:`helpers.core.probes`) called around it; rank 0 writ
 A run names what differs by import path (:func:`helpers.core.plan.resolve`): its trainer (one optimizer
 step; :func:`data_parallel_step` unless the run names another, such as a pipeline's ``train_batch``), its
 model builder, its ``initialize`` (the call to ``deepspeed.initialize``; :func:`initialize` unless the run
-names a chapter's own, which passes Ulysses' ``mpu``, say), a ``before_training`` hook (to load a checkpoint, say), or a whole task that is not
-DeepSpeed training (PyTorch's DDP and FSDP2, a collectives benchmark). Those share this loop and record
-through :func:`train_and_record`.
+names a chapter's own, which passes Ulysses' ``mpu``, say), a ``before_training`` hook (to load a checkpoint,
+say), or a whole task that is not DeepSpeed training (PyTorch's DDP and FSDP2, a collectives benchmark).
+Those share this loop and record through :func:`train_and_record`.
 
 One loss definition everywhere: the loss of an optimizer step is the mean of its micro-batch
 losses on a rank, averaged over the ranks. The ranks report their own; the launcher averages.

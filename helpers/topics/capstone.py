@@ -579,7 +579,8 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
     the best so far; a setting measured before is not trained again). Sets
     :data:`RANK_ENVIRONMENT` in this process (unless set) for the ranks. ``initialize`` and ``trainer``: the
     import paths of the call that makes every candidate's engine and of the step it trains with (chapter 16's
-    page module, :func:`page_code`; this module's :func:`initialize` and :func:`train_step` by default). Returns the :class:`Ladder`; every candidate's record is in ``runs/<name>/``.
+    page module, :func:`page_code`; this module's :func:`initialize` and :func:`train_step` by default). Returns
+    the :class:`Ladder`; every candidate's record is in ``runs/<name>/``.
     """
     for key, value in RANK_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
