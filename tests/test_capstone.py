@@ -226,7 +226,8 @@ def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypat
 
     launches = []
 
-    def fake_launch(index, rung, pairs, size, steps, world, name, timeout, prefix="", trainer=capstone.TRAINER):
+    def fake_launch(index, rung, pairs, size, steps, world, name, timeout, prefix="", trainer=capstone.TRAINER,
+                    initialize=capstone.INITIALIZE):
         launches.append([label for label, _ in pairs])
         return [capstone.Candidate(rung.name, label, s, f"{prefix}{index}-{i}", record=_FakeRecord(value(s)))
                 for i, (label, s) in enumerate(pairs)]
@@ -324,7 +325,8 @@ def test_candidates_failing_after_another_failed_are_trained_again_in_one_more_l
 def test_a_resumed_walk_proposes_again_what_failed_for_another_reason_than_memory(monkeypatch):
     proposed = []
 
-    def fake_launch(index, rung, pairs, size, steps, world, name, timeout, prefix="", trainer=capstone.TRAINER):
+    def fake_launch(index, rung, pairs, size, steps, world, name, timeout, prefix="", trainer=capstone.TRAINER,
+                    initialize=capstone.INITIALIZE):
         proposed.extend(label for label, _ in pairs)
         return [capstone.Candidate(rung.name, label, s, f"{prefix}{index}-{i}", record=_FakeRecord(100.0))
                 for i, (label, s) in enumerate(pairs)]
@@ -714,9 +716,36 @@ def test_failures_are_shown_without_a_cut_word_and_the_peak_note_once():
     assert not capstone.marks_peaks(capstone.key_ladder("2.7b", world_size=4))
 
 
-def test_page_trainer_names_the_chapter_modules_train_step(tmp_path, monkeypatch):
+def test_page_code_names_the_chapter_modules_initialize_and_train_step(tmp_path, monkeypatch):
     from helpers.core import environment
 
     monkeypatch.setattr(environment, "REPO_ROOT", tmp_path)
     path = tmp_path / "runs" / "16" / "capstone_rank.py"
-    assert capstone.page_trainer(path) == "runs.16.capstone_rank:train_step"
+    assert capstone.page_code(path) == ("runs.16.capstone_rank:initialize", "runs.16.capstone_rank:train_step")
+
+
+def test_every_candidates_spec_names_the_pages_initialize_and_step(monkeypatch):
+    seen = []
+    monkeypatch.setattr(capstone.launch, "sweep_retrying", lambda specs, **kw: seen.extend(specs) or ({}, []))
+    pairs = [("baseline", capstone.CPU_BASELINE), *capstone.CPU_LADDER[0].propose(capstone.CPU_BASELINE)]
+    found = capstone._launch_rung(0, capstone.CPU_LADDER[0], pairs, "tiny", 2, 2, "t", 60.0,
+                                  trainer="runs.16.capstone_rank:train_step",
+                                  initialize="runs.16.capstone_rank:initialize")
+    assert len(seen) == len(found) == 4
+    assert {(s.builder, s.initialize, s.trainer) for s in seen} == {
+        (capstone.BUILDER, "runs.16.capstone_rank:initialize", "runs.16.capstone_rank:train_step")}
+
+
+def test_initialize_compiles_the_engine_only_for_a_compiled_candidate(monkeypatch):
+    import types
+
+    import deepspeed
+    import torch
+
+    compiled = []
+    engine = types.SimpleNamespace(compile=lambda: compiled.append(True))
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: (engine, None, None, None))
+    for setting in (capstone.CPU_BASELINE, capstone.CPU_BASELINE.with_knobs("compile=true")):
+        run = types.SimpleNamespace(model_options=setting.model_options("tiny"))
+        assert capstone.initialize(torch.nn.Linear(1, 1), {}, run) is engine
+    assert compiled == [True]

@@ -223,7 +223,7 @@ deepspeed.initialize = remembered
 # each ZeRO stage on the MLP, then ZeRO-3 on the capstone's tiny model through engine.compile()
 cases = [(str(stage), stage, "mlp", {}, {}) for stage in range(4)]
 cases.append(("3 compiled", 3, capstone.MODEL, {"size": "tiny", "compile": True},
-              {"builder": capstone.BUILDER, "trainer": capstone.TRAINER}))
+              {"builder": capstone.BUILDER, "initialize": capstone.INITIALIZE, "trainer": capstone.TRAINER}))
 for name, stage, model, options, named in cases:
     out = os.path.join(sys.argv[1], name.replace(" ", "-"))
     os.makedirs(out)

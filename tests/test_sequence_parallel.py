@@ -69,9 +69,9 @@ def test_the_config_checker_counts_sequence_parallel_groups_in_the_batch_as_deep
     assert configs.deepspeed_parse({**config, "train_batch_size": 2}, 8) is None
 
 
-def test_the_builder_returns_the_model_alone_without_a_group_and_checks_its_options():
-    model = sp.build_model("llama", config={"train_micro_batch_size_per_gpu": 1})
-    assert model.config._attn_implementation == "sdpa"
+def test_the_builder_returns_the_model_alone_and_checks_its_options():
+    model = sp.build_model("llama", config={"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2})
+    assert model.config._attn_implementation == "sdpa"  # Ulysses is registered by initialize, not here
     assert sp.build_model("llama", seq=256).config.max_position_embeddings == 256
     with pytest.raises(ValueError, match="'seq'"):
         sp.check_options("llama", {"sequence": 8})
@@ -98,12 +98,14 @@ def test_rank_code_names_the_chapters_module_and_imports_it_fresh(tmp_path, monk
     monkeypatch.setattr(environment, "REPO_ROOT", tmp_path)
     module = tmp_path / "runs" / "chapter" / "rank_code_probe.py"
     module.parent.mkdir(parents=True)
-    module.write_text("def build_model(*a):\n    return 1\n\ndef train_step(*a):\n    return [1.0]\n")
-    builder, trainer = sp.rank_code(module)
-    assert (builder, trainer) == ("runs.chapter.rank_code_probe:build_model", "runs.chapter.rank_code_probe:train_step")
-    assert plan.resolve(builder)() == 1
+    module.write_text("def build_model(*a):\n    return 1\n\ndef initialize(*a):\n    return 3\n\n"
+                      "def train_step(*a):\n    return [1.0]\n")
+    code = sp.rank_code(module)
+    assert code == ("runs.chapter.rank_code_probe:build_model", "runs.chapter.rank_code_probe:initialize",
+                    "runs.chapter.rank_code_probe:train_step")
+    assert plan.resolve(code.builder)() == 1 and plan.resolve(code.initialize)() == 3
     module.write_text("def build_model(*a):\n    return 2\n\ndef train_step(*a):\n    return [2.0]\n")
-    assert plan.resolve(sp.rank_code(module)[0])() == 2  # an edited module is read again
+    assert plan.resolve(sp.rank_code(module).builder)() == 2  # an edited module is read again
     with pytest.raises(ValueError, match="inside"):
         sp.rank_code(tmp_path.parent / "elsewhere.py")
 
@@ -229,6 +231,40 @@ def test_the_pages_settings_reach_the_named_runs_and_an_unknown_run_is_refused(m
     assert "gradient_clipping" not in seen["data-parallel"].overrides
     with pytest.raises(ValueError, match="no such run"):
         sp.sequence_parallel_runs(world_size=2, settings={"ulyses": {}})
+
+
+def test_every_run_of_the_page_is_built_wrapped_and_trained_by_the_pages_three_functions(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(sp.launch, "sweep", lambda specs, **kw: seen.update(specs) or {})
+    page = sp.RankCode("runs.p:build_model", "runs.p:initialize", "runs.p:train_step")
+    sp.sequence_parallel_runs(world_size=2, code=page)
+    mine = {name: (s.builder, s.initialize, s.trainer) for name, s in seen.items() if name != "pipeline"}
+    assert mine and set(mine.values()) == {tuple(page)}
+    assert seen["pipeline"].initialize is None  # chapter 11's pipeline engine, made by the course's loop
+    fits = []
+    monkeypatch.setattr(sp.launch, "sweep_retrying", lambda specs, **kw: fits.extend(specs) or ({}, []))
+    sp.fit_runs(world_size=2, code=page)  # the GPU search: the same page functions
+    assert fits and {(s.builder, s.initialize, s.trainer) for s in fits} == {tuple(page)}
+
+
+def test_initialize_registers_ulysses_only_for_a_group_and_passes_its_mpu(monkeypatch):
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    calls = []
+    monkeypatch.setattr(UlyssesSPAttentionHF, "register_with_transformers",
+                        staticmethod(lambda **kw: calls.append(("register", kw)) or "the groups"))
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: calls.append(("initialize", kw)) or ("engine", 0, 0, 0))
+    model = sp.build_model("llama", seq=256)
+    run = types.SimpleNamespace(model="llama", model_options={"seq": 256, "attention": "eager"})
+    assert sp.initialize(model, {"train_micro_batch_size_per_gpu": 1}, run) == "engine"
+    assert [c[0] for c in calls] == ["initialize"] and calls[0][1]["mpu"] is None
+    calls.clear()
+    sp.initialize(model, {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2}, run)
+    (_, registered), (_, initialized) = calls
+    assert (registered["sequence_parallel_size"], registered["seq_length"], registered["core_attn_implementation"]) \
+        == (2, 256, "eager")
+    assert initialized["mpu"] == "the groups" and initialized["model"] is model
 
 
 def test_ulysses_gradients_travel_in_deepspeeds_sequence_parallel_communication_type():

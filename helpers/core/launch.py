@@ -59,7 +59,8 @@ import psutil
 from helpers.core import configs, environment, models, records
 from helpers.core import faults as course_faults
 from helpers.core import probes as probe_registry
-from helpers.core.plan import COURSE_MODELS, DATA_PARALLEL_STEP, EVENT_PREFIX, STACK_SIGNAL, Plan, PlannedRun, resolve
+from helpers.core.plan import (COURSE_MODELS, DATA_PARALLEL_STEP, DEEPSPEED_INITIALIZE, EVENT_PREFIX, STACK_SIGNAL,
+                               Plan, PlannedRun, resolve)
 
 #: Where runs write their folders: ``$COURSE_RUNS_DIR`` when set, else ``runs/`` in the repository.
 RUNS_DIR = Path(os.environ.get("COURSE_RUNS_DIR") or environment.REPO_ROOT / "runs").resolve()
@@ -106,9 +107,12 @@ class RunSpec:
     ``builder`` name, by import path, the function that takes one optimizer step and the one that builds
     the model (defaults: the data-parallel loop of :mod:`helpers.core.train` and the course's models of
     :mod:`helpers.core.models`); a topic with its own way of training (a pipeline, the capstone) names its
-    own. ``task`` is ``"train"``, or ``"package.module:function"`` for other work on the ranks, whose
-    result comes back as a :class:`helpers.core.records.Record` when its ``summary.json`` is a run record,
-    else as the plain dict. ``model_options`` are keyword arguments of the builder.
+    own. ``initialize`` names the function that wraps the model in DeepSpeed's engine,
+    ``function(model, config, run) -> engine`` (default :func:`helpers.core.train.initialize`, the source
+    article's call); a chapter whose ranks need more arguments (Ulysses' ``mpu``) writes its own. ``task`` is
+    ``"train"``, or ``"package.module:function"`` for other work on the ranks, whose result comes back as a
+    :class:`helpers.core.records.Record` when its ``summary.json`` is a run record, else as the plain dict.
+    ``model_options`` are keyword arguments of the builder.
 
     ``check=False`` skips the config checker (to let DeepSpeed itself show an error);
     ``client_optimizer=True`` passes ``torch.optim.AdamW`` to ``deepspeed.initialize`` as the source
@@ -143,6 +147,7 @@ class RunSpec:
     before_training: str | None = None
     trainer: str | None = None
     builder: str | None = None
+    initialize: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,6 +478,7 @@ class _Prepared:
     probes: tuple[str, ...] = ()  # references, as the plan keeps them
     trainer: str = DATA_PARALLEL_STEP
     builder: str = COURSE_MODELS
+    initialize: str = DEEPSPEED_INITIALIZE
 
 
 def _check_model(spec: RunSpec) -> str:
@@ -494,6 +500,11 @@ def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepar
     builder = _check_model(spec)
     trainer = spec.trainer or DATA_PARALLEL_STEP
     _function("trainer", trainer)
+    initialize = spec.initialize or DEEPSPEED_INITIALIZE
+    _function("initialize", initialize)
+    if spec.client_optimizer and initialize != DEEPSPEED_INITIALIZE:
+        raise ValueError(f"client_optimizer=True: the default initialize builds the client optimizer; "
+                         f"{initialize} makes its own engine, so pass the optimizer there")
     if spec.on_error not in ON_ERROR:
         raise ValueError(f"on_error={spec.on_error!r}: choose one of {', '.join(ON_ERROR)}")
     try:
@@ -523,7 +534,7 @@ def _prepare(spec: RunSpec, world: int, env: environment.Environment) -> _Prepar
     if spec.check:
         configs.check_or_raise(full, world, env, spec.client_optimizer, source=label)
     return _Prepared(label, spec, run_folder(spec, world), full,
-                     tuple(probe_registry.reference(c) for c in classes), trainer, builder)
+                     tuple(probe_registry.reference(c) for c in classes), trainer, builder, initialize)
 
 
 def _label(spec: RunSpec) -> str:
@@ -551,6 +562,7 @@ def _planned(p: _Prepared, plan_path: Path) -> PlannedRun:
     s = p.spec
     return PlannedRun(name=p.name, out=str(p.out), config=str(p.out / "ds_config.json"), model=s.model,
                       steps=s.steps, seed=s.seed, probes=list(p.probes), trainer=p.trainer, builder=p.builder,
+                      initialize=p.initialize,
                       task=s.task, client_optimizer=s.client_optimizer, cast_inputs=s.cast_inputs,
                       on_error=s.on_error, faults=dict(s.faults or {}), model_options=dict(s.model_options or {}),
                       options=dict(s.options or {}), before_training=s.before_training, plan=str(plan_path))

@@ -4,7 +4,7 @@ into ``plan.json`` and read back by every rank (:mod:`helpers.core.train`), the 
 Also here: the events the ranks send back on stdout (:func:`emit` writes them, the launcher parses lines
 that start with :data:`EVENT_PREFIX`), the signal that asks a hung rank for its stack, and how a name
 such as ``"helpers.topics.pipeline:train_step"`` becomes the function or class it names (:func:`resolve`):
-runs name their trainer, model builder, probes, task and hooks that way, so the core imports no topic.
+runs name their trainer, model builder, engine maker, probes, task and hooks that way, so the core imports no topic.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ ATOMIC_WRITE_BYTES = 4096
 #: Python stack (faulthandler), so a hang shows where it waited.
 STACK_SIGNAL = signal.SIGUSR1
 
-#: The default trainer and model builder of a run (:class:`PlannedRun`).
+#: The default trainer, model builder and engine maker of a run (:class:`PlannedRun`).
 DATA_PARALLEL_STEP = "helpers.core.train:data_parallel_step"
 COURSE_MODELS = "helpers.core.models:build"
+DEEPSPEED_INITIALIZE = "helpers.core.train:initialize"
 
 
 @dataclasses.dataclass
@@ -39,9 +40,9 @@ class PlannedRun:
     ``config`` is the path of the run's checked DeepSpeed config; ``probes`` the import paths of its
     probe classes (``"helpers.core.probes:Timing"``); ``trainer`` takes one optimizer step
     (``function(ctx, run, step, probes) -> micro-batch losses``); ``builder`` builds the model
-    (``function(name, seed, config, **model_options)``, returning the model or (model, more keyword
-    arguments of ``deepspeed.initialize``, such as ``mpu``)); ``task`` is ``"train"`` or the import path of
-    other work (``function(run, position, count, born)``); ``before_training`` an optional hook
+    (``function(name, seed, config, **model_options) -> model``); ``initialize`` wraps it in DeepSpeed's engine
+    (``function(model, config, run) -> engine``: the call to ``deepspeed.initialize``); ``task`` is ``"train"`` or
+    the import path of other work (``function(run, position, count, born)``); ``before_training`` an optional hook
     (``function(engine, run) -> first step``). ``faults`` are the course's fault injections
     (:mod:`helpers.core.faults`), ``options`` settings that probes, tasks and hooks read.
     """
@@ -55,6 +56,7 @@ class PlannedRun:
     probes: list[str]
     trainer: str = DATA_PARALLEL_STEP
     builder: str = COURSE_MODELS
+    initialize: str = DEEPSPEED_INITIALIZE
     task: str = "train"
     client_optimizer: bool = False
     cast_inputs: bool = True

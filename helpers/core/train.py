@@ -19,9 +19,10 @@ with the run's probes (:mod:`helpers.core.probes`) called around it; rank 0 writ
 
 A run names what differs by import path (:func:`helpers.core.plan.resolve`): its trainer (one optimizer
 step; :func:`data_parallel_step` unless the run names another, such as a pipeline's ``train_batch``), its
-model builder, a ``before_training`` hook (to load a checkpoint, say), or a whole task that is not
-DeepSpeed training (PyTorch's DDP and FSDP2, a collectives benchmark). Those share this loop and record
-through :func:`train_and_record`.
+model builder, its ``initialize`` (the call to ``deepspeed.initialize``; :func:`initialize` unless the run
+names a chapter's own, which passes Ulysses' ``mpu``, say), a ``before_training`` hook (to load a checkpoint,
+say), or a whole task that is not DeepSpeed training (PyTorch's DDP and FSDP2, a collectives benchmark).
+Those share this loop and record through :func:`train_and_record`.
 
 One loss definition everywhere: the loss of an optimizer step is the mean of its micro-batch
 losses on a rank, averaged over the ranks. The ranks report their own; the launcher averages.
@@ -136,6 +137,32 @@ def data_parallel_coords(engine) -> tuple[int, int]:
     return (dist.get_rank(group=group) if group is not None else dist.get_rank()), size
 
 
+def initialize(model: torch.nn.Module, config: dict, run: PlannedRun):
+    """The source article's ``deepspeed.initialize``: the run's engine (a run's default ``initialize``).
+    With ``run.client_optimizer``, ``torch.optim.AdamW`` is built here and passed in, as the article does."""
+    import deepspeed  # deferred: with the other DeepSpeed imports of the ranks (see main)
+
+    client_optimizer = None
+    if run.client_optimizer:
+        lr = config.get("optimizer", {}).get("params", {}).get("lr", 1e-4)
+        client_optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer,
+                                           model_parameters=None if client_optimizer else model.parameters(),
+                                           config=config)
+    return engine
+
+
+def make_engine(model: torch.nn.Module, config: dict, run: PlannedRun):
+    """The engine the run's ``initialize`` (an import path: :func:`initialize`, or a chapter's own) makes of
+    ``model``; it may return the engine or ``deepspeed.initialize``'s whole tuple."""
+    made = resolve(run.initialize)(model, config, run)
+    engine = made[0] if isinstance(made, tuple) else made
+    if not hasattr(engine, "backward") or not hasattr(engine, "step"):
+        raise TypeError(f"initialize {run.initialize!r} returned {type(engine).__name__}: return the engine "
+                        "deepspeed.initialize made (its first value)")
+    return engine
+
+
 def before_training(engine, run: PlannedRun) -> int:
     """The run's ``before_training`` hook, if it names one: ``function(engine, run)`` called after
     ``deepspeed.initialize`` and before the probes start (to load a checkpoint, say). It returns the
@@ -150,26 +177,15 @@ def before_training(engine, run: PlannedRun) -> int:
 
 def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
     """Train one run of the plan on this rank, write its record (rank 0), and tear its engine down."""
-    import deepspeed  # deferred: with the other DeepSpeed imports of the ranks (see main)
-    import deepspeed.comm as dist
+    import deepspeed.comm as dist  # deferred: with the other DeepSpeed imports of the ranks (see main)
 
     run_started = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
     config = run.read_config()
-    built = resolve(run.builder)(run.model, run.seed, config, **run.model_options)
-    # A builder returns the model, or (model, more keyword arguments of deepspeed.initialize): the ``mpu``
-    # whose groups sequence parallelism needs, say.
-    model, initialize_kwargs = built if isinstance(built, tuple) else (built, {})
-    del built  # the teardown below must hold the last references to the model
+    model = resolve(run.builder)(run.model, run.seed, config, **run.model_options)
     psi = models.count_parameters(model)
-    client_optimizer = None
-    if run.client_optimizer:
-        lr = config.get("optimizer", {}).get("params", {}).get("lr", 1e-4)
-        client_optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    # The three lines of the source article: wrap, then backward and step through the engine.
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer,
-                                           model_parameters=None if client_optimizer else model.parameters(),
-                                           config=config, **initialize_kwargs)
+    # The three lines of the source article: wrap (the run's initialize), then backward and step through the engine.
+    engine = make_engine(model, config, run)
     ctx = None  # holds the engine: dropped with it at teardown
     try:
         first_step = before_training(engine, run)
@@ -194,7 +210,7 @@ def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
         release_zero3_references(engine.module)
         # Every reference this frame holds goes before the collection: the engine sits in reference cycles
         # (its hooks), which only the collector frees, and a run's peak memory must not include the last run's.
-        del engine, model, client_optimizer, ctx
+        del engine, model, ctx
         # A pipeline or tensor-parallel engine leaves its groups in DeepSpeed's module globals (groups.mpu
         # and friends), which the next engine of a sweep would inherit: forget them (the process groups
         # themselves stay; every rank makes the same call, so later group creation stays in step).

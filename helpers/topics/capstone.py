@@ -124,7 +124,7 @@ def model_parameters(size: str) -> int:
 def build_model(name: str, seed: int = 0, config: dict | None = None, **options) -> torch.nn.Module:
     """The capstone model (a run's ``builder``), built on this rank's GPU where there is one (a 1.24B model
     initialises in a fraction of a second there, in many seconds on a CPU). ``options``: :data:`OPTIONS`
-    (``compile`` is applied by :func:`train_step`)."""
+    (``compile`` is applied by :func:`initialize`)."""
     from transformers import LlamaForCausalLM  # deferred: as above
 
     check_options(name, options)
@@ -149,16 +149,24 @@ build_model.check_options = check_options  # the launcher checks a run's model o
 build_model.data = DATA  # what a torchrun task trains this model on (helpers.topics.frameworks)
 
 
+def initialize(model: torch.nn.Module, config: dict, run: PlannedRun):
+    """The capstone's engine (a run's ``initialize``): ``deepspeed.initialize`` with the candidate's config, then
+    ``engine.compile()`` when the run's options ask for it (torch.compile compiles at the first forward, so the
+    compilation lands in the first, warm-up, step)."""
+    import deepspeed  # deferred: DeepSpeed is imported on the ranks, after the course chooses its accelerator
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if full_options(run.model_options)["compile"]:
+        engine.compile()
+    return engine
+
+
 def train_step(ctx: RunContext, run: PlannedRun, step: int, probes: list[Probe]) -> list[float]:
     """One optimizer step of the capstone model (a run's ``trainer``): ``grad_accum`` micro-steps of
-    forward, ``engine.backward``, ``engine.step`` on windows of the text corpus ``seq_len`` tokens long;
-    ``engine.compile()`` first when the run's options ask for it (its compilation lands in the first,
-    warm-up, step). Losses are read once per step, not per micro-step, so the host never waits for the
-    device mid-step."""
+    forward, ``engine.backward``, ``engine.step`` on windows of the text corpus ``seq_len`` tokens long.
+    Losses are read once per step, not per micro-step, so the host never waits for the device mid-step."""
     engine = ctx.engine
     options = full_options(run.model_options)
-    if step == 0 and options["compile"] and not engine.is_compiled:
-        engine.compile()
     losses = []
     for micro_step in range(ctx.grad_accum):
         indices = models.sample_indices(step, micro_step, ctx.rank, ctx.world_size, ctx.micro_batch, ctx.grad_accum)
@@ -173,17 +181,17 @@ def train_step(ctx: RunContext, run: PlannedRun, step: int, probes: list[Probe])
 
 
 #: How a run names them (:class:`helpers.core.launch.RunSpec`).
-BUILDER, TRAINER = reference_of(build_model), reference_of(train_step)
+BUILDER, INITIALIZE, TRAINER = reference_of(build_model), reference_of(initialize), reference_of(train_step)
 
 
-def page_trainer(path: str | Path) -> str:
-    """The import path of ``train_step`` in the module chapter 16 wrote at ``path`` (inside the repository, which
-    the ranks import from), as :func:`walk`'s ``trainer``; the module is made importable here too (the launcher
-    imports it to check it), an edited one read again."""
+def page_code(path: str | Path) -> tuple[str, str]:
+    """The import paths of ``initialize`` and ``train_step`` in the module chapter 16 wrote at ``path`` (inside the
+    repository, which the ranks import from), as :func:`walk`'s ``initialize`` and ``trainer``; the module is made
+    importable here too (the launcher imports it to check it), an edited one read again."""
     module = ".".join(Path(path).resolve().relative_to(environment.REPO_ROOT).with_suffix("").parts)
     environment.importable_repository()
     sys.modules.pop(module, None)
-    return f"{module}:train_step"
+    return f"{module}:initialize", f"{module}:train_step"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,7 +507,8 @@ def _estimate(history: list[tuple[float, int, bool]], count: int, compiles: bool
 
 
 def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], size: str, steps: int,
-                 world: int, name: str, timeout: float, prefix: str = "", trainer: str = TRAINER) -> list[Candidate]:
+                 world: int, name: str, timeout: float, prefix: str = "", trainer: str = TRAINER,
+                 initialize: str = INITIALIZE) -> list[Candidate]:
     """Train ``pairs`` in one launch; a candidate that fails (out of memory, say) is recorded, not fatal.
 
     A failure can leave the ranks unfit for what follows in the same processes (on 2 x H200 a compiled
@@ -513,7 +522,8 @@ def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], 
         candidates.append(Candidate(rung.name, label, setting, run_name))
         specs.append(launch.RunSpec(setting.config(world), model=MODEL, steps=steps, name=run_name,
                                     out=folder / run_name, probes=PROBES, on_error="record",
-                                    model_options=setting.model_options(size), builder=BUILDER, trainer=trainer))
+                                    model_options=setting.model_options(size), builder=BUILDER,
+                                    initialize=initialize, trainer=trainer))
     # the retried ones together: each compiled candidate alone would pay the compile's start again
     results, again = launch.sweep_retrying(specs, name=f"{name}/{prefix}{rung_index}-{rung.name}", world_size=world,
                                            timeout_each=timeout / len(specs), together=True)
@@ -559,7 +569,7 @@ def decide(measured: list[tuple[Candidate, float | None]], best_value: float, ma
 def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Setting | None = None,
          budget_s: float = 300, steps: int | None = None, world_size: int | None = None,
          name: str = "capstone", resume: dict | None = None, climb_again: Collection[str] = (),
-         trainer: str = TRAINER) -> Ladder:
+         trainer: str = TRAINER, initialize: str = INITIALIZE) -> Ladder:
     """Climb ``ladder`` from ``baseline`` with the capstone model of ``size`` within ``budget_s`` seconds.
 
     Defaults: on GPUs the 1.24B model would be ``size="1.2b"`` with :data:`GPU_LADDER` from
@@ -567,9 +577,10 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
     launch; the first also trains the baseline twice, which sets the noise margin. A walk that goes on
     from the ladder ``resume`` skips the rungs it climbed, except those named in ``climb_again`` (proposed anew from
     the best so far; a setting measured before is not trained again). Sets
-    :data:`RANK_ENVIRONMENT` in this process (unless set) for the ranks. ``trainer``: the import path of the
-    step every candidate trains with (chapter 16's page module, :func:`page_trainer`; this module's
-    :func:`train_step` by default). Returns the :class:`Ladder`; every candidate's record is in ``runs/<name>/``.
+    :data:`RANK_ENVIRONMENT` in this process (unless set) for the ranks. ``initialize`` and ``trainer``: the
+    import paths of the call that makes every candidate's engine and of the step it trains with (chapter 16's
+    page module, :func:`page_code`; this module's :func:`initialize` and :func:`train_step` by default). Returns
+    the :class:`Ladder`; every candidate's record is in ``runs/<name>/``.
     """
     for key, value in RANK_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
@@ -638,7 +649,7 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
         launched = time.monotonic()
         # the budget decides which rungs start; a started launch gets room (a loaded machine is slow)
         found = _launch_rung(index, rung, pairs, size, steps, world, name, timeout=max(300.0, min(left, 3 * estimate)),
-                             prefix=prefix, trainer=trainer)
+                             prefix=prefix, trainer=trainer, initialize=initialize)
         history.append((time.monotonic() - launched, len(pairs), any(s.compile for _, s in pairs)))
         seen.update(s for _, s in pairs)
         if best is None:

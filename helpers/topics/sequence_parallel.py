@@ -5,15 +5,16 @@ DeepSpeed 0.19.8 ships it for Hugging Face models as ``UlyssesSPAttentionHF``
 (``deepspeed.runtime.sequence_parallel.ulysses_sp``, part of Arctic Long Sequence Training):
 
 - :func:`build_model`, a run's builder: the course's LLaMA-style model with transformers' ``sdpa``
-  attention; with ``sequence_parallel_size`` above 1 in the config it calls
+  attention;
+- :func:`initialize`, a run's ``initialize``: with ``sequence_parallel_size`` above 1 in the config it calls
   ``UlyssesSPAttentionHF.register_with_transformers``, which puts Ulysses' wrapper in place of ``sdpa``
-  in transformers' attention table and makes the sequence-parallel groups, and returns the ``mpu`` that
-  ``deepspeed.initialize`` needs;
+  in transformers' attention table and makes the sequence-parallel groups (the ``mpu``), then
+  ``deepspeed.initialize(..., mpu=mpu)``;
 - :func:`train_step`, a run's trainer: each rank takes its slice of the tokens (with their global
   ``position_ids``), and the sequence's loss is the mean of the slices' losses, gathered with a
   differentiable all-gather, as DeepSpeed's ALST tutorial does ("Loss averaging",
   https://www.deepspeed.ai/tutorials/ulysses-alst-sequence-parallelism/);
-- :func:`rank_code`: the chapter writes these two functions on its page (``runs/12b/ulysses_rank.py``) and
+- :func:`rank_code`: the chapter writes these three functions on its page (``runs/12b/ulysses_rank.py``) and
   its launch runs that module; this module's copies serve the unit tests and any caller without a page;
 - :func:`findings`: what DeepSpeed and transformers refuse, checked before any process starts;
 - the formulas: :func:`all_to_all_calls` (every all-to-all of a step, and its bytes),
@@ -27,7 +28,7 @@ import functools
 import math
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -65,10 +66,19 @@ def reset_attention(attention: str = ATTENTION) -> None:
     _ORIGINAL_ATTENTION.setdefault(attention, _attention_table().get(attention))
 
 
-def rank_code(path: str | Path) -> tuple[str, str]:
-    """The import paths of ``build_model`` and ``train_step`` in the module the chapter wrote at ``path``
-    (inside the repository, which the ranks import from), as a RunSpec's ``builder`` and ``trainer``; the
-    module is made importable here too (the launcher imports both to check them)."""
+class RankCode(NamedTuple):
+    """The import paths of the three functions the ranks call, in order: a RunSpec's ``builder``,
+    ``initialize`` and ``trainer``."""
+
+    builder: str
+    initialize: str
+    trainer: str
+
+
+def rank_code(path: str | Path) -> RankCode:
+    """The import paths of ``build_model``, ``initialize`` and ``train_step`` in the module the chapter wrote at
+    ``path`` (inside the repository, which the ranks import from); the module is made importable here too (the
+    launcher imports them to check them)."""
     path = Path(path).resolve()
     try:
         relative = path.relative_to(environment.REPO_ROOT).with_suffix("")
@@ -78,7 +88,7 @@ def rank_code(path: str | Path) -> tuple[str, str]:
     environment.importable_repository()  # also finds a module written after the first import
     module = ".".join(relative.parts)
     sys.modules.pop(module, None)  # an edited module is read again
-    return f"{module}:build_model", f"{module}:train_step"
+    return RankCode(f"{module}:build_model", f"{module}:initialize", f"{module}:train_step")
 
 
 def check_options(name: str, options: dict) -> None:
@@ -98,8 +108,8 @@ def check_options(name: str, options: dict) -> None:
 def build_model(name: str, seed: int = 0, config: dict | None = None, seq: int | None = None,
                 attention: str = ATTENTION):
     """The LLaMA-style model ``name`` with transformers' ``attention`` (default ``sdpa``), for samples of ``seq``
-    tokens. With ``sequence_parallel_size`` > 1 in ``config``, Ulysses is registered with transformers
-    and this returns (model, {"mpu": the sequence-parallel groups}) for ``deepspeed.initialize``."""
+    tokens (``config`` is the run's, unused: a builder's signature). Ulysses is registered later, by
+    :func:`initialize`."""
     from transformers import LlamaForCausalLM  # deferred: slow, and most runs need none
 
     check_options(name, {"seq": seq} if seq else {})
@@ -109,22 +119,30 @@ def build_model(name: str, seed: int = 0, config: dict | None = None, seq: int |
     model_config._attn_implementation = attention
     model_config.max_position_embeddings = max(model_config.max_position_embeddings, seq)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(model_config)
-    size = (config or {}).get("sequence_parallel_size", 1)
-    if size <= 1:
-        return model
-    # deferred: DeepSpeed is imported on the ranks, after the course chooses its accelerator
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-
-    # The DeepSpeed call a learner's script makes: Ulysses' wrapper replaces ``attention`` in transformers'
-    # table, and the returned mpu holds the sequence-parallel groups.
-    mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=model, core_attn_implementation=attention, sequence_parallel_size=size,
-        micro_batch_size=config["train_micro_batch_size_per_gpu"], seq_length=seq, seq_length_is_variable=False)
-    return model, {"mpu": mpu}
+    return LlamaForCausalLM(model_config)
 
 
 build_model.check_options = check_options
+
+
+def initialize(model: torch.nn.Module, config: dict, run: PlannedRun):
+    """A run's ``initialize``: with ``sequence_parallel_size`` P > 1 in ``config``, register Ulysses with
+    transformers for the run's attention and sequence length (its wrapper replaces that attention in
+    transformers' table; the returned ``mpu`` holds the sequence-parallel groups), then
+    ``deepspeed.initialize(..., mpu=mpu)``. Returns the engine."""
+    # deferred: DeepSpeed is imported on the ranks, after the course chooses its accelerator
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    size = config.get("sequence_parallel_size", 1)
+    mpu = None
+    if size > 1:
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=model, core_attn_implementation=run.model_options.get("attention", ATTENTION),
+            sequence_parallel_size=size, micro_batch_size=config["train_micro_batch_size_per_gpu"],
+            seq_length=run.model_options.get("seq") or models.seq_len_of(run.model), seq_length_is_variable=False)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
+    return engine
 
 
 def token_slice(seq: int, size: int, rank: int) -> slice:
@@ -204,8 +222,8 @@ def cap_memory(engine, run: PlannedRun) -> int:
     return 0
 
 
-BUILDER = reference_of(build_model)
-TRAINER = reference_of(train_step)
+#: This module's copies of the page's three functions (the unit tests' and any caller's without a page).
+CODE = RankCode(reference_of(build_model), reference_of(initialize), reference_of(train_step))
 CAP_MEMORY = reference_of(cap_memory)
 PROBES = ("timing", "model_states", "peak_memory", "comm", activations.Activations, GradNorm)
 
@@ -322,9 +340,10 @@ GROWING = (256, 1024, 4096)
 
 
 def _run_spec(config: str, overrides: dict, size: str, steps: int, seq: int | None = None, probes=PROBES,
-          code: tuple[str, str] = (BUILDER, TRAINER), **kw) -> launch.RunSpec:
+          code: RankCode = CODE, **kw) -> launch.RunSpec:
     options = {"seq": seq} if seq else {}
-    return launch.RunSpec(config, model=size, steps=steps, probes=probes, builder=code[0], trainer=code[1],
+    return launch.RunSpec(config, model=size, steps=steps, probes=probes, builder=code.builder,
+                          initialize=code.initialize, trainer=code.trainer,
                           overrides=configs.merged(tensor_parallel.SMALL_BUCKETS, overrides),
                           model_options={**options, **kw.pop("model_options", {})}, **kw)
 
@@ -336,10 +355,10 @@ SCALE_SENSITIVE = {"gradient_clipping": 0.0, "optimizer": {"params": {"eps": 1.0
 
 def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, growing: Sequence[int] = GROWING,
                            world_size: int | None = None, precision: str = "fp32",
-                           code: tuple[str, str] = (BUILDER, TRAINER), settings: Mapping[str, dict] | None = None) -> dict:
+                           code: RankCode = CODE, settings: Mapping[str, dict] | None = None) -> dict:
     """One launch on N ranks (ZeRO-1 unless named, no accumulation unless said), every model with ``sdpa``,
-    built and trained by ``code`` (import paths of a builder and a trainer: the chapter's page, through
-    :func:`rank_code`, or this module's :func:`build_model` and :func:`train_step`):
+    built, wrapped and trained by ``code`` (:class:`RankCode`: the chapter's page, through :func:`rank_code`, or
+    this module's :data:`CODE`):
 
     - ``data-parallel`` and ``ulysses``: the same ``batch`` samples per step, split by samples (batch/N per
       rank) or by tokens (every sample, s/N tokens of it per rank): losses, gradient norms, all-to-alls;
@@ -402,7 +421,7 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
             raise ValueError(f"settings for {name!r}: no such run (one of {', '.join(specs)})")
         specs[name] = dataclasses.replace(specs[name], overrides=configs.merged(specs[name].overrides, extra))
     for name, spec in specs.items():
-        if spec.builder == code[0] and name != "ulysses-eager":
+        if spec.builder == code.builder and name != "ulysses-eager":
             _raise_on_errors(spec, world, name)
     return launch.sweep(specs, name=f"sequence-parallel-{size}", world_size=world_size)
 
@@ -435,7 +454,7 @@ FIT_CAP_GIB = 20.0
 
 def fit_runs(size: str = "llama-gpu", seqs: Sequence[int] = FIT_SEQUENCES, cap_gib: float = FIT_CAP_GIB,
              steps: int = 3, world_size: int | None = None,
-             code: tuple[str, str] = (BUILDER, TRAINER)) -> tuple[dict, list[str]]:
+             code: RankCode = CODE) -> tuple[dict, list[str]]:
     """On GPUs: bf16 ZeRO-1 runs of model ``size`` with one sample of each length in ``seqs`` per rank
     (``one-sequence-<s>``) and one sample split over all ranks by Ulysses (``ulysses-<s>``), each rank
     allowed ``cap_gib`` GiB (:func:`cap_memory`): peak memory as the sequence grows, and the longest that
@@ -879,7 +898,7 @@ def memory_rows(shape: models.LlamaShape, params: int, ranks: int, seq: int, pre
 REFERENCE = "sequence-parallel"
 
 
-def gpu_measurement(world_size: int | None = None, code: tuple[str, str] = (BUILDER, TRAINER),
+def gpu_measurement(world_size: int | None = None, code: RankCode = CODE,
                     settings: Mapping[str, dict] | None = None) -> Any:
     """On a GPU machine: this chapter's runs on ``llama-gpu`` in bf16 (:func:`sequence_parallel_runs`, no
     growing runs) and the search for the longest sequence (:func:`fit_runs`), kept as the reference
