@@ -5,10 +5,11 @@ coordinates of a sequence-parallel engine, the batch arithmetic of the config ch
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 
-from helpers.core import configs, models, theory, train
+from helpers.core import configs, load_guard, models, references, theory, train
 from helpers.topics import activations, sequence_parallel as sp
 
 OPTIMIZER = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -213,14 +214,81 @@ def test_the_formula_names_each_kind_of_all_to_all_only_when_their_sizes_differ(
     assert sp._bytes_each(fewer_kv) == f"queries and outputs {4 * 32 * 64:,}; keys and values {4 * 32 * 2 * 16:,}"
 
 
-def test_the_timing_verdict_needs_the_devices_alone_and_a_difference_beyond_the_spread():
-    def run(times):
-        return types.SimpleNamespace(timing=types.SimpleNamespace(all_s=times, median_s=sorted(times)[len(times) // 2]))
-    runs = {"ulysses-compare": run([2.0, 2.1, 2.2]), "zero3": run([0.3, 0.35, 0.4])}
-    assert "slower here" in sp.timing_verdict(runs, "executed by check-gpu, alone")
-    assert "withheld: not measured alone (not stated)" in sp.timing_verdict(runs, "not stated")
-    close = {"ulysses-compare": run([0.3, 0.5, 0.9]), "zero3": run([0.3, 0.35, 0.4])}
-    assert "is within the steps' spread (120%)" in sp.timing_verdict(close, "executed by check-gpu, alone")
+def _timed(times):
+    return types.SimpleNamespace(timing=types.SimpleNamespace(all_s=times, median_s=sorted(times)[len(times) // 2]))
+
+
+ALONE = load_guard.Load("gpu", 0, None, 2, 10.0, 20, "test")
+
+
+def test_the_timing_verdict_drops_the_warm_up_and_needs_the_devices_alone_a_repeat_and_a_gap_beyond_the_spread():
+    runs = {"zero3": _timed([9.0, 0.3, 0.35, 0.4]), "ulysses-compare": _timed([9.0, 2.0, 2.1, 2.2]),
+            sp.REPEAT: _timed([9.0, 0.3, 0.36, 0.4])}
+    given = sp.timing_verdict(runs, ALONE)
+    assert "2,100 ms against 350 ms (medians of 3 and 3 steps)" in given and "slower here, 6.00x" in given
+    busy = load_guard.Load("gpu", 1, 0.5, 2, 10.0, 20, "test")
+    assert "withheld: 1 other process used these GPUs" in sp.timing_verdict(runs, busy)
+    no_repeat = {k: v for k, v in runs.items() if k != sp.REPEAT}
+    assert "withheld: the sweep did not measure its first setting" in sp.timing_verdict(no_repeat, ALONE)
+    drifted = {**runs, sp.REPEAT: _timed([9.0, 0.6, 0.62, 0.64])}
+    assert "withheld: the machine changed during the sweep" in sp.timing_verdict(drifted, ALONE)
+    short = {k: _timed(v.timing.all_s[:3]) for k, v in runs.items()}  # two measured steps after the warm-up
+    assert "withheld: too few measured steps" in sp.timing_verdict(short, ALONE)
+    close = {**runs, "ulysses-compare": _timed([9.0, 0.3, 0.5, 0.9])}
+    assert "is within the steps' spread" in sp.timing_verdict(close, ALONE)
+
+
+def test_the_comparison_runs_keep_enough_steps_after_the_warm_up_and_zero3_is_measured_again_last(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(sp.launch, "sweep", lambda specs, **kw: seen.update(specs) or {})
+    sp.sequence_parallel_runs(world_size=2, steps=3)
+    assert list(seen)[-1] == sp.REPEAT
+    assert (seen[sp.REPEAT].config, seen[sp.REPEAT].overrides) == (seen["zero3"].config, seen["zero3"].overrides)
+    assert {seen[n].steps for n in (*sp.COMPARED, sp.REPEAT)} == {1 + load_guard.MIN_STEPS}
+    assert seen["data-parallel"].steps == 3
+    assert sp.timed_steps(6) == 6
+
+
+def _reference_runs() -> dict:
+    """The committed GPU reference's runs (2 x H200): what a GPU launch of the chapter returns."""
+    (_, _, _, runs), = references.reference_runs(sp.REFERENCE)
+    return runs
+
+
+def test_the_gpu_report_labels_this_run_and_judges_it_under_its_own_load():
+    runs = _reference_runs()
+    report = sp.run_report({**runs, sp.REPEAT: runs["zero3"]}, ALONE, Path("runs/reference/x.json"))
+    first = report.splitlines()[0]
+    assert first.startswith("THIS RUN, 2 x NVIDIA H200, ") and first.endswith("kept as runs/reference/x.json")
+    assert "COMMITTED" not in report and "Ulysses (sequence) + ZeRO-3 was slower here" in report
+    assert "verdict withheld: the sweep did not measure its first setting" in sp.run_report(runs, ALONE)
+
+
+def test_the_committed_reference_is_labelled_and_judged_by_the_same_rules_under_the_load_it_kept(monkeypatch, tmp_path):
+    report = sp.reference_report()
+    assert report.startswith("COMMITTED REFERENCE (2 x NVIDIA H200, 2026-11-28; ")
+    assert "verdict withheld: the sweep did not measure its first setting" in report  # measured without a repeat
+    runs = {**_reference_runs(), sp.REPEAT: _reference_runs()["zero3"]}
+    monkeypatch.setattr(references, "NEW_REFERENCE_DIR", tmp_path)
+    monkeypatch.setattr(references, "REFERENCE_DIR", tmp_path)
+    monkeypatch.delenv(references.CONDITIONS_VARIABLE, raising=False)
+    kept = sp.keep_reference(runs, ALONE)
+    assert kept.parent == tmp_path and references.reference_conditions(sp.REFERENCE)[0].startswith("not stated")
+    assert "Ulysses (sequence) + ZeRO-3 was slower here" in sp.reference_report()  # the kept load, not the conditions
+    sp.keep_reference(runs, load_guard.Load("gpu", 2, 0.9, 2, 10.0, 20, "test"))
+    assert "verdict withheld: 2 other processes used these GPUs" in sp.reference_report()
+
+
+def test_the_gpu_measurement_returns_the_runs_and_the_search_without_the_failed_ones(monkeypatch):
+    asked = {}
+    monkeypatch.setattr(sp, "sequence_parallel_runs",
+                        lambda **kw: asked.update(kw) or {"zero3": "record", "ulysses-eager": ValueError("eager")})
+    monkeypatch.setattr(sp, "fit_runs", lambda **kw: ({"ulysses-16384": "fit record",
+                                                       "one-sequence-65536": RuntimeError("CUDA out of memory")}, []))
+    runs = sp.gpu_measurement(world_size=2)
+    assert (asked["size"], asked["batch"], asked["precision"], asked["growing"]) == ("llama-gpu", 4, "bf16", ())
+    assert set(runs) == {"zero3", "fit: ulysses-16384", "fit outcomes"}
+    assert runs["fit outcomes"]["outcomes"] == {"ulysses-16384": "fits", "one-sequence-65536": "out of memory"}
 
 
 def test_the_pages_settings_reach_the_named_runs_and_an_unknown_run_is_refused(monkeypatch):

@@ -24,8 +24,10 @@ DeepSpeed 0.19.8 ships it for Hugging Face models as ``UlyssesSPAttentionHF``
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -348,6 +350,21 @@ def _run_spec(config: str, overrides: dict, size: str, steps: int, seq: int | No
                           model_options={**options, **kw.pop("model_options", {})}, **kw)
 
 
+#: The run that measures the comparison's first way (``zero3``) again at the end of the launch.
+REPEAT = "zero3-again"
+
+
+def timed_steps(steps: int) -> int:
+    """Steps of a timed run: ``steps``, or more where the warm-up (the first step) would leave fewer measured
+    steps than the load guard needs for a spread (:data:`helpers.core.load_guard.MIN_STEPS`)."""
+    return max(steps, 1 + load_guard.MIN_STEPS)
+
+
+def measured_s(record: records.Record) -> list[float]:
+    """A run's step times (seconds) after its first, which warms up (caches, allocators, kernels)."""
+    return record.timing.all_s[1:]
+
+
 #: A setting whose updates follow the gradient's scale: no clipping, and AdamW's eps as large as its gradients
 #: (Adam's step is g/(sqrt(v) + eps): with a tiny eps it does not depend on the scale of g).
 SCALE_SENSITIVE = {"gradient_clipping": 0.0, "optimizer": {"params": {"eps": 1.0}}}
@@ -372,7 +389,11 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
       (one sample per rank), ``autotp`` (chapter 12: every rank the same sample, N micro-steps),
       ``pipeline`` (chapter 11: one stage per rank, N micro-batches of one), ``ulysses-compare`` (one sample
       split over the ranks, N micro-steps, with ZeRO-3 for the model states, as Arctic Long Sequence Training runs it);
-    - ``ulysses-eager``: Ulysses asked to wrap eager attention (refused by DeepSpeed; recorded).
+    - ``ulysses-eager``: Ulysses asked to wrap eager attention (refused by DeepSpeed; recorded);
+    - :data:`REPEAT`: ``zero3`` again, last, for the load guard's check that the machine did not change during
+      the sweep (:func:`timing_verdict`).
+
+    The comparison runs take :func:`timed_steps` steps: a warm-up and enough measured steps for a spread.
 
     ``settings`` ({run name: DeepSpeed config keys}, the chapter's page) are merged last into the named runs.
     Each run's Ulysses constraints are checked first (:func:`findings`). Returns {run name: Record or RunFailed}."""
@@ -408,14 +429,16 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
         specs[f"one-sequence-{s}"] = _spec("zero1", batches(1), size, steps, s, MEMORY_PROBES)
         specs[f"ulysses-{s}"] = _spec("zero1", batches(1, **sp), size, steps, s, MEMORY_PROBES)
     compared = ("timing", "model_states", "peak_memory", "comm")
-    specs["zero3"] = _spec("zero3", batches(1), size, steps, probes=compared)
-    specs["autotp"] = _spec("zero1", batches(1, world, tensor_parallel={"autotp_size": world}), size, steps,
+    timed = timed_steps(steps)
+    specs["zero3"] = _spec("zero3", batches(1), size, timed, probes=compared)
+    specs["autotp"] = _spec("zero1", batches(1, world, tensor_parallel={"autotp_size": world}), size, timed,
                             probes=(*compared, activations.Activations))
-    specs["pipeline"] = launch.RunSpec("zero1", model=size + pipeline.SUFFIX, steps=steps, probes=compared,
+    specs["pipeline"] = launch.RunSpec("zero1", model=size + pipeline.SUFFIX, steps=timed, probes=compared,
                                        builder=pipeline.BUILDER, trainer=pipeline.TRAINER, overrides=batches(1, world))
-    specs["ulysses-compare"] = _spec("zero3", batches(1, world, **sp), size, steps, probes=compared)
+    specs["ulysses-compare"] = _spec("zero3", batches(1, world, **sp), size, timed, probes=compared)
     specs["ulysses-eager"] = _spec("zero1", batches(batch, **sp), size, 1, probes=(),
                                    model_options={"attention": "eager"}, on_error="record")
+    specs[REPEAT] = _spec("zero3", batches(1), size, timed, probes=("timing",))  # the machine, unchanged?
     for name, extra in (settings or {}).items():
         if name not in specs:
             raise ValueError(f"settings for {name!r}: no such run (one of {', '.join(specs)})")
@@ -714,13 +737,13 @@ def _moving(record: records.Record) -> list[tuple[str, dict]]:
 
 def comparison_rows(runs: Mapping[str, Any], names: Mapping[str, str] = COMPARED) -> list[dict]:
     """Per way of splitting, measured on rank 0: collective calls and bytes sent per step (:func:`_moving`),
-    model states, step time (median) and, on GPUs, peak memory."""
+    model states, step time (median after the warm-up, :func:`measured_s`) and, on GPUs, peak memory."""
     rows = []
     for name, label in names.items():
         r = runs[name]
         rows.append({"run": name, "label": label, "sent": sent_bytes_per_step(r),
                      "calls": sum(row["count"] for _, row in _moving(r)),
-                     "states": r.model_state_bytes(0), "step_s": r.timing.median_s,
+                     "states": r.model_state_bytes(0), "step_s": statistics.median(measured_s(r) or r.timing.all_s),
                      "peak": records.format_peak(r, 0) if r.device == "cuda" else None})
     return rows
 
@@ -748,7 +771,7 @@ def comparison_table(rows: Sequence[dict], timings: bool = False) -> str:
         table.append(row)
     headers = ["way of splitting", "calls/step (that send)", "bytes sent/step", "model states (rank 0)"]
     if timings:
-        headers += ["step ms"] + (["peak (max allocated)"] if rows and rows[0]["peak"] is not None else [])
+        headers += ["step ms (after warm-up)"] + (["peak (max allocated)"] if rows and rows[0]["peak"] is not None else [])
     return records.format_table(table, headers)
 
 
@@ -899,19 +922,30 @@ REFERENCE = "sequence-parallel"
 
 
 def gpu_measurement(world_size: int | None = None, code: RankCode = CODE,
-                    settings: Mapping[str, dict] | None = None) -> Any:
+                    settings: Mapping[str, dict] | None = None) -> dict:
     """On a GPU machine: this chapter's runs on ``llama-gpu`` in bf16 (:func:`sequence_parallel_runs`, no
-    growing runs) and the search for the longest sequence (:func:`fit_runs`), kept as the reference
-    ``sequence-parallel`` (:func:`helpers.core.references.save_reference`) with the search's outcomes.
-    Returns the file written."""
+    growing runs) and the search for the longest sequence (:func:`fit_runs`). Returns {run: record} with the
+    search's runs as ``fit: <run>`` and its ``fit outcomes``, failed runs left out: what :func:`run_report`
+    prints and :func:`keep_reference` keeps."""
     world = environment.detect(world_size).default_world_size
     runs = sequence_parallel_runs(size="llama-gpu", batch=2 * world, steps=4, growing=(), world_size=world_size,
                                   precision="bf16", code=code, settings=settings)
     fits, again = fit_runs(world_size=world_size, code=code)
-    kept = {**{k: v for k, v in runs.items() if not isinstance(v, Exception)},
+    return {**{k: v for k, v in runs.items() if not isinstance(v, Exception)},
             **{f"fit: {k}": v for k, v in fits.items() if not isinstance(v, Exception)},
             "fit outcomes": {"outcomes": fit_outcomes(fits), "cap_gib": FIT_CAP_GIB, "trained again": again,
                              "sequences": list(FIT_SEQUENCES)}}
+
+
+#: The entry of a reference that keeps the load recorded beside its launch (:func:`keep_reference`).
+LOAD_KEY = "load beside the run"
+
+
+def keep_reference(runs: Mapping[str, Any], load: load_guard.Load | None) -> Path | None:
+    """Keep :func:`gpu_measurement`'s ``runs`` and the ``load`` the page's watch recorded beside them as the
+    reference ``sequence-parallel`` (:func:`helpers.core.references.save_reference`); None on CPU."""
+    kept = {**runs, **({LOAD_KEY: dataclasses.asdict(load)} if load is not None else {})}
+    world = next(r.world_size for r in runs.values() if isinstance(r, records.Record))
     return references.save_reference(REFERENCE, kept, note=f"llama-gpu, bf16, {world} ranks; the search capped each "
                                                            f"rank at {FIT_CAP_GIB:g} GiB")
 
@@ -952,39 +986,62 @@ def fit_sentence(runs: Mapping[str, Any]) -> str:
     return "; ".join(parts) + f" (each GPU capped at {runs['fit outcomes']['cap_gib']:g} GiB)."
 
 
-def timing_verdict(runs: Mapping[str, Any], conditions: str, run: str = "ulysses-compare",
-                   baseline: str = "zero3") -> str:
+def timing_verdict(runs: Mapping[str, Any], load: load_guard.Load | None, run: str = "ulysses-compare",
+                   baseline: str = "zero3", again: str = REPEAT) -> str:
     """The course's load guard (:func:`helpers.core.load_guard.compare`) on ``run``'s step times against
-    ``baseline``'s: a verdict only where ``conditions`` say the runs had their devices to themselves
-    (:meth:`~helpers.core.load_guard.Load.from_conditions`) and the difference of the medians exceeds the spread
-    of the measured steps; otherwise withheld, with the reason."""
+    ``baseline``'s, each after its warm-up step (:func:`measured_s`), with ``baseline`` measured ``again`` at the
+    end of the launch as the sweep's repeat: a verdict only where ``load`` says the launch had its devices to
+    itself, the repeat stayed within the spread (a launch without it is withheld) and the difference of the
+    medians exceeds the spread of the measured steps; otherwise withheld, with the reason."""
     label, other = COMPARED.get(run, run), COMPARED.get(baseline, baseline)
-    verdict = load_guard.compare({other: runs[baseline].timing.all_s, label: runs[run].timing.all_s},
-                                 load_guard.Load.from_conditions(conditions))
-    head = (f"step time, {label} against {other}: {verdict.medians[1] * 1000:,.0f} ms against "
-            f"{verdict.medians[0] * 1000:,.0f} ms (medians), steps spread by up to {verdict.spread:.0%}")
+    repeat = measured_s(runs[again]) if again in runs else None
+    verdict = load_guard.compare({other: measured_s(runs[baseline]), label: measured_s(runs[run])}, load,
+                                 repeat=repeat, sweep=True)
+    head = (f"step time after the warm-up, {label} against {other}: {verdict.medians[1] * 1000:,.0f} ms against "
+            f"{verdict.medians[0] * 1000:,.0f} ms (medians of {len(measured_s(runs[run]))} and "
+            f"{len(measured_s(runs[baseline]))} steps), steps spread by up to {verdict.spread:.0%}")
     if not verdict.given:
         return f"{head}: verdict withheld: {verdict.withheld}"
     return (f"{head}: {label} was {'slower' if verdict.change[1] > 0 else 'faster'} here, "
             f"{verdict.ratio:.2f}x, more than the spread")
 
 
+def _report_body(runs: Mapping[str, Any], load: load_guard.Load | None) -> str:
+    """The GPU results of one launch: losses and gradient scales against data parallelism, the all-to-alls and
+    each way's bytes against their formulas, the comparison with timings and its :func:`timing_verdict` under
+    ``load``, and the longest-sequence search."""
+    body = "\n".join([equality_table(runs), scale_table(runs), scale_findings(runs), all_to_all_table(runs["ulysses"]),
+                      prediction_table(runs), comparison_table(comparison_rows(runs), timings=True),
+                      timing_verdict(runs, load), fit_table(runs), fit_sentence(runs)])
+    return body.replace(records.PEAK_NOTE, "<= : an upper bound (see How this was measured)")
+
+
+def run_report(runs: Mapping[str, Any], load: load_guard.Load | None, kept: Path | None = None) -> str:
+    """This launch's GPU results (:func:`gpu_measurement`), labelled as this run with its devices and the
+    ``load`` recorded beside it, and where they were ``kept``."""
+    first = next(r for r in runs.values() if isinstance(r, records.Record))
+    device = f"{first.world_size} x {first.device_name}"
+    where = f"; kept as {kept}" if kept else ""
+    return (f"THIS RUN, {device}, {datetime.date.today().isoformat()}{where}\n"
+            f"{load.describe() if load is not None else 'Load beside the run: not recorded.'}\n{_report_body(runs, load)}")
+
+
 def reference_report(name: str = REFERENCE) -> str:
-    """Every committed GPU result of this chapter: the losses and gradient scales against data parallelism, the
-    all-to-alls and each way's bytes against their formulas, the comparison with timings and its
-    :func:`timing_verdict`, and the longest-sequence search; or a plain statement that none is. Peaks that may
-    include earlier runs are marked ``<=`` (:data:`helpers.core.records.PEAK_NOTE`, printed in the chapter's
-    closing section)."""
+    """Every committed GPU result of this chapter, each labelled "committed reference (device, date)" with its
+    conditions, its results as :func:`run_report` prints a run's, and its timing verdict by the same rules: under
+    the load recorded beside it where the reference kept one (:data:`LOAD_KEY`), else under its written
+    conditions (:meth:`~helpers.core.load_guard.Load.from_conditions`); or a plain statement that none is.
+    Peaks that may include earlier runs are marked ``<=`` (:data:`helpers.core.records.PEAK_NOTE`, printed in
+    the chapter's closing section)."""
     found = references.reference_runs(name)
     if not found:
         return references.no_references(name, "")
     blocks = []
     for (device, date, note, runs), conditions in zip(found, references.reference_conditions(name)):
-        body = "\n".join([equality_table(runs), scale_table(runs), scale_findings(runs), all_to_all_table(runs["ulysses"]),
-                          prediction_table(runs), comparison_table(comparison_rows(runs), timings=True),
-                          timing_verdict(runs, conditions), fit_table(runs), fit_sentence(runs)])
-        body = body.replace(records.PEAK_NOTE, "<= : an upper bound (see How this was measured)")
-        blocks.append(f"Measured on {device}, {date} ({note}):\nConditions: {conditions}\n{body}")
+        load = (load_guard.Load.from_dict(runs[LOAD_KEY]) if LOAD_KEY in runs
+                else load_guard.Load.from_conditions(conditions))
+        blocks.append(f"COMMITTED REFERENCE ({device}, {date}; {note}):\nConditions: {conditions}\n"
+                      f"{_report_body(runs, load)}")
     return "\n\n".join(blocks)
 
 
