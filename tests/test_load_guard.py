@@ -186,3 +186,21 @@ def test_a_sweep_without_its_repeat_is_withheld():
     assert load_guard.compare(lists, ALONE, sweep=True, repeat=[0.201, 0.200, 0.202]).given
     slower = load_guard.compare(lists, ALONE, repeat=[0.300, 0.301, 0.300])
     assert "took 49% longer than at the start" in slower.withheld
+
+
+@pytest.mark.parametrize("conditions, alone", [
+    ("executed by check-gpu, alone", True),
+    ("the only GPU of a 1-GPU machine, nothing else running on it", True),
+    ("GPUs 0,1 of a 4 x NVIDIA H200 machine; check-gpu ran one notebook at a time here while notebooks 10-12 "
+     "executed on GPUs 2,3", True),
+    ("GPUs 2,3 of a 4-GPU machine; chapter 13's runs trained on the other two GPUs at the same time", True),
+    ("GPUs 2,3 of a 4 x NVIDIA H200 machine; the capstone ladder trained on GPUs 0,1 at the same time", True),
+    ("GPUs 2,3 of a 4 x NVIDIA H200 machine; check-gpu ran three notebooks at a time here while runs used GPUs 0,1",
+     False),
+    ("GPUs 2,3 of a 4 x NVIDIA H200 machine; another job trained on GPUs 1,2", False),  # shares GPU 2
+    ("GPUs 0,1, shared with the compression chapter's bytes runs at the same time", False),
+    ("executed by check-gpu beside 2 other notebook(s)", False),
+    (None, False),
+])
+def test_written_conditions_count_only_the_references_own_gpus(conditions, alone):
+    assert load_guard.Load.from_conditions(conditions).alone is alone

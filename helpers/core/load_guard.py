@@ -38,6 +38,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -118,10 +119,13 @@ class Load:
     @classmethod
     def from_conditions(cls, conditions: str | None, device: str = "gpu") -> "Load":
         """A committed reference's written conditions as a load: alone where they begin "alone" (the words
-        ``benchmarks/reference.py`` writes for a machine it had to itself) or end ", alone" (``check-gpu``'s for a
-        notebook executed by itself), else not alone, that text the reason."""
+        ``benchmarks/reference.py`` writes for a machine it had to itself), end ", alone" (``check-gpu``'s for a
+        notebook executed by itself), say "nothing else running on it", or say it had its own GPUs to itself
+        (:func:`own_gpus_alone`), else not
+        alone, that text the reason."""
         text = conditions or "not stated"
-        if text.startswith("alone") or "alone" in text.split(", "):
+        if (text.startswith("alone") or "alone" in text.split(", ") or "nothing else running on it" in text
+                or own_gpus_alone(text)):
             return cls(device, 0, None, 0, 0.0, 1, f"the reference's conditions: {text}")
         return cls(device, 1, None, 0, 0.0, 1, f"the reference's conditions: {text}",
                    note=f"not measured alone ({text})")
@@ -130,6 +134,20 @@ class Load:
     def unknown(cls, device: str = "cpu") -> "Load":
         """A load nobody recorded: every verdict on it is withheld."""
         return cls(device, 0, None, 0, 0.0, 0, "not recorded")
+
+
+def own_gpus_alone(conditions: str) -> bool:
+    """Whether written conditions say the run had its own GPUs to itself, as :func:`watch` counts it (only
+    processes on the run's GPUs): they open with its GPUs ("GPUs 2,3 of a 4 x ... machine"), say that one
+    notebook (or launch) at a time ran there, or that the work beside it ran on other GPUs only ("on GPUs 0,1",
+    "on the other two GPUs"), and never that it shared its GPUs or ran several notebooks at a time there."""
+    own = re.match(r"GPUs ([\d,]+) of a ", conditions)
+    if not own or re.search(r"shared|(?<!one) notebooks at a time here", conditions):
+        return False
+    mine = set(own.group(1).split(","))
+    others = [set(m.split(",")) for m in re.findall(r"on GPUs ([\d,]+)", conditions)]
+    beside = bool(others) or "on the other" in conditions
+    return (beside or "one notebook at a time here" in conditions) and all(not (o & mine) for o in others)
 
 
 # --- recording ---------------------------------------------------------------------------------
