@@ -657,15 +657,80 @@ def test_kept_path_prints_the_figures_each_gain_is_computed_from():
     assert "over 'best so far, again'" in capstone.kept_path(ladder)  # a resumed walk's yardstick is named
 
 
-def test_guarded_marks_kept_verdicts_unverified_only_where_the_machine_was_shared():
-    ladder = {"candidates": [{"verdict": "baseline"}, {"verdict": "kept: +181.2%"}, {"verdict": "dropped: -5.0%"}],
+def test_guarded_withholds_every_rule_verdict_only_where_the_machine_was_shared():
+    ladder = {"candidates": [{"verdict": "baseline"}, {"verdict": "kept: +181.2%"},
+                             {"verdict": "dropped: -5.0%, not above the 2.0% margin"}, {"verdict": "failed: OOM"}],
               "best_label": "cpu: checkpointing"}
     assert capstone.guarded(ladder, ALONE) == ladder
     shown = capstone.guarded(ladder, BUSY)
-    assert shown["candidates"][1]["verdict"] == f"kept (unverified: {BUSY.reason()}): +181.2%"
-    assert shown["candidates"][2]["verdict"] == "dropped: -5.0%"
-    assert shown["best_label"] == f"cpu: checkpointing (unverified: {BUSY.reason()})"
+    assert [c["verdict"] for c in shown["candidates"]] == [
+        "baseline", "withheld (load); the rule: +181.2%", "withheld (load); the rule: -5.0%", "failed: OOM"]
+    assert shown["withheld"] == BUSY.reason()
     assert ladder["candidates"][1]["verdict"] == "kept: +181.2%"  # the walk's own data is left as it was
+
+
+def test_a_summary_of_a_withheld_ladder_names_no_best_and_no_drop():
+    ladder = {"device": "CPU (2 cores)", "world_size": 2, "params": 10, "margin": 1.3, "target_mfu": 0.5,
+              "best_run": "b", "best_label": "cpu: x", "fsdp2": {"measured": False, "reason": "not run"},
+              "candidates": [{"run": "a", "verdict": "baseline", "metric": 1.0, "mfu": None, "comm_exposed_share": 0.5},
+                             {"run": "a2", "verdict": "baseline", "metric": 2.0, "mfu": None, "comm_exposed_share": 0.5},
+                             {"run": "b", "verdict": "kept: +50%", "metric": 3.0, "mfu": None, "changes": "x=1",
+                              "comm_exposed_share": 0.5}]}
+    assert "best: cpu: x" in capstone.summary(ladder)
+    text = capstone.summary(capstone.guarded(ladder, BUSY))
+    assert "verdicts withheld" in text and "best:" not in text and "no candidate beat" not in text
+    assert "1.5 (mean of its two runs)" in text
+
+
+def test_timing_check_says_when_the_baselines_two_runs_are_far_apart():
+    setting = capstone.CPU_BASELINE
+    far = capstone.Ladder("tiny", 1, 2, "cpu", setting, 60.0, spread=2 / 3, margin=4 / 3, candidates=[
+        capstone.Candidate("cpu", "baseline", setting, "a", record=_timed([9.0, 1.0, 1.01, 1.02])),
+        capstone.Candidate("cpu", "baseline, again", setting, "b", record=_timed([9.0, 2.0, 2.01, 2.02]))])
+    assert "ran 2.00x faster in one run than in the other" in capstone.timing_check(far, BUSY)
+    near = dataclasses.replace(far, spread=0.1, margin=0.2)
+    assert "faster in one run" not in capstone.timing_check(near, BUSY)
+
+
+def test_condensed_blocks_give_one_short_row_per_candidate_and_the_takeaway():
+    for entry in capstone.reference_ladders("1.2b") + capstone.reference_ladders("2.7b"):
+        block = capstone.condensed_block(entry).splitlines()
+        ladder = entry[4]
+        assert block[0] == f"{ladder['params'] / 1e9:.2f}B on {entry[0]}, {entry[1]}:"
+        assert len(block) == 1 + 2 + len(ladder["candidates"]) + 1 and block[-1] == capstone.takeaway(ladder)
+        assert all(len(line) < 120 for line in block[:-1])  # no failure message, no walk history
+    two = capstone.condensed_block(next(e for e in capstone.reference_ladders("2.7b") if e[4]["world_size"] == 2))
+    assert "failed: out of memory" in two and "failed: DistBackendError" in two and "kept +14.1%" in two
+
+
+def test_fsdp2_takeaways_compare_eager_with_eager_and_name_the_out_of_memory_runs():
+    ladders = [e[4] for e in capstone.reference_ladders("1.2b") + capstone.reference_ladders("2.7b")]
+    text = capstone.fsdp2_takeaways(ladders)
+    lines = text.splitlines()
+    assert len(lines) == len(ladders) + 1
+    two = capstone.fsdp2_takeaway(capstone.key_ladder("2.7b", world_size=2))
+    assert "FSDP2 full -2.3%, FSDP2 grad-op -0.3% against DeepSpeed's 413.1" in two  # the baseline's two runs' mean
+    assert "not all within the 2.0% margin" in two and "engine.compile() on that batch: 471.2" in two
+    assert two.endswith("on the best setting since, FSDP2 ran out of memory")
+    assert capstone.fsdp2_takeaway(capstone.key_ladder("2.7b", world_size=4)).endswith("FSDP2 ran out of memory")
+    assert "in 3 of 3 ladders" in lines[-1] and "14% to 16% ahead" in lines[-1]
+    assert "(2.70B on 2 GPU(s), 2.70B on 4 GPU(s))" in lines[-1]
+
+
+def test_overlap_line_sets_overlap_comm_beside_the_setting_it_started_from():
+    two = capstone.overlap_line(capstone.key_ladder("2.7b", world_size=2))
+    assert "without overlap 483.3 model TFLOP/s per GPU, peak 113 GiB; overlap_comm 451.3 (-6.6%)" in two
+    assert "slower by more than the margin; why is not measured" in two and "upper bound" in two
+    assert capstone.overlap_line(capstone.key_ladder("2.7b", world_size=4)) is None  # no overlap rung there
+    first = next(e[4] for e in capstone.reference_ladders("1.2b") if any(c["rung"] == "overlap" for c in e[4]["candidates"]))
+    assert "within the 2.0% margin" in capstone.overlap_line(first)
+
+
+def test_knobs_names_both_baselines_values():
+    line = next(x for x in capstone.knobs().splitlines() if x.startswith("micro_batch:"))
+    assert line == (f"micro_batch: int (GPU baseline {capstone.GPU_BASELINE.micro_batch}, "
+                    f"CPU baseline {capstone.CPU_BASELINE.micro_batch})")
+    assert capstone.GPU_BASELINE.micro_batch != capstone.CPU_BASELINE.micro_batch
 
 
 def test_warm_up_compares_each_baseline_runs_first_step_with_its_measured_ones():

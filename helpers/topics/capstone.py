@@ -889,7 +889,11 @@ def summary(ladder: dict) -> str:
     if start != usual:
         lines.append(f"the walk started from {start.changes_from(usual)} (--start), not the usual baseline: "
                      "'baseline' below is that setting")
-    if best["verdict"] == "baseline":
+    if ladder.get("withheld"):
+        value, mfu = base_value, _mean([c.get("mfu") for c in base])
+        lines.append(f"verdicts withheld: {ladder['withheld']}; the baseline's {unit} {value:.3g} "
+                     "(mean of its two runs), and no candidate is called kept or dropped")
+    elif best["verdict"] == "baseline":
         value, mfu = base_value, _mean([c.get("mfu") for c in base])
         lines.append(f"no candidate beat the baseline by more than the {ladder['margin']:.1%} margin: "
                      f"{unit} {value:.3g} (mean of its two runs)")
@@ -1141,7 +1145,8 @@ def ladder(ladder: dict, title: str | None = None, horizontal: bool = False):
     order they trained (readable for a long ladder)."""
     plt = plots.pyplot()
     rows = [c for c in ladder["candidates"] if "metric" in c]
-    colours = {"baseline": "#8C8C8C", "kept": "#55A868", "dropped": "#C44E52", "not eligible": "#DD8452"}
+    colours = {"baseline": "#8C8C8C", "kept": "#55A868", "dropped": "#C44E52", "not eligible": "#DD8452",
+               WITHHELD: "#C8C8C8"}
     size = (7.0, 1.0 + 0.26 * max(1, len(rows))) if horizontal else (1.2 + 0.9 * max(1, len(rows)), 3.8)
     fig, ax = plt.subplots(figsize=size)
     values = [c["metric"] for c in rows]
@@ -1204,11 +1209,143 @@ def reference_block(entry: tuple[str, str, str, str, dict]) -> str:
     return "\n".join(parts + [takeaway(gpu_ladder)])
 
 
+def _short_verdict(c: dict) -> str:
+    """A candidate's verdict in a few words: kept / dropped / not eligible with its gain, the reason a run
+    failed (out of memory, or its error's name), or baseline / the kept setting trained again."""
+    verdict = c["verdict"]
+    if verdict.startswith(AGAIN_VERDICT):
+        return AGAIN
+    if verdict.startswith("failed"):
+        if _out_of_memory(verdict):
+            return "failed: out of memory"
+        error = re.search(r"(\w+Error)", verdict)
+        return f"failed: {error.group(1) if error else 'error'}"
+    for word in ("kept", "dropped", "not eligible", WITHHELD):
+        if verdict.startswith(word):
+            return f"{word} {_gain(verdict)}"
+    return verdict
+
+
+def condensed_block(entry: tuple[str, str, str, str, dict]) -> str:
+    """One committed GPU ladder (an entry of :func:`reference_ladders`) in a few lines: its model, device and
+    date, one row per candidate (rung, candidate, model TFLOP/s per GPU, MFU, a short verdict), its takeaway.
+    :func:`reference_block` prints the whole record (peaks, exposed communication, failures, the walks)."""
+    device, date, _note, _conditions, gpu_ladder = entry
+    rows = [[c["rung"], c["label"], "-" if c.get("tflops_per_gpu") is None else f"{c['tflops_per_gpu']:.4g}",
+             _pct(c.get("mfu")), _short_verdict(c)] for c in gpu_ladder["candidates"]]
+    table = records.format_table(rows, ["rung", "candidate", "TFLOP/s/GPU", "MFU", "verdict"])
+    return "\n".join([f"{gpu_ladder['params'] / 1e9:.2f}B on {device}, {date}:", table, takeaway(gpu_ladder)])
+
+
+def _same_batch_run(ladder: dict, setting: dict, compiled: bool) -> dict | None:
+    """The measured DeepSpeed candidate that trained ``setting``'s samples without checkpointing, compiled or
+    eager (the baseline first, then the earliest other), or None."""
+    rows = [c for c in ladder["candidates"] if c.get("tflops_per_gpu") is not None
+            and _samples(c["setting"]) == _samples(setting) and bool(c["setting"].get("compile")) == compiled
+            and not c["setting"].get("checkpointing")]
+    return next((c for c in rows if c["verdict"] == "baseline"), rows[0] if rows else None)
+
+
+def _no_fsdp2_figure(reason: str) -> str:
+    return "ran out of memory" if _out_of_memory(reason) else f"has no figure ({whole_sentences(reason)})"
+
+
+def fsdp2_takeaway(ladder: dict) -> str:
+    """FSDP2 against DeepSpeed in one line, from a committed ladder: eager against eager on the batch FSDP2
+    trained (DeepSpeed's baseline: the mean of its two runs), each gap set against the ladder's margin, and
+    compiled DeepSpeed on that batch where the ladder measured it; or why FSDP2 has no figure there."""
+    where = f"{ladder['params'] / 1e9:.2f}B on {ladder['device']}"
+    fsdp2 = ladder.get("fsdp2") or {}
+    if not fsdp2.get("measured"):
+        return f"{where}: FSDP2 {_no_fsdp2_figure(fsdp2.get('reason', 'not run'))}"
+    setting = fsdp2["setting"]
+    line = f"{where}, micro batch {setting['micro_batch']} x accumulation {setting['grad_accum']}: "
+    eager = _same_batch_run(ladder, setting, compiled=False)
+    if eager is not None:
+        runs = [c for c in ladder["candidates"] if c["verdict"] == "baseline"] if eager["verdict"] == "baseline" \
+            else [eager]
+        ds = sum(c["tflops_per_gpu"] for c in runs) / len(runs)
+        gaps = [r["tflops_per_gpu"] / ds - 1 for r in fsdp2["runs"].values()]
+        within = all(abs(g) <= ladder["margin"] for g in gaps)
+        line += (f"eager against eager, " + ", ".join(f"{label} {g:+.1%}" for label, g in zip(fsdp2["runs"], gaps))
+                 + f" against DeepSpeed's {ds:.4g} model TFLOP/s per GPU, "
+                 + ("within" if within else "not all within") + f" the {ladder['margin']:.1%} margin")
+    compiled = _same_batch_run(ladder, setting, compiled=True)
+    if compiled is not None:
+        line += f"; DeepSpeed with engine.compile() on that batch: {compiled['tflops_per_gpu']:.4g} (FSDP2 ran eager only)"
+    if "latest" in fsdp2:
+        line += f"; on the best setting since, FSDP2 {_no_fsdp2_figure(fsdp2['latest']['reason'])}"
+    return line
+
+
+def overlap_line(ladder: dict) -> str | None:
+    """What ``overlap_comm`` did in a committed ladder, from its data: each measured overlap candidate's model
+    TFLOP/s per GPU and peak memory against the setting it started from (the kept setting trained again in its
+    launch, else the last kept or baseline candidate before it); None where no overlap candidate was measured.
+    The probes measure how much communication stayed exposed, not where a step's time went: the line says so."""
+    rows = ladder["candidates"]
+    tried = [i for i, c in enumerate(rows) if c.get("rung") == "overlap" and c.get("tflops_per_gpu") is not None
+             and c["setting"].get("overlap_comm")]
+    start = next((c for c in reversed(rows[:tried[0]]) if c.get("tflops_per_gpu") is not None
+                  and c["verdict"].startswith((AGAIN_VERDICT, "kept", "baseline"))), None) if tried else None
+    if start is None:
+        return None
+    parts, slower, bounded = [], False, False
+    for i in tried:
+        gain = rows[i]["tflops_per_gpu"] / start["tflops_per_gpu"] - 1
+        slower |= gain < -ladder["margin"]
+        larger = rows[i]["peak_bytes"] > start["peak_bytes"]
+        bounded |= larger and bool(rows[i].get("peak_upper_bound") or _memory_maybe_held_by_earlier(rows[i]))
+        parts.append(f"{rows[i]['label']} {rows[i]['tflops_per_gpu']:.4g} ({gain:+.1%}), peak {_peak(rows[i])}")
+    why = ("slower by more than the margin; why is not measured: the probes record how much communication stayed "
+           "exposed, not where a step's time went" if slower else f"within the {ladder['margin']:.1%} margin")
+    memory = (", and the larger peak is an upper bound (earlier runs of its launch may have held memory), so more "
+              "memory is not shown" if bounded else "")
+    return (f"{ladder['params'] / 1e9:.2f}B on {ladder['device']}, ZeRO-{start['setting']['stage']}: without overlap "
+            f"{start['tflops_per_gpu']:.4g} model TFLOP/s per GPU, peak {_peak(start)}; " + "; ".join(parts)
+            + f": {why}{memory}.")
+
+
+def fsdp2_takeaways(ladders: list[dict]) -> str:
+    """:func:`fsdp2_takeaway` for each committed ladder, then one line that sums them up from the same data: in how
+    many ladders FSDP2's eager runs came within the margin of DeepSpeed's eager ones, how far compiled DeepSpeed
+    ran ahead of FSDP2's best eager run on the same batch, and where FSDP2 ran out of memory."""
+    lines, within, compared, ahead, oom = [], 0, 0, [], []
+    for ladder in ladders:
+        lines.append(fsdp2_takeaway(ladder))
+        fsdp2 = ladder.get("fsdp2") or {}
+        where = f"{ladder['params'] / 1e9:.2f}B on {ladder['world_size']} GPU(s)"
+        for reason in (fsdp2.get("reason"), (fsdp2.get("latest") or {}).get("reason")):
+            if reason and _out_of_memory(reason):
+                oom.append(where)
+        if not fsdp2.get("measured"):
+            continue
+        eager = _same_batch_run(ladder, fsdp2["setting"], compiled=False)
+        best_fsdp2 = max(r["tflops_per_gpu"] for r in fsdp2["runs"].values())
+        if eager is not None:
+            compared += 1
+            runs = [c for c in ladder["candidates"] if c["verdict"] == "baseline"] \
+                if eager["verdict"] == "baseline" else [eager]
+            ds = sum(c["tflops_per_gpu"] for c in runs) / len(runs)
+            within += abs(best_fsdp2 / ds - 1) <= ladder["margin"]
+        compiled = _same_batch_run(ladder, fsdp2["setting"], compiled=True)
+        if compiled is not None:
+            ahead.append(compiled["tflops_per_gpu"] / best_fsdp2 - 1)
+    line = (f"Takeaway: eager against eager, FSDP2's faster strategy came within the ladder's margin of DeepSpeed in "
+            f"{within} of {compared} ladders")
+    if ahead:
+        line += (f"; DeepSpeed with engine.compile() ran {min(ahead):.0%} to {max(ahead):.0%} ahead of FSDP2's "
+                 "eager runs on the same batch (the course's FSDP2 code does not compile)")
+    if oom:
+        line += f"; FSDP2 ran out of memory on the setting DeepSpeed ended with ({', '.join(oom)})"
+    return "\n".join(lines + [line + "."])
+
+
 def knobs() -> str:
     """The knobs :meth:`Setting.with_knobs` accepts, read from :class:`Setting`'s fields, with their types and
-    the GPU baseline's values."""
-    return "\n".join(f"{f.name}: {f.type} (baseline {_short(getattr(GPU_BASELINE, f.name))})"
-                     for f in dataclasses.fields(Setting))
+    the values of both baselines, each named: the GPU ladder's and the CPU ladder's."""
+    return "\n".join(f"{f.name}: {f.type} (GPU baseline {_short(getattr(GPU_BASELINE, f.name))}, "
+                     f"CPU baseline {_short(getattr(CPU_BASELINE, f.name))})" for f in dataclasses.fields(Setting))
 
 
 def key_ladder(size: str = "2.7b", world_size: int = 2) -> dict | None:
@@ -1248,17 +1385,27 @@ def exercise_margin(answer: Any, ladder: dict) -> exercises.Verdict:
              "moves between two runs is not a gain."))
 
 
+#: The verdict column's entry for a candidate the rule judged while the load guard saw other processes
+WITHHELD = "withheld (load)"
+
+
 def guarded(ladder: dict, load: load_guard.Load) -> dict:
-    """``ladder`` (``Ladder.to_dict()``) with each "kept" verdict marked "kept (unverified: <why>)" where the
-    launch did not have its devices to itself (``load``): the rule kept it, the load guard cannot vouch for it."""
+    """``ladder`` (``Ladder.to_dict()``) as the chapter shows it beside the load its launch ran under: where the
+    launch did not have its devices to itself (``load``), every verdict the rule gave (kept, dropped, not
+    eligible) reads :data:`WITHHELD` instead, with the rule's figure after it, and ``withheld`` holds the load's
+    reason; alone, the ladder as it is. The walk's own data is left as it was."""
     if load.alone:
         return ladder
-    mark = f"kept (unverified: {load.reason()})"
-    candidates = [{**c, "verdict": mark + c["verdict"][len("kept"):]} if c["verdict"].startswith("kept") else c
-                  for c in ladder["candidates"]]
-    changed = any(c is not d for c, d in zip(candidates, ladder["candidates"]))
-    return {**ladder, "candidates": candidates,
-            "best_label": ladder["best_label"] + (f" {mark[len('kept '):]}" if changed else "")}
+    judged = ("kept", "dropped", "not eligible")
+    candidates = [{**c, "verdict": f"{WITHHELD}; the rule: {_gain(c['verdict'])}"}
+                  if c["verdict"].startswith(judged) else c for c in ladder["candidates"]]
+    return {**ladder, "candidates": candidates, "withheld": load.reason()}
+
+
+def _gain(verdict: str) -> str:
+    """The signed percentage a rule's verdict gives (``kept: +3.3%`` -> ``+3.3%``), or the verdict's first word."""
+    found = re.search(r"[+-]\d+(?:\.\d+)?%", verdict)
+    return found.group(0) if found else verdict.split(":")[0]
 
 
 def warm_up(ladder: Ladder, load: load_guard.Load) -> str:
@@ -1308,6 +1455,10 @@ def timing_check(ladder: Ladder, load: load_guard.Load) -> str:
                   "candidate is kept" if not load.alone else ""))
         lines.append(f"The baseline's two runs differ by {ladder.spread:.1%} of their mean, hence the "
                      f"{ladder.margin:.1%} margin: {why}.")
+        ratio = (1 + ladder.spread / 2) / (1 - ladder.spread / 2)  # the faster run over the slower
+        if ratio >= 1.5:
+            lines.append(f"The same setting ran {ratio:.2f}x faster in one run than in the other: a difference "
+                         "between candidates smaller than that says nothing about them.")
     for c in measured:
         if c is not base and c is not again:
             verdict = load_guard.compare({"baseline": _steps(base.record), c.label: _steps(c.record)}, load,
