@@ -134,7 +134,7 @@ def test_check_notebooks_names_the_failing_cell(tmp_path):
 
     good, bad = tmp_path / "01_good.ipynb", tmp_path / "02_bad.ipynb"
     verdicts = ("from helpers.core import load_guard\n"  # one verdict given, one withheld: the report counts them
-                "load_guard.compare({'a': [1.0, 1.01], 'b': [2.0, 2.02]}, load_guard.Load('cpu', 0, 0.0, 2, 1.0, 2, 't'))\n"
+                "load_guard.compare({'a': [1.0, 1.01, 1.0], 'b': [2.0, 2.02, 2.01]}, load_guard.Load('cpu', 0, 0.0, 2, 1.0, 2, 't'))\n"
                 "load_guard.compare({'a': [1.0], 'b': [2.0]}, load_guard.Load.unknown())")
     nbformat.write(new_notebook(cells=[new_code_cell("print('fine')"), new_code_cell(verdicts)]), good)
     nbformat.write(new_notebook(cells=[new_code_cell("x = 1"), new_code_cell("1 / 0"), new_code_cell("x")]), bad)
