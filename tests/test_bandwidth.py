@@ -613,8 +613,12 @@ def test_the_slow_link_table_names_its_links_and_explains_a_predicted_range():
     assert gpu[3].startswith("A range 'a .. b' is the prediction for the overlap_comm off/on runs")
 
 
-def test_the_reference_comparison_names_the_references_model_and_precision():
-    runs = bandwidth.logged_runs(references.reference_runs("bandwidth-nvlink")[0][3])
+def test_the_reference_comparison_and_worked_row_name_the_references_model_and_precision():
+    device, date, _, found = references.reference_runs("bandwidth-nvlink")[0]
+    runs = bandwidth.logged_runs(found)
     first = next(iter(runs.values()))
     assert bandwidth.reference_comparison().splitlines()[0].endswith(
         f"({first.model_name}, {first.precision}; not this run):")
+    zero0 = runs["zero0-acc4"]
+    assert bandwidth.reference_worked_row().startswith(
+        f"zero0-acc4 ({device}, {date}, {zero0.model_name} {zero0.precision}; not this run, 2 ranks), one optimizer step:")

@@ -984,7 +984,9 @@ def reference_worked_row(run: str = "zero0-acc4", name: str = "bandwidth-nvlink"
     if not found:
         return references.no_references(name, "run this notebook on a GPU machine to measure them.")
     device, date, _, runs = found[0]
-    return worked_row(runs[run], CommModel.from_benchmark(runs["collectives"]), f"{device}, {date}; not this run")
+    record = runs[run]
+    return worked_row(record, CommModel.from_benchmark(runs["collectives"]),
+                      f"{device}, {date}, {record.model_name} {record.precision}; not this run")
 
 
 def reference_what_if_table(name: str = "bandwidth-nvlink") -> str:
