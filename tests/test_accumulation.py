@@ -69,6 +69,13 @@ def test_comm_table_gives_bytes_per_sample_relative_to_accumulation_one():
     assert "4 x 4 x 2 = 32" in lines[3] and "all_gather:1 all_reduce:5" in lines[3]
 
 
+def test_comm_table_short_names_drop_every_tensor_suffix():
+    rs = "reduce_scatter_tensor"
+    runs = {(3, 4): _run(3, 4, 4, {AG: (4, 4000), rs: (4, 8000)})}
+    assert "all_gather:4 reduce_scatter_tensor:4" in accumulation.comm_table(runs)
+    assert "all_gather:4 reduce_scatter:4" in accumulation.comm_table(runs, short_names=True)
+
+
 def test_where_table_reads_the_phases_off_the_boundary_on_it_and_in_the_optimizer_step():
     ar = {AR: {"count": 1, "bytes": 2000, "seconds": 0.001}}
     phases = {"micro-step 1": ar, "micro-step 2": ar, "micro-step 3": ar, "micro-step 4": ar,

@@ -203,9 +203,9 @@ def _row(name: str, each: list[float], predicted: float) -> dict:
 
 
 def test_the_models_error_is_stated_only_beyond_the_steps_spread_and_alone():
-    rows = [_row("zero1-acc4", [0.010, 0.011], 0.020), _row("zero2-acc4", [0.010, 0.014], 0.0125)]
+    rows = [_row("zero1-acc4", [0.010, 0.0105, 0.011], 0.020), _row("zero2-acc4", [0.010, 0.012, 0.014], 0.0125)]
     lines = bandwidth.model_verdict_summary(rows, ALONE).splitlines()
-    assert lines[0] == ("zero1-acc4: the model predicted +90% against the measured time, beyond the spread of its 2 "
+    assert lines[0] == ("zero1-acc4: the model predicted +90% against the measured time, beyond the spread of its 3 "
                         "measured steps (10%).")
     assert lines[1].startswith("zero2-acc4: withheld: the difference (4%) is within the steps' spread (33%)")
     assert lines[2] == "The model's error exceeded the steps' spread in 1 of 2 runs; it predicted less than measured in 0 of them."
@@ -245,7 +245,7 @@ def test_the_slow_link_plan_says_why_it_skips(monkeypatch):
 def test_accumulation_is_judged_per_sample_through_the_load_guard():
     def row(accum, batch, fast, slow):
         return {"name": f"zero1-acc{accum}", "accum": accum, "batch": batch, "fast_each_s": fast, "slow_each_s": slow}
-    rows = [row(1, 8, [0.100, 0.101], [0.400, 0.402]), row(4, 32, [0.200, 0.202], [0.420, 1.600])]
+    rows = [row(1, 8, [0.100, 0.1005, 0.101], [0.400, 0.401, 0.402]), row(4, 32, [0.200, 0.201, 0.202], [0.420, 1.010, 1.600])]
     lines = bandwidth.accumulation_verdicts(rows, ALONE).splitlines()
     assert lines[0] == "ZeRO-1, accumulation 4 against 1, over the fast link: 2.00x the samples/s, beyond the steps' spread (1%)."
     assert lines[1].startswith("ZeRO-1, accumulation 4 against 1, over the slow link: withheld: the difference")
@@ -352,6 +352,8 @@ def test_the_caller_table_names_deepspeeds_function_per_call():
                                                     "clip_grad_norm_": {"count": 1.0, "bytes": 4.0}}}}
     table = bandwidth.caller_table({"zero0-acc4": records.Record(summary)}, reference=None).splitlines()
     assert len(table) == 4
+    assert table[0].split()[:5] == ["measured", "on", "run", "model", "precision"]
+    assert table[2].split()[:4] == ["this", "run", "zero0-acc4", "mlp"]
     assert table[2].split()[-3:] == ["allreduce_bucket", "1", "2,000,000"]
     assert table[3].split()[-3:] == ["clip_grad_norm_", "1", "4"]
 
@@ -471,7 +473,9 @@ def test_the_accumulation_floor_explains_each_ratio_below_one_from_the_computati
         return {"name": f"zero1-acc{accum}", "accum": accum, "batch": batch, "fast_s": fast, "slow_s": slow,
                 "compute_s": compute}
     above = [row(1, 8, 0.020, 0.150, 0.015), row(4, 32, 0.070, 0.250, 0.060)]
-    assert bandwidth.accumulation_floor(above).endswith("Every ratio here is at or above that floor.")
+    assert bandwidth.accumulation_floor(above).splitlines() == [
+        "The model's floor is 1x: an accumulation-4 step does no more work and no more collectives than four "
+        "accumulation-1 steps.", "Every ratio here is at or above it."]
     slower = [row(1, 8, 0.020, 0.150, 0.015), row(4, 32, 0.120, 0.250, 0.100)]  # 0.67x over the fast link
     lines = bandwidth.accumulation_floor(slower).splitlines()
     assert len(lines) == 2 and lines[1].startswith("ZeRO-1 over the fast link, 0.67x: its accumulation-4 step took "
@@ -483,7 +487,8 @@ def test_the_accumulation_floor_explains_each_ratio_below_one_from_the_computati
 
 
 def test_stage_pair_compares_two_runs_on_one_link_through_the_load_guard():
-    rows = [{"name": "zero1-acc1", "fast_each_s": [0.100, 0.102]}, {"name": "zero2-acc1", "fast_each_s": [0.050, 0.051]}]
+    rows = [{"name": "zero1-acc1", "fast_each_s": [0.100, 0.101, 0.102]},
+            {"name": "zero2-acc1", "fast_each_s": [0.050, 0.0505, 0.051]}]
     assert bandwidth.stage_pair(rows, ALONE).startswith("zero2-acc1 against zero1-acc1 on the fast link: zero2-acc1 is "
                                                         "faster")
     assert "withheld: other processes (3)" in bandwidth.stage_pair(rows, BUSY)
@@ -565,3 +570,55 @@ def test_the_reference_fit_is_read_and_drawn_with_its_device_and_date():
     figure = bandwidth.reference_alpha_beta()
     assert figure.axes[0].get_title() == f"GPU reference: {device_date} (NCCL; not this run)"
     assert bandwidth.reference_alpha_beta("no-such-reference") is None
+
+
+def _share_rows(shares: dict, calls: dict, link: str = "10 Gb/s") -> list[dict]:
+    """What-if rows (:func:`bandwidth.what_if`'s shape) at one slow link and one fast one: (stage, accum) -> share."""
+    found = []
+    for (stage, accum), share in shares.items():
+        p = bandwidth.StepProfile("p", stage, accum, 4, 2, 0.01, {"all_reduce": {"count": calls[(stage, accum)], "bytes": 1}})
+        found += [{"profile": p, "link": link, "bandwidth": 1.25e9, "comm_share": share},
+                  {"profile": p, "link": "NVLink 4", "bandwidth": 450e9, "comm_share": share / 10}]
+    return found
+
+
+def test_the_accumulation_share_reading_compares_zero1_and_zero2_at_the_slowest_link():
+    rows = _share_rows({(1, 1): 0.92, (1, 4): 0.80, (2, 1): 0.92, (2, 4): 0.91},
+                       {(1, 1): 4, (1, 4): 4, (2, 1): 4, (2, 4): 7})
+    assert bandwidth.accumulation_share_reading(rows) == (
+        "At 10 Gb/s, accumulation 4 against 1 takes ZeRO-1's share of the step spent communicating from 92% to 80%, "
+        "and ZeRO-2's only from 92% to 91%: collective calls per optimizer step, ZeRO-1 4 either way, ZeRO-2 7 against "
+        "4, since it all-reduces the gradients in every micro-step.")
+    more = _share_rows({(1, 1): 0.50, (1, 4): 0.45, (2, 1): 0.50, (2, 4): 0.30},
+                       {(1, 1): 3, (1, 4): 4, (2, 1): 3, (2, 4): 6})
+    assert "and ZeRO-2's from 50% to 30%" in bandwidth.accumulation_share_reading(more)
+    assert "ZeRO-1 4 against 3" in bandwidth.accumulation_share_reading(more)
+    assert bandwidth.accumulation_share_reading(rows[:4]) == ""  # no ZeRO-2 rows: nothing to compare
+    assert "\nAt 10 Gb/s, accumulation 4 against 1" in bandwidth.reference_what_if()
+
+
+def _link_row(name: str, nominal: float | None, bound: float | None) -> dict:
+    return {"name": name, "batch": 32, "fast_s": 0.1, "slow_s": 0.4, "predicted_s": 0.5, "nominal_s": nominal,
+            "overlap_bound_s": bound}
+
+
+def test_the_slow_link_table_names_its_links_and_explains_a_predicted_range():
+    plain = bandwidth.slow_link_table([_link_row("zero1-acc4", 0.45, None)]).splitlines()
+    assert "fast link step ms" in plain[0] and "set-rate step ms" in plain[0] and plain[2].split()[-3] == "450"
+    assert len(plain) == 3  # no range, no line under the table
+    gpu = bandwidth.slow_link_table([_link_row("zero2-acc4-overlap-on", None, 0.3)], "NVLink", "sockets").splitlines()
+    assert gpu[0].split() == ["run", "batch", "NVLink", "step", "ms", "sockets", "step", "ms", "predicted", "step", "ms",
+                              "samples/s", "NVLink", "samples/s", "sockets"]  # no set rate: no column for it
+    assert gpu[2].split()[4:7] == ["300", "..", "500"]
+    assert gpu[3].startswith("A range 'a .. b' is the prediction for the overlap_comm off/on runs")
+
+
+def test_the_reference_comparison_and_worked_row_name_the_references_model_and_precision():
+    device, date, _, found = references.reference_runs("bandwidth-nvlink")[0]
+    runs = bandwidth.logged_runs(found)
+    first = next(iter(runs.values()))
+    assert bandwidth.reference_comparison().splitlines()[0].endswith(
+        f"({first.model_name}, {first.precision}; not this run):")
+    zero0 = runs["zero0-acc4"]
+    assert bandwidth.reference_worked_row().startswith(
+        f"zero0-acc4 ({device}, {date}, {zero0.model_name} {zero0.precision}; not this run, 2 ranks), one optimizer step:")

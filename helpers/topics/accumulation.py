@@ -81,13 +81,19 @@ def load_grid(folder: str | Path, stages: Sequence[int] = STAGES, accumulations:
 
 # --- tables -------------------------------------------------------------------------------------
 
-def _ops(r: records.Record) -> str:
-    return " ".join(f"{op.split('_into')[0]}:{row['count']:g}" for op, row in sorted(r.comm_ops().items()))
+def _ops(r: records.Record, short: bool = False) -> str:
+    """The run's collectives per step, ``name:count``; ``all_gather_into_tensor`` shortened to ``all_gather``, and
+    with ``short`` every ``_tensor`` suffix dropped (``reduce_scatter_tensor`` -> ``reduce_scatter``)."""
+    def name(op: str) -> str:
+        op = op.split("_into")[0]
+        return op.removesuffix("_tensor") if short else op
+    return " ".join(f"{name(op)}:{row['count']:g}" for op, row in sorted(r.comm_ops().items()))
 
 
-def comm_table(runs: Mapping[tuple[int, int], records.Record]) -> str:
+def comm_table(runs: Mapping[tuple[int, int], records.Record], short_names: bool = False) -> str:
     """Per (stage, accumulation): batch shape, collectives and bytes (as the comms logger records them) per
-    optimizer step and per sample, and bytes per sample relative to accumulation 1 of the same stage."""
+    optimizer step and per sample, and bytes per sample relative to accumulation 1 of the same stage.
+    ``short_names``: every collective named without its ``_tensor`` suffix (chapter 09)."""
     table = []
     for (stage, accum), r in runs.items():
         batch = r["train_batch"]
@@ -95,7 +101,7 @@ def comm_table(runs: Mapping[tuple[int, int], records.Record]) -> str:
         base = runs.get((stage, 1))
         relative = per_step / batch / (base.comm.bytes_per_step / base["train_batch"]) if base else None
         table.append([f"ZeRO-{stage}", f"{accum}", f"{r['micro_batch']} x {accum} x {r['world_size']} = {batch}",
-                      _ops(r), f"{per_step:,.0f}", f"{per_step / batch:,.0f}",
+                      _ops(r, short_names), f"{per_step:,.0f}", f"{per_step / batch:,.0f}",
                       "-" if relative is None else f"{relative:.2f}x"])
     return records.format_table(table, ["stage", "accum", "micro x accum x ranks = batch", "collectives per step",
                                         "bytes/step", "bytes/sample", "bytes/sample vs accum 1"])

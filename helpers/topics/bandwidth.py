@@ -984,7 +984,9 @@ def reference_worked_row(run: str = "zero0-acc4", name: str = "bandwidth-nvlink"
     if not found:
         return references.no_references(name, "run this notebook on a GPU machine to measure them.")
     device, date, _, runs = found[0]
-    return worked_row(runs[run], CommModel.from_benchmark(runs["collectives"]), f"{device}, {date}; not this run")
+    record = runs[run]
+    return worked_row(record, CommModel.from_benchmark(runs["collectives"]),
+                      f"{device}, {date}, {record.model_name} {record.precision}; not this run")
 
 
 def reference_what_if_table(name: str = "bandwidth-nvlink") -> str:
@@ -1069,10 +1071,10 @@ def caller_table(runs: Mapping[str, records.Record], names: Sequence[str] = ("ze
                 continue
             for op, callers in sorted(r.section("comm").get("by_caller", {}).items()):
                 for caller, row in sorted(callers.items()):
-                    table.append([where, name, r.precision, op, caller or "-", f"{row['count']:g}",
+                    table.append([where, name, r.model_name, r.precision, op, caller or "-", f"{row['count']:g}",
                                   f"{row['bytes'] / row['count']:,.0f}" if row["count"] else "-"])
-    return records.format_table(table, ["measured on", "run", "precision", "op (logged name)", "DeepSpeed function",
-                                        "calls/step", "bytes/call"])
+    return records.format_table(table, ["measured on", "run", "model", "precision", "op (logged name)",
+                                        "DeepSpeed function", "calls/step", "bytes/call"])
 
 
 def run_configs(runs: Mapping[str, records.Record]) -> str:
@@ -1316,10 +1318,31 @@ def what_if_summary(rows: Sequence[dict]) -> str:
             f"{p.accum}, {top['link']}).")
 
 
+def accumulation_share_reading(rows: Sequence[dict]) -> str:
+    """A what-if (:func:`what_if`) read at its slowest link: how accumulation 4 against 1 changes the share of the
+    step that ZeRO-1 and ZeRO-2 spend communicating, with each one's collective calls per optimizer step (ZeRO-2
+    all-reduces the gradients in every micro-step, ZeRO-1 once per step); a generated sentence."""
+    if not rows:
+        return ""
+    slowest = min(rows, key=lambda r: r["bandwidth"])["link"]
+    at = {(r["profile"].stage, r["profile"].accum): r for r in rows if r["link"] == slowest}
+    if not all((stage, accum) in at for stage in (1, 2) for accum in (1, 4)):
+        return ""
+    share = {key: r["comm_share"] for key, r in at.items()}
+    calls = {key: sum(row["count"] for row in r["profile"].by_op.values()) for key, r in at.items()}
+    drop1, drop2 = share[(1, 1)] - share[(1, 4)], share[(2, 1)] - share[(2, 4)]
+    ones = f"{calls[(1, 4)]:g} either way" if calls[(1, 1)] == calls[(1, 4)] else f"{calls[(1, 4)]:g} against {calls[(1, 1)]:g}"
+    return (f"At {slowest}, accumulation 4 against 1 takes ZeRO-1's share of the step spent communicating from "
+            f"{share[(1, 1)]:.0%} to {share[(1, 4)]:.0%}, and ZeRO-2's {'only ' if drop2 < drop1 else ''}from "
+            f"{share[(2, 1)]:.0%} to {share[(2, 4)]:.0%}: collective calls per optimizer step, ZeRO-1 {ones}, "
+            f"ZeRO-2 {calls[(2, 4)]:g} against {calls[(2, 1)]:g}, since it all-reduces the gradients in every "
+            f"micro-step.")
+
+
 def reference_what_if(name: str = "bandwidth-nvlink") -> str:
-    """The committed GPU reference's what-if (:func:`what_if`, alpha as fitted there for all_reduce) read in one
-    sentence, labelled with its device and date: the run and link where communication takes the largest share
-    of the step, and that run's share on the fastest link."""
+    """The committed GPU reference's what-if (:func:`what_if`, alpha as fitted there for all_reduce) read in
+    sentences, labelled with its device and date: the run and link where communication takes the largest share
+    of the step, and that run's share on the fastest link; then :func:`accumulation_share_reading`."""
     found = _reference_what_if_rows(name)
     if isinstance(found, str):
         return found
@@ -1330,7 +1353,7 @@ def reference_what_if(name: str = "bandwidth-nvlink") -> str:
     p = top["profile"]
     return (f"GPU reference ({device}, {date}; not this run): ZeRO-{p.stage} at accumulation "
             f"{p.accum} spends {top['comm_share']:.0%} of its step communicating at {top['link']} and "
-            f"{fastest['comm_share']:.0%} on {fastest['link']}.")
+            f"{fastest['comm_share']:.0%} on {fastest['link']}.\n{accumulation_share_reading(rows)}").rstrip()
 
 
 def stage_pair(rows: Sequence[dict], load: load_guard.Load | None, first: str = "zero1-acc1",
@@ -1495,18 +1518,26 @@ def slow_link_rows(fast: Mapping[str, object], slow: Mapping[str, object], link_
     return found
 
 
-def slow_link_table(rows: Sequence[dict]) -> str:
-    """Measured step times on both links beside the model's prediction for the slow one (ms), and samples/s."""
+def slow_link_table(rows: Sequence[dict], fast: str = "fast link", slow: str = "slow link") -> str:
+    """Measured step times on both links (named ``fast`` and ``slow``) beside the model's prediction for the slow
+    one (ms), and samples/s. The set-rate column appears only where a row has a set rate (:func:`slow_link_rows`'
+    ``nominal``); a line under the table explains any predicted range (the ``overlap_comm`` runs)."""
+    with_rate = any(r["nominal_s"] is not None for r in rows)
     table = []
     for r in rows:
         predicted = f"{r['predicted_s'] * 1e3:,.0f}"
         if r["overlap_bound_s"] is not None:
             predicted = f"{r['overlap_bound_s'] * 1e3:,.0f} .. {predicted}"
+        rate = ["-" if r["nominal_s"] is None else f"{r['nominal_s'] * 1e3:,.0f}"] if with_rate else []
         table.append([r["name"], f"{r['batch']}", f"{r['fast_s'] * 1e3:,.1f}", f"{r['slow_s'] * 1e3:,.0f}", predicted,
-                      "-" if r["nominal_s"] is None else f"{r['nominal_s'] * 1e3:,.0f}",
-                      f"{r['batch'] / r['fast_s']:,.0f}", f"{r['batch'] / r['slow_s']:,.0f}"])
-    return records.format_table(table, ["run", "batch", "fast link step ms", "slow link step ms",
-                                        "predicted step ms", "set-rate step ms", "samples/s fast", "samples/s slow"])
+                      *rate, f"{r['batch'] / r['fast_s']:,.0f}", f"{r['batch'] / r['slow_s']:,.0f}"])
+    text = records.format_table(table, ["run", "batch", f"{fast} step ms", f"{slow} step ms", "predicted step ms",
+                                        *(["set-rate step ms"] if with_rate else []), f"samples/s {fast}",
+                                        f"samples/s {slow}"])
+    if any(r["overlap_bound_s"] is not None for r in rows):
+        text += ("\nA range 'a .. b' is the prediction for the overlap_comm off/on runs: a if the collectives hid "
+                 "entirely behind the computation, b if not at all.")
+    return text
 
 
 def _change(x: float) -> str:
@@ -1554,8 +1585,8 @@ def accumulation_floor(rows: Sequence[dict],
     For each ratio below that floor, the two measured steps and the computation the ``micro_steps`` probe
     measured in each (on the fast link), which says whether the computation or the collectives took the time."""
     by = {r["name"]: r for r in rows}
-    lines = ["In the model an accumulation-4 step costs at most four accumulation-1 steps (four micro-steps, one "
-             "optimizer step, no more collectives), so accumulation 4 gives at least 1x the samples/s."]
+    lines = ["The model's floor is 1x: an accumulation-4 step does no more work and no more collectives than four "
+             "accumulation-1 steps."]
     below = 0
     for stage in (1, 2):
         one, four = by.get(f"zero{stage}-acc1"), by.get(f"zero{stage}-acc4")
@@ -1574,7 +1605,7 @@ def accumulation_floor(rows: Sequence[dict],
                          + ("the same work ran slower in the accumulation-4 run: the cores' load, not the link."
                             if grew else "its computation does not account for the extra time."))
     if not below:
-        lines.append("Every ratio here is at or above that floor.")
+        lines.append("Every ratio here is at or above it.")
     return "\n".join(lines)
 
 
@@ -1758,8 +1789,10 @@ def reference_comparison(name: str = "bandwidth-nvlink") -> str:
     parts = []
     for device, date, _, runs in found:
         model = CommModel.from_benchmark(runs["collectives"])
-        parts += [f"Reference, measured on {device}, {date} (not this run):",
-                  comparison_table(comparison_rows(logged_runs(runs), model))]
+        logged = logged_runs(runs)
+        first = next(iter(logged.values()))
+        parts += [f"Reference, measured on {device}, {date} ({first.model_name}, {first.precision}; not this run):",
+                  comparison_table(comparison_rows(logged, model))]
     return "\n".join(parts)
 
 
@@ -1791,7 +1824,7 @@ def reference_report(name: str = "bandwidth-nvlink", sockets: str = "bandwidth-s
         if socket_runs and f"{SLOW}collectives" in socket_runs:
             slow_model = CommModel.from_benchmark(socket_runs[f"{SLOW}collectives"])
             parts += ["NCCL over sockets instead of NVLink:", fit_table(slow_model, socket_runs[f"{SLOW}collectives"]),
-                      slow_link_table(slow_link_rows(runs, socket_runs, slow_model))]
+                      slow_link_table(slow_link_rows(runs, socket_runs, slow_model), "NVLink", "sockets")]
         parts.append("")
     return "\n".join(parts)
 
