@@ -56,12 +56,6 @@ from helpers.core.probes import Probe, RunContext, Timeline, deep_update, missin
 # Every rank imports this module (its loop below, or a script's `from helpers import measure`): DeepSpeed's CPU
 # ops then read py-cpuinfo's answer kept for this processor instead of asking it, a second and more each time.
 cpu_info.remember()
-# In a rank (its launcher set LOCAL_RANK), everything imported so far (torch, DeepSpeed: some 200,000 objects) lives
-# as long as the process: the collector stops scanning it, so each gc.collect() between a sweep's runs, here or in a
-# chapter's script, costs a fraction of the 0.2 s it took. Not in a Jupyter kernel that imports this module: frozen,
-# its own objects broke the next cell after an interrupted one (tests/test_faults.py).
-if "LOCAL_RANK" in os.environ:
-    gc.freeze()
 
 
 def die_with_parent() -> None:
