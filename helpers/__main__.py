@@ -134,8 +134,9 @@ def _multinode(args: argparse.Namespace) -> int:
 
 
 def _build_ops(args: argparse.Namespace) -> int:
-    from helpers.core import environment  # deferred
+    from helpers.core import cpu_info, environment  # deferred
 
+    cpu_info.remember()  # each op asks py-cpuinfo about the processor: once for all of them, and for every rank later
     print("Building DeepSpeed's C++ ops once (a few minutes on a 2-core machine; cached afterwards):", flush=True)
     environment.build_ops(only=args.only.split(",") if args.only else None)
     return 0

@@ -49,10 +49,14 @@ from typing import Sequence
 import psutil
 import torch
 
-from helpers.core import memory, models, theory
+from helpers.core import cpu_info, memory, models, theory
 from helpers.core.faults import Faults
 from helpers.core.plan import STACK_SIGNAL, Plan, PlannedRun, emit, publish, resolve, write_json
 from helpers.core.probes import Probe, RunContext, Timeline, deep_update, missing_keys, resolve_probe
+
+# Every rank imports this module (its loop below, or a script's `from helpers import measure`): DeepSpeed's CPU
+# ops then read py-cpuinfo's answer kept for this processor instead of asking it, a second and more each time.
+cpu_info.remember()
 
 
 def die_with_parent() -> None:
