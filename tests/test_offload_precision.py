@@ -647,7 +647,10 @@ def test_the_stage_3_bucket_is_deepspeeds_default_reduce_bucket_size():
 def test_the_reference_step_times_go_through_the_load_guard(monkeypatch):
     found = references.reference_runs("offload")
     text = offload.reference_step_verdicts()
-    assert text.count("withheld") >= 5 and "not measured alone" in text  # the reference shared its host
+    # its conditions: one notebook at a time on its own two GPUs (others on the other two): alone, as a watch counts
+    assert "stage 2 faster" in text and "within the steps' spread" in text and "not measured alone" not in text
+    monkeypatch.setattr(references, "reference_conditions", lambda name: ["beside 2 other notebooks"] * len(found))
+    assert offload.reference_step_verdicts().count("withheld") >= 5
     runs = found[0][3]
     pinned, unpinned = runs["stage 2 + optimizer offload"], runs["stage 2 + optimizer offload, unpinned"]
     expected = (f"{statistics.median(pinned.timing.all_s[1:]) * 1e3:.0f} vs "
