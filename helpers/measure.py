@@ -31,6 +31,7 @@ import psutil
 import torch
 
 from helpers.core import memory, models
+from helpers.core.pipeline_hooks import dispatch_after_backward
 from helpers.core.plan import emit, write_json
 from helpers.core.probes import RunContext, config_for, deep_update, defaults_for
 from helpers.core.train import Recorder, data_parallel_coords, precision_of, release_zero3_references
@@ -108,10 +109,7 @@ class Meter:
     def _measured_train_batch(self, *args: Any, **kwargs: Any) -> Any:
         if self.step >= self.steps:
             return self._train_batch(*args, **kwargs)
-        # deferred: only a pipeline engine needs the pipeline topic's hooks into its schedule
-        from helpers.topics import pipeline
-
-        pipeline.dispatch_after_backward(self.ctx, self.step, self.recorder.probes)
+        dispatch_after_backward(self.ctx, self.step, self.recorder.probes)
         loss = self._train_batch(*args, **kwargs)  # the step's loss, averaged over its micro-batches
         self.micro_losses = [float(loss.detach().float().item())]
         self._close_step()

@@ -9,7 +9,8 @@
   measured by :mod:`helpers.measure`) and reads them with :func:`chapter_records`. :func:`build_model` and
   :func:`train_step` are the same pipeline as a sweep's builder and trainer (``RunSpec(builder=BUILDER,
   trainer=TRAINER)``), for chapter 12b's comparison of the ways of splitting a model;
-  :func:`dispatch_after_backward` lets the probes' ``after_backward`` fire inside ``engine.train_batch``.
+  :func:`~helpers.core.pipeline_hooks.dispatch_after_backward` (the core's, as :mod:`helpers.measure` uses it)
+  lets the probes' ``after_backward`` fire inside ``engine.train_batch``.
 - The ``pipeline`` probe times every instruction each stage executes (forward, backward, send, receive,
   ...): busy time against the time the whole pipeline took, the measured bubble.
 - The other schedules DeepSpeed ships (:func:`shipped_schedules`): DualPipeV, switched on by building a
@@ -26,12 +27,13 @@ import itertools
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from helpers.core import exercises, load_guard, models, plots, records, references, theory
+from helpers.core.pipeline_hooks import dispatch_after_backward, instruction_hooks
 from helpers.core.plan import PlannedRun, reference_of
 from helpers.core.probes import Probe, RunContext
 from helpers.topics import activations
@@ -223,50 +225,6 @@ def schedule_bubble(stages: int, micro_batches: int) -> float:
     if len(shares) != 1:
         raise AssertionError(f"stages idle for different shares of the schedule: {shares}")
     return shares.pop()
-
-
-# --- hooks inside engine.train_batch ----------------------------------------------------------------
-
-def instruction_hooks(engine) -> list[Callable]:
-    """The callbacks ``hook(kind, started, kwargs)`` run after each schedule instruction of this pipeline
-    engine (``kind`` as ``"ForwardPass"``, ``started`` its ``time.perf_counter()`` start). The first call
-    wraps the engine's instruction table; later calls return the same list."""
-    hooks = engine.__dict__.get("_course_instruction_hooks")
-    if hooks is None:
-        if not hasattr(type(engine), "_INSTRUCTION_MAP"):
-            raise TypeError(f"{type(engine).__name__} is not DeepSpeed's PipelineEngine: train a pipeline model "
-                            "(builder=pipeline.BUILDER, trainer=pipeline.TRAINER)")
-        hooks = []
-
-        def wrap(kind: str, run: Callable) -> Callable:
-            def timed(self, **kwargs):
-                started = time.perf_counter()
-                run(self, **kwargs)
-                for hook in hooks:
-                    hook(kind, started, kwargs)
-            return timed
-
-        engine._course_instruction_hooks = hooks
-        engine._INSTRUCTION_MAP = {cls: wrap(cls.__name__, fn) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
-    return hooks
-
-
-def dispatch_after_backward(ctx: RunContext, step: int, probes: list) -> None:
-    """Make every probe's ``after_backward(ctx, step, m)`` fire after the backward of micro-batch ``m`` of
-    this stage during the next ``engine.train_batch`` (micro-batches counted in the order this stage runs
-    their backward). Under DualPipeV a rank runs two backwards of each micro-batch, phase 1's (the way back)
-    and then phase 0's: it fires after phase 0's, when the micro-batch's gradients on this rank are complete.
-    Call before each ``train_batch``."""
-    state = ctx.engine.__dict__.setdefault("_course_backward_state", {})
-    if not state:
-        def after_instruction(kind: str, started: float, kwargs: dict) -> None:
-            if kind == "BackwardPass" and kwargs.get("phase", 0) == 0:
-                for probe in state["probes"]:
-                    probe.after_backward(state["ctx"], state["step"], state["micro"])
-                state["micro"] += 1
-
-        instruction_hooks(ctx.engine).append(after_instruction)
-    state.update(ctx=ctx, step=step, probes=probes, micro=0)
 
 
 # --- the probe ---------------------------------------------------------------------------------------
