@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import psutil
 import torch
 
-from helpers.core import memory, models
+from helpers.core import ds, memory, models
 from helpers.core.pipeline_hooks import dispatch_after_backward
 from helpers.core.plan import emit, write_json
 from helpers.core.probes import RunContext, config_for, deep_update, defaults_for
@@ -58,7 +58,7 @@ class Meter:
         self.out.mkdir(parents=True, exist_ok=True)
         # the dict the script passed to deepspeed.initialize, or the one DeepSpeed parsed from a file
         config = engine.config if isinstance(engine.config, dict) else dict(getattr(engine._config, "_param_dict", {}))
-        import deepspeed.comm as dist  # deferred: the script has initialized DeepSpeed's process group by now
+        dist = ds.load("deepspeed.comm")
 
         self.ctx = RunContext(
             engine=engine, rank=dist.get_rank(), world_size=dist.get_world_size(),
@@ -79,7 +79,7 @@ class Meter:
         self.finished = False
         self._backward, self._step = engine.backward, engine.step
         engine.backward, engine.step = self._measured_backward, self._measured_step
-        from deepspeed.runtime.pipe.engine import PipelineEngine  # deferred, as deepspeed.comm above
+        PipelineEngine = ds.load("deepspeed.runtime.pipe.engine").PipelineEngine
 
         self._train_batch = engine.train_batch if isinstance(engine, PipelineEngine) else None
         if self._train_batch is not None:  # DualPipeVEngine too: a schedule that runs inside train_batch

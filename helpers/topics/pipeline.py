@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from helpers.core import exercises, load_guard, models, plots, records, references, theory
+from helpers.core import ds, exercises, load_guard, models, plots, records, references, theory
 from helpers.core.pipeline_hooks import dispatch_after_backward, instruction_hooks
 from helpers.core.plan import PlannedRun, reference_of
 from helpers.core.probes import Probe, RunContext
@@ -118,12 +118,12 @@ def llama_pipeline(model, num_stages: int | None = None, partition_method: str =
     balanced by parameter count; the loss is :func:`helpers.core.models.lm_loss`. With ``schedule="dualpipev"``
     a ``deepspeed.pipe.DualPipeVModule`` instead, which cuts the layers into ``2 * num_stages`` stages, two per
     rank (rank r holds stage r and stage 2·num_stages-1-r). Needs the process group."""
-    import deepspeed.comm as dist  # deferred: on the ranks only, after DeepSpeed's accelerator is chosen
-    from deepspeed.pipe import DualPipeVModule, PipelineModule
+    dist = ds.load("deepspeed.comm")
+    pipe = ds.load("deepspeed.pipe")
 
     check_schedule(schedule)
     stages = num_stages or dist.get_world_size()
-    module = DualPipeVModule if schedule == "dualpipev" else PipelineModule
+    module = pipe.DualPipeVModule if schedule == "dualpipev" else pipe.PipelineModule
     return module(layers=llama_stages(model), num_stages=stages, loss_fn=models.lm_loss,
                   partition_method=partition_method)
 
@@ -202,8 +202,7 @@ def schedule_grid(stages: int, micro_batches: int) -> list[list[str]]:
     """What each stage computes in each step of DeepSpeed's ``TrainSchedule`` (1F1B): one row per stage,
     one cell per step: ``"F2"`` (forward of micro-batch 2), ``"B0"`` (backward of micro-batch 0) or ``""``
     (nothing to compute: the bubble)."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.pipe import schedule
+    schedule = ds.load("deepspeed.runtime.pipe.schedule")
 
     grid = []
     for stage in range(stages):
@@ -350,7 +349,7 @@ class Refused(RuntimeError):
 def record_refusal(folder: str | Path, error: BaseException) -> None:
     """On rank 0, write why DeepSpeed refused a run (its error) into the run's ``folder``, where
     :func:`chapter_records` reads it back."""
-    import deepspeed.comm as dist  # deferred: on the ranks only, after the process group exists
+    dist = ds.load("deepspeed.comm")
 
     if dist.get_rank() == 0:
         Path(folder).mkdir(parents=True, exist_ok=True)
@@ -430,8 +429,7 @@ def p2p_table(record) -> str:
 def default_bucket_elements() -> int:
     """DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements): the size of ZeRO-1/2's gradient
     bucket, allocated whatever the model's size."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    DeepSpeedZeroConfig = ds.load("deepspeed.runtime.zero.config").DeepSpeedZeroConfig
     return int(DeepSpeedZeroConfig().reduce_bucket_size)
 
 
@@ -583,10 +581,9 @@ def shipped_schedules() -> list[dict]:
     """The schedule classes DeepSpeed's ``deepspeed.runtime.pipe.schedule`` defines (every ``PipeSchedule``
     subclass there), each with the first sentence of its docstring and the engine methods whose source builds
     it (``_train_schedule`` and ``_inference_schedule`` of ``PipelineEngine`` and ``DualPipeVEngine``)."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.pipe import schedule as ds_schedule
-    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
-    from deepspeed.runtime.pipe.engine import PipelineEngine
+    ds_schedule = ds.load("deepspeed.runtime.pipe.schedule")
+    DualPipeVEngine = ds.load("deepspeed.runtime.pipe.dualpipev").DualPipeVEngine
+    PipelineEngine = ds.load("deepspeed.runtime.pipe.engine").PipelineEngine
 
     methods = {f"{engine.__name__}.{name}": inspect.getsource(vars(engine)[name])
                for engine in (PipelineEngine, DualPipeVEngine) for name in ("_train_schedule", "_inference_schedule")}
@@ -609,7 +606,7 @@ def shipped_schedules_text() -> str:
 def schedule_class(schedule: str):
     """DeepSpeed's schedule class that trains with ``schedule``: ``TrainSchedule`` (1F1B, what
     ``PipelineEngine`` runs) or ``DualPipeVSchedule`` (what ``DualPipeVEngine`` runs)."""
-    from deepspeed.runtime.pipe import schedule as ds_schedule  # deferred: after the course chose the accelerator
+    ds_schedule = ds.load("deepspeed.runtime.pipe.schedule")
 
     check_schedule(schedule)
     return ds_schedule.DualPipeVSchedule if schedule == "dualpipev" else ds_schedule.TrainSchedule
@@ -1088,8 +1085,7 @@ def deepspeed_partition(layers: Sequence[nn.Module], num_stages: int, partition_
     """The stage boundaries ``PipelineModule(layers, num_stages, partition_method=...)`` computes, by DeepSpeed's
     own ``PipelineModule._partition_layers`` (run on a stand-in that has the layers and no process group):
     stage k holds ``layers[parts[k]:parts[k+1]]``."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.pipe import PipelineModule
+    PipelineModule = ds.load("deepspeed.pipe").PipelineModule
 
     if not isinstance(partition_method, str):
         raise TypeError(f"partition_method is a string, not {type(partition_method).__name__}")

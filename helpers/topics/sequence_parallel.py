@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from helpers.core import configs, environment, exercises, launch, load_guard, models, plots, records, references, theory
+from helpers.core import configs, ds, environment, exercises, launch, load_guard, models, plots, records, references, theory
 from helpers.core.plan import PlannedRun, reference_of
 from helpers.core.probes import Probe, RunContext
 from helpers.topics import activations, bandwidth, pipeline, tensor_parallel
@@ -113,8 +113,7 @@ def build_model(name: str, seed: int = 0, config: dict | None = None, seq: int |
     size = (config or {}).get("sequence_parallel_size", 1)
     if size <= 1:
         return model
-    # deferred: DeepSpeed is imported on the ranks, after the course chooses its accelerator
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    UlyssesSPAttentionHF = ds.load("deepspeed.runtime.sequence_parallel.ulysses_sp").UlyssesSPAttentionHF
 
     # The DeepSpeed call a learner's script makes: Ulysses' wrapper replaces ``attention`` in transformers'
     # table, and the returned mpu holds the sequence-parallel groups.
@@ -144,7 +143,7 @@ def train_step(ctx: RunContext, run: PlannedRun, step: int, probes: list[Probe])
     the whole sequence's gradient is the mean of the group's. Without sequence parallelism, the whole samples. With
     ``options["divide_by_group"]``, what goes backward is that loss divided by the group's size (the loss
     reported is not). Returns this rank's micro-batch losses."""
-    import deepspeed.comm as dist  # deferred: DeepSpeed is imported on the ranks, after its accelerator is chosen
+    dist = ds.load("deepspeed.comm")
 
     engine = ctx.engine
     size = int(getattr(engine, "sequence_parallel_size", 1))
