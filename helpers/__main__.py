@@ -40,9 +40,9 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from helpers.core import configs, environment  # deferred
+    from helpers.core import configs, ds, environment  # deferred
 
-    environment.quiet_deepspeed_import()  # this machine's accelerator named up front: no DeepSpeed notice in the report
+    ds.choose_accelerator()  # this machine's accelerator named up front: no DeepSpeed notice in the report
     if args.target:
         env = configs.target(args.target, args.gpus or args.world_size)
         world = args.world_size or env.default_world_size

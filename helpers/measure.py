@@ -30,7 +30,8 @@ from typing import Any, Sequence
 import psutil
 import torch
 
-from helpers.core import memory, models
+from helpers.core import ds, memory, models
+from helpers.core.pipeline_hooks import dispatch_after_backward
 from helpers.core.plan import emit, write_json
 from helpers.core.probes import RunContext, config_for, deep_update, defaults_for
 from helpers.core.train import Recorder, data_parallel_coords, precision_of, release_zero3_references
@@ -57,7 +58,7 @@ class Meter:
         self.out.mkdir(parents=True, exist_ok=True)
         # the dict the script passed to deepspeed.initialize, or the one DeepSpeed parsed from a file
         config = engine.config if isinstance(engine.config, dict) else dict(getattr(engine._config, "_param_dict", {}))
-        import deepspeed.comm as dist  # deferred: the script has initialized DeepSpeed's process group by now
+        dist = ds.load("deepspeed.comm")
 
         self.ctx = RunContext(
             engine=engine, rank=dist.get_rank(), world_size=dist.get_world_size(),
@@ -78,7 +79,7 @@ class Meter:
         self.finished = False
         self._backward, self._step = engine.backward, engine.step
         engine.backward, engine.step = self._measured_backward, self._measured_step
-        from deepspeed.runtime.pipe.engine import PipelineEngine  # deferred, as deepspeed.comm above
+        PipelineEngine = ds.load("deepspeed.runtime.pipe.engine").PipelineEngine
 
         self._train_batch = engine.train_batch if isinstance(engine, PipelineEngine) else None
         if self._train_batch is not None:  # DualPipeVEngine too: a schedule that runs inside train_batch
@@ -108,10 +109,7 @@ class Meter:
     def _measured_train_batch(self, *args: Any, **kwargs: Any) -> Any:
         if self.step >= self.steps:
             return self._train_batch(*args, **kwargs)
-        # deferred: only a pipeline engine needs the pipeline topic's hooks into its schedule
-        from helpers.topics import pipeline
-
-        pipeline.dispatch_after_backward(self.ctx, self.step, self.recorder.probes)
+        dispatch_after_backward(self.ctx, self.step, self.recorder.probes)
         loss = self._train_batch(*args, **kwargs)  # the step's loss, averaged over its micro-batches
         self.micro_losses = [float(loss.detach().float().item())]
         self._close_step()

@@ -4,8 +4,9 @@
 probes, records, models, theory), ``topics`` (one module per chapter topic) and ``tools`` (the course's
 own tooling), with the two commands (``helpers/__main__.py``, ``helpers/course.py``) and the public API for a learner's
 own script (``helpers/measure.py``) on top. A layer
-imports only the layers below it; the core names no topic, not even as a string a run would import;
-there is no cycle; and an import inside a function is there on purpose, saying why.
+imports only the layers below it; the core and ``helpers/measure.py`` name no topic, not even in a deferred import
+or as a string a run would import; there is no cycle; an import inside a function is there on purpose, saying why;
+and DeepSpeed is imported in one module only, :mod:`helpers.core.ds`, after the course has chosen its accelerator.
 
 ``python tests/test_architecture.py`` prints the figures (modules per layer, cycles, upward imports,
 imports inside functions) for any checkout: ``--root DIR``.
@@ -23,6 +24,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Layers from the bottom up: a module may import its own layer and the ones before it.
 LAYERS = ("core", "topics", "tools", "entry")
+#: Modules that run in a learner's own script or on every rank: they import the core alone, never a chapter's topic.
+CORE_ONLY = ("helpers.measure",)
+#: The one module that imports DeepSpeed (:func:`helpers.core.ds.load`); every other goes through it.
+DEEPSPEED_IMPORTER = "helpers.core.ds"
+
 #: The chapter each topic module belongs to (its notebook's number): a topic imports the core and the topics of
 #: its own and earlier chapters only, and so does a chapter's notebook. ``widgets`` serves the lab (17) and is
 #: first used in chapter 03.
@@ -151,6 +157,38 @@ def upward(imports: list[Import]) -> list[Import]:
             and LAYERS.index(layer_of(i.target)) > LAYERS.index(layer_of(i.source))]
 
 
+def core_only(module: str) -> bool:
+    """The core's modules and :data:`CORE_ONLY`: they may import the core alone."""
+    return layer_of(module) == "core" or module in CORE_ONLY
+
+
+def reaches_above_core(imports: list[Import]) -> list[Import]:
+    """Imports of a topic, a tool or a command by a core-only module, at the top or inside a function."""
+    return [i for i in internal(imports) if core_only(i.source) and i.target != "helpers" and layer_of(i.target) != "core"]
+
+
+def is_deepspeed(target: str) -> bool:
+    return target == "deepspeed" or target.startswith("deepspeed.")
+
+
+def deepspeed_imports(imports: list[Import]) -> list[Import]:
+    """``import deepspeed...`` and ``from deepspeed... import`` statements outside :data:`DEEPSPEED_IMPORTER`."""
+    return [i for i in imports if is_deepspeed(i.target) and i.source != DEEPSPEED_IMPORTER]
+
+
+def dynamic_deepspeed_imports(tree: ast.AST) -> list[int]:
+    """Lines that import DeepSpeed by name at run time (``importlib.import_module("deepspeed...")``,
+    ``__import__("deepspeed...")``), which :func:`read_imports` cannot see."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) and is_deepspeed(node.args[0].value):
+            function = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if function in ("import_module", "__import__"):
+                found.append(node.lineno)
+    return found
+
+
 def topic_of(module: str) -> str | None:
     """``helpers.topics.zero`` (or ``helpers.topics.zero.x``) -> "zero"; None for a module outside the topics."""
     parts = module.split(".")
@@ -217,11 +255,30 @@ def test_no_layer_imports_a_layer_above_it():
     assert [f"{i.source}:{i.line} imports {i.target}" for i in upward(read_imports()[1])] == []
 
 
+def test_the_core_and_measure_import_no_topic():
+    """The core, and the probes a learner's own script imports (``helpers/measure.py``), use the core alone:
+    not a topic, not even in an import deferred into a function (chapter 11's pipeline hooks live in the core)."""
+    assert [f"{i.source}:{i.line} imports {i.target}" for i in reaches_above_core(read_imports()[1])] == []
+
+
+def test_deepspeed_is_imported_in_one_place():
+    """Every DeepSpeed module the helpers use comes from :func:`helpers.core.ds.load`, which chooses the
+    accelerator first; no other module imports DeepSpeed, by statement or by name."""
+    _, imports = read_imports()
+    assert [f"{i.source}:{i.line} imports {i.target}" for i in deepspeed_imports(imports)] == []
+    dynamic = [f"{path.relative_to(REPO_ROOT)}:{line}" for path in sorted((REPO_ROOT / "helpers").rglob("*.py"))
+               if module_name(path, REPO_ROOT) != DEEPSPEED_IMPORTER
+               for line in dynamic_deepspeed_imports(ast.parse(path.read_text()))]
+    assert dynamic == []
+    assert DEEPSPEED_IMPORTER in read_imports()[0]
+
+
 def test_the_core_names_no_topic_for_the_ranks_to_import():
-    """Runs name topic code by import path; the core itself must never carry such a path (a string the ranks
-    would import is an import all the same)."""
+    """Runs name topic code by import path; the core (and ``helpers/measure.py``) must never carry such a path
+    (a string the ranks would import is an import all the same)."""
     named = []
-    for path in sorted((REPO_ROOT / "helpers" / "core").rglob("*.py")):
+    paths = [*sorted((REPO_ROOT / "helpers" / "core").rglob("*.py")), REPO_ROOT / "helpers" / "measure.py"]
+    for path in paths:
         for node in _strings(ast.parse(path.read_text())):
             if "helpers.topics" in node.value or "helpers.tools" in node.value:
                 named.append(f"{path.name}:{node.lineno}: {node.value!r}")
@@ -275,6 +332,18 @@ def test_the_rules_catch_what_they_are_about(tmp_path):
     _, imports = read_imports(tmp_path)
     assert [(i.source, i.target) for i in later_chapters(imports, {"t": "01", "early": "03", "late": "12b"})] == \
         [("helpers.topics.early", "helpers.topics.late")]
+    (tmp_path / "helpers" / "measure.py").write_text(
+        "import deepspeed.comm as dist\n\ndef f():\n    from helpers.topics import t  # deferred\n")
+    (tmp_path / "helpers" / "core" / "b.py").write_text(
+        "import importlib\n\ndef g():\n    from deepspeed.pipe import PipelineModule  # deferred\n"
+        "    return importlib.import_module('deepspeed.comm')\n")
+    (tmp_path / "helpers" / "core" / "ds.py").write_text("import importlib\nimport deepspeed\n")
+    _, imports = read_imports(tmp_path)
+    assert sorted((i.source, i.target) for i in reaches_above_core(imports)) == \
+        [("helpers.core.a", "helpers.topics.t"), ("helpers.measure", "helpers.topics.t")]
+    assert sorted((i.source, i.target) for i in deepspeed_imports(imports)) == \
+        [("helpers.core.b", "deepspeed.pipe"), ("helpers.measure", "deepspeed.comm")]
+    assert dynamic_deepspeed_imports(ast.parse((tmp_path / "helpers/core/b.py").read_text())) == [5]
     notebook = tmp_path / "09_x.ipynb"
     notebook.write_text(json.dumps({"cells": [{"cell_type": "code", "source": [
         "from helpers.topics import zero, bandwidth  # two\n", "from helpers.topics.capstone import BUILDER\n"]}]}))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import measure
-from helpers.core import configs, environment, launch, probes, records, references
+from helpers.core import configs, ds, environment, launch, probes, records, references
 from helpers.topics import compression
 
 NOTEBOOK = environment.REPO_ROOT / "notebooks" / "13_zeropp_compression.ipynb"
@@ -25,7 +25,7 @@ def script(tmp_path_factory):
     source = next("".join(c["source"]) for c in cells if "".join(c["source"]).startswith(WRITEFILE))
     path = tmp_path_factory.mktemp("page") / "train_zeropp.py"
     path.write_text(source.split("\n", 1)[1])
-    environment.quiet_deepspeed_import()
+    ds.choose_accelerator()  # the page script imports deepspeed itself
     spec = importlib.util.spec_from_file_location("train_zeropp", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -48,7 +48,8 @@ from unittest import mock
 
 import torch
 
-from helpers.core.environment import REPO_ROOT, Environment, nvme_offload_support, quiet_deepspeed_import
+from helpers.core import ds
+from helpers.core.environment import REPO_ROOT, Environment, nvme_offload_support
 from helpers.core.environment import _cpu_precisions as cpu_precisions
 
 CONFIG_DIR = REPO_ROOT / "ds_configs"
@@ -188,7 +189,7 @@ def load(name: str | Path) -> dict:
     keys (which DeepSpeed refuses: ``ValueError: Duplicate keys in DeepSpeed config``).
     """
     import hjson  # deferred: only when a config file is read
-    from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+    dict_raise_error_on_duplicate_keys = ds.load("deepspeed.runtime.config_utils").dict_raise_error_on_duplicate_keys
 
     path = path_of(name)
     if not path.exists():
@@ -255,22 +256,19 @@ def _is_type(value: Any, types: tuple[type, ...]) -> bool:
 
 def _section_validators() -> dict[str, Callable[[dict], Any]]:
     """Config section -> DeepSpeed's own function that builds (and validates) its config model."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.comm.config import DeepSpeedCommsConfig
-    from deepspeed.compile.config import CompileConfig
-    from deepspeed.monitor.config import get_monitor_config
-    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
-
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
-    from deepspeed.runtime.zero.config import get_zero_config
+    DeepSpeedCommsConfig = ds.load("deepspeed.comm.config").DeepSpeedCommsConfig
+    CompileConfig = ds.load("deepspeed.compile.config").CompileConfig
+    get_monitor_config = ds.load("deepspeed.monitor.config").get_monitor_config
+    precision = ds.load("deepspeed.runtime.precision_config")
+    get_tensor_parallel_config = ds.load("deepspeed.runtime.tensor_parallel.config").get_tensor_parallel_config
+    get_zero_config = ds.load("deepspeed.runtime.zero.config").get_zero_config
 
     monitor = lambda key: (lambda section: get_monitor_config({key: section}))  # noqa: E731
     return {
         "zero_optimization": lambda section: get_zero_config({"zero_optimization": section}),
-        "fp16": lambda section: get_float16_config({"fp16": section}),
-        "bf16": lambda section: get_bfloat16_config({"bf16": section}),
-        "bfloat16": lambda section: get_bfloat16_config({"bfloat16": section}),
+        "fp16": lambda section: precision.get_float16_config({"fp16": section}),
+        "bf16": lambda section: precision.get_bfloat16_config({"bf16": section}),
+        "bfloat16": lambda section: precision.get_bfloat16_config({"bfloat16": section}),
         "comms_logger": lambda section: DeepSpeedCommsConfig({"comms_logger": section}),
         "tensor_parallel": lambda section: get_tensor_parallel_config({"tensor_parallel": section}),
         "compile": lambda section: CompileConfig(**section),
@@ -280,19 +278,14 @@ def _section_validators() -> dict[str, Callable[[dict], Any]]:
 
 def _model_fields(section: str, path: list[str]) -> list[str]:
     """Field names of DeepSpeed's model for ``section`` (at ``path`` inside it), for "did you mean"."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    precision = ds.load("deepspeed.runtime.precision_config")
+    zero = ds.load("deepspeed.runtime.zero.config")
+    offload = ds.load("deepspeed.runtime.zero.offload_config")
 
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from deepspeed.runtime.zero.offload_config import (
-        DeepSpeedZeroOffloadOptimizerConfig,
-        DeepSpeedZeroOffloadParamConfig,
-    )
-
-    models = {("zero_optimization",): DeepSpeedZeroConfig, ("fp16",): DeepSpeedFP16Config,
-              ("bf16",): DeepSpeedBF16Config, ("zero_optimization", "offload_param"): DeepSpeedZeroOffloadParamConfig,
-              ("zero_optimization", "offload_optimizer"): DeepSpeedZeroOffloadOptimizerConfig}
+    models = {("zero_optimization",): zero.DeepSpeedZeroConfig, ("fp16",): precision.DeepSpeedFP16Config,
+              ("bf16",): precision.DeepSpeedBF16Config,
+              ("zero_optimization", "offload_param"): offload.DeepSpeedZeroOffloadParamConfig,
+              ("zero_optimization", "offload_optimizer"): offload.DeepSpeedZeroOffloadOptimizerConfig}
     model = models.get((section, *path))
     return list(model.model_fields) if model else []
 
@@ -335,9 +328,8 @@ def deepspeed_parse(config: dict, world_size: int, device: str | None = None) ->
     """Parse ``config`` with DeepSpeed's own ``DeepSpeedConfig`` as ``world_size`` ranks would, and return
     the exception it raises (None when it accepts the config). No process group is needed. ``device``: the
     accelerator the parser's device checks ask about (GPUDirect Storage needs "cuda"), by default this machine's."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime import config as ds_config
-    from deepspeed.runtime.swap_tensor import aio_config
+    ds_config = ds.load("deepspeed.runtime.config")
+    aio_config = ds.load("deepspeed.runtime.swap_tensor.aio_config")
 
     ranks = mock.Mock(get_rank=lambda *a, **k: 0, get_world_size=lambda *a, **k: world_size)
     accelerator = mock.Mock(device_name=lambda *a: device)
@@ -370,9 +362,7 @@ def refusal(config: dict, world_size: int, *, warnings: bool = False, parse: boo
 def zero_section(block: dict) -> Any:
     """A ``zero_optimization`` block as DeepSpeed reads it: its ``DeepSpeedZeroConfig`` (pydantic, with DeepSpeed's
     defaults filled in). Raises ValueError with DeepSpeed's own refusal (the first lines of its message)."""
-    quiet_deepspeed_import()
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    DeepSpeedZeroConfig = ds.load("deepspeed.runtime.zero.config").DeepSpeedZeroConfig
 
     if not isinstance(block, dict):
         raise ValueError(f"{type(block).__name__} is not a block: write a dict, {{\"stage\": 3, ...}}")
@@ -436,8 +426,7 @@ def _batch_findings(config: dict, world_size: int) -> list[Finding]:
 
 
 def _top_level_findings(config: dict) -> list[Finding]:
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS
+    _REMOVED_TOP_LEVEL_CONFIG_KEYS = ds.load("deepspeed.runtime.config")._REMOVED_TOP_LEVEL_CONFIG_KEYS
 
     findings = []
     for key, value in config.items():
@@ -460,9 +449,8 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 
 
 def _optimizer_findings(config: dict, stage: int, client_optimizer: bool) -> list[Finding]:
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime import lr_schedules
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    lr_schedules = ds.load("deepspeed.runtime.lr_schedules")
+    DEEPSPEED_OPTIMIZERS = ds.load("deepspeed.runtime.config").DEEPSPEED_OPTIMIZERS
 
     findings = []
     optimizer = config.get("optimizer")
@@ -526,9 +514,7 @@ REMOVED_FEATURES_ISSUE = "https://github.com/deepspeedai/DeepSpeed/issues/8489"
 
 
 def _deepspeed_version() -> str:
-    import deepspeed  # deferred: DeepSpeed is imported after the course has chosen its accelerator
-
-    return deepspeed.__version__
+    return ds.load().__version__
 
 
 def _offload_findings(zero: dict, stage: int, config: dict, client_optimizer: bool,
@@ -621,8 +607,7 @@ def optimizer_builder(config: dict) -> OptimizerBuilder | None:
     with the same choices (type, ``torch_adam``, ``adam_w_mode``, optimizer offload); for Adam and AdamW
     DeepSpeed's own ``get_optimizer_configuration`` makes them. None for a type it does not build from the
     config alone (unknown, MuP's, Muon)."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime import config as ds
+    ds_config = ds.load("deepspeed.runtime.config")
 
     optimizer = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
     name = str(optimizer.get("type", ""))
@@ -635,38 +620,33 @@ def optimizer_builder(config: dict) -> OptimizerBuilder | None:
     torch_names = {n.lower(): n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)}
     counterpart = getattr(torch.optim, torch_names.get(kind, ""), None)
     passed: dict[str, Any] = {}
-    if kind in (ds.ADAM_OPTIMIZER, ds.ADAMW_OPTIMIZER):
-        # deferred: DeepSpeed is imported after the course has chosen its accelerator
-        from deepspeed.runtime.engine import DeepSpeedEngine
+    if kind in (ds_config.ADAM_OPTIMIZER, ds_config.ADAMW_OPTIMIZER):
+        DeepSpeedEngine = ds.load("deepspeed.runtime.engine").DeepSpeedEngine
 
-        adam_w_mode = params.pop(ds.ADAM_W_MODE, ds.ADAM_W_MODE_DEFAULT)
+        adam_w_mode = params.pop(ds_config.ADAM_W_MODE, ds_config.ADAM_W_MODE_DEFAULT)
         bf16 = config.get("bf16") if isinstance(config.get("bf16"), dict) else {}
         zenflow = zero.get("zenflow") if isinstance(zero.get("zenflow"), dict) else None
         engine = types.SimpleNamespace(  # what get_optimizer_configuration asks of the engine
             zero_use_cpu_optimizer=lambda: on_cpu,
             bf16_optimizer_states=lambda: bool(bf16.get("bf16_optimizer_states")),
             zenflow=zenflow is not None, overlap_step=(zenflow or {}).get("overlap_step", False))
-        effective_adam_w_mode = kind == ds.ADAMW_OPTIMIZER or adam_w_mode  # as _configure_basic_optimizer has it
+        effective_adam_w_mode = kind == ds_config.ADAMW_OPTIMIZER or adam_w_mode  # as _configure_basic_optimizer has it
         try:
             cls, passed = DeepSpeedEngine.get_optimizer_configuration(engine, params, effective_adam_w_mode)
         except (AttributeError, TypeError):  # a DeepSpeed that asks the engine for more: check nothing, never crash
             return None
-    elif kind == ds.ADAGRAD_OPTIMIZER:
-        # deferred: DeepSpeed is imported after the course has chosen its accelerator
-        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    elif kind == ds_config.ADAGRAD_OPTIMIZER:
+        DeepSpeedCPUAdagrad = ds.load("deepspeed.ops.adagrad").DeepSpeedCPUAdagrad
 
         cls = DeepSpeedCPUAdagrad if on_cpu else torch.optim.Adagrad
-    elif kind == ds.LAMB_OPTIMIZER:
-        # deferred: DeepSpeed is imported after the course has chosen its accelerator
-        from deepspeed.ops.lamb import FusedLamb
+    elif kind == ds_config.LAMB_OPTIMIZER:
+        FusedLamb = ds.load("deepspeed.ops.lamb").FusedLamb
 
         cls = FusedLamb
-    elif kind == ds.LION_OPTIMIZER:
-        # deferred: DeepSpeed is imported after the course has chosen its accelerator
-        from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
-
-        cls = DeepSpeedCPULion if on_cpu else FusedLion
-    elif kind in ds.DEEPSPEED_OPTIMIZERS:
+    elif kind == ds_config.LION_OPTIMIZER:
+        lion = ds.load("deepspeed.ops.lion")
+        cls = lion.DeepSpeedCPULion if on_cpu else lion.FusedLion
+    elif kind in ds_config.DEEPSPEED_OPTIMIZERS:
         return None  # MuP's (another package) and Muon (parameter groups of its own)
     else:
         cls = getattr(torch.optim, name, None)
@@ -855,8 +835,7 @@ def _optimizer_param_findings(config: dict) -> list[Finding]:
     """``optimizer.params`` against the class DeepSpeed builds: unknown keys, wrong types, values its
     constructor refuses, values its kernel takes although torch refuses them, and DeepSpeed's own keys
     that change nothing."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime import config as ds
+    ds_config = ds.load("deepspeed.runtime.config")
 
     optimizer = config["optimizer"]
     params = optimizer.get("params", {})
@@ -879,8 +858,8 @@ def _optimizer_param_findings(config: dict) -> list[Finding]:
                                     "one fails deepspeed.initialize (TypeError: got multiple values)", "remove it"))
         elif key not in keywords:
             choices = list(keywords)
-            if str(optimizer.get("type")).lower() in (ds.ADAM_OPTIMIZER, ds.ADAMW_OPTIMIZER):
-                choices += [ds.ADAM_W_MODE, ds.TORCH_ADAM_PARAM]  # DeepSpeed's own keys for Adam
+            if str(optimizer.get("type")).lower() in (ds_config.ADAM_OPTIMIZER, ds_config.ADAMW_OPTIMIZER):
+                choices += [ds_config.ADAM_W_MODE, ds_config.TORCH_ADAM_PARAM]  # DeepSpeed's own keys for Adam
             close = difflib.get_close_matches(key, choices, n=1)
             findings.append(Finding("error", path, f"is not a parameter of {what}, the optimizer DeepSpeed builds "
                                     "here (deepspeed.initialize fails: TypeError, unexpected keyword argument)",
@@ -896,7 +875,7 @@ def _optimizer_param_findings(config: dict) -> list[Finding]:
     for key in sorted(builder.taken):
         if not _changes_the_builder(config, key):
             hint = ('; for Adam with L2 weight decay write "type": "Adam" with "adam_w_mode": false'
-                    if key == ds.ADAM_W_MODE else "")
+                    if key == ds_config.ADAM_W_MODE else "")
             findings.append(Finding("warning", f"optimizer.params.{key}", f"changes nothing here: DeepSpeed takes it "
                                     f"out of the parameters and builds {builder.builds()} whatever its value",
                                     f"remove it{hint}"))
@@ -941,12 +920,11 @@ def _changes_the_builder(config: dict, key: str) -> bool:
 
 def _adam_is_adamw_findings(config: dict, builder: OptimizerBuilder) -> list[Finding]:
     """"Adam" with weight decay builds exactly what "AdamW" builds, unless adam_w_mode says otherwise."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime import config as ds
+    ds_config = ds.load("deepspeed.runtime.config")
 
     optimizer = config["optimizer"]
     decay = optimizer["params"].get("weight_decay", 0) if isinstance(optimizer.get("params"), dict) else 0
-    if str(optimizer.get("type")).lower() != ds.ADAM_OPTIMIZER or not _is_type(decay, (int, float)) or decay == 0:
+    if str(optimizer.get("type")).lower() != ds_config.ADAM_OPTIMIZER or not _is_type(decay, (int, float)) or decay == 0:
         return []
     as_adamw = optimizer_builder(merged(config, {"optimizer": {"type": "AdamW"}}))
     if as_adamw is None or (as_adamw.cls, as_adamw.passed) != (builder.cls, builder.passed):
@@ -954,14 +932,14 @@ def _adam_is_adamw_findings(config: dict, builder: OptimizerBuilder) -> list[Fin
     return [Finding("warning", "optimizer.type", f'"{optimizer["type"]}" with weight_decay {decay:g}: DeepSpeed builds '
                     f'{builder.builds()}, exactly what it builds for "AdamW": decoupled weight decay, not the L2 '
                     "penalty torch.optim.Adam adds to the gradient",
-                    f'add "{ds.ADAM_W_MODE}": false to the params for Adam with L2 weight decay, or write "AdamW" '
+                    f'add "{ds_config.ADAM_W_MODE}": false to the params for Adam with L2 weight decay, or write "AdamW" '
                     "to say what runs")]
 
 
 @contextlib.contextmanager
 def _captured_messages():
     """The warnings DeepSpeed logs and Python warns while the block runs (kept from the console)."""
-    from deepspeed.utils import logger  # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    logger = ds.load("deepspeed.utils").logger
 
     messages: list[str] = []
 
@@ -1005,8 +983,7 @@ def _scheduler_param_findings(config: dict, client_optimizer: bool) -> list[Find
     """``scheduler.params`` against the scheduler class DeepSpeed builds (its own, or torch's of that name):
     unknown keys, missing required ones, wrong types, what its constructor and first steps refuse or warn
     about, values it silently replaces, and an optimizer ``lr`` that it never uses."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime import lr_schedules
+    lr_schedules = ds.load("deepspeed.runtime.lr_schedules")
 
     scheduler = config["scheduler"]
     kind = str(scheduler.get("type", ""))
@@ -1103,8 +1080,7 @@ DYNAMIC_LOSS_SCALE_KNOBS = ("initial_scale_power", "loss_scale_window", "hystere
 
 def _silent_off_findings(config: dict, zero: dict, stage: int) -> list[Finding]:
     """Settings DeepSpeed accepts and then does not use, or uses to turn a feature off, without a word."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+    GRADIENT_CLIPPING_DEFAULT = ds.load("deepspeed.runtime.constants").GRADIENT_CLIPPING_DEFAULT
 
     findings = []
     clipping = config.get("gradient_clipping")
@@ -1341,8 +1317,7 @@ def trainer_fills(config: dict, world_size: int) -> tuple[dict, dict[str, AutoFi
 
 def _auto_findings(config: dict, paths: list[str], fills: dict[str, AutoFill], starter: str) -> list[Finding]:
     """One finding per ``"auto"`` the config's starter leaves unfilled (with the Trainer: those it does not know)."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.autotuning.constants import DEFAULT_HF_CONFIG
+    DEFAULT_HF_CONFIG = ds.load("deepspeed.autotuning.constants").DEFAULT_HF_CONFIG
 
     defaults = deepspeed_defaults(config)
     models = set(_section_validators())
@@ -1430,24 +1405,19 @@ def deepspeed_defaults(config: dict) -> dict[str, Any]:
     the line is absent: from DeepSpeed's own config models (at the config's ZeRO stage, whose defaults
     differ) and its ``*_DEFAULT`` constants; :data:`NO_DEFAULT` where there is none."""
 
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime import constants, lr_schedules
-    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
-
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.zero.config import get_zero_config
-    from deepspeed.runtime.zero.offload_config import (
-        DeepSpeedZeroOffloadOptimizerConfig,
-        DeepSpeedZeroOffloadParamConfig,
-    )
+    constants = ds.load("deepspeed.runtime.constants")
+    lr_schedules = ds.load("deepspeed.runtime.lr_schedules")
+    precision = ds.load("deepspeed.runtime.precision_config")
+    get_zero_config = ds.load("deepspeed.runtime.zero.config").get_zero_config
+    offload = ds.load("deepspeed.runtime.zero.offload_config")
 
     zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
     sections = {
         "zero_optimization": get_zero_config({"zero_optimization": {"stage": zero.get("stage", 0)}}).model_dump(),
-        "zero_optimization.offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig().model_dump(),
-        "zero_optimization.offload_param": DeepSpeedZeroOffloadParamConfig().model_dump(),
-        "fp16": get_float16_config({"fp16": {}}).model_dump(),
-        "bf16": get_bfloat16_config({"bf16": {}}).model_dump(),
+        "zero_optimization.offload_optimizer": offload.DeepSpeedZeroOffloadOptimizerConfig().model_dump(),
+        "zero_optimization.offload_param": offload.DeepSpeedZeroOffloadParamConfig().model_dump(),
+        "fp16": precision.get_float16_config({"fp16": {}}).model_dump(),
+        "bf16": precision.get_bfloat16_config({"bf16": {}}).model_dump(),
     }
     scheduler = config.get("scheduler") if isinstance(config.get("scheduler"), dict) else {}
     scheduler_class = getattr(lr_schedules, str(scheduler.get("type")), None)

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from helpers.core import ds
+
 #: Repository root (the folder holding ``helpers/``, ``notebooks/``, ``ds_configs/``).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,15 +115,6 @@ class Environment:
         return "\n".join(lines)
 
 
-def quiet_deepspeed_import() -> None:
-    """Before importing DeepSpeed in this process: on a machine without GPUs, say "CPU" up front,
-    or DeepSpeed warns that it found no accelerator."""
-    import torch  # deferred: the commands that run before torch is installed must not import it
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
 def _cpu_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -131,8 +124,7 @@ def _cpu_cores() -> int:
 
 def _cpu_precisions() -> tuple[str, ...]:
     """Ask DeepSpeed's own CPU accelerator which half precisions it accepts."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    CPU_Accelerator = ds.load("deepspeed.accelerator.cpu_accelerator").CPU_Accelerator
 
     accelerator = CPU_Accelerator()
     found = ["fp32"]
@@ -195,8 +187,7 @@ def detect(world_size: int | None = None) -> Environment:
     gpu_ids, indices, gpu_source = select_gpus(visible, os.environ.get(GPUS_VARIABLE),
                                                os.environ.get("CUDA_VISIBLE_DEVICES"))
     gpus = len(gpu_ids)
-    quiet_deepspeed_import()
-    import deepspeed  # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    deepspeed = ds.load()
     if gpus:
         device, backend = "cuda", "nccl"
         name = f"{gpus} x {torch.cuda.get_device_name(indices[0])}"
@@ -264,9 +255,7 @@ def nvme_offload_support() -> tuple[bool, str]:
 
     Asks DeepSpeed's own op builder, which looks for libaio (the library and its headers).
     """
-    quiet_deepspeed_import()
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.accelerator import get_accelerator
+    get_accelerator = ds.load("deepspeed.accelerator").get_accelerator
 
     builder = get_accelerator().create_op_builder("AsyncIOBuilder")
     if builder is None:
@@ -344,8 +333,7 @@ def software() -> dict[str, str]:
 
     import torch  # deferred: the commands that run before torch is installed must not import it
 
-    quiet_deepspeed_import()
-    import deepspeed  # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    deepspeed = ds.load()
 
     found = {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "python": sys.version.split()[0]}
     if torch.cuda.is_available():
@@ -412,8 +400,7 @@ def build_ops(env: Environment | None = None, only: list[str] | None = None) -> 
     for change in changes:
         print(f"  environment: {change}")
     os.environ.update({k: v for k, v in child.items() if k in ("DS_ACCELERATOR", "TORCH_CUDA_ARCH_LIST")})
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.accelerator import get_accelerator
+    get_accelerator = ds.load("deepspeed.accelerator").get_accelerator
 
     names = ["FusedAdamBuilder", "CPUAdamBuilder"]
     if not env.is_gpu:
@@ -445,8 +432,7 @@ def build_ops(env: Environment | None = None, only: list[str] | None = None) -> 
 def deepspeed_source(relative: str, patterns: Sequence[str], context: int = 0) -> str:
     """Lines of DeepSpeed's installed source ``relative`` (e.g. ``runtime/zero/stage3.py``) that match any
     of ``patterns`` (regular expressions), with ``context`` lines after each, numbered as in the file."""
-    quiet_deepspeed_import()
-    import deepspeed  # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    deepspeed = ds.load()
 
     path = Path(deepspeed.__file__).parent / relative
     lines = path.read_text().splitlines()

@@ -56,7 +56,7 @@ from typing import Callable, Mapping, Sequence
 
 import psutil
 
-from helpers.core import configs, environment, models, records
+from helpers.core import configs, ds, environment, models, records
 from helpers.core import faults as course_faults
 from helpers.core import probes as probe_registry
 from helpers.core.plan import (COURSE_MODELS, DATA_PARALLEL_STEP, DEEPSPEED_INITIALIZE, EVENT_PREFIX, STACK_SIGNAL,
@@ -171,8 +171,7 @@ class Hosts:
 
     def resources(self) -> dict[str, list[int]]:
         """{host: [slots]} after the filters, read by DeepSpeed's own parsers (errors name the bad entry)."""
-        # deferred: DeepSpeed is imported after the course has chosen its accelerator
-        from deepspeed.launcher import runner
+        runner = ds.load("deepspeed.launcher.runner")
 
         path = Path(self.hostfile)
         if not path.is_file():

@@ -28,6 +28,8 @@ from typing import Iterable
 
 import torch
 
+from helpers.core import ds
+
 KEYS = ("params", "grads", "optimizer", "master", "buffers")
 
 
@@ -172,8 +174,7 @@ def placement(engine) -> dict:
     side is the one DeepSpeed assigns the holder (its offload partitions are the host side); the result
     says so in ``accelerator_is_host``. Each tensor's bytes are counted once per side.
     """
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.accelerator import get_accelerator
+    get_accelerator = ds.load("deepspeed.accelerator").get_accelerator
 
     accelerator = get_accelerator()
     accelerator_is_host = accelerator.device_name() == "cpu"

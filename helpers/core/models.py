@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from helpers.core.environment import quiet_deepspeed_import
+from helpers.core import ds
 
 LINEAR_SAMPLES = 100  # the source article's TensorDataset has 100 rows
 MLP_WIDTH, MLP_BLOCKS = 256, 8
@@ -209,7 +209,7 @@ def build(name: str, seed: int = 0, config: dict | None = None, **options) -> nn
         # newer transformers call it activation_checkpointing_enable; 5.17 (the GPU image) only has gradient_checkpointing_enable
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     elif variant == "-dsckpt":
-        import deepspeed  # deferred: importing this module must not import DeepSpeed before its accelerator is chosen
+        deepspeed = ds.load()
 
         # transformers' own switch, with DeepSpeed's checkpoint function in place of torch's
         model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
@@ -274,10 +274,7 @@ def text_corpus() -> bytes:
     The files come from the pinned ``deepspeed`` package, so the bytes (and the losses) are the
     same on every machine with that version.
     """
-    quiet_deepspeed_import()
-    import deepspeed  # deferred: after quiet_deepspeed_import, which chooses DeepSpeed's accelerator first
-
-    zero = Path(deepspeed.__file__).parent / "runtime" / "zero"
+    zero = Path(ds.load().__file__).parent / "runtime" / "zero"
     return b"".join((zero / f).read_bytes() for f in ("stage_1_and_2.py", "stage3.py", "partition_parameters.py"))
 
 

@@ -37,7 +37,7 @@ import psutil
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from helpers.core import communication, memory, performance
+from helpers.core import communication, ds, memory, performance
 from helpers.core.plan import reference_of, resolve
 
 #: The probes a run uses unless it names others (see :func:`defaults_for`).
@@ -186,7 +186,7 @@ def logger_off() -> None:
     ``deepspeed.initialize`` turns it on for a config with a ``comms_logger`` section but never off: without
     this, the next run of a sweep would still wait for and time every collective although its config asks
     for no logging."""
-    import deepspeed.comm as dist  # deferred: only ranks call this, and the notebook need not import DeepSpeed
+    dist = ds.load("deepspeed.comm")
 
     dist.configure(enabled=False)
 
@@ -300,18 +300,18 @@ class Comm(Probe):
     config = {"comms_logger": {"enabled": True, "verbose": False, "prof_all": True, "debug": True}}
 
     def start(self, ctx: RunContext) -> None:
-        import deepspeed.comm as dist  # deferred: DeepSpeed is imported on the ranks, after its accelerator is chosen
+        dist = ds.load("deepspeed.comm")
 
         dist.reset_log()  # leave out set-up collectives (the initial broadcast of the weights)
 
     def before_step(self, ctx: RunContext, step: int) -> None:
         if step == ctx.first_step + 1:
-            import deepspeed.comm as dist  # deferred: DeepSpeed is imported on the ranks, after its accelerator is chosen
+            dist = ds.load("deepspeed.comm")
 
             dist.reset_log()  # the first step warms up: measure the steady state
 
     def finish(self, ctx: RunContext) -> dict:
-        import deepspeed.comm as dist  # deferred: DeepSpeed is imported on the ranks, after its accelerator is chosen
+        dist = ds.load("deepspeed.comm")
 
         summary = dist.log_summary(return_dict=True) or {"summary": {}}  # every rank must call it
         logger_off()
@@ -476,8 +476,8 @@ class MicroSteps(Probe):
     config = Comm.config
 
     def start(self, ctx: RunContext) -> None:
-        import deepspeed.comm as dist  # deferred: DeepSpeed is imported on the ranks, after its accelerator is chosen
-        from deepspeed.comm import comm as ds_comm  # deferred: as above
+        dist = ds.load("deepspeed.comm")
+        ds_comm = ds.load("deepspeed.comm.comm")
 
         self.calls: list[tuple[str, int, float]] = []  # (logger's record name, logged bytes, seconds), in order
         self.marks: list[tuple[int, str, int, float]] = []  # (step, phase, calls so far, time)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from helpers.core.environment import quiet_deepspeed_import
+from helpers.core import ds
 
 PAPER_K = 12  # bytes of optimizer state per parameter for mixed-precision Adam
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -158,21 +158,16 @@ def deepspeed_estimate_bytes(psi: int, stage: int, world_size: int, largest_laye
     parameter shards (none with ``offload_param`` too) plus the largest layer. Its estimator has no case
     for parameter offload without optimizer offload: None then.
     """
-    quiet_deepspeed_import()
     if stage == 2:
-        # deferred: DeepSpeed is imported after the course has chosen its accelerator
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-        return float(estimate_zero2_model_states_mem_needs(psi, world_size, 1, cpu_offload=offload_optimizer)[1])
+        zero2 = ds.load("deepspeed.runtime.zero.stage_1_and_2")
+        return float(zero2.estimate_zero2_model_states_mem_needs(psi, world_size, 1, cpu_offload=offload_optimizer)[1])
     if stage == 3:
         if offload_param and not offload_optimizer:
             return None
-        # deferred: DeepSpeed is imported after the course has chosen its accelerator
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-        return float(estimate_zero3_model_states_mem_needs(psi, largest_layer_params, world_size, 1,
-                                                           cpu_offload=offload_optimizer,
-                                                           cpu_offload_params=offload_param)[1])
+        zero3 = ds.load("deepspeed.runtime.zero.stage3")
+        return float(zero3.estimate_zero3_model_states_mem_needs(psi, largest_layer_params, world_size, 1,
+                                                                 cpu_offload=offload_optimizer,
+                                                                 cpu_offload_params=offload_param)[1])
     return None
 
 

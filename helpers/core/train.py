@@ -49,7 +49,7 @@ from typing import Sequence
 import psutil
 import torch
 
-from helpers.core import cpu_info, memory, models, theory
+from helpers.core import cpu_info, ds, memory, models, theory
 from helpers.core.faults import Faults
 from helpers.core.plan import STACK_SIGNAL, Plan, PlannedRun, emit, publish, resolve, write_json
 from helpers.core.probes import Probe, RunContext, Timeline, deep_update, missing_keys, resolve_probe
@@ -128,7 +128,7 @@ def data_parallel_coords(engine) -> tuple[int, int]:
     one tensor-parallel group read the same samples), pipeline parallelism (the stages of one pipeline
     read the same micro-batches) or sequence parallelism (the ranks of one group split each sample's tokens).
     """
-    import deepspeed.comm as dist  # deferred: with the other DeepSpeed imports of the ranks (see main)
+    dist = ds.load("deepspeed.comm")
 
     if engine.dp_world_size is None:  # a sequence-parallel mpu: the ranks of one group share each sample
         sequence = int(engine.sequence_parallel_size)
@@ -144,8 +144,7 @@ def data_parallel_coords(engine) -> tuple[int, int]:
 def initialize(model: torch.nn.Module, config: dict, run: PlannedRun):
     """The source article's ``deepspeed.initialize``: the run's engine (a run's default ``initialize``).
     With ``run.client_optimizer``, ``torch.optim.AdamW`` is built here and passed in, as the article does."""
-    import deepspeed  # deferred: with the other DeepSpeed imports of the ranks (see main)
-
+    deepspeed = ds.load()
     client_optimizer = None
     if run.client_optimizer:
         lr = config.get("optimizer", {}).get("params", {}).get("lr", 1e-4)
@@ -181,7 +180,7 @@ def before_training(engine, run: PlannedRun) -> int:
 
 def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
     """Train one run of the plan on this rank, write its record (rank 0), and tear its engine down."""
-    import deepspeed.comm as dist  # deferred: with the other DeepSpeed imports of the ranks (see main)
+    dist = ds.load("deepspeed.comm")
 
     run_started = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -218,7 +217,7 @@ def train_run(run: PlannedRun, position: int, count: int, born: float) -> None:
         # A pipeline or tensor-parallel engine leaves its groups in DeepSpeed's module globals (groups.mpu
         # and friends), which the next engine of a sweep would inherit: forget them (the process groups
         # themselves stay; every rank makes the same call, so later group creation stays in step).
-        from deepspeed.utils import groups  # deferred: as above
+        groups = ds.load("deepspeed.utils.groups")
 
         groups._release_process_group_references(None)
         if compiled:  # torch.compile's caches keep a compiled ZeRO-3 engine's modules (its guards on DeepSpeed's hooks)
@@ -237,8 +236,8 @@ def release_zero3_references(module) -> None:
     ``parameter_offload.FWD_MODULE_STACK`` and never takes off, and the entries of
     ``PartitionedParameterCoordinator.__params_to_release``, a class-level ``functools.lru_cache`` keyed
     by (coordinator, module, step). ``tests/test_launch.py`` checks that no engine outlives its run."""
-    from deepspeed.runtime.zero import parameter_offload  # deferred: with the other DeepSpeed imports of the ranks
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    parameter_offload = ds.load("deepspeed.runtime.zero.parameter_offload")
+    PartitionedParameterCoordinator = ds.load("deepspeed.runtime.zero.partitioned_param_coordinator").PartitionedParameterCoordinator
 
     parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if m is not module]
     method = PartitionedParameterCoordinator.__dict__.get("_PartitionedParameterCoordinator__params_to_release")
@@ -366,8 +365,8 @@ def init_process_group(launcher: str):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         return torch.distributed
-    import deepspeed  # deferred: a torchrun launch of PyTorch's own strategies never imports DeepSpeed
-    import deepspeed.comm as dist
+    deepspeed = ds.load()
+    dist = ds.load("deepspeed.comm")
 
     deepspeed.init_distributed()
     return dist
@@ -381,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         born = psutil.Process().create_time()  # where a launch's seconds go, from this process's start
         plan = Plan.read(args.plan)
         if plan.launcher != "torchrun":
-            import deepspeed  # noqa: F401  (deferred: imported before the clock reads "imports", as it always was)
+            ds.load()  # imported before the clock reads "imports", as it always was
 
         Timeline.process_marks["imports"] = round(time.time() - born, 3)
         dist = init_process_group(plan.launcher)

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from helpers.core import exercises, load_guard, models, plots, records, references, theory
+from helpers.core import ds, exercises, load_guard, models, plots, records, references, theory
 from helpers.core.probes import Probe, RunContext
 
 
@@ -70,8 +70,7 @@ def _held_by_function(grad_fn: Any) -> tuple[list[torch.Tensor], list[int]]:
 def _offload_engine_holds(token: int) -> list[torch.Tensor]:
     """What DeepSpeed's activation offload engine holds for ``token`` now: the tensor kept on the device
     (the newest), the device source of a copy in flight, the host copy."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.activation_checkpointing import checkpointing
+    checkpointing = ds.load("deepspeed.runtime.activation_checkpointing.checkpointing")
 
     engine = getattr(checkpointing, "_cpu_offload_engine", None)
     held = []
@@ -765,20 +764,18 @@ def exercise_checkpointed_layer_bytes(answer: object, runs: Mapping[str, Any], n
 
 def block_settings() -> tuple[str, ...]:
     """The keys DeepSpeed 0.19.8 reads from an ``activation_checkpointing`` block (any other key is ignored)."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT_DEFAULT
+    ACT_CHKPT_DEFAULT = ds.load("deepspeed.runtime.activation_checkpointing.config").ACT_CHKPT_DEFAULT
     return tuple(ACT_CHKPT_DEFAULT)
 
 
 def parse_block(block: dict) -> dict[str, Any]:
     """The settings DeepSpeed's own parser (``DeepSpeedActivationCheckpointingConfig``, what ``DeepSpeedConfig``
     and ``deepspeed.checkpointing.configure`` use) makes of ``activation_checkpointing = block``."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.activation_checkpointing.config import DeepSpeedActivationCheckpointingConfig
+    config = ds.load("deepspeed.runtime.activation_checkpointing.config")
 
     if not isinstance(block, dict):
         raise TypeError(f"the block is a dict of settings, not {type(block).__name__}")
-    parsed = DeepSpeedActivationCheckpointingConfig({"activation_checkpointing": block})
+    parsed = config.DeepSpeedActivationCheckpointingConfig({"activation_checkpointing": block})
     return {key: getattr(parsed, key) for key in block_settings()}
 
 

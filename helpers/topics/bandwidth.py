@@ -94,7 +94,7 @@ import torch
 import torch.distributed
 import torch.distributed as tdist
 
-from helpers.core import configs, environment, exercises, launch, load_guard, plots, records, references, theory
+from helpers.core import configs, ds, environment, exercises, launch, load_guard, plots, records, references, theory
 from helpers.core.plan import PlannedRun, emit, publish, reference_of
 from helpers.topics import accumulation
 
@@ -168,8 +168,8 @@ def _interface_bytes() -> int | None:
 
 def shm_status(world_size: int) -> dict:
     """Whether DeepSpeed's shared-memory all-reduce can run in this rank, and what decided it."""
-    # deferred: on the ranks only; the module's ``cdb`` is the backend in use now
-    from deepspeed.comm import comm as ds_comm
+    # on the ranks only; the module's ``cdb`` is the backend in use now
+    ds_comm = ds.load("deepspeed.comm.comm")
 
     local_size = os.environ.get("LOCAL_SIZE")
     has_op = hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")
@@ -190,7 +190,7 @@ def shm_status(world_size: int) -> dict:
 def deepspeed_call(op: str, elements: int, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
     """A function making one call of ``op`` through ``deepspeed.comm`` on a message of ``elements`` elements (the
     course's own benchmark; chapter 09 writes its version on the page)."""
-    import deepspeed.comm as dist  # deferred: on the ranks, after the course has chosen its accelerator
+    dist = ds.load("deepspeed.comm")
 
     world = dist.get_world_size()
     shard = elements // world
@@ -234,9 +234,8 @@ def run_benchmark(run: PlannedRun, position: int,
     ``deepspeed.comm`` call made by ``call(op, elements, dtype, device)`` and the comparisons
     (``torch.distributed``, DeepSpeed's shared-memory kernel), each timed by ``timed`` (warm-up calls first,
     then the implementations in turn); rank 0 publishes the table."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    import deepspeed.comm as dist
-    from deepspeed.accelerator import get_accelerator
+    dist = ds.load("deepspeed.comm")
+    get_accelerator = ds.load("deepspeed.accelerator").get_accelerator
 
     settings = run.read_config()["collectives"]
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -628,7 +627,7 @@ def set_rate(run: PlannedRun, position: int, count: int, born: float) -> None:
     namespace = os.environ.get("COURSE_NETNS", "")
     if not _NAME.match(namespace):
         raise RuntimeError("set_rate runs only in ranks placed in a course namespace (rate_limited_link)")
-    import deepspeed.comm as dist  # deferred: DeepSpeed is imported after the course has chosen its accelerator
+    dist = ds.load("deepspeed.comm")
 
     wanted = run.read_config()["link"]
     shaping = shaping_command(wanted.get("rate_mbit"))
@@ -1042,9 +1041,7 @@ def byte_sum(record: records.Record) -> str:
 def comms_logger_fields() -> str:
     """The fields of DeepSpeed's ``comms_logger`` config block and their defaults, read from DeepSpeed's own
     config model, and what a block does to the logger whatever its ``enabled`` says."""
-    environment.quiet_deepspeed_import()
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.comm.config import CommsLoggerConfig
+    CommsLoggerConfig = ds.load("deepspeed.comm.config").CommsLoggerConfig
 
     table = [[field, repr(info.default)] for field, info in CommsLoggerConfig.model_fields.items()]
     off = comms_logger_records({"enabled": False})
@@ -2016,10 +2013,8 @@ def comms_logger_records(block: dict, ops: Sequence[str] = LOGGED_OPS) -> dict[s
     """Which of ``ops`` DeepSpeed 0.19.8 records with the config block ``comms_logger = block``: DeepSpeed's own
     config model (``DeepSpeedCommsConfig``, which refuses unknown keys) configures a fresh ``CommsLogger``, and
     ``timed_op`` profiles a call when the logger is on and ``prof_all`` is set or the op is in ``prof_ops``."""
-    environment.quiet_deepspeed_import()
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.comm.config import DeepSpeedCommsConfig
-    from deepspeed.utils.comms_logging import CommsLogger
+    DeepSpeedCommsConfig = ds.load("deepspeed.comm.config").DeepSpeedCommsConfig
+    CommsLogger = ds.load("deepspeed.utils.comms_logging").CommsLogger
 
     if not isinstance(block, dict):
         raise TypeError(f"the block is a dict of settings, not {type(block).__name__}")

@@ -32,7 +32,7 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch
 
-from helpers.core import (environment, exercises, launch, load_guard, models, performance, plots, records,
+from helpers.core import (ds, environment, exercises, launch, load_guard, models, performance, plots, records,
                           references)
 from helpers.core.plan import PlannedRun, reference_of
 from helpers.core.probes import Probe, RunContext
@@ -153,8 +153,7 @@ def initialize(model: torch.nn.Module, config: dict, run: PlannedRun):
     """The capstone's engine (a run's ``initialize``): ``deepspeed.initialize`` with the candidate's config, then
     ``engine.compile()`` when the run's options ask for it (torch.compile compiles at the first forward, so the
     compilation lands in the first, warm-up, step)."""
-    import deepspeed  # deferred: DeepSpeed is imported on the ranks, after the course chooses its accelerator
-
+    deepspeed = ds.load()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     if full_options(run.model_options)["compile"]:
         engine.compile()

@@ -19,8 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
-from helpers.core import exercises, launch, models, plots, records
-from helpers.core.environment import quiet_deepspeed_import
+from helpers.core import ds, exercises, launch, models, plots, records
 
 #: The ZeRO stages the chapter's script trains, saves and resumes.
 STAGES = (0, 1, 2, 3)
@@ -286,12 +285,10 @@ def consolidate(checkpoint_dir: str | Path, tag: str) -> dict:
     """One fp32 PyTorch state dict from a sharded ZeRO checkpoint: DeepSpeed's ``zero_to_fp32``
     (``get_fp32_state_dict_from_zero_checkpoint``), as the chapter calls it on its page; here for the checks
     of the 16-bit file. Runs in this process; no ranks needed."""
-    quiet_deepspeed_import()
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    zero_to_fp32 = ds.load("deepspeed.utils.zero_to_fp32")
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints progress lines
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
 
 
 def loss_of_model(net: torch.nn.Module, record: records.Record, step: int) -> float:

@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from helpers.core import configs, environment, exercises, load_guard, plots, profiler_comm, records, references, theory
+from helpers.core import configs, ds, environment, exercises, load_guard, plots, profiler_comm, records, references, theory
 from helpers.topics import tensor_parallel
 from helpers.topics.tensor_parallel import Refusal
 
@@ -91,18 +91,15 @@ def checker_findings(kinds: Sequence[str] = tuple(REMOVED_OPTIMIZERS.values()), 
 
 def supported_optimizers() -> list[str]:
     """The optimizer types DeepSpeed 0.19.8 builds from a config (``DEEPSPEED_OPTIMIZERS``)."""
-    environment.quiet_deepspeed_import()
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    DEEPSPEED_OPTIMIZERS = ds.load("deepspeed.runtime.config").DEEPSPEED_OPTIMIZERS
 
     return list(DEEPSPEED_OPTIMIZERS)
 
 
 def removed_config_keys() -> dict[str, str]:
     """Config keys DeepSpeed 0.19.8 refuses because their feature was removed, with its own message."""
-    environment.quiet_deepspeed_import()
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS, _REMOVED_ZERO_CONFIG_KEYS
+    ds_config = ds.load("deepspeed.runtime.config")
+    _REMOVED_TOP_LEVEL_CONFIG_KEYS, _REMOVED_ZERO_CONFIG_KEYS = ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS, ds_config._REMOVED_ZERO_CONFIG_KEYS
 
     found = dict(_REMOVED_TOP_LEVEL_CONFIG_KEYS)
     found.update({f"zero_optimization.{k}": v for k, v in _REMOVED_ZERO_CONFIG_KEYS.items()})
@@ -111,9 +108,7 @@ def removed_config_keys() -> dict[str, str]:
 
 def removed_features_issue() -> str:
     """The issue DeepSpeed 0.19.8's messages about removed features point to."""
-    environment.quiet_deepspeed_import()
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.config import _REMOVED_FEATURES_ISSUE
+    _REMOVED_FEATURES_ISSUE = ds.load("deepspeed.runtime.config")._REMOVED_FEATURES_ISSUE
 
     return _REMOVED_FEATURES_ISSUE
 

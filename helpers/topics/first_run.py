@@ -22,7 +22,7 @@ from unittest import mock
 
 import torch
 
-from helpers.core import configs, environment, exercises, records
+from helpers.core import configs, ds, exercises, records
 
 #: Exercise 1's cluster and batch: ranks, the global batch per optimizer step, the most samples a rank holds.
 BATCH_WORLD, BATCH_GLOBAL, BATCH_MAX_MICRO = 8, 64, 4
@@ -38,8 +38,7 @@ def resolved_batch(config: dict, world_size: int) -> tuple[int, int, int]:
     """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps) as DeepSpeed's own
     ``DeepSpeedConfig`` resolves ``config`` on ``world_size`` ranks (it derives the missing ones and raises on
     a combination that does not add up). No process group is needed."""
-    environment.quiet_deepspeed_import()
-    from deepspeed.runtime import config as ds_config  # deferred: DeepSpeed after the accelerator is chosen
+    ds_config = ds.load("deepspeed.runtime.config")
 
     ranks = mock.Mock(get_rank=lambda *a, **k: 0, get_world_size=lambda *a, **k: world_size)
     with mock.patch.object(ds_config, "dist", ranks):
@@ -79,14 +78,13 @@ def warmup_lrs(scheduler: dict, lr: float = WARMUP_LR, steps: int = WARMUP_FOLLO
     """The learning rates of the first ``steps`` optimizer steps under DeepSpeed's scheduler of block
     ``scheduler``, built on a stand-in optimizer whose learning rate is ``lr``: the first is what the
     scheduler's constructor sets, and the engine calls its ``step()`` after every optimizer step."""
-    environment.quiet_deepspeed_import()
-    from deepspeed.runtime import lr_schedules  # deferred: DeepSpeed after the accelerator is chosen
+    lr_schedules = ds.load("deepspeed.runtime.lr_schedules")
 
     kind = scheduler.get("type")
     if kind not in lr_schedules.VALID_LR_SCHEDULES:
         raise ValueError(f"DeepSpeed has no scheduler {kind!r} (it knows {', '.join(lr_schedules.VALID_LR_SCHEDULES)})")
     stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    from deepspeed.utils import logger  # deferred: as above
+    logger = ds.load("deepspeed.utils").logger
 
     level = logger.level
     logger.setLevel(logging.ERROR)  # its constructor warns "before it has started", as it does in every run
@@ -154,9 +152,8 @@ def norm_allreduce(record: records.Record) -> str:
     """What the small all_reduce of a run without ZeRO is: its count and bytes per optimizer step in ``record``'s
     comms log (issued by :data:`NORM_CALLER`), and where DeepSpeed issues it, read from DeepSpeed's source (the
     comment that says why, the line that divides the norm by the ranks, the all_reduce itself)."""
-    environment.quiet_deepspeed_import()
-    import deepspeed  # deferred: DeepSpeed after the accelerator is chosen
-    from deepspeed.runtime import utils as ds_utils
+    deepspeed = ds.load()
+    ds_utils = ds.load("deepspeed.runtime.utils")
 
     call = record.comm.by_caller.get("all_reduce", {}).get(NORM_CALLER)
     if call is None:

@@ -25,7 +25,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.distributed
 
-from helpers.core import configs, exercises, load_guard, plots, records, references, theory
+from helpers.core import configs, ds, exercises, load_guard, plots, records, references, theory
 from helpers.core.configs import merged
 from helpers.core.records import format_bytes
 
@@ -339,8 +339,7 @@ def reference_step_verdicts(name: str = "offload") -> str:
 def stage3_bucket_bytes(dtype_bytes: int = 2) -> int:
     """Bytes of the gradient bucket stage 3 allocates on the accelerator with DeepSpeed's default
     ``reduce_bucket_size`` (read from its ``DeepSpeedZeroConfig``), in a ``dtype_bytes``-byte dtype."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    DeepSpeedZeroConfig = ds.load("deepspeed.runtime.zero.config").DeepSpeedZeroConfig
     return DeepSpeedZeroConfig().reduce_bucket_size * dtype_bytes
 
 

@@ -9,7 +9,8 @@
   measured by :mod:`helpers.measure`) and reads them with :func:`chapter_records`. :func:`build_model` and
   :func:`train_step` are the same pipeline as a sweep's builder and trainer (``RunSpec(builder=BUILDER,
   trainer=TRAINER)``), for chapter 12b's comparison of the ways of splitting a model;
-  :func:`dispatch_after_backward` lets the probes' ``after_backward`` fire inside ``engine.train_batch``.
+  :func:`~helpers.core.pipeline_hooks.dispatch_after_backward` (the core's, as :mod:`helpers.measure` uses it)
+  lets the probes' ``after_backward`` fire inside ``engine.train_batch``.
 - The ``pipeline`` probe times every instruction each stage executes (forward, backward, send, receive,
   ...): busy time against the time the whole pipeline took, the measured bubble.
 - The other schedules DeepSpeed ships (:func:`shipped_schedules`): DualPipeV, switched on by building a
@@ -26,12 +27,13 @@ import itertools
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from helpers.core import exercises, load_guard, models, plots, records, references, theory
+from helpers.core import ds, exercises, load_guard, models, plots, records, references, theory
+from helpers.core.pipeline_hooks import dispatch_after_backward, instruction_hooks
 from helpers.core.plan import PlannedRun, reference_of
 from helpers.core.probes import Probe, RunContext
 from helpers.topics import activations
@@ -116,12 +118,12 @@ def llama_pipeline(model, num_stages: int | None = None, partition_method: str =
     balanced by parameter count; the loss is :func:`helpers.core.models.lm_loss`. With ``schedule="dualpipev"``
     a ``deepspeed.pipe.DualPipeVModule`` instead, which cuts the layers into ``2 * num_stages`` stages, two per
     rank (rank r holds stage r and stage 2·num_stages-1-r). Needs the process group."""
-    import deepspeed.comm as dist  # deferred: on the ranks only, after DeepSpeed's accelerator is chosen
-    from deepspeed.pipe import DualPipeVModule, PipelineModule
+    dist = ds.load("deepspeed.comm")
+    pipe = ds.load("deepspeed.pipe")
 
     check_schedule(schedule)
     stages = num_stages or dist.get_world_size()
-    module = DualPipeVModule if schedule == "dualpipev" else PipelineModule
+    module = pipe.DualPipeVModule if schedule == "dualpipev" else pipe.PipelineModule
     return module(layers=llama_stages(model), num_stages=stages, loss_fn=models.lm_loss,
                   partition_method=partition_method)
 
@@ -200,8 +202,7 @@ def schedule_grid(stages: int, micro_batches: int) -> list[list[str]]:
     """What each stage computes in each step of DeepSpeed's ``TrainSchedule`` (1F1B): one row per stage,
     one cell per step: ``"F2"`` (forward of micro-batch 2), ``"B0"`` (backward of micro-batch 0) or ``""``
     (nothing to compute: the bubble)."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.pipe import schedule
+    schedule = ds.load("deepspeed.runtime.pipe.schedule")
 
     grid = []
     for stage in range(stages):
@@ -223,50 +224,6 @@ def schedule_bubble(stages: int, micro_batches: int) -> float:
     if len(shares) != 1:
         raise AssertionError(f"stages idle for different shares of the schedule: {shares}")
     return shares.pop()
-
-
-# --- hooks inside engine.train_batch ----------------------------------------------------------------
-
-def instruction_hooks(engine) -> list[Callable]:
-    """The callbacks ``hook(kind, started, kwargs)`` run after each schedule instruction of this pipeline
-    engine (``kind`` as ``"ForwardPass"``, ``started`` its ``time.perf_counter()`` start). The first call
-    wraps the engine's instruction table; later calls return the same list."""
-    hooks = engine.__dict__.get("_course_instruction_hooks")
-    if hooks is None:
-        if not hasattr(type(engine), "_INSTRUCTION_MAP"):
-            raise TypeError(f"{type(engine).__name__} is not DeepSpeed's PipelineEngine: train a pipeline model "
-                            "(builder=pipeline.BUILDER, trainer=pipeline.TRAINER)")
-        hooks = []
-
-        def wrap(kind: str, run: Callable) -> Callable:
-            def timed(self, **kwargs):
-                started = time.perf_counter()
-                run(self, **kwargs)
-                for hook in hooks:
-                    hook(kind, started, kwargs)
-            return timed
-
-        engine._course_instruction_hooks = hooks
-        engine._INSTRUCTION_MAP = {cls: wrap(cls.__name__, fn) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
-    return hooks
-
-
-def dispatch_after_backward(ctx: RunContext, step: int, probes: list) -> None:
-    """Make every probe's ``after_backward(ctx, step, m)`` fire after the backward of micro-batch ``m`` of
-    this stage during the next ``engine.train_batch`` (micro-batches counted in the order this stage runs
-    their backward). Under DualPipeV a rank runs two backwards of each micro-batch, phase 1's (the way back)
-    and then phase 0's: it fires after phase 0's, when the micro-batch's gradients on this rank are complete.
-    Call before each ``train_batch``."""
-    state = ctx.engine.__dict__.setdefault("_course_backward_state", {})
-    if not state:
-        def after_instruction(kind: str, started: float, kwargs: dict) -> None:
-            if kind == "BackwardPass" and kwargs.get("phase", 0) == 0:
-                for probe in state["probes"]:
-                    probe.after_backward(state["ctx"], state["step"], state["micro"])
-                state["micro"] += 1
-
-        instruction_hooks(ctx.engine).append(after_instruction)
-    state.update(ctx=ctx, step=step, probes=probes, micro=0)
 
 
 # --- the probe ---------------------------------------------------------------------------------------
@@ -392,7 +349,7 @@ class Refused(RuntimeError):
 def record_refusal(folder: str | Path, error: BaseException) -> None:
     """On rank 0, write why DeepSpeed refused a run (its error) into the run's ``folder``, where
     :func:`chapter_records` reads it back."""
-    import deepspeed.comm as dist  # deferred: on the ranks only, after the process group exists
+    dist = ds.load("deepspeed.comm")
 
     if dist.get_rank() == 0:
         Path(folder).mkdir(parents=True, exist_ok=True)
@@ -472,8 +429,7 @@ def p2p_table(record) -> str:
 def default_bucket_elements() -> int:
     """DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements): the size of ZeRO-1/2's gradient
     bucket, allocated whatever the model's size."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    DeepSpeedZeroConfig = ds.load("deepspeed.runtime.zero.config").DeepSpeedZeroConfig
     return int(DeepSpeedZeroConfig().reduce_bucket_size)
 
 
@@ -625,10 +581,9 @@ def shipped_schedules() -> list[dict]:
     """The schedule classes DeepSpeed's ``deepspeed.runtime.pipe.schedule`` defines (every ``PipeSchedule``
     subclass there), each with the first sentence of its docstring and the engine methods whose source builds
     it (``_train_schedule`` and ``_inference_schedule`` of ``PipelineEngine`` and ``DualPipeVEngine``)."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.pipe import schedule as ds_schedule
-    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
-    from deepspeed.runtime.pipe.engine import PipelineEngine
+    ds_schedule = ds.load("deepspeed.runtime.pipe.schedule")
+    DualPipeVEngine = ds.load("deepspeed.runtime.pipe.dualpipev").DualPipeVEngine
+    PipelineEngine = ds.load("deepspeed.runtime.pipe.engine").PipelineEngine
 
     methods = {f"{engine.__name__}.{name}": inspect.getsource(vars(engine)[name])
                for engine in (PipelineEngine, DualPipeVEngine) for name in ("_train_schedule", "_inference_schedule")}
@@ -651,7 +606,7 @@ def shipped_schedules_text() -> str:
 def schedule_class(schedule: str):
     """DeepSpeed's schedule class that trains with ``schedule``: ``TrainSchedule`` (1F1B, what
     ``PipelineEngine`` runs) or ``DualPipeVSchedule`` (what ``DualPipeVEngine`` runs)."""
-    from deepspeed.runtime.pipe import schedule as ds_schedule  # deferred: after the course chose the accelerator
+    ds_schedule = ds.load("deepspeed.runtime.pipe.schedule")
 
     check_schedule(schedule)
     return ds_schedule.DualPipeVSchedule if schedule == "dualpipev" else ds_schedule.TrainSchedule
@@ -1130,8 +1085,7 @@ def deepspeed_partition(layers: Sequence[nn.Module], num_stages: int, partition_
     """The stage boundaries ``PipelineModule(layers, num_stages, partition_method=...)`` computes, by DeepSpeed's
     own ``PipelineModule._partition_layers`` (run on a stand-in that has the layers and no process group):
     stage k holds ``layers[parts[k]:parts[k+1]]``."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.pipe import PipelineModule
+    PipelineModule = ds.load("deepspeed.pipe").PipelineModule
 
     if not isinstance(partition_method, str):
         raise TypeError(f"partition_method is a string, not {type(partition_method).__name__}")

@@ -29,8 +29,7 @@ from unittest import mock
 
 import torch
 
-from helpers.core import configs, exercises, load_guard, models, performance, plots, records, references, theory
-from helpers.core.environment import quiet_deepspeed_import
+from helpers.core import configs, ds, exercises, load_guard, models, performance, plots, records, references, theory
 from helpers.core.probes import Probe, RunContext
 
 #: The largest finite fp16 number: a gradient above it becomes inf.
@@ -175,9 +174,7 @@ def fp16_settings(section: Mapping[str, Any]):
     """DeepSpeed's own config model of an ``fp16`` section (``DeepSpeedFP16Config``): its validation, its
     defaults. Raises DeepSpeed's ValidationError for a bad value."""
 
-    quiet_deepspeed_import()
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.precision_config import get_float16_config
+    get_float16_config = ds.load("deepspeed.runtime.precision_config").get_float16_config
 
     return get_float16_config({"fp16": {**section, "enabled": True}})
 
@@ -185,8 +182,7 @@ def fp16_settings(section: Mapping[str, Any]):
 def make_loss_scaler(section: Mapping[str, Any]):
     """The loss scaler DeepSpeed's ZeRO optimizers build from this ``fp16`` section: the same factory
     (``CreateLossScaler``) with the same arguments as ``deepspeed.initialize`` passes."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+    CreateLossScaler = ds.load("deepspeed.runtime.fp16.loss_scaler").CreateLossScaler
 
     settings = fp16_settings(section)
     return CreateLossScaler(dtype=torch.half, static_loss_scale=settings.loss_scale,
@@ -253,8 +249,8 @@ def scaler_demo(config: Mapping[str, Any], spikes: list[int] | tuple[int, ...] =
     Returns the scale each step used, overflow per step, skipped steps, losses (mean over ranks) and the
     headroom of each applied step, log2(FP16_MAX / largest |scaled gradient|): halvings left before an overflow.
     """
-    from deepspeed.runtime.fp16 import loss_scaler  # deferred, as in make_loss_scaler
-    from deepspeed.runtime.utils import has_inf_or_nan
+    loss_scaler = ds.load("deepspeed.runtime.fp16.loss_scaler")
+    has_inf_or_nan = ds.load("deepspeed.runtime.utils").has_inf_or_nan
 
     section = {k: v for k, v in config.get("fp16", {}).items() if k != "enabled"}
     scaler = make_loss_scaler(section)
@@ -456,8 +452,7 @@ class AccumulatedGradient(Probe):
     def after_backward(self, ctx: RunContext, step: int, micro_step: int) -> None:
         if step != ctx.first_step or micro_step != ctx.grad_accum - 1:
             return
-        # deferred: DeepSpeed is imported on the ranks, after the launcher chose its accelerator
-        from deepspeed.utils import safe_get_full_grad
+        safe_get_full_grad = ds.load("deepspeed.utils").safe_get_full_grad
 
         grads = [safe_get_full_grad(p) for p in ctx.engine.module.parameters()]  # a collective at stage 3
         if ctx.rank != 0:
@@ -1056,7 +1051,7 @@ def drive_loss_scaler(section: Mapping[str, Any], overflows: tuple[bool, ...] | 
     :func:`make_loss_scaler`, updates them (``update_scale``); ends early where DeepSpeed ends the run (at
     ``min_loss_scale``), the last entry then ``(scale, -1)``. Outside a launch no process group exists, so
     the rank DeepSpeed asks for (only to decide which rank logs) is taken as 0."""
-    from deepspeed.runtime.fp16 import loss_scaler  # deferred, as in make_loss_scaler
+    loss_scaler = ds.load("deepspeed.runtime.fp16.loss_scaler")
 
     scaler, found = make_loss_scaler(section), []
     with mock.patch.object(loss_scaler.dist, "get_rank", lambda: 0):
@@ -1117,7 +1112,7 @@ def exercise_fp16_block(answer: dict, task: Mapping[str, float] = SCALER_TASK, w
     """Exercise: write an ``fp16`` block whose dynamic loss scaler, as DeepSpeed builds it (:func:`make_loss_scaler`),
     has the ``task``'s initial scale, window, hysteresis and floor; the block must also pass the course's checker
     on ``ds_configs/zero2.json``."""
-    from deepspeed.runtime.fp16 import loss_scaler  # deferred, as in make_loss_scaler
+    loss_scaler = ds.load("deepspeed.runtime.fp16.loss_scaler")
 
     def test(block: dict) -> tuple[bool, str]:
         if not isinstance(block, dict):

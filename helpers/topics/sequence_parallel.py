@@ -34,7 +34,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
-from helpers.core import configs, environment, exercises, launch, load_guard, models, plots, records, references, theory
+from helpers.core import configs, ds, environment, exercises, launch, load_guard, models, plots, records, references, theory
 from helpers.core.plan import PlannedRun, reference_of
 from helpers.core.probes import Probe, RunContext
 from helpers.topics import activations, bandwidth, pipeline, tensor_parallel
@@ -132,9 +132,8 @@ def initialize(model: torch.nn.Module, config: dict, run: PlannedRun):
     transformers for the run's attention and sequence length (its wrapper replaces that attention in
     transformers' table; the returned ``mpu`` holds the sequence-parallel groups), then
     ``deepspeed.initialize(..., mpu=mpu)``. Returns the engine."""
-    # deferred: DeepSpeed is imported on the ranks, after the course chooses its accelerator
-    import deepspeed
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    deepspeed = ds.load()
+    UlyssesSPAttentionHF = ds.load("deepspeed.runtime.sequence_parallel.ulysses_sp").UlyssesSPAttentionHF
 
     size = config.get("sequence_parallel_size", 1)
     mpu = None
@@ -164,7 +163,7 @@ def train_step(ctx: RunContext, run: PlannedRun, step: int, probes: list[Probe])
     the whole sequence's gradient is the mean of the group's. Without sequence parallelism, the whole samples. With
     ``options["divide_by_group"]``, what goes backward is that loss divided by the group's size (the loss
     reported is not). Returns this rank's micro-batch losses."""
-    import deepspeed.comm as dist  # deferred: DeepSpeed is imported on the ranks, after its accelerator is chosen
+    dist = ds.load("deepspeed.comm")
 
     engine = ctx.engine
     size = int(getattr(engine, "sequence_parallel_size", 1))

@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from helpers.core import configs, exercises, load_guard, models, plots, records, references, theory
+from helpers.core import configs, ds, exercises, load_guard, models, plots, records, references, theory
 from helpers.core.probes import Probe, RunContext
 
 
@@ -139,9 +139,8 @@ def tp_parameter_count(before: Mapping[str, dict], ranks: list[dict]) -> tuple[i
 def _plan(name: str) -> dict[str, bool]:
     """transformers' tensor-parallel plan for model ``name`` as DeepSpeed converts it: module pattern ->
     whether DeepSpeed splits the module (False for the entries it skips)."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
-    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
+    TPPlanConverter = ds.load("deepspeed.module_inject.tp_plan_converter").TPPlanConverter
+    _get_hf_tp_plan = ds.load("deepspeed.runtime.tensor_parallel.config")._get_hf_tp_plan
 
     plan = _get_hf_tp_plan(models.build(name))
     return {pattern: TPPlanConverter.convert({pattern: style})[0].partition_type.value != "skip"
@@ -283,8 +282,7 @@ def against_zero3_table(runs: Mapping, timings: bool = False) -> str:
 
 def dtype_setting() -> str:
     """What DeepSpeed's tensor-parallel config model says ``dtype`` is when a config leaves it out."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
+    get_tensor_parallel_config = ds.load("deepspeed.runtime.tensor_parallel.config").get_tensor_parallel_config
 
     return str(get_tensor_parallel_config({"tensor_parallel": {"autotp_size": 2}}).dtype)
 
@@ -429,9 +427,8 @@ def traffic_sentence(runs: Mapping) -> str:
 def plan_table(name: str = "llama") -> str:
     """transformers' tensor-parallel plan for model ``name`` (``config.base_model_tp_plan`` and the model
     class's ``_tp_plan``, merged as DeepSpeed merges them) and what DeepSpeed's converter makes of each entry."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
-    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
+    TPPlanConverter = ds.load("deepspeed.module_inject.tp_plan_converter").TPPlanConverter
+    _get_hf_tp_plan = ds.load("deepspeed.runtime.tensor_parallel.config")._get_hf_tp_plan
 
     plan = _get_hf_tp_plan(models.build(name))
     rows = []
@@ -517,8 +514,7 @@ def autotp_config_facts(config: dict, world_size: int) -> dict:
     """What DeepSpeed makes of ``config`` on ``world_size`` ranks: its refusal (``DeepSpeedConfig``, None when it
     accepts), ``autotp_size`` (its ``TPTrainingConfig``), the train batch DeepSpeed reports (all ranks counted) and
     the samples a step really trains on (micro-batch x accumulation x data-parallel ranks = world / autotp_size)."""
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
+    get_tensor_parallel_config = ds.load("deepspeed.runtime.tensor_parallel.config").get_tensor_parallel_config
 
     if not isinstance(config, dict):
         raise TypeError(f"the config is a dict, not {type(config).__name__}")

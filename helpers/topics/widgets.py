@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ipywidgets as w
 
-from helpers.core import configs, environment, exercises, launch, models, plots, records, theory
+from helpers.core import configs, ds, environment, exercises, launch, models, plots, records, theory
 
 #: Where the builder saves the learner's configs (git-ignored; ``python -m helpers check my_configs/x.json``).
 MY_CONFIGS = environment.REPO_ROOT / "my_configs"
@@ -61,9 +61,7 @@ def _field(key: str) -> str:
 @functools.lru_cache(maxsize=1)
 def zero_defaults() -> dict[str, Any]:
     """DeepSpeed's own defaults for the builder's zero_optimization knobs, read from its config model."""
-    environment.quiet_deepspeed_import()
-    # deferred: DeepSpeed is imported after the course has chosen its accelerator
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    DeepSpeedZeroConfig = ds.load("deepspeed.runtime.zero.config").DeepSpeedZeroConfig
 
     fields = DeepSpeedZeroConfig.model_fields
     return {key: (int(fields[_field(key)].default) if key != "overlap_comm" else None) for key in ZERO_KNOBS}

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from helpers.core import configs, environment, exercises, load_guard, models, records, references, theory
+from helpers.core import configs, ds, exercises, load_guard, models, records, references, theory
 
 
 def chapter_records(folder: str | Path, since: float = 0.0, precisions: Sequence[str] = ("fp32", "bf16"),
@@ -181,8 +181,7 @@ def gradient_sent_bytes(op: str, logged_bytes: float, world_size: int) -> float:
 def zero_default(key: str):
     """DeepSpeed's default for ``zero_optimization.<key>`` (a field name or its ``stage3_`` alias), read from
     its config model (``DeepSpeedZeroConfig`` in ``deepspeed/runtime/zero/config.py``)."""
-    environment.quiet_deepspeed_import()
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # deferred: DeepSpeed after the accelerator
+    DeepSpeedZeroConfig = ds.load("deepspeed.runtime.zero.config").DeepSpeedZeroConfig
 
     for name, field in DeepSpeedZeroConfig.model_fields.items():
         if key in (name, field.alias):

@@ -1,0 +1,41 @@
+"""The one place the course's helpers import DeepSpeed: after the accelerator is chosen.
+
+DeepSpeed picks its accelerator (CUDA, CPU, ...) once, the first time it is imported, from
+``$DS_ACCELERATOR`` or by looking for a GPU; on a machine without one it then warns that it found no
+accelerator. :func:`choose_accelerator` sets the course's choice first (the rule :mod:`helpers.core.environment`
+gives the ranks too), and :func:`load` imports a DeepSpeed module only after it::
+
+    dist = ds.load("deepspeed.comm")                            # import deepspeed.comm as dist
+    PipelineModule = ds.load("deepspeed.pipe").PipelineModule   # from deepspeed.pipe import PipelineModule
+    offload = ds.load("deepspeed.runtime.zero.offload_config")  # several names of one module: the module, once
+
+Every use is inside a function, so importing :mod:`helpers` never imports DeepSpeed. A rank's own script
+(``runs/``, or a notebook's ``%%writefile``) keeps its plain ``import deepspeed``: the launcher set the
+accelerator for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import ModuleType
+
+
+def choose_accelerator() -> None:
+    """Before DeepSpeed is imported in this process: on a machine without GPUs, say "CPU" up front, or
+    DeepSpeed warns that it found no accelerator. A choice already in ``$DS_ACCELERATOR`` stands."""
+    import torch  # deferred: the commands that run before torch is installed must not import it
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def load(name: str = "deepspeed") -> ModuleType:
+    """The DeepSpeed module ``name`` (``"deepspeed"`` or one of its submodules, ``"deepspeed.comm"``),
+    imported after :func:`choose_accelerator` (once DeepSpeed is imported, its accelerator is fixed)."""
+    if name != "deepspeed" and not name.startswith("deepspeed."):
+        raise ValueError(f"ds.load({name!r}): name a DeepSpeed module, 'deepspeed' or 'deepspeed.<submodule>'")
+    if "deepspeed" not in sys.modules:
+        choose_accelerator()
+    return importlib.import_module(name)
