@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import statistics
+from typing import Sequence
 
 import pytest
 
@@ -217,6 +219,39 @@ def test_link_findings_give_accumulation_and_overlap_from_the_rows():
         "These ranks have no streams to overlap on, so the two rows differ by this machine's noise only.")
 
 
+def _timed_row(name: str, stage: int, accum: int, fast_ms: Sequence[float], slow_ms: Sequence[float]) -> dict:
+    """A row of :func:`bandwidth.slow_link_rows` whose steps after the first took ``fast_ms`` and ``slow_ms``."""
+    row = _link_row(name, stage, accum, statistics.median(fast_ms), statistics.median(slow_ms), 180, 300)
+    return {**row, "fast_each_s": [t / 1e3 for t in fast_ms], "slow_each_s": [t / 1e3 for t in slow_ms]}
+
+
+def test_link_findings_judge_each_link_under_its_own_load():
+    rows = [_timed_row("zero1-acc1", 1, 1, [10, 10.2, 9.9], [100, 101, 99]),
+            _timed_row("zero1-acc4", 1, 4, [30, 30.5, 29.8], [130, 131, 129]),
+            _timed_row("zero2-acc4-overlap-off", 2, 4, [50, 50.5, 49.8], [200, 202, 199]),
+            _timed_row("zero2-acc4-overlap-on", 2, 4, [45, 45.3, 44.9], [220, 221, 219])]
+    alone = load_guard.Load.from_conditions("executed by check-gpu, alone")
+    beside = load_guard.Load.from_conditions("check-gpu ran three notebooks at a time here")
+    both = bandwidth.link_findings(rows, fast="NVLink", slow="sockets", loads={"fast": alone, "slow": alone})
+    assert "Load guard: every verdict over NVLink given (beyond the steps' spread); every verdict over sockets given" in both
+    assert both.endswith("So overlap_comm shortened the step over NVLink and lengthened it over sockets.")
+    one = bandwidth.link_findings(rows, fast="NVLink", slow="sockets", loads={"fast": alone, "slow": beside})
+    assert "its verdicts over sockets withheld (not measured alone)" in one
+    assert one.endswith("So overlap_comm shortened the step over NVLink.")  # nothing said of the link not alone
+    rows[1]["fast_each_s"] = rows[1]["fast_each_s"][:2]  # two measured steps: no spread
+    few = bandwidth.link_findings(rows, fast="NVLink", slow="sockets", loads={"fast": alone, "slow": beside})
+    assert "some verdicts over NVLink withheld (too few measured steps to judge)" in few
+    rows[2]["slow_s"] = 0.170  # below the model's perfect-overlap bound, on a link not measured alone: not judged
+    assert "perfect-overlap bound" not in bandwidth.link_findings(rows, loads={"fast": alone, "slow": beside})
+
+
+def test_the_references_overlap_sentences_go_through_the_load_guard():
+    text = bandwidth.reference_findings(capstone=False)
+    assert "Load guard: its verdicts over NVLink withheld (not measured alone)" in text  # their conditions say so
+    assert "So overlap_comm" not in text
+    assert "verdict withheld: not measured alone" in bandwidth.overlap_brief().splitlines()[0]
+
+
 def test_the_count_of_overlap_gains_takes_both_links_and_the_capstones_verdicts(monkeypatch):
     ladder = {"ladder": {"candidates": [
         {"rung": "overlap", "label": "best so far, again", "verdict": "best so far", "setting": {"stage": 2}},
@@ -231,7 +266,8 @@ def test_the_count_of_overlap_gains_takes_both_links_and_the_capstones_verdicts(
                            "the ladder's best so far; a setting is kept only above +2.0% (the ladder's noise margin), "
                            "so it was dropped")
     assert found[1][0].endswith("overlap_comm, buckets 2e8: kept: +3.0%")  # a kept one keeps its verdict
-    assert bandwidth.reference_findings().splitlines()[-1] == "overlap_comm made training faster in 1 of these 2 measurements."
+    assert bandwidth.reference_findings().splitlines()[-1] == (
+        "overlap_comm made training faster in 1 of these 2 measurements with a verdict.")
 
 
 @pytest.mark.parametrize("kwargs, match", [({"ops": ("all_to_all",)}, "ops"), ({"implementations": ("nccl",)}, "implementations"),

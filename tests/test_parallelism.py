@@ -9,8 +9,10 @@ import functools
 import itertools
 import json
 import os
+import statistics
 import time
 import types
+from typing import Sequence
 
 import pytest
 import torch
@@ -428,13 +430,44 @@ def test_the_recomputation_findings_say_nothing_of_time_when_the_load_guard_with
     assert drifted.startswith("Verdict withheld: the machine changed during the sweep")
 
 
-def test_the_reference_price_gives_each_ratio_and_withholds_the_verdict_without_a_load(monkeypatch):
-    plain = {"forward_s": 10, "layers_s": 8, "backward_s": 15, "rest_s": 5, "step_s": 30}
-    runs = {"plain": _timed(30, plain), "deepspeed": _timed(45, {**plain, "backward_s": 30, "step_s": 45})}
-    monkeypatch.setattr(activations.references, "references_report", lambda name, render: render(runs))
+def _steps(step_ms: Sequence[float]) -> records.Record:
+    """A record whose steps took ``step_ms`` (the first warms up), without phases."""
+    summary = minimal_summary()
+    summary["step_time_s"] = {"median": statistics.median(step_ms) / 1e3, "all": [t / 1e3 for t in step_ms]}
+    return records.Record(summary)
+
+
+def _reference(monkeypatch, runs: dict, conditions: str) -> None:
+    """Make ``runs`` the chapter's one committed reference, measured under ``conditions``."""
+    monkeypatch.setattr(activations.references, "reference_runs", lambda name: [("1 x GPU", "2026-11-28", "note", runs)])
+    monkeypatch.setattr(activations.references, "reference_conditions", lambda name: [conditions])
+
+
+def test_the_reference_price_judges_the_reference_under_its_written_conditions(monkeypatch):
+    sweep = {"plain": _steps([600, 100, 101, 99]), "deepspeed": _steps([700, 150, 151, 149])}
+    _reference(monkeypatch, sweep, "executed by check-gpu, alone")
     found = activations.reference_price().splitlines()
-    assert found[0] == "Median step over no checkpointing's: deepspeed.checkpointing 1.50x (the rule: 1.33x)."
-    assert found[1].startswith("Verdict withheld: nothing recorded what else used the devices")
+    assert found[2] == "Median step over no checkpointing's: deepspeed.checkpointing 1.50x (the rule: 1.33x)."
+    assert found[3].startswith("Verdict withheld: the sweep did not measure its first setting (no checkpointing) again")
+    _reference(monkeypatch, {**sweep, "plain-again": _steps([200, 100, 100, 101])}, "executed by check-gpu, alone")
+    assert activations.reference_price().splitlines()[3].startswith(
+        "no checkpointing is faster: deepspeed.checkpointing takes 1.50x its time")
+    _reference(monkeypatch, {**sweep, "plain-again": _steps([200, 100, 100, 101])}, "4 notebooks at a time")
+    assert activations.reference_price().splitlines()[3].startswith(
+        "Verdict withheld: not measured alone (4 notebooks at a time)")
+
+
+def test_the_gpu_findings_judge_the_timed_runs_with_the_repeat_under_the_watched_load():
+    runs = {"plain": _steps([600, 100, 101, 99]), "torch": _steps([200, 130, 131, 129]),
+            "block-only": _steps([900, 300, 300, 300]), "plain-again": _steps([200, 100, 100, 101])}
+    alone = load_guard.Load("gpu", 0, None, 1, 10.0, 20, "test")
+    found = activations.gpu_findings(runs, alone).splitlines()
+    assert found[0].startswith("no checkpointing is faster: torch.utils.checkpoint takes 1.30x its time")
+    assert "config section" not in found[0]  # the section alone changes no computation: not among the timed runs
+    busy = load_guard.Load("gpu", 1, 0.9, 1, 10.0, 20, "test")
+    assert activations.gpu_findings(runs, busy).startswith("Verdict withheld: 1 other process used this GPU")
+    del runs["plain-again"]
+    assert "again at its end" in activations.gpu_findings(runs, alone)
 
 
 def test_the_totals_table_adds_up_every_layer_and_the_rest():
@@ -826,12 +859,29 @@ def test_beyond_formula_finds_the_gradient_norms_all_reduce():
     assert "autotp 0 (its gradient norm's all-reduce: 0)" in tensor_parallel.beyond_formula(runs)  # the gap was it
 
 
-def test_reference_sentence_reports_what_was_measured_and_withholds_without_a_load():
-    runs = _reference_tp_runs()
+def test_reference_sentence_judges_autotp_against_zero3_through_the_load_guard():
+    runs = _reference_tp_runs()  # saved without a load, its sweep without AutoTP's repeat
     text = tensor_parallel.reference_sentence(runs)
-    assert "median step longer" in text and "no verdict: nothing recorded" in text and "recorded peak was higher" in text
-    runs["autotp"].summary["step_time_s"]["all"] = [9.0, 0.01, 0.01, 0.01]
+    assert "Verdict withheld: nothing recorded" in text and "recorded peak was higher" in text
+    alone = load_guard.Load("gpu", 0, None, 2, 10.0, 20, "test")
     for record in runs.values():
-        record.summary["load"] = dataclasses.asdict(load_guard.Load("gpu", 0, None, 2, 10.0, 20, "test"))
+        record.summary["load"] = dataclasses.asdict(alone)
+    assert "did not measure its first setting (AutoTP) again" in tensor_parallel.reference_sentence(runs)
+    runs["autotp"].summary["step_time_s"]["all"] = [9.0, 0.010, 0.011, 0.010]
+    runs[tensor_parallel.AGAIN] = records.Record(json.loads(json.dumps(runs["autotp"].summary)))
     faster = tensor_parallel.reference_sentence(runs, who="This run")
-    assert faster.startswith("This run measured AutoTP's median step shorter") and "ran alone" in faster
+    assert faster.startswith("This run, AutoTP against ZeRO-3: AutoTP is faster: ZeRO-3 takes")
+    runs[tensor_parallel.AGAIN].summary["step_time_s"]["all"] = [9.0, 0.030, 0.031, 0.030]  # AutoTP slowed down
+    assert "the machine changed during the sweep" in tensor_parallel.reference_sentence(runs)
+
+
+def test_a_reference_saved_without_a_load_is_judged_under_its_written_conditions():
+    runs = _reference_tp_runs()
+    assert tensor_parallel.reference_load(runs, "executed by check-gpu, alone").alone
+    beside = tensor_parallel.reference_load(runs, "beside 2 other notebooks")
+    assert not beside.alone and "beside 2 other notebooks" in beside.reason()
+    busy = load_guard.Load("gpu", 2, 0.9, 2, 10.0, 20, "test")
+    for record in runs.values():
+        record.summary["load"] = dataclasses.asdict(busy)
+    assert not tensor_parallel.reference_load(runs, "executed by check-gpu, alone").alone  # the saved load wins
+    assert "Verdict withheld: not measured alone (GPUs 2,3" in tensor_parallel.reference_sentences()

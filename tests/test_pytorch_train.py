@@ -3,6 +3,7 @@ for the module, plus the profiler parsing on made-up events."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import pytest
@@ -340,3 +341,37 @@ def test_the_formulas_match_what_the_torchrun_runs_sent_and_hold(torch_runs):
         assert r.model_state_bytes(0) == pytest.approx(frameworks.states_formula(name, r.params, 2)[1], rel=1e-3)
     ddp, zero1 = runs["DDP"], runs["DDP + ZeroRedundancyOptimizer"]
     assert frameworks.sent_bytes_per_step(zero1) == pytest.approx(1.5 * frameworks.sent_bytes_per_step(ddp), rel=1e-3)
+
+
+def _stepped(step_ms: list[float]) -> records.Record:
+    """A record whose steps took ``step_ms`` milliseconds (the first warms up); its median is of all of them."""
+    from test_records import minimal_summary
+
+    summary = minimal_summary()
+    summary["step_time_s"] = {"median": statistics.median(step_ms) / 1e3, "all": [t / 1e3 for t in step_ms]}
+    summary["memory"]["peak_source"] = "resident set"
+    return records.Record(summary)
+
+
+def test_the_step_time_table_gives_the_medians_the_verdict_judges():
+    from helpers.core import load_guard
+
+    runs = {"DDP": _stepped([900, 15, 16, 14]), "ZeRO-0": _stepped([950, 20, 21, 19])}  # all steps: 15.5, 20.5
+    assert frameworks.median_step_ms(runs["DDP"]) == 15.0  # the warm-up step left out, as the verdict leaves it
+    rows = frameworks.timing_table(runs).splitlines()
+    assert frameworks.STEP_COLUMN in rows[0] and rows[2].split()[1] == "15.0" and rows[3].split()[1] == "20.0"
+    alone = load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test")
+    assert "(medians: DDP 15 ms, ZeRO-0 20 ms)" in frameworks.timing_verdict(runs, alone)
+    assert frameworks.gpu_table(runs, runs).splitlines()[2].split()[-2] == "15.0"
+
+
+def test_a_committed_reference_is_judged_under_its_written_conditions(monkeypatch):
+    timed = {"time: DDP": _stepped([900, 15, 16, 15, 14]), "time: ZeRO-0": _stepped([950, 20, 21, 20, 19])}
+    found = [("2 x GPU", "2026-11-28", "note", timed)]
+    monkeypatch.setattr(frameworks.references, "reference_runs", lambda name: found)
+    monkeypatch.setattr(frameworks.references, "reference_conditions", lambda name: ["executed by check-gpu, alone"])
+    assert "DDP against ZeRO-0: DDP is faster: ZeRO-0 takes 1.33x its time" in frameworks.gpu_time_reading()
+    monkeypatch.setattr(frameworks.references, "reference_conditions",
+                        lambda name: ["executed by check-gpu beside 2 other notebook(s)"])
+    assert ("Verdict withheld: not measured alone (executed by check-gpu beside 2 other notebook(s))"
+            in frameworks.gpu_time_reading())

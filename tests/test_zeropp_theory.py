@@ -236,14 +236,14 @@ def test_chapter_runs_labels_the_scripts_runs_and_keeps_unknown_names(tmp_path):
 
 
 def test_timing_verdict_withholds_without_a_load_and_skips_refused_settings():
-    runs = {"ZeRO-3": _run({}, (0.5, 0.10, 0.11)), "hpZ (node-local partition)": _run({}, (0.5, 0.30, 0.31)),
+    runs = {"ZeRO-3": _run({}, (0.5, 0.10, 0.11, 0.10)), "hpZ (node-local partition)": _run({}, (0.5, 0.30, 0.31, 0.30)),
             "qwZ (quantized weights)": compression.Refusal("ValueError", "no CUDA"),
-            "ZeRO-3 again": _run({}, (0.1, 0.10, 0.11))}
+            "ZeRO-3 again": _run({}, (0.1, 0.10, 0.11, 0.10))}
     unknown = compression.timing_verdict(runs, load_guard.Load.unknown())
     assert "hpZ: Verdict withheld" in unknown and "qwZ" not in unknown
     alone = load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test")
     assert "hpZ: ZeRO-3 is faster" in compression.timing_verdict(runs, alone)
-    warmed = {**runs, "ZeRO-3 again": _run({}, (0.3, 0.30, 0.31))}
+    warmed = {**runs, "ZeRO-3 again": _run({}, (0.3, 0.30, 0.31, 0.30))}
     assert "changed during the sweep" in compression.timing_verdict(warmed, alone)
 
 
@@ -267,15 +267,16 @@ def test_one_node_reading_withholds_a_sweep_without_a_repeat_and_judges_one_with
     from helpers.core import references
 
     zero_knobs = {"zero_optimization": {"stage3_max_live_parameters": 0}}
-    fast, slow = (0.5, 0.10, 0.11), (0.5, 0.30, 0.31)
+    fast, slow = (0.5, 0.10, 0.11, 0.10), (0.5, 0.30, 0.31, 0.30)
     runs = {"time: ZeRO-3": _run({}, fast, **zero_knobs), "time: hpZ (node-local partition)": _run({}, slow)}
     sweeps = {"no repeat": runs, "repeat": {**runs, "time: ZeRO-3 again": _run({}, fast)}}
     monkeypatch.setattr(references, "reference_runs",
                         lambda name: [("2 x GPU", "today", note, found) for note, found in sweeps.items()])
     monkeypatch.setattr(references, "reference_conditions", lambda name: ["alone", "alone"])
     reading = compression.one_node_reading().split("2 x GPU")[1:]
-    assert compression.NO_REPEAT in reading[0]
-    assert "ZeRO-3 is faster: hpZ takes" in reading[1] and compression.NO_REPEAT not in reading[1]
+    no_repeat = "the sweep did not measure its first setting (ZeRO-3) again at its end"
+    assert no_repeat in reading[0]
+    assert "ZeRO-3 is faster: hpZ takes" in reading[1] and no_repeat not in reading[1]
 
 
 def test_reference_report_keeps_timing_only_references_apart():
@@ -334,3 +335,21 @@ def test_sweep_caveat_reads_each_committed_sweep_and_says_whether_it_timed_zero3
     table = compression.prediction_table(psi=PSI * 1000, layers=32, tokens_per_gpu=8192, flops_per_s=400e12,
                                          slowdowns=[("2 x GPU", 1.5)])
     assert no_repeat in table and "(illustrative)" in table
+
+
+def test_outcome_summary_says_from_the_runs_which_settings_were_refused_idle_or_cut_bytes():
+    gather = {"all_gather_into_tensor": {"count": 2.0, "bytes": 4096.0}}
+    runs = {"ZeRO-3": _run(gather), "qwZ (quantized weights)": compression.Refusal("ValueError", "no CUDA op"),
+            "hpZ (node-local partition)": _run(gather),
+            "16-bit gradients (communication_data_type)": _run({**gather, "reduce_scatter_tensor": {"count": 2.0,
+                                                                                                     "bytes": 2048.0}}),
+            "1-bit Adam": compression.Refusal("AssertionError", "OneBitAdam is not a supported DeepSpeed Optimizer")}
+    assert compression.outcome_summary(runs) == (
+        "On these 2 gloo ranks (cpu, one node): DeepSpeed refused qwZ; hpZ sent exactly ZeRO-3's collectives and "
+        "trained to its losses; 16-bit gradients (reduce_scatter_tensor 0 B -> 2 KiB per step) changed the traffic.")
+    quantized = _run({"all_gather_into_tensor": {"count": 2.0, "bytes": 1024.0}})
+    quantized.summary["losses"] = [1.0, 0.76]
+    trained = {**runs, "qwZ (quantized weights)": quantized}  # where qwZ's CUDA op builds: it trains
+    text = compression.outcome_summary(trained)
+    assert "refused" not in text and "qwZ (all_gather_into_tensor 4 KiB -> 1 KiB per step)" in text
+    assert "1-bit Adam" not in text  # refused everywhere: the markdown says so

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -470,15 +470,43 @@ def reference_price(name: str = "activation-checkpointing") -> str:
     date and conditions, beside the 4/3 rule, then the load guard's verdict on those times
     (:func:`recompute_findings`)."""
 
-    def render(runs: dict) -> str:
-        names = [n for n in ("plain", "transformers", "torch", "deepspeed", "deepspeed-cpu")
-                 if n in runs and not isinstance(runs[n], Exception)]
+    def render(runs: dict, load: load_guard.Load) -> str:
+        names = timed_names(runs)
         base = runs[names[0]].timing.median_s
         ratios = ", ".join(f"{LABELS.get(n, n)} {runs[n].timing.median_s / base:.2f}x" for n in names[1:])
         return (f"Median step over {LABELS.get(names[0], names[0])}'s: {ratios} (the rule: {RULE_OF_THUMB:.2f}x).\n"
-                + recompute_findings(runs, names, None))
+                + recompute_findings(runs, names, load, again=runs.get(AGAIN), sweep=True))
 
-    return references.references_report(name, render)
+    return _report_with_load(name, render)
+
+
+#: The run without checkpointing, measured again at the end of the chapter's launch.
+AGAIN = "plain-again"
+
+
+def timed_names(runs: Mapping[str, Any]) -> list[str]:
+    """The runs whose step times the chapter compares, the run without checkpointing first: those of ``runs``
+    that are plain, a checkpoint function's, or ``cpu_checkpointing``'s (not the config section alone)."""
+    return [n for n in ("plain", "transformers", "torch", "deepspeed", "deepspeed-cpu")
+            if n in runs and not isinstance(runs[n], Exception)]
+
+
+def _report_with_load(name: str, render: Callable[[dict, load_guard.Load], str]) -> str:
+    """:func:`helpers.core.references.references_report` for renderers that judge timings: each committed
+    result's ``render(runs, load)`` with the load its written conditions state
+    (:meth:`~helpers.core.load_guard.Load.from_conditions`: alone where they say so)."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name)
+    return "\n\n".join(f"Measured on {device}, {date} ({note}):\nConditions: {conditions}\n"
+                        f"{render(runs, load_guard.Load.from_conditions(conditions))}"
+                        for (device, date, note, runs), conditions in zip(found, references.reference_conditions(name)))
+
+
+def gpu_findings(runs: Mapping[str, Any], load: load_guard.Load | None) -> str:
+    """:func:`recompute_findings` for the chapter's GPU run: its timed runs (:func:`timed_names`) under the
+    ``load`` its launch was watched under, the run without checkpointing measured again at its end."""
+    return recompute_findings(runs, timed_names(runs), load, again=runs.get(AGAIN), sweep=True)
 
 
 def _steps_s(record: records.Record) -> list[float]:
@@ -488,16 +516,16 @@ def _steps_s(record: records.Record) -> list[float]:
 
 
 def recompute_findings(runs: dict, names: Sequence[str], load: load_guard.Load | None,
-                       again: records.Record | None = None) -> str:
+                       again: records.Record | None = None, sweep: bool = False) -> str:
     """The measured cost of recomputation against the 4/3 rule, in sentences generated from the runs, through the
     course's load guard: its verdict on the step times of ``names`` (the first, the run without checkpointing,
     measured ``again`` at the end of the launch where given) under ``load`` first; where it withholds it, nothing
-    more. Otherwise each run's step against the rule's 4/3, and which of the rule's assumptions (a backward twice
+    more (``sweep``: the runs come from one sweep, withheld without ``again``). Otherwise each run's step against the rule's 4/3, and which of the rule's assumptions (a backward twice
     the forward; a replay that costs one forward) held."""
 
     rows = recompute_rows(runs, names)
     verdict = load_guard.compare({LABELS.get(n, n): _steps_s(runs[n]) for n in names}, load,
-                                 repeat=_steps_s(again) if again is not None else None)
+                                 repeat=_steps_s(again) if again is not None else None, sweep=sweep)
     lines = [load_guard.sentence(verdict)]
     if not verdict.given:
         lines.append("So nothing is said here of what recomputation cost: the step times are for reading, not for "
@@ -560,7 +588,7 @@ def reference_findings(name: str = "activation-checkpointing") -> str:
     tensors (:func:`inputs_table`), and the cost of recomputation against the 4/3 rule
     (:func:`recompute_findings`); sentences generated from the reference."""
 
-    def render(runs: dict) -> str:
+    def render(runs: dict, load: load_guard.Load) -> str:
         names = [n for n in LABELS if n in runs and not isinstance(runs[n], Exception)]
         rows = {row["name"]: row for row in inputs_rows(runs, names)}
         lines = [inputs_table(runs, names)]
@@ -583,11 +611,10 @@ def reference_findings(name: str = "activation-checkpointing") -> str:
         if cpu is not None and cpu["layers"] < cpu["formula"]:
             lines.append(f"So the cpu_checkpointing row's {records.format_bytes(cpu['host'])} in host memory says "
                          "nothing about where DeepSpeed put the inputs: the probe did not see them on this machine.")
-        lines.append(recompute_findings(runs, [n for n in ("plain", "transformers", "torch", "deepspeed", "deepspeed-cpu")
-                                               if n in names], None))
+        lines.append(recompute_findings(runs, timed_names(runs), load, again=runs.get(AGAIN), sweep=True))
         return "\n".join(lines)
 
-    return references.references_report(name, render)
+    return _report_with_load(name, render)
 
 
 def model_state_bytes_fp32(psi: int) -> int:

@@ -1606,15 +1606,50 @@ def accumulation_floor(rows: Sequence[dict],
     return "\n".join(lines)
 
 
+#: The links of :func:`link_findings`' rows, by the key of their step times (``fast_s``, ``slow_s``).
+LINK_KEYS = ("fast", "slow")
+
+
+def link_verdicts(rows: Sequence[dict], loads: Mapping[str, load_guard.Load | None]) -> dict[tuple[str, str], load_guard.Verdict]:
+    """The course's load guard on the two levers of committed runs (:func:`slow_link_rows`), each link under its
+    own load (``loads["fast"]``, ``loads["slow"]``: for a reference, its written conditions): accumulation 4
+    against 1 at stages 1 and 2 (time per sample), and ``overlap_comm`` off against on (step time), each on the
+    steps after the first. Keys: (``"zero<stage>-acc"`` or ``"overlap"``, ``"fast"`` or ``"slow"``)."""
+    by = {r["name"]: r for r in rows}
+    found = {}
+    for key in LINK_KEYS:
+        for stage in (1, 2):
+            one, four = by.get(f"zero{stage}-acc1"), by.get(f"zero{stage}-acc4")
+            if one and four:
+                found[(f"zero{stage}-acc", key)] = load_guard.compare(
+                    {f"accumulation {r['accum']}": [t / r["batch"] for t in r[f"{key}_each_s"]] for r in (one, four)},
+                    loads.get(key))
+        off, on = by.get("zero2-acc4-overlap-off"), by.get("zero2-acc4-overlap-on")
+        if off and on:
+            found[("overlap", key)] = load_guard.compare({"overlap_comm off": off[f"{key}_each_s"],
+                                                          "overlap_comm on": on[f"{key}_each_s"]}, loads.get(key))
+    return found
+
+
+def _short(verdict: load_guard.Verdict) -> str:
+    """A withheld verdict's reason without its parenthesis (a reference's conditions, the counts of steps)."""
+    return verdict.withheld.split(" (")[0]
+
+
 def link_findings(rows: Sequence[dict], fast: str = "the fast link", slow: str = "the slow link",
-                  streams: bool = True) -> str:
+                  streams: bool = True, loads: Mapping[str, load_guard.Load | None] | None = None) -> str:
     """What committed runs on both links (:func:`slow_link_rows`) say about the two levers, in sentences generated
     from them: accumulation 4 against 1 at stages 1 and 2 (samples/s), and ``overlap_comm`` on against off (step
     time, beside the model's range for the slow link); ``fast`` and ``slow`` name the links. Without
     ``streams`` (CPU ranks) there is nothing to overlap with, and the sentences say so instead of a verdict.
-    For the run just made, use :func:`accumulation_verdicts`, which goes through the load guard."""
+    With ``loads`` (each link's, :func:`link_verdicts`) the figures go through the load guard: one line says which
+    verdicts it withheld and why, and the sentences that judge a link (what overlap did, the model's bound) are
+    given only for a link whose verdicts it gave.
+    For the run just made, use :func:`accumulation_verdicts`."""
     by = {r["name"]: r for r in rows}
     rate = (lambda r, key: r["batch"] / r[key])
+    judged = link_verdicts(rows, loads) if loads is not None else {}
+    alone = {key: loads is None or (loads.get(key) is not None and loads[key].alone) for key in LINK_KEYS}
     lines = []
     for stage in (1, 2):
         one, four = by.get(f"zero{stage}-acc1"), by.get(f"zero{stage}-acc4")
@@ -1622,25 +1657,37 @@ def link_findings(rows: Sequence[dict], fast: str = "the fast link", slow: str =
             lines.append(f"ZeRO-{stage}, accumulation 4 against 1: {rate(four, 'slow_s') / rate(one, 'slow_s'):.2f}x the "
                          f"samples/s over {slow}, {rate(four, 'fast_s') / rate(one, 'fast_s'):.2f}x over {fast}.")
     off, on = by.get("zero2-acc4-overlap-off"), by.get("zero2-acc4-overlap-on")
-    if off and on:
-        change = {key: on[key] / off[key] - 1 for key in ("fast_s", "slow_s")}
+    change = {key: on[key] / off[key] - 1 for key in ("fast_s", "slow_s")} if off and on else {}
+    if change:
         lines.append(f"overlap_comm at ZeRO-2, accumulation 4, on against off: {on['fast_s'] * 1e3:,.1f} against "
                      f"{off['fast_s'] * 1e3:,.1f} ms a step over {fast} ({_change(change['fast_s'])}), "
                      f"{on['slow_s'] * 1e3:,.0f} against {off['slow_s'] * 1e3:,.0f} ms over {slow} "
                      f"({_change(change['slow_s'])}; the model's range there: {on['overlap_bound_s'] * 1e3:,.0f} ms with "
                      f"perfect overlap to {on['predicted_s'] * 1e3:,.0f} ms with none).")
+    if judged:
+        said = []
+        for key, name in zip(LINK_KEYS, (fast, slow)):
+            mine = [v for (_, k), v in judged.items() if k == key]
+            why = ", ".join(sorted({_short(v) for v in mine if not v.given}))
+            said.append(f"every verdict over {name} given (beyond the steps' spread)" if not why else
+                        f"{'its' if not any(v.given for v in mine) else 'some'} verdicts over {name} withheld ({why})")
+        lines.append(f"Load guard: {'; '.join(said)}.")
+    if change:
         if not streams:
             lines.append("These ranks have no streams to overlap on, so the two rows differ by this machine's noise only.")
             return "\n".join(lines)
-        if off["slow_s"] < on["overlap_bound_s"]:
+        if off["slow_s"] < on["overlap_bound_s"] and alone["slow"]:
             lines.append(f"Without overlap_comm the step over {slow} already came in below the model's perfect-overlap "
                          "bound: the model overestimates that link's collectives, so its range cannot tell what "
                          "overlap hid there.")
-        shorter = [link for link, key in ((fast, "fast_s"), (slow, "slow_s")) if change[key] < 0]
-        lines.append("So overlap_comm shortened the step over "
-                     + (" and over ".join(shorter) if shorter else "neither link")
-                     + (f" and lengthened it over {({fast, slow} - set(shorter)).pop()}" if len(shorter) == 1 else "")
-                     + ".")
+        links = [(link, key) for link, key in ((fast, "fast"), (slow, "slow"))
+                 if not judged or judged[("overlap", key)].given]
+        shorter = [link for link, key in links if change[f"{key}_s"] < 0]
+        longer = [link for link, key in links if change[f"{key}_s"] >= 0]
+        said = ([f"shortened the step over {' and over '.join(shorter)}"] if shorter else []) + (
+            [f"lengthened {'it' if shorter else 'the step'} over {' and over '.join(longer)}"] if longer else [])
+        if said:
+            lines.append(f"So overlap_comm {' and '.join(said)}.")
     return "\n".join(lines)
 
 
@@ -1664,31 +1711,39 @@ def overlap_in_capstone(sizes: Sequence[str] = ("1.2b", "2.7b")) -> list[tuple[s
     return found
 
 
-def _reference_link_rows(name: str, sockets: str) -> list[tuple[str, str, list[dict]]]:
-    """(device, date, :func:`slow_link_rows`) for each committed GPU result measured over both transports."""
-    over_sockets = {device: runs for device, _, _, runs in references.reference_runs(sockets)}
+def _reference_link_rows(name: str, sockets: str) -> list[tuple[str, str, list[dict], dict[str, load_guard.Load]]]:
+    """(device, date, :func:`slow_link_rows`, each link's load) for each committed GPU result measured over both
+    transports; a link's load is the one its reference's written conditions state
+    (:meth:`~helpers.core.load_guard.Load.from_conditions`: alone only where they say so)."""
+    over_sockets = {device: (runs, conditions) for (device, _, _, runs), conditions
+                    in zip(references.reference_runs(sockets), references.reference_conditions(sockets))}
     found = []
-    for device, date, _, runs in references.reference_runs(name):
-        socket_runs = over_sockets.get(device)
+    for (device, date, _, runs), conditions in zip(references.reference_runs(name), references.reference_conditions(name)):
+        socket_runs, socket_conditions = over_sockets.get(device, (None, None))
         if socket_runs and f"{SLOW}collectives" in socket_runs:
             slow_model = CommModel.from_benchmark(socket_runs[f"{SLOW}collectives"])
-            found.append((device, date, slow_link_rows(runs, socket_runs, slow_model)))
+            loads = {"fast": load_guard.Load.from_conditions(conditions),
+                     "slow": load_guard.Load.from_conditions(socket_conditions)}
+            found.append((device, date, slow_link_rows(runs, socket_runs, slow_model), loads))
     return found
 
 
 def reference_findings(name: str = "bandwidth-nvlink", sockets: str = "bandwidth-sockets",
                        capstone: bool = True, overlap: bool = True) -> str:
     """:func:`link_findings` for each committed GPU result measured over both transports (NVLink and NCCL over
-    sockets), its ``overlap_comm`` lines only with ``overlap``; then, with ``capstone``, :func:`overlap_in_capstone`."""
+    sockets) through the load guard under each reference's written conditions, its ``overlap_comm`` lines only
+    with ``overlap``; then, with ``capstone``, :func:`overlap_in_capstone`, and how often ``overlap_comm`` made
+    training faster among the references' given verdicts and the ladders' kept or dropped rungs."""
     parts, changes = [], []
-    for device, date, rows in _reference_link_rows(name, sockets):
-        found = link_findings(rows, fast="NVLink", slow="sockets").splitlines()
+    for device, date, rows, loads in _reference_link_rows(name, sockets):
+        found = link_findings(rows, fast="NVLink", slow="sockets", loads=loads).splitlines()
         parts += [f"On {device}, {date}, NVLink against NCCL over sockets:"]
-        parts += found if overlap else [line for line in found if line.startswith("ZeRO-")]
+        parts += found if overlap else [line for line in found if not line.startswith(("overlap_comm", "So ", "Without"))]
         by = {r["name"]: r for r in rows}
         off, on = by.get("zero2-acc4-overlap-off"), by.get("zero2-acc4-overlap-on")
-        if off and on and overlap:  # a shorter step is a gain in speed
-            changes += [off[key] / on[key] - 1 for key in ("fast_s", "slow_s")]
+        if off and on and overlap:  # a shorter step is a gain in speed, counted where the guard gave its verdict
+            judged = link_verdicts(rows, loads)
+            changes += [off[f"{key}_s"] / on[f"{key}_s"] - 1 for key in LINK_KEYS if judged[("overlap", key)].given]
     if capstone:
         ladder = overlap_in_capstone()
         parts += ["The same knob in chapter 16's ladders (speed against the best setting so far, NVLink):"]
@@ -1696,21 +1751,26 @@ def reference_findings(name: str = "bandwidth-nvlink", sockets: str = "bandwidth
         changes += [gain for _, gain in ladder if gain is not None]
     if changes:
         parts.append(f"overlap_comm made training faster in {sum(g > 0 for g in changes)} of these {len(changes)} "
-                     "measurements.")
+                     "measurements with a verdict.")
     return "\n".join(parts)
 
 
 def overlap_brief(name: str = "bandwidth-nvlink", sockets: str = "bandwidth-sockets") -> str:
     """``overlap_comm`` in one line per committed GPU result (step time on against off at ZeRO-2, accumulation 4,
-    on each transport), then chapter 16's ladders counted: how often the knob was kept."""
+    on each transport, with the load guard's verdict under the reference's written conditions), then chapter
+    16's ladders counted: how often the knob was kept."""
     lines = []
-    for device, date, rows in _reference_link_rows(name, sockets):
+    for device, date, rows, loads in _reference_link_rows(name, sockets):
         by = {r["name"]: r for r in rows}
         off, on = by.get("zero2-acc4-overlap-off"), by.get("zero2-acc4-overlap-on")
         if off and on:
+            judged = link_verdicts(rows, loads)
+            said = [f"{_change(on[f'{key}_s'] / off[f'{key}_s'] - 1)} over {link} ("
+                    + ("beyond the steps' spread" if judged[("overlap", key)].given
+                       else f"verdict withheld: {_short(judged[('overlap', key)])}") + ")"
+                    for key, link in (("fast", "NVLink"), ("slow", "sockets"))]
             lines.append(f"overlap_comm on against off (ZeRO-2, accumulation 4; {device}, {date}): step time "
-                         f"{_change(on['fast_s'] / off['fast_s'] - 1)} over NVLink, "
-                         f"{_change(on['slow_s'] / off['slow_s'] - 1)} over sockets.")
+                         f"{', '.join(said)}.")
     ladder = overlap_in_capstone()
     if ladder:
         dropped = sum(line.endswith("so it was dropped") for line, _ in ladder)

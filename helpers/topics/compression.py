@@ -53,6 +53,18 @@ def _ops(record: records.Record) -> dict[str, tuple[float, float]]:
     return {op: (row["count"], row["bytes"]) for op, row in record.comm_ops().items()}
 
 
+def _changes(result: records.Record, base: records.Record) -> tuple[list[str], bool, str]:
+    """How a setting's run differs from ZeRO-3's: each collective whose count or bytes per step changed (as
+    "op before -> after"), whether its losses are identical, and their agreement at its precision's tolerance."""
+    changed = [f"{op} {records.format_bytes(base_row[1])} -> {records.format_bytes(row[1])}"
+               for op, row in _ops(result).items() for base_row in [_ops(base).get(op, (0, 0))]
+               if row != base_row]
+    # gradients reduced in 16 bits round like bf16 training: judge them by bf16's tolerance
+    precision = result.summary["config"].get("communication_data_type") or result.summary["precision"]
+    same = records.loss_agreement(base.losses, result.losses, "fp32", 0.0) == "within 0e+00"
+    return changed, same, records.loss_agreement(base.losses, result.losses, precision)
+
+
 def outcome_table(results: Mapping[str, records.Record | Refusal], baseline: str = "ZeRO-3") -> str:
     """Per setting: did it run, and if so did its collectives (count and bytes per step, by op) differ from
     plain ZeRO-3's, and its losses? A failure shows DeepSpeed's exception and message."""
@@ -65,17 +77,40 @@ def outcome_table(results: Mapping[str, records.Record | Refusal], baseline: str
         if name == baseline:
             rows.append([name, "ran", "the baseline"])
             continue
-        changed = [f"{op} {records.format_bytes(base_row[1])} -> {records.format_bytes(row[1])}"
-                   for op, row in _ops(result).items() for base_row in [_ops(base).get(op, (0, 0))]
-                   if row != base_row]
-        # gradients reduced in 16 bits round like bf16 training: judge them by bf16's tolerance
-        precision = result.summary["config"].get("communication_data_type") or result.summary["precision"]
-        losses = records.loss_agreement(base.losses, result.losses, precision)
-        same = records.loss_agreement(base.losses, result.losses, "fp32", 0.0) == "within 0e+00"
+        changed, same, losses = _changes(result, base)
         detail = ("collectives and losses identical to ZeRO-3: a no-op here" if not changed and same
                   else f"{'; '.join(changed) or 'same collectives'} per step; losses {losses} of ZeRO-3's")
         rows.append([name, "ran", detail])
     return records.format_table(rows, ["setting", "on these ranks", "what happened"])
+
+
+def outcome_summary(results: Mapping[str, records.Record | Refusal], baseline: str = "ZeRO-3") -> str:
+    """:func:`outcome_table` in one sentence, for the ranks that ran it: which ZeRO++ switches and 16-bit
+    gradient reduction DeepSpeed refused, which changed nothing, and which changed which collectives (the removed
+    optimizers are left out: DeepSpeed refuses them everywhere)."""
+    base = results[baseline]
+    refused, idle, cut = [], [], []
+    for name, result in results.items():
+        if name == baseline or name in REMOVED_OPTIMIZERS or name == AGAIN:
+            continue
+        short = name.split(" (")[0]
+        if isinstance(result, Refusal):
+            refused.append(short)
+            continue
+        changed, same, _ = _changes(result, base)
+        if not changed and same:
+            idle.append(short)
+        else:
+            cut.append(f"{short} ({'; '.join(changed) + ' per step' if changed else 'same collectives, other losses'})")
+    parts = ([f"DeepSpeed refused {_listed(refused)}"] if refused else []) + (
+        [f"{_listed(idle)} sent exactly ZeRO-3's collectives and trained to its losses"] if idle else []) + (
+        [f"{_listed(cut)} changed the traffic"] if cut else [])
+    return f"On these {base['world_size']} {base['backend']} ranks ({base['device']}, one node): {'; '.join(parts)}."
+
+
+def _listed(names: Sequence[str]) -> str:
+    """Names in a sentence: "a", "a and b", "a, b and c"."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def checker_findings(kinds: Sequence[str] = tuple(REMOVED_OPTIMIZERS.values()), world_size: int = 2) -> str:

@@ -43,6 +43,7 @@ import functools
 import gc
 import json
 import math
+import statistics
 import sys
 import textwrap
 import time
@@ -605,11 +606,22 @@ def summary_table(runs: Mapping[str, records.Record]) -> str:
                                        f"formula, x (n-1)/n x {width} B", "sent/formula"])
 
 
+#: The step-time column's header: the median of the steps the load guard judges (:func:`median_step_ms`).
+STEP_COLUMN = "step ms (median, steps 2+)"
+
+
+def median_step_ms(record: records.Record) -> float:
+    """A run's median step time in milliseconds over the steps :func:`timing_verdict` judges (after the first,
+    which warms up), so that a table and the verdict beside it give the same medians."""
+    return statistics.median(_steps_s(record)) * 1000
+
+
 def timing_table(runs: Mapping[str, records.Record]) -> str:
-    """Median step time and peak memory per rank (machine-dependent: print in an ignored cell)."""
-    rows = [[name, f"{r.timing.median_s * 1000:.1f}", records.format_peak(r),
+    """Median step time (:func:`median_step_ms`) and peak memory per rank (machine-dependent: print in an
+    ignored cell)."""
+    rows = [[name, f"{median_step_ms(r):.1f}", records.format_peak(r),
              r.memory.peak_source] for name, r in runs.items()]
-    return records.format_table(rows, ["run", "step ms (median)", "peak per rank", "peak measured as"])
+    return records.format_table(rows, ["run", STEP_COLUMN, "peak per rank", "peak measured as"])
 
 
 #: What each strategy is, when to pick it: the stable part of the "which to pick" table (the measured
@@ -678,7 +690,8 @@ def bytes_per_step(record: records.Record) -> str:
 
 
 def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record]) -> str:
-    """Per run: model states and peak memory per rank, bytes per step, median step time, losses vs DDP."""
+    """Per run: model states and peak memory per rank, bytes per step, median step time (:func:`median_step_ms`),
+    losses vs DDP."""
     base = by_bytes.get("DDP")
     rows = []
     for name, r in by_bytes.items():
@@ -686,10 +699,10 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
         rows.append([name, records.format_bytes(r.model_state_bytes()),
                      records.format_peak(t) if t else "-",
                      bytes_per_step(r),
-                     f"{t.timing.median_s * 1000:.1f}" if t else "-",
+                     f"{median_step_ms(t):.1f}" if t else "-",
                      records.loss_agreement(base.losses, r.losses, r.summary["precision"])
                      if base is not None and name != "DDP" else "-"])
-    return records.format_table(rows, ["run", "model states/rank", "peak/rank", "bytes/step", "step ms",
+    return records.format_table(rows, ["run", "model states/rank", "peak/rank", "bytes/step", STEP_COLUMN,
                                        "losses vs DDP"])
 
 
@@ -735,14 +748,17 @@ def timing_verdict(runs: Mapping[str, records.Record], load: load_guard.Load | N
 
 
 def gpu_time_reading(name: str = "frameworks", pairs: Sequence[tuple[str, str]] = TIMED_PAIRS) -> str:
-    """For each committed GPU comparison with timing runs: each pair's step times through the load guard. A
-    committed file records no load beside its launch, so the guard withholds the verdict and gives the medians."""
+    """For each committed GPU comparison with timing runs: each pair's step times through the load guard, under
+    the load the reference's written conditions state (:meth:`~helpers.core.load_guard.Load.from_conditions`:
+    alone only where they say so)."""
     lines = []
-    for device, date, _, found in references.reference_runs(name):
+    for (device, date, _, found), conditions in zip(references.reference_runs(name),
+                                                    references.reference_conditions(name)):
         timed = {key.removeprefix("time: "): r for key, r in found.items()
                  if key.startswith("time: ") and isinstance(r, records.Record)}
         if timed:
-            lines.append(f"{device}, {date}:\n{timing_verdict(timed, None, pairs)}")
+            load = load_guard.Load.from_conditions(conditions)
+            lines.append(f"{device}, {date}:\n{timing_verdict(timed, load, pairs)}")
     return "\n".join(lines) or references.no_references(name)
 
 

@@ -13,7 +13,7 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from helpers.core import configs, ds, exercises, load_guard, models, plots, records, references, theory
 from helpers.core.probes import Probe, RunContext
@@ -327,7 +327,11 @@ def _steps_s(record: records.Record) -> list[float]:
     return list(record.timing.all_s[1:])
 
 
-def speed_verdict(runs: Mapping, load: load_guard.Load | None, again: str = "autotp-again") -> str:
+#: AutoTP trained again at the end of the chapter's launch (the sweep's repeat of its first timed setting).
+AGAIN = "autotp-again"
+
+
+def speed_verdict(runs: Mapping, load: load_guard.Load | None, again: str = AGAIN) -> str:
     """AutoTP's, ZeRO-3's and plain data parallelism's step times on the same ranks and global batch, through the
     course's load guard (:func:`helpers.core.load_guard.compare`, with ``runs[again]``, AutoTP trained again at
     the end of the launch, where there is one): a verdict only for a launch alone on its devices and a difference
@@ -357,13 +361,32 @@ def saved_load(runs: Mapping) -> load_guard.Load:
     return load_guard.Load.unknown("gpu") if found is None else load_guard.Load.from_dict(found)
 
 
+def reference_load(runs: Mapping, conditions: str | None) -> load_guard.Load:
+    """The load a committed result was measured under: the one saved with its runs (:func:`saved_load`), or, for
+    runs saved without one, the load its written ``conditions`` state
+    (:meth:`~helpers.core.load_guard.Load.from_conditions`: alone only where they say so)."""
+    saved = saved_load(runs)
+    return saved if saved.samples else load_guard.Load.from_conditions(conditions)
+
+
+def _references_with_load(name: str, render: Callable[[Mapping, load_guard.Load], str]) -> str:
+    """Every committed GPU result of ``name``, labelled with its device, date and conditions, as
+    ``render(runs, load)`` under :func:`reference_load`; or a plain statement that none is."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    return "\n\n".join(f"Measured on {device}, {date} ({note}):\nConditions: {conditions}\n"
+                        f"{render(runs, reference_load(runs, conditions))}"
+                        for (device, date, note, runs), conditions in zip(found, references.reference_conditions(name)))
+
+
 def reference_report(name: str = "tensor-parallel") -> str:
     """Every committed GPU result of this chapter (AutoTP against ZeRO-3 with timings, memory, and the step times
-    through the load guard with the load saved beside them), or a plain statement that none is."""
+    through the load guard under :func:`reference_load`), or a plain statement that none is."""
 
-    return references.references_report(
-        name, lambda runs: f"{against_zero3_table(runs, timings=True)}\n{memory_table(runs)}\n"
-                           f"{speed_verdict(runs, saved_load(runs))}")
+    return _references_with_load(
+        name, lambda runs, load: f"{against_zero3_table(runs, timings=True)}\n{memory_table(runs)}\n"
+                                 f"{speed_verdict(runs, load)}")
 
 
 def model_size(record: records.Record) -> str:
@@ -375,21 +398,31 @@ def model_size(record: records.Record) -> str:
             f"{record['micro_batch']} samples x {shape.seq} = {tokens:,} tokens per micro-step.")
 
 
-def reference_sentence(runs: Mapping, who: str = "The reference") -> str:
-    """What GPU runs (a committed reference, or ``who``: the run just made) measured for AutoTP against ZeRO-3
-    (median step after the first, peak memory, model states on rank 0), and whether the load saved with them
-    allows a verdict on the step times."""
+def reference_sentence(runs: Mapping, who: str = "The reference", load: load_guard.Load | None = None) -> str:
+    """What GPU runs (a committed reference, or ``who``: the run just made) measured for AutoTP against ZeRO-3:
+    the course's load guard on their steps after the first (:func:`helpers.core.load_guard.compare` under ``load``,
+    by default the one saved with the runs; AutoTP's repeat at the end of the launch, :data:`AGAIN`, where there is
+    one; without it the sweep is not judged), then peak memory and model states on rank 0."""
     tp, z3 = runs["autotp"], runs["zero3"]
-    tp_ms, z3_ms = (statistics.median(_steps_s(r)) * 1000 for r in (tp, z3))
+    again = runs.get(AGAIN)
+    verdict = load_guard.compare({"AutoTP": _steps_s(tp), "ZeRO-3": _steps_s(z3)},
+                                 saved_load(runs) if load is None else load,
+                                 repeat=_steps_s(again) if isinstance(again, records.Record) else None, sweep=True)
     tp_peak, z3_peak = (r.summary["memory"]["peak_bytes_per_rank"][0] for r in (tp, z3))
     states = tp.model_state_bytes(0) / z3.model_state_bytes(0)
-    load = saved_load(runs)
-    verdict = ("no verdict: nothing recorded what else used its GPUs" if load.samples == 0 else
-               "it ran alone on its GPUs" if load.alone else f"no verdict: {load.reason()}")
-    return (f"{who} measured AutoTP's median step {'longer' if tp_ms > z3_ms else 'shorter'} than "
-            f"ZeRO-3's ({tp_ms:.0f} ms against {z3_ms:.0f} ms; {verdict}). Its recorded peak was "
+    return (f"{who}, AutoTP against ZeRO-3: {load_guard.sentence(verdict)} AutoTP's recorded peak was "
             f"{'higher' if tp_peak > z3_peak else 'lower'} ({records.format_peak(tp, 0)} against "
             f"{records.format_peak(z3, 0)}) although its model states were {states:.2f} times ZeRO-3's.")
+
+
+def reference_sentences(name: str = "tensor-parallel") -> str:
+    """:func:`reference_sentence` for every committed GPU result of this chapter, labelled with its device and
+    date, under :func:`reference_load`."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    return "\n".join(f"{device}, {date}: {reference_sentence(runs, load=reference_load(runs, conditions))}"
+                      for (device, date, _, runs), conditions in zip(found, references.reference_conditions(name)))
 
 
 #: The callers of the gradient norm's all-reduce (ZeRO-3's, and the one gradient clipping runs beside AutoTP).
