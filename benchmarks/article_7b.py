@@ -38,6 +38,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -308,13 +309,14 @@ def save(data: dict, path: Path) -> None:
 
 def estimate(data: dict, trials: list[Trial], gpu: bool) -> float:
     """Seconds a launch of ``trials`` should take: a launch's start and each run's share (offloading runs count
-    :data:`OFFLOAD_FACTOR` times), the share from this reference's timed launches (the slowest, less the start)
-    where there are any, else :data:`FIRST_GUESS_S`."""
+    :data:`OFFLOAD_FACTOR` times), the share from this reference's timed launches (their median, less the start:
+    one launch that waited for something else does not set every later estimate) where there are any, else
+    :data:`FIRST_GUESS_S`."""
     weight = sum(OFFLOAD_FACTOR if t.offload != "none" else 1.0 for t in trials)
     timed = [(l["seconds"], l["weight"]) for l in data["launches"] if l.get("weight")]
     start, each = FIRST_GUESS_S["gpu" if gpu else "cpu"]
     if timed:
-        each = max(max(seconds - start, 0.0) / w for seconds, w in timed)
+        each = statistics.median(max(seconds - start, 0.0) / w for seconds, w in timed)
     return start + each * weight
 
 
