@@ -51,6 +51,8 @@ from helpers.core import environment, launch, load_guard, performance, records, 
 from helpers.core.probes import Probe, RunContext, logger_off  # noqa: E402
 from helpers.topics import capstone  # noqa: E402
 
+#: How the ranks import this module's builder and probe (by the module's name, also when it runs as a script).
+MODULE = "benchmarks.article_7b"
 EXPERIMENTS = ("article", "stages", "offload")
 #: The article's accumulation with ZeRO-2.
 ACCUMULATION = 4
@@ -67,7 +69,7 @@ OFFLOAD_FACTOR = 2.0
 ATTEMPTS = 2
 #: What the ranks run: the capstone's step, this module's builder, the capstone's probes plus the ones the
 #: experiments read (model states, host memory and placement, one step's collectives).
-PROBES = (*capstone.PROBES, "model_states", "placement", "benchmarks.article_7b:LoggedStep")
+PROBES = (*capstone.PROBES, "model_states", "placement", f"{MODULE}:LoggedStep")
 CLAIM = ("when training a LLaMA 7B model using 8 GPUs, without DeepSpeed, the batch size had to be set to 16 to train "
          "without OOM. By applying ZeRO-2 and setting Gradient Accumulation to 4 ... the training speed improved by "
          "approximately 30%")
@@ -139,8 +141,6 @@ class LoggedStep(Probe):
         return {"logged_step": {**section, "step": self.step + 1}}
 
 
-#: How the ranks import this module's builder and probe (by the module's name, also when it runs as a script).
-MODULE = "benchmarks.article_7b"
 BUILDER = f"{MODULE}:{build_model.__name__}"
 
 
