@@ -121,7 +121,7 @@ def test_every_rung_proposes_new_settings_and_the_model_takes_their_options():
             capstone.check_options(capstone.MODEL, setting.model_options("1.2b"))
 
 
-@pytest.mark.parametrize("options, key", [({"size": "7b"}, "size"), ({"seq_len": 0}, "seq_len"),
+@pytest.mark.parametrize("options, key", [({"size": "13b"}, "size"), ({"seq_len": 0}, "seq_len"),
                                           ({"attention": "flash"}, "attention"), ({"tp": 2}, "tp"),
                                           ({"compile": "yes"}, "compile")])
 def test_bad_model_options_name_the_key(options, key):

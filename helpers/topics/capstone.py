@@ -67,6 +67,9 @@ SIZES = {
              "vocab_size": 32000},
     "2.7b": {"hidden_size": 2560, "intermediate_size": 6912, "num_hidden_layers": 32, "num_attention_heads": 20,
              "vocab_size": 32000},
+    # the source article's case, LLaMA-7B's shapes (benchmarks/article_7b.py): 6,738,415,616 parameters
+    "7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "vocab_size": 32000},
 }
 #: The model's options (a run's ``model_options``) and their defaults (seq_len None: 64 for "tiny", else 2048).
 OPTIONS = {"size": "tiny", "seq_len": None, "attention": "sdpa", "checkpointing": False, "compile": False}
