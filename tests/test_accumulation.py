@@ -247,9 +247,12 @@ def test_link_findings_judge_each_link_under_its_own_load():
 
 def test_the_references_overlap_sentences_go_through_the_load_guard():
     text = bandwidth.reference_findings(capstone=False)
-    assert "Load guard: its verdicts over NVLink withheld (not measured alone)" in text  # their conditions say so
+    # NVLink: alone on its own GPUs by its conditions, but 3 steps a run leave 2 measured; sockets: beside notebooks
+    assert ("Load guard: its verdicts over NVLink withheld (too few measured steps to judge); its verdicts over "
+            "sockets withheld (not measured alone)") in text
     assert "So overlap_comm" not in text
-    assert "verdict withheld: not measured alone" in bandwidth.overlap_brief().splitlines()[0]
+    brief = bandwidth.overlap_brief().splitlines()[0]
+    assert "verdict withheld: too few measured steps" in brief and "verdict withheld: not measured alone" in brief
 
 
 def test_the_count_of_overlap_gains_takes_both_links_and_the_capstones_verdicts(monkeypatch):

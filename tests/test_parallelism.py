@@ -884,4 +884,5 @@ def test_a_reference_saved_without_a_load_is_judged_under_its_written_conditions
     for record in runs.values():
         record.summary["load"] = dataclasses.asdict(busy)
     assert not tensor_parallel.reference_load(runs, "executed by check-gpu, alone").alone  # the saved load wins
-    assert "Verdict withheld: not measured alone (GPUs 2,3" in tensor_parallel.reference_sentences()
+    # the committed reference: alone on its own GPUs by its conditions, but its sweep has no repeat of AutoTP
+    assert "Verdict withheld: the sweep did not measure its first setting (AutoTP)" in tensor_parallel.reference_sentences()
