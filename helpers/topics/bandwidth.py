@@ -871,14 +871,23 @@ def fit_reading(model: CommModel, result: dict, implementation: str = "deepspeed
                       ": the points scatter far from the lines.")
 
 
-def reference_fit_reading(name: str = "bandwidth-nvlink") -> str:
-    """:func:`fit_reading` of the committed GPU reference, labelled with its device, date and conditions."""
+def _reference_benchmark(name: str) -> tuple[str, str, dict, CommModel] | str:
+    """The first committed GPU reference of ``name``: (device, date, its collectives benchmark, the model fitted
+    on it), or the sentence saying none is committed."""
     found = references.reference_runs(name)
     if not found:
         return references.no_references(name, "run this notebook on a GPU machine to measure them.")
     device, date, _, runs = found[0]
-    model = CommModel.from_benchmark(runs["collectives"])
-    return f"GPU reference ({device}, {date}, NCCL; not this run): " + fit_reading(model, runs["collectives"])
+    return device, date, runs["collectives"], CommModel.from_benchmark(runs["collectives"])
+
+
+def reference_fit_reading(name: str = "bandwidth-nvlink") -> str:
+    """:func:`fit_reading` of the committed GPU reference, labelled with its device, date and conditions."""
+    found = _reference_benchmark(name)
+    if isinstance(found, str):
+        return found
+    device, date, result, model = found
+    return f"GPU reference ({device}, {date}, NCCL; not this run): " + fit_reading(model, result)
 
 
 def fit_summary(model: CommModel, result: dict, load: load_guard.Load | None = None) -> str:
@@ -1015,12 +1024,11 @@ def _reference_what_if_rows(name: str) -> tuple[str, str, list[dict]] | str:
 def reference_fit(name: str = "bandwidth-nvlink") -> str:
     """The committed GPU reference's alpha-beta fit table (:func:`fit_table`), labelled with its device and
     date, to set beside this machine's fit."""
-    found = references.reference_runs(name)
-    if not found:
-        return references.no_references(name, "run this notebook on a GPU machine to measure them.")
-    device, date, _, runs = found[0]
-    model = CommModel.from_benchmark(runs["collectives"])
-    return f"GPU reference, measured on {device}, {date} (NCCL; not this run):\n" + fit_table(model, runs["collectives"])
+    found = _reference_benchmark(name)
+    if isinstance(found, str):
+        return found
+    device, date, result, model = found
+    return f"GPU reference, measured on {device}, {date} (NCCL; not this run):\n" + fit_table(model, result)
 
 
 def byte_sum(record: records.Record) -> str:
