@@ -76,6 +76,64 @@ def test_explicit_world_size_below_one_raises(no_world_size_variable):
         environment.detect(0)
 
 
+@pytest.fixture
+def one_gpu(monkeypatch):
+    """This CPU machine made to look like a machine with one GPU, no course variables set."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "Test GPU")
+    for name in (WORLD_SIZE_VARIABLE, environment.DEVICE_VARIABLE, environment.GPUS_VARIABLE, "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.setenv(name, "")  # recorded, so what detect sets is undone after the test
+        monkeypatch.delenv(name)
+
+
+def test_one_gpu_trains_there_when_one_rank_is_enough(one_gpu):
+    env = environment.detect()
+    assert env.is_gpu and env.default_world_size == 1 and env.gpu_ids == (0,)
+    assert environment.DEVICE_VARIABLE not in os.environ
+
+
+def test_one_gpu_and_a_lesson_that_needs_two_ranks_runs_two_cpu_ranks(one_gpu):
+    env = environment.detect(min_ranks=2)
+    assert not env.is_gpu and env.backend == "gloo" and env.default_world_size == 2 and env.gpu_ids == ()
+    assert "needs 2 ranks" in env.world_size_source and "1 GPU" in env.world_size_source
+    # the chapter's later runs (launch calls detect again, with the world size) take the same CPU ranks
+    assert os.environ[environment.DEVICE_VARIABLE] == "cpu"
+    again = environment.detect(2)
+    assert not again.is_gpu and again.default_world_size == 2
+    child, changes = environment.child_env(again, 2)
+    assert child["CUDA_VISIBLE_DEVICES"] == "" and child["DS_ACCELERATOR"] == "cpu"
+    assert any(c.startswith("CUDA_VISIBLE_DEVICES=''") for c in changes)
+
+
+def test_one_gpu_keeps_the_learners_own_world_size(one_gpu, monkeypatch):
+    monkeypatch.setenv(WORLD_SIZE_VARIABLE, "1")
+    env = environment.detect(min_ranks=2)
+    assert env.is_gpu and env.default_world_size == 1
+    assert environment.DEVICE_VARIABLE not in os.environ
+
+
+def test_device_variable_cpu_puts_the_ranks_on_the_cpu(one_gpu, monkeypatch):
+    monkeypatch.setenv(environment.DEVICE_VARIABLE, "cpu")
+    env = environment.detect()
+    assert not env.is_gpu and env.default_world_size == 2 and environment.DEVICE_VARIABLE in env.world_size_source
+
+
+def test_bad_device_variable_names_the_variable_and_the_fix(monkeypatch):
+    monkeypatch.setenv(environment.DEVICE_VARIABLE, "gpu")
+    with pytest.raises(ValueError, match=r"\$COURSE_DEVICE='gpu': set it to 'cpu'"):
+        environment.detect()
+
+
+def test_cpu_ranks_beside_gpus_keep_their_ops_apart():
+    base = {environment.DEVICE_VARIABLE: "cpu", "TORCH_EXTENSIONS_DIR": "/x/ext", "CUDA_VISIBLE_DEVICES": "0"}
+    child, _ = environment.child_env(_env(), 2, base=base)
+    assert child["CUDA_VISIBLE_DEVICES"] == "" and child["TORCH_EXTENSIONS_DIR"] == "/x/ext/cpu-ranks"
+    plain, _ = environment.child_env(_env(), 2, base={"TORCH_EXTENSIONS_DIR": "/x/ext"})
+    assert plain["TORCH_EXTENSIONS_DIR"] == "/x/ext" and "CUDA_VISIBLE_DEVICES" not in plain
+
+
 def test_supports_reads_precisions():
     env = _env()
     assert env.supports("bf16") and not env.supports("fp16")

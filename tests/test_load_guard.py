@@ -107,6 +107,19 @@ def test_processes_on_gpus_the_run_does_not_use_do_not_count(tmp_path, monkeypat
     assert w.load.pids == (7,) and not w.load.alone
 
 
+def test_cpu_ranks_beside_a_gpu_are_watched_on_the_cpu(tmp_path, monkeypatch):
+    # a GPU answers, but the chapter's ranks run on the CPU ($COURSE_DEVICE=cpu): the CPU's load counts
+    _fake_smi(tmp_path, monkeypatch, "1, GPU-a\n", "0, GPU-a, 90\n")
+    monkeypatch.setenv("COURSE_DEVICE", "cpu")
+    with load_guard.watch(interval=0.05) as w:
+        time.sleep(0.2)
+    assert w.load.device == "cpu" and w.load.source != "nvidia-smi"
+    monkeypatch.delenv("COURSE_DEVICE")
+    with load_guard.watch(interval=0.05) as w:
+        time.sleep(0.2)
+    assert w.load.device == "gpu" and w.load.source == "nvidia-smi"
+
+
 def test_a_sweep_that_drifted_is_withheld_as_warming():
     first, second = [0.200, 0.202, 0.201], [0.100, 0.101, 0.100]
     repeat = [0.150, 0.151, 0.150]  # the first configuration again at the end: 25% faster

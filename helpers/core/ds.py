@@ -23,11 +23,12 @@ from types import ModuleType
 
 
 def choose_accelerator() -> None:
-    """Before DeepSpeed is imported in this process: on a machine without GPUs, say "CPU" up front, or
-    DeepSpeed warns that it found no accelerator. A choice already in ``$DS_ACCELERATOR`` stands."""
+    """Before DeepSpeed is imported in this process: on a machine without GPUs, or where the course runs its
+    ranks on the CPU (``$COURSE_DEVICE=cpu``), say "CPU" up front, or DeepSpeed warns that it found no
+    accelerator (or picks the GPU). A choice already in ``$DS_ACCELERATOR`` stands."""
     import torch  # deferred: the commands that run before torch is installed must not import it
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or os.environ.get("COURSE_DEVICE", "").strip().lower() == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 

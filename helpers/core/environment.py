@@ -25,6 +25,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Environment variable a learner or instructor sets to choose the number of ranks.
 WORLD_SIZE_VARIABLE = "COURSE_WORLD_SIZE"
 
+#: Environment variable that runs the ranks on the CPU (gloo) on a machine with GPUs: ``COURSE_DEVICE=cpu``.
+#: :func:`detect` sets it for its own process (a chapter's kernel) when the chapter needs more ranks than the
+#: machine has GPUs, so every later run of that chapter takes the same CPU ranks.
+DEVICE_VARIABLE = "COURSE_DEVICE"
+
 #: DS_ACCELERATOR as this process found it, before :func:`detect` set it for a CPU-only machine.
 _ORIGINAL_DS_ACCELERATOR = os.environ.get("DS_ACCELERATOR")
 
@@ -174,19 +179,33 @@ def select_gpus(visible: int, course_gpus: str | None = None,
     return tuple(chosen), tuple(machine.index(g) for g in chosen), source
 
 
-def detect(world_size: int | None = None) -> Environment:
+def detect(world_size: int | None = None, min_ranks: int = 1) -> Environment:
     """Detect CPU or GPUs and choose the number of ranks.
 
     ``world_size`` overrides the default; otherwise ``$COURSE_WORLD_SIZE`` does; otherwise the
-    course uses every GPU, or 2 ranks on a machine without GPUs.
+    course uses every GPU, or 2 ranks on a machine without GPUs. ``min_ranks`` is what the caller's lesson
+    needs (ZeRO partitions nothing on one rank): where fewer GPUs than that were chosen and nobody set the
+    number of ranks, the ranks run on the CPU instead, and this process remembers it (:data:`DEVICE_VARIABLE`).
     """
     import torch  # deferred: the commands that run before torch is installed must not import it
 
     cores = _cpu_cores()
+    device_choice = os.environ.get(DEVICE_VARIABLE, "").strip().lower()
+    if device_choice not in ("", "cpu"):
+        raise ValueError(f"${DEVICE_VARIABLE}={device_choice!r}: set it to 'cpu' (CPU ranks on a machine with GPUs), "
+                         "or unset it")
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpu_ids, indices, gpu_source = select_gpus(visible, os.environ.get(GPUS_VARIABLE),
                                                os.environ.get("CUDA_VISIBLE_DEVICES"))
     gpus = len(gpu_ids)
+    cpu_source = "no GPU: 2 CPU ranks"
+    if gpus and device_choice == "cpu":
+        gpus, gpu_ids, cpu_source = 0, (), f"${DEVICE_VARIABLE}=cpu: 2 CPU ranks, the GPUs unused"
+    elif (gpus and gpus < min_ranks and world_size is None and not os.environ.get(WORLD_SIZE_VARIABLE)):
+        os.environ[DEVICE_VARIABLE] = "cpu"  # the chapter's later runs in this process take the CPU too
+        cpu_source = (f"this chapter needs {min_ranks} ranks and {gpus} GPU was chosen: {min_ranks} CPU ranks "
+                      f"instead (${DEVICE_VARIABLE}=cpu)")
+        gpus, gpu_ids = 0, ()
     deepspeed = ds.load()
     if gpus:
         device, backend = "cuda", "nccl"
@@ -199,7 +218,7 @@ def detect(world_size: int | None = None) -> Environment:
         device, backend = "cpu", "gloo"
         name = f"CPU ({cores} cores)"
         precisions = _cpu_precisions()
-        default, source = CPU_DEFAULT_RANKS, "no GPU: 2 CPU ranks"
+        default, source = max(CPU_DEFAULT_RANKS, min_ranks), cpu_source
 
     if world_size is None and os.environ.get(WORLD_SIZE_VARIABLE):
         value = os.environ[WORLD_SIZE_VARIABLE]
@@ -311,6 +330,13 @@ def child_env(env: Environment, world_size: int, base: dict[str, str] | None = N
         changes.append(f"CUDA_VISIBLE_DEVICES={value} -> GPUs {','.join(map(str, env.gpu_ids))} for DeepSpeed's "
                        "launcher, which sets CUDA_VISIBLE_DEVICES for each rank itself")
 
+    if not env.is_gpu and child.get(DEVICE_VARIABLE) == "cpu":
+        # CPU ranks on a machine with GPUs: hide the GPUs from them, and keep their ops (built for the CPU
+        # accelerator, with the same names as the GPU's) apart from the GPU's
+        child["CUDA_VISIBLE_DEVICES"] = ""
+        if child.get("TORCH_EXTENSIONS_DIR"):
+            child["TORCH_EXTENSIONS_DIR"] = str(Path(child["TORCH_EXTENSIONS_DIR"]) / "cpu-ranks")
+        changes.append(f"CUDA_VISIBLE_DEVICES='': ${DEVICE_VARIABLE}=cpu, the ranks run on the CPU")
     if not env.is_gpu:
         if _ORIGINAL_DS_ACCELERATOR != "cpu":
             child["DS_ACCELERATOR"] = "cpu"

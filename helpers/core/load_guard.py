@@ -236,12 +236,15 @@ def _cpu_time(p: psutil.Process) -> float:
 @contextlib.contextmanager
 def watch(ranks: int | None = None, interval: float = 0.5, device: str | None = None) -> Iterator[Watch]:
     """Record, for the duration of the block, what processes outside this one (and its descendants) did on
-    the devices. ``device``: "gpu" or "cpu" (default: "gpu" where NVML or ``nvidia-smi`` answers). ``ranks``:
+    the devices. ``device``: "gpu" or "cpu" (default: "gpu" where NVML or ``nvidia-smi`` answers, unless the
+    ranks run on the CPU, ``$COURSE_DEVICE=cpu``). ``ranks``:
     the run's processes on the GPUs, used where the GPU tool reports process ids from another pid namespace
     (a container), so that ours cannot be told apart: then every process beyond ``ranks`` counts as
     another. Processes that started and ended between two samples are missed on CPU.
     """
     me = psutil.Process()
+    if device is None and os.environ.get("COURSE_DEVICE", "").strip().lower() == "cpu":
+        device = "cpu"  # CPU ranks on a machine with GPUs (environment.detect's choice)
     sampler = _gpu_sampler() if device in (None, "gpu") else None
     device = device or ("gpu" if sampler else "cpu")
     if device == "gpu" and sampler is None:
