@@ -132,6 +132,9 @@ def test_cpu_ranks_beside_gpus_keep_their_ops_apart():
     assert child["CUDA_VISIBLE_DEVICES"] == "" and child["TORCH_EXTENSIONS_DIR"] == "/x/ext/cpu-ranks"
     plain, _ = environment.child_env(_env(), 2, base={"TORCH_EXTENSIONS_DIR": "/x/ext"})
     assert plain["TORCH_EXTENSIONS_DIR"] == "/x/ext" and "CUDA_VISIBLE_DEVICES" not in plain
+    from torch.utils.cpp_extension import get_default_build_root
+    unset, _ = environment.child_env(_env(), 2, base={environment.DEVICE_VARIABLE: "cpu"})
+    assert unset["TORCH_EXTENSIONS_DIR"] == str(Path(get_default_build_root()) / "cpu-ranks")
 
 
 def test_supports_reads_precisions():

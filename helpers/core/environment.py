@@ -333,9 +333,12 @@ def child_env(env: Environment, world_size: int, base: dict[str, str] | None = N
     if not env.is_gpu and child.get(DEVICE_VARIABLE) == "cpu":
         # CPU ranks on a machine with GPUs: hide the GPUs from them, and keep their ops (built for the CPU
         # accelerator, with the same names as the GPU's) apart from the GPU's
+        from torch.utils.cpp_extension import get_default_build_root  # deferred, as torch is
+
         child["CUDA_VISIBLE_DEVICES"] = ""
-        if child.get("TORCH_EXTENSIONS_DIR"):
-            child["TORCH_EXTENSIONS_DIR"] = str(Path(child["TORCH_EXTENSIONS_DIR"]) / "cpu-ranks")
+        ops = child.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        if Path(ops).name != "cpu-ranks":
+            child["TORCH_EXTENSIONS_DIR"] = str(Path(ops) / "cpu-ranks")
         changes.append(f"CUDA_VISIBLE_DEVICES='': ${DEVICE_VARIABLE}=cpu, the ranks run on the CPU")
     if not env.is_gpu:
         if _ORIGINAL_DS_ACCELERATOR != "cpu":
