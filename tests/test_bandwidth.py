@@ -661,6 +661,9 @@ def test_the_accumulation_share_reading_compares_zero1_and_zero2_at_the_slowest_
     assert "and ZeRO-2's from 50% to 30%" in bandwidth.accumulation_share_reading(more)
     assert "ZeRO-1 4 against 3" in bandwidth.accumulation_share_reading(more)
     assert bandwidth.accumulation_share_reading(rows[:4]) == ""  # no ZeRO-2 rows: nothing to compare
+    rising = _share_rows({(1, 1): 0.31, (1, 4): 0.18, (2, 1): 0.30, (2, 4): 0.31},
+                         {(1, 1): 3, (1, 4): 3, (2, 1): 3, (2, 4): 6})
+    assert "and ZeRO-2's up from 30% to 31%" in bandwidth.accumulation_share_reading(rising)
     assert "\nAt 10 Gb/s, accumulation 4 against 1" in bandwidth.reference_what_if()
 
 

@@ -1411,7 +1411,8 @@ def accumulation_share_reading(rows: Sequence[dict]) -> str:
     drop1, drop2 = share[(1, 1)] - share[(1, 4)], share[(2, 1)] - share[(2, 4)]
     ones = f"{calls[(1, 4)]:g} either way" if calls[(1, 1)] == calls[(1, 4)] else f"{calls[(1, 4)]:g} against {calls[(1, 1)]:g}"
     return (f"At {slowest}, accumulation 4 against 1 takes ZeRO-1's share of the step spent communicating from "
-            f"{share[(1, 1)]:.0%} to {share[(1, 4)]:.0%}, and ZeRO-2's {'only ' if drop2 < drop1 else ''}from "
+            f"{share[(1, 1)]:.0%} to {share[(1, 4)]:.0%}, and ZeRO-2's "
+            f"{'up ' if drop2 < 0 else 'only ' if drop2 < drop1 else ''}from "
             f"{share[(2, 1)]:.0%} to {share[(2, 4)]:.0%}: collective calls per optimizer step, ZeRO-1 {ones}, "
             f"ZeRO-2 {calls[(2, 4)]:g} against {calls[(2, 1)]:g}, since it all-reduces the gradients in every "
             f"micro-step.")
