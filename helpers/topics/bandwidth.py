@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import os
 import re
@@ -962,6 +963,44 @@ def slow_alpha_note(slow: CommModel, fast: CommModel, result: dict, rate: float,
     return "\n".join(lines)
 
 
+def _largest_point_rate(result: dict, op: str, implementation: str = "deepspeed.comm") -> tuple[dict, float]:
+    """A collective's largest benchmarked message and the bandwidth it got alone: wire bytes over median time."""
+    largest = max(rows(result, implementation, op), key=lambda p: p["bytes"])
+    return largest, largest["wire_bytes"] / largest["seconds"]
+
+
+def slow_fit_reading(slow: CommModel, fast: CommModel, result: dict, rate: float,
+                     implementation: str = "deepspeed.comm") -> str:
+    """What to take from a slow link's fits, in lines generated from them: per collective its alpha beside the
+    fast link's and its largest message read alone (wire bytes over median time: the bandwidth that call got),
+    then which reading of the link's bandwidth (``rate``, bytes/s per direction) the figures support."""
+    lines, kinds = [], {"recovered": [], "traded": [], "below": [], "above": []}
+    for op, ab in slow.fits.items():
+        largest, got = _largest_point_rate(result, op, implementation)
+        lines.append(f"{op}: alpha {ab.alpha * 1e6:,.0f} us (fast link: {fast.fits[op].alpha * 1e6:,.0f} us); its "
+                     f"largest message alone: {largest['wire_bytes']:,.0f} wire bytes in {largest['seconds'] * 1e3:.1f} "
+                     f"ms = {got / 1e6:.1f} MB/s ({got / rate - 1:+.0%} off the set rate)")
+        if abs(ab.bandwidth / rate - 1) <= RATE_MATCH:
+            kinds["recovered"].append(op)
+        elif abs(got / rate - 1) <= RATE_MATCH:
+            kinds["traded"].append(op)
+        else:
+            kinds["below" if got < rate else "above"].append(op)
+    sizes = len({p["bytes"] for p in rows(result, implementation)})
+    said = {"recovered": "{}'s fitted 1/beta recovers the set rate: gloo's bytes cross the cable at the rate tc set",
+            "traded": "{}'s fitted 1/beta strays from the set rate while its largest message alone comes within "
+                      f"{RATE_MATCH:.0%} of it: a line through {sizes} sizes trades alpha against beta"
+                      + (" (slow small calls raise alpha and flatten the line)" if all(
+                          slow.fits[op].bandwidth > rate for op in kinds["traded"]) else "")
+                      + ", so read a link's bandwidth from its largest messages",
+            "below": "{} ran below the set rate even at its largest message: a set rate is a ceiling, and a call also "
+                     "spends time beyond its bytes, so that reading only bounds the link's bandwidth from below",
+            "above": "{} ran above the set rate even at its largest message, which a cable's rate should not allow: "
+                     "this run cannot explain it (each call: the last section)"}
+    take = "So: " + "; ".join(said[kind].format(" and ".join(ops)) for kind, ops in kinds.items() if ops) + "."
+    return "\n".join(lines + [take])
+
+
 #: Wire bytes per logged byte on n ranks (the ring; nccl-tests' bus-bandwidth factors), as the worked row writes them.
 WIRE_FACTORS = {"all_reduce": "2(n-1)/n", "all_gather": "(n-1)", "reduce_scatter": "(n-1)/n", "broadcast": "1"}
 
@@ -1048,38 +1087,54 @@ def byte_sum(record: records.Record) -> str:
 
 def comms_logger_fields() -> str:
     """The fields of DeepSpeed's ``comms_logger`` config block and their defaults, read from DeepSpeed's own
-    config model, and what a block does to the logger whatever its ``enabled`` says."""
+    config model (what ``enabled`` does is exercise 3's question: :func:`comms_logger_switch`)."""
     CommsLoggerConfig = ds.load("deepspeed.comm.config").CommsLoggerConfig
 
     table = [[field, repr(info.default)] for field, info in CommsLoggerConfig.model_fields.items()]
-    off = comms_logger_records({"enabled": False})
-    recorded = ", ".join(op for op, on in off.items() if on) or "nothing"
-    return (records.format_table(table, ["comms_logger field", "default"]) +
-            f"\n'enabled' does not switch the logger in DeepSpeed 0.19.8: the block's presence does "
-            f"(deepspeed/comm/config.py: comms_logger_enabled = 'comms_logger' in ds_config), so a block of "
-            f"{{'enabled': False}} alone still records {recorded}; to turn the logger off, leave the block out.")
+    return records.format_table(table, ["comms_logger field", "default"])
 
 
-def caller_table(runs: Mapping[str, records.Record], names: Sequence[str] = ("zero0-acc4", "zero3-acc4"),
-                 reference: str | None = "bandwidth-nvlink") -> str:
-    """Which DeepSpeed function issued each logged collective (the comms logger's ``debug`` mode), per optimizer
-    step, for the runs ``names`` of this launch and of the committed GPU ``reference``."""
-    sources = [("this run", runs)]
-    if reference:
-        for device, date, _, ref_runs in references.reference_runs(reference)[:1]:
-            sources.append((f"{device}, {date}", ref_runs))
-    table = []
-    for where, found in sources:
-        for name in names:
-            r = found.get(name)
-            if not isinstance(r, records.Record):
-                continue
-            for op, callers in sorted(r.section("comm").get("by_caller", {}).items()):
-                for caller, row in sorted(callers.items()):
-                    table.append([where, name, r.model_name, r.precision, op, caller or "-", f"{row['count']:g}",
-                                  f"{row['bytes'] / row['count']:,.0f}" if row["count"] else "-"])
-    return records.format_table(table, ["measured on", "run", "model", "precision", "op (logged name)",
-                                        "DeepSpeed function", "calls/step", "bytes/call"])
+def comms_logger_switch() -> str:
+    """The line of DeepSpeed's ``DeepSpeedCommsConfig`` that decides whether the comms logger is on, read from
+    DeepSpeed's installed source."""
+    DeepSpeedCommsConfig = ds.load("deepspeed.comm.config").DeepSpeedCommsConfig
+    for line in inspect.getsource(DeepSpeedCommsConfig.__init__).splitlines():
+        if "comms_logger_enabled =" in line:
+            return line.strip()
+    raise LookupError("DeepSpeedCommsConfig.__init__ no longer sets comms_logger_enabled: read deepspeed/comm/config.py")
+
+
+def _calls_by_caller(record: records.Record) -> dict[str, float]:
+    """DeepSpeed function -> calls per optimizer step of a run (the comms logger's ``debug`` mode)."""
+    found: dict[str, float] = {}
+    for callers in record.section("comm").get("by_caller", {}).values():
+        for caller, row in callers.items():
+            found[caller or "-"] = found.get(caller or "-", 0) + row["count"]
+    return found
+
+
+def call_differences(runs: Mapping[str, records.Record], reference: str = "bandwidth-nvlink") -> str:
+    """Per training run: collective calls per optimizer step in this launch and in the committed GPU
+    ``reference``'s run of the same name, and the DeepSpeed functions (the comms logger's ``debug`` mode) whose
+    calls per step differ, written ``function here -> there``."""
+    found = references.reference_runs(reference)
+    if not found:
+        return references.no_references(reference, "run this notebook on a GPU machine to measure them.")
+    device, date, _, ref_runs = found[0]
+    table, precisions = [], set()
+    for name, r in runs.items():
+        other = ref_runs.get(name)
+        if not isinstance(other, records.Record):
+            continue
+        here, there = _calls_by_caller(r), _calls_by_caller(other)
+        differ = [f"{f} {here.get(f, 0):g} -> {there.get(f, 0):g}" for f in sorted(set(here) | set(there))
+                  if here.get(f, 0) != there.get(f, 0)]
+        table.append([name, f"{sum(here.values()):g}", f"{sum(there.values()):g}", ", ".join(differ) or "none"])
+        precisions.add((r.precision, other.precision))
+    said = "; ".join(f"{mine} here, {theirs} there" for mine, theirs in sorted(precisions))
+    return (f"This run against the GPU reference ({device}, {date}; {said}):\n"
+            + records.format_table(table, ["run", "calls/step here", "on the reference",
+                                           "DeepSpeed functions that differ (here -> reference)"]))
 
 
 def run_configs(runs: Mapping[str, records.Record]) -> str:
@@ -1305,6 +1360,24 @@ def model_verdict_summary(rows: Sequence[dict], load: load_guard.Load | None) ->
     return "\n".join(lines)
 
 
+def model_reading(rows: Sequence[dict], load: load_guard.Load | None, reference: str = "bandwidth-nvlink") -> str:
+    """:func:`model_verdict_summary`, then what to take from it in one generated line: where the load guard gave
+    no verdict, this run cannot tell the model's error from the load's, and the committed GPU ``reference``'s
+    errors (its range) are the model's test."""
+    verdicts = model_verdicts(rows, load)
+    given = sum(v.given for v in verdicts)
+    found = references.reference_runs(reference)
+    errors = []
+    if found:
+        _, _, _, ref_runs = found[0]
+        errors = [r["error"] for r in comparison_rows(logged_runs(ref_runs), CommModel.from_benchmark(ref_runs["collectives"]))]
+    there = (f"on the GPU reference its error ran from {min(errors):+.0%} to {max(errors):+.0%} (table above)"
+             if errors else "the GPU reference is the model's test")
+    take = (f"So: with no verdict given, this run cannot tell the model's error from the load's; {there}." if not given
+            else f"So: the model's error exceeded the steps' spread in {given} of {len(rows)} runs here; {there}.")
+    return f"{model_verdict_summary(rows, load)}\n{take}"
+
+
 def plain_reading(rows: Sequence[dict]) -> str:
     """The figures of :func:`comparison_rows` read without a verdict: the range of measured over predicted."""
     ratios = [r["measured_s"] / r["predicted_s"] for r in rows if r["predicted_s"]]
@@ -1338,7 +1411,8 @@ def accumulation_share_reading(rows: Sequence[dict]) -> str:
     drop1, drop2 = share[(1, 1)] - share[(1, 4)], share[(2, 1)] - share[(2, 4)]
     ones = f"{calls[(1, 4)]:g} either way" if calls[(1, 1)] == calls[(1, 4)] else f"{calls[(1, 4)]:g} against {calls[(1, 1)]:g}"
     return (f"At {slowest}, accumulation 4 against 1 takes ZeRO-1's share of the step spent communicating from "
-            f"{share[(1, 1)]:.0%} to {share[(1, 4)]:.0%}, and ZeRO-2's {'only ' if drop2 < drop1 else ''}from "
+            f"{share[(1, 1)]:.0%} to {share[(1, 4)]:.0%}, and ZeRO-2's "
+            f"{'up ' if drop2 < 0 else 'only ' if drop2 < drop1 else ''}from "
             f"{share[(2, 1)]:.0%} to {share[(2, 4)]:.0%}: collective calls per optimizer step, ZeRO-1 {ones}, "
             f"ZeRO-2 {calls[(2, 4)]:g} against {calls[(2, 1)]:g}, since it all-reduces the gradients in every "
             f"micro-step.")
@@ -1359,17 +1433,6 @@ def reference_what_if(name: str = "bandwidth-nvlink") -> str:
     return (f"GPU reference ({device}, {date}; not this run): ZeRO-{p.stage} at accumulation "
             f"{p.accum} spends {top['comm_share']:.0%} of its step communicating at {top['link']} and "
             f"{fastest['comm_share']:.0%} on {fastest['link']}.\n{accumulation_share_reading(rows)}").rstrip()
-
-
-def stage_pair(rows: Sequence[dict], load: load_guard.Load | None, first: str = "zero1-acc1",
-               second: str = "zero2-acc1", link: str = "fast") -> str:
-    """Two runs of :func:`slow_link_rows` compared on one link (``fast`` or ``slow``), step times without the
-    warm-up step, through the load guard: its sentence (a verdict, or why it is withheld, with the medians)."""
-    by = {r["name"]: r for r in rows}
-    if first not in by or second not in by:
-        return f"(no {first} and {second} on both links here)"
-    verdict = load_guard.compare({first: by[first][f"{link}_each_s"], second: by[second][f"{link}_each_s"]}, load)
-    return f"{second} against {first} on the {link} link: " + load_guard.sentence(verdict)
 
 
 # --- chapter 09's runs: the model against measurements, on a fast and a slow link ----------------
@@ -1580,6 +1643,34 @@ def accumulation_verdicts(rows: Sequence[dict], load: load_guard.Load | None,
             lines.append(head + (f"{v.medians[0] / v.medians[1]:.2f}x the samples/s, beyond the steps' spread "
                                  f"({v.spread:.0%})." if v.given else f"withheld: {v.withheld}."))
     return "\n".join(lines)
+
+
+def accumulation_reading(rows: Sequence[dict], load: load_guard.Load | None) -> str:
+    """Accumulation 4 against 1 at stages 1 and 2 on the slow link, the model's ratio (samples/s from the steps it
+    predicts, :func:`slow_link_rows`) beside the measured one, then :func:`accumulation_verdicts`, then what to
+    take from them in one generated line."""
+    by = {r["name"]: r for r in rows}
+    ratios = {}
+    for stage in (1, 2):
+        one, four = by.get(f"zero{stage}-acc1"), by.get(f"zero{stage}-acc4")
+        if one and four:
+            ratios[stage] = {key: (four["batch"] / four[key]) / (one["batch"] / one[key])
+                             for key in ("predicted_s", "slow_s")}
+    verdicts = accumulation_verdicts(rows, load)
+    if len(ratios) < 2:
+        return verdicts
+    model, measured = ({s: r[key] for s, r in ratios.items()} for key in ("predicted_s", "slow_s"))
+    head = ("Samples/s at accumulation 4 over 1 on the slow link, the model's (from its predicted steps) beside the "
+            "measured: " + "; ".join(f"ZeRO-{s} {model[s]:.2f}x predicted, {measured[s]:.2f}x measured" for s in (1, 2)))
+    pays = ("accumulation pays more for ZeRO-1, whose collectives come once per optimizer step, than for ZeRO-2, "
+            "which all-reduces in every micro-step" if model[1] > model[2] else
+            "accumulation pays as much for ZeRO-2 as for ZeRO-1 here")
+    order = "the same way" if (model[1] > model[2]) == (measured[1] > measured[2]) else "the other way"
+    alone = load is not None and load.samples > 0 and load.alone
+    take = (f"So: in the model, {pays}; the measured ratios rank the two stages {order}"
+            + (", and how far each strays from the model cannot be told from the load's noise (no verdict)."
+               if not alone else "."))
+    return "\n".join([head, verdicts, take])
 
 
 def accumulation_floor(rows: Sequence[dict],
@@ -2112,8 +2203,9 @@ def exercise_logged_calls(answer: object, record: records.Record, block: dict | 
         task=f"With comms_logger = {block!r}, which collectives would DeepSpeed record for ZeRO-{stage} at "
              f"accumulation {accum} (micro batch as in the runs), and how many calls of each per optimizer step? "
              "Answer a dict {logged name: calls per step}.",
-        hint="two things to settle: which ops this block records (the field table under the training script, and "
-             f"what each field does), and how ZeRO-{stage}'s calls per step change with the accumulation (the "
+        hint="two things to settle: which ops this block records (DeepSpeed decides whether the logger is on in "
+             f"deepspeed/comm/config.py with `{comms_logger_switch()}`; the field table under the training script "
+             f"says what the other fields do), and how ZeRO-{stage}'s calls per step change with the accumulation (the "
              "table of calls per step at accumulation 1 and 4, and the reading under it).",
         why=f"the block's presence turns the logger on whatever 'enabled' says, and prof_all false leaves only "
             f"prof_ops; ZeRO-{stage}'s per-step counts at accumulation {accum}, built from the run's measured "
