@@ -94,8 +94,9 @@ def test_one_gpu_trains_there_when_one_rank_is_enough(one_gpu):
     assert environment.DEVICE_VARIABLE not in os.environ
 
 
-def test_one_gpu_and_a_lesson_that_needs_two_ranks_runs_two_cpu_ranks(one_gpu):
+def test_one_gpu_and_a_lesson_that_needs_two_ranks_runs_two_cpu_ranks(one_gpu, capsys):
     env = environment.detect(min_ranks=2)
+    assert "Note: this chapter needs 2 ranks" in capsys.readouterr().err  # the chapter's first cell says so
     assert not env.is_gpu and env.backend == "gloo" and env.default_world_size == 2 and env.gpu_ids == ()
     assert "needs 2 ranks" in env.world_size_source and "1 GPU" in env.world_size_source
     # the chapter's later runs (launch calls detect again, with the world size) take the same CPU ranks

@@ -205,6 +205,7 @@ def detect(world_size: int | None = None, min_ranks: int = 1) -> Environment:
         os.environ[DEVICE_VARIABLE] = "cpu"  # the chapter's later runs in this process take the CPU too
         cpu_source = (f"this chapter needs {min_ranks} ranks and {gpus} GPU was chosen: {min_ranks} CPU ranks "
                       f"instead (${DEVICE_VARIABLE}=cpu)")
+        print(f"Note: {cpu_source}.", file=sys.stderr)  # once per process: later calls find the variable set
         gpus, gpu_ids = 0, ()
     deepspeed = ds.load()
     if gpus:
