@@ -75,6 +75,10 @@ def test_table_reader_finds_rows_and_minutes():
     assert table_rows(sample) == {"00_a.ipynb": "0.5"}
 
 
+def only_all(notebooks_module) -> str:
+    return notebooks_module.chapter_time("12_x")
+
+
 def test_chapter_time_leaves_out_checks_with_too_few_ranks(tmp_path, monkeypatch):
     report = {"machine": "4 x NVIDIA H200", "checks": [
         {"date": "2026-11-27", "ranks": 1, "jobs": 6, "notebooks": [{"notebook": "12_x.ipynb", "ok": True, "seconds": 60}]},
@@ -82,6 +86,7 @@ def test_chapter_time_leaves_out_checks_with_too_few_ranks(tmp_path, monkeypatch
     (tmp_path / "check.json").write_text(json.dumps(report))
     monkeypatch.setattr(notebooks, "CHECK_REPORTS", (tmp_path,))
     assert "1 rank on" in notebooks.chapter_time("12_x")
+    assert "(2026-11-27, one notebook at a time)" in notebooks.chapter_time("12_x") and "not this run" in only_all(notebooks)
     only = notebooks.chapter_time("12_x", min_ranks=2)
     assert "1 rank on" not in only and "2.0 min with 4 ranks" in only
     assert notebooks.chapter_time("12_x", min_ranks=8).startswith("No committed check report")

@@ -58,12 +58,13 @@ def chapter_time(notebook: str, min_ranks: int = 1) -> str:
                     if (entry.get("notebook") == name and entry.get("ok") and ranks >= min_ranks
                             and date >= latest.get(key, ("",))[0]):
                         latest[key] = (date, entry["seconds"], machine,
-                                       "alone" if shared == 1 else f"{shared} notebooks at a time")
+                                       "one notebook at a time" if shared == 1 else f"{shared} notebooks at a time")
     if not latest:
         return f"No committed check report has timed {name} yet (python3 -m helpers.course check-gpu makes one)."
     parts = [f"{seconds / 60:.1f} min with {ranks} rank{'' if ranks == 1 else 's'} on {machine} ({date}, {how})"
              for (_, ranks), (date, seconds, machine, how) in sorted(latest.items())]
-    return f"Executing this notebook took {'; '.join(parts)}."
+    return (f"In the committed check reports (not this run), executing this notebook took {'; '.join(parts)}. "
+            "Other work on the machine adds to it: the load guard's line under each launch says what ran beside it.")
 
 
 def is_exclusive(path: Path) -> bool:
