@@ -592,7 +592,7 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
     baseline = baseline or (GPU_BASELINE if env.is_gpu else CPU_BASELINE)
     if not env.supports(baseline.precision):
         raise ValueError(f"baseline precision {baseline.precision}: not supported on {env.device_name}")
-    steps = steps or (8 if env.is_gpu else 5)
+    steps = steps or 8  # the first two warm up and the last is profiled: five measured steps
     started = time.monotonic()
     result = Ladder(size=size, params=model_parameters(size), world_size=world, device=env.device_name,
                     baseline=baseline, budget_s=budget_s, name=name)
@@ -919,37 +919,92 @@ def summary(ladder: dict) -> str:
     return "\n".join(lines)
 
 
-def _describe(s: Setting) -> str:
-    return (f"ZeRO-{s.stage}, micro batch {s.micro_batch} x accumulation {s.grad_accum}"
-            + (", checkpointing" if s.checkpointing else "") + (", engine.compile()" if s.compile else ""))
+def setting_label(setting: dict | Setting, start: Setting | None = None) -> str:
+    """A setting by what it trains with, not by what changed ("micro 16 x accum 2, compiled"): its ZeRO stage
+    where not 2, micro batch x accumulation, and each knob it sets; its sequence length and optimizer only where
+    they differ from ``start`` (the ladder's baseline; the GPU baseline by default)."""
+    s = setting if isinstance(setting, Setting) else Setting(**setting)
+    start = start or GPU_BASELINE
+    parts = ([f"ZeRO-{s.stage}"] if s.stage != 2 else []) + [f"micro {s.micro_batch} x accum {s.grad_accum}"]
+    if s.seq_len != start.seq_len:
+        parts.append(f"sequence {s.seq_len}")
+    if s.overlap_comm:
+        parts.append("overlap_comm")
+    buckets = {name: getattr(s, f"{name}_bucket_size") for name in ("reduce", "allgather", "prefetch")}
+    if buckets["reduce"] is not None and buckets["reduce"] == buckets["allgather"]:
+        buckets = {"": buckets["reduce"], "prefetch": buckets["prefetch"]}  # both ZeRO-2 buckets at one size
+    parts += [f"{name} bucket{'s' if not name else ''} {_short(size)}".strip() for name, size in buckets.items()
+              if size is not None]
+    if s.checkpointing:
+        parts.append("checkpointing")
+    if s.optimizer != start.optimizer:
+        parts.append("torch AdamW" if s.optimizer == "torch" else "FusedAdam")
+    if s.compile:
+        parts.append("compiled")
+    return ", ".join(parts)
+
+
+def _near_target(ladder: dict, mfu: float) -> str:
+    """The MFU against the target, and whether the ladder's margin can tell them apart."""
+    target = ladder["target_mfu"]
+    verdict = f"MFU {mfu:.1%}, target {target:.0%} {'reached' if mfu >= target else 'not reached'}"
+    if abs(mfu / target - 1) <= ladder["margin"]:
+        verdict += (f", but within the {ladder['margin']:.1%} margin of it: the noise cannot tell "
+                    f"{mfu:.1%} from {target:.0%}")
+    return verdict
 
 
 def kept_path(ladder: dict) -> str:
-    """The path a ladder kept, from its data: the setting it started from and its figure (the mean of its two
-    runs), each kept candidate with its rung, what it changed from the setting before it and its gain over the
-    best so far, and the setting it ended with, with its MFU against the target."""
-    unit = "model TFLOP/s per " + ("rank" if ladder["device"].startswith("CPU") else "GPU")
-    base = [c["metric"] for c in ladder["candidates"] if c["verdict"] == "baseline"]
-    before = Setting(**ladder["baseline"])
-    lines = [f"{ladder['params'] / 1e9:.2f}B on {ladder['device']}, from {_describe(before)}: "
-             f"{sum(base) / len(base):.3g} {unit}"]
-    against, what = sum(base) / len(base), "the baseline's mean"
+    """The path a ladder kept, as a table from its data: the setting it started from (the mean of its two runs),
+    each kept candidate with the figure it beat and its gain, and each time a later walk trained the kept setting
+    again ("best so far, again", the yardstick of that walk's candidates) with how far it moved from that setting's
+    last figure; then the setting it ended with, its MFU against the target and whether the margin can tell."""
+    per = "rank" if ladder["device"].startswith("CPU") else "GPU"
+    start = Setting(**ladder["baseline"])
+    base = [c for c in ladder["candidates"] if c["verdict"] == "baseline" and "metric" in c]
+    against = sum(c["metric"] for c in base) / len(base)
+    rows = [["start", setting_label(start, start), f"{against:.4g}", _pct(_mean([c.get("mfu") for c in base])),
+             f"mean of {len(base)} runs; margin {ladder['margin']:.1%}"]]
+    moves = []
     for c in ladder["candidates"]:
         if c["verdict"].startswith(AGAIN_VERDICT) and "metric" in c:
-            against, what = c["metric"], f"{AGAIN!r} (the kept setting trained again by a later walk)"
+            move = c["metric"] / against - 1
+            moves.append(abs(move))
+            rows.append([c["rung"], setting_label(c["setting"], start), f"{c['metric']:.4g}", _pct(c.get("mfu")),
+                         f"trained again: {move:+.1%} from {against:.4g}"])
+            against = c["metric"]
         elif c["verdict"].startswith("kept"):
-            setting = Setting(**c["setting"])
-            gain = c["verdict"].rsplit(":", 1)[1].strip()
-            lines.append(f"  kept at rung {c['rung']!r}: {c['label']} ({setting.changes_from(before)}): "
-                         f"{against:.4g} -> {c['metric']:.4g}, {gain} over {what}")
-            before, against, what = setting, c["metric"], "the candidate kept before it"
-    if len(lines) == 1:
-        lines.append(f"  nothing kept: no candidate beat it by more than the {ladder['margin']:.1%} margin")
+            rows.append([c["rung"], setting_label(c["setting"], start), f"{c['metric']:.4g}", _pct(c.get("mfu")),
+                         f"kept: {c['metric'] / against - 1:+.1%} over {against:.4g}"])
+            against = c["metric"]
+    lines = [records.format_table(rows, ["rung", "setting", f"TFLOP/s/{per}", "MFU", "verdict"])]
+    if len(rows) == 1:
+        lines.append(f"nothing kept: no candidate beat the start by more than the {ladder['margin']:.1%} margin")
+    if moves:
+        lines.append(f"trained again, the same setting moved by up to {max(moves):.1%} between launches, against the "
+                     f"{ladder['margin']:.1%} margin: a gain close to the margin is at the edge of the noise")
     found = best_mfu_and_exposed(ladder)
     if found is not None:
-        verdict = "reached" if found[0] >= ladder["target_mfu"] else "not reached"
-        lines.append(f"  ends at {_describe(before)}: MFU {found[0]:.1%} (target {ladder['target_mfu']:.0%}: {verdict})")
+        best = next(c for c in ladder["candidates"] if c["run"] == ladder["best_run"])
+        lines.append(f"ends at {setting_label(best['setting'], start)}: {_near_target(ladder, found[0])}")
     return "\n".join(lines)
+
+
+def dropped_lines(ladder: dict) -> str:
+    """One line per rung of what a ladder did not keep, each setting once, by what it trains with: its gain over
+    the figure it was judged against, or why it failed; a failed setting that a later walk measured shows only
+    that measurement."""
+    start = Setting(**ladder["baseline"])
+    measured = {setting_label(c["setting"], start) for c in ladder["candidates"] if "metric" in c}
+    by_rung: dict[str, dict[str, str]] = {}
+    for c in ladder["candidates"]:
+        verdict = _short_verdict(c)
+        label = setting_label(c["setting"], start)
+        if verdict.startswith(("dropped", "not eligible")):
+            by_rung.setdefault(c["rung"], {})[label] = f"{label} {verdict.replace('dropped ', '')}"
+        elif verdict.startswith("failed") and label not in measured:
+            by_rung.setdefault(c["rung"], {})[label] = f"{label} {verdict.replace('failed: ', '')}"
+    return "\n".join(f"not kept at {rung!r}: " + "; ".join(found.values()) for rung, found in by_rung.items())
 
 
 def best_repeats(ladder: dict) -> list[float]:
@@ -1153,7 +1208,8 @@ def ladder(ladder: dict, title: str | None = None, horizontal: bool = False):
     fig, ax = plt.subplots(figsize=size)
     values = [c["metric"] for c in rows]
     colour = [next((v for k, v in colours.items() if c["verdict"].startswith(k)), "#4C72B0") for c in rows]
-    names = [f"{c['rung']}: {c['label']}" for c in rows]
+    start = Setting(**ladder["baseline"])
+    names = [f"{c['rung']}: {setting_label(c['setting'], start)}" for c in rows]
     line = ax.axvline if horizontal else ax.axhline
     if horizontal:
         ax.barh(range(len(rows)), values, color=colour)
@@ -1184,15 +1240,18 @@ def ladder(ladder: dict, title: str | None = None, horizontal: bool = False):
 # --- the key result and the exercises -------------------------------------------------------------
 
 def takeaway(ladder: dict) -> str:
-    """One line from a ladder's data: what it kept, where it ended against the target, what bounds the rest."""
-    kept = [c["label"] for c in ladder["candidates"] if c["verdict"].startswith("kept")]
+    """One line from a ladder's data: the rungs that kept a candidate and the setting it ended at, its MFU against
+    the target (within the margin or not), and what hiding its exposed communication could add."""
+    kept = [c["rung"] for c in ladder["candidates"] if c["verdict"].startswith("kept")]
     skipped = [r["rung"] for r in ladder["rungs"] if not r["ran"] and r["why"].startswith(BUDGET_SKIP)]
     found = best_mfu_and_exposed(ladder)
-    line = "Takeaway: " + (f"kept {', '.join(kept)}" if kept else
+    best = next(c for c in ladder["candidates"] if c["run"] == ladder["best_run"])
+    line = "Takeaway: " + (f"kept at rungs {', '.join(kept)}, ending at "
+                           f"{setting_label(best['setting'], Setting(**ladder['baseline']))}" if kept else
                            f"nothing beat the start by more than the {ladder['margin']:.1%} margin")
     if found is not None:
         mfu, exposed = found
-        line += (f"; MFU {mfu:.1%}, target {'reached' if mfu >= ladder['target_mfu'] else 'not reached'}; "
+        line += (f"; {_near_target(ladder, mfu)}; "
                  f"exposed communication {exposed:.1%} of a step, so hiding it could add at most "
                  f"{(mfu / (1 - exposed) - mfu) * 100:.1f} points of MFU")
     if skipped:
@@ -1202,10 +1261,12 @@ def takeaway(ladder: dict) -> str:
 
 def reference_block(entry: tuple[str, str, str, str, dict]) -> str:
     """One committed GPU ladder (an entry of :func:`reference_ladders`) as the chapter shows it: headed by its
-    device and date, its candidates, rungs, summary, shortfall, FSDP2 beside it, and its takeaway."""
+    device and date (then :data:`PEAK_NOTE` where a peak is marked), its candidates, rungs, summary, shortfall,
+    FSDP2 beside it, and its takeaway."""
     device, date, note, _conditions, gpu_ladder = entry
-    parts = [f"{gpu_ladder['params'] / 1e9:.2f}B parameters, measured on {device}, {date} ({note}):",
-             ladder_table(gpu_ladder), rungs_table(gpu_ladder), summary(gpu_ladder), shortfall(gpu_ladder)]
+    parts = [f"{gpu_ladder['params'] / 1e9:.2f}B parameters, measured on {device}, {date} ({note}):"]
+    parts += [PEAK_NOTE] if marks_peaks(gpu_ladder) else []
+    parts += [ladder_table(gpu_ladder), rungs_table(gpu_ladder), summary(gpu_ladder), shortfall(gpu_ladder)]
     if (gpu_ladder.get("fsdp2") or {}).get("measured"):
         parts += [fsdp2_table(gpu_ladder), fsdp2_same_math(gpu_ladder)]
     return "\n".join(parts + [takeaway(gpu_ladder)])
@@ -1230,13 +1291,12 @@ def _short_verdict(c: dict) -> str:
 
 def condensed_block(entry: tuple[str, str, str, str, dict]) -> str:
     """One committed GPU ladder (an entry of :func:`reference_ladders`) in a few lines: its model, device and
-    date, one row per candidate (rung, candidate, model TFLOP/s per GPU, MFU, a short verdict), its takeaway.
-    :func:`reference_block` prints the whole record (peaks, exposed communication, failures, the walks)."""
+    date, the path it kept (:func:`kept_path`), one line per rung of what it did not keep (:func:`dropped_lines`)
+    and its takeaway. :func:`reference_block` prints the whole record (peaks, exposed communication, failures)."""
     device, date, _note, _conditions, gpu_ladder = entry
-    rows = [[c["rung"], c["label"], "-" if c.get("tflops_per_gpu") is None else f"{c['tflops_per_gpu']:.4g}",
-             _pct(c.get("mfu")), _short_verdict(c)] for c in gpu_ladder["candidates"]]
-    table = records.format_table(rows, ["rung", "candidate", "TFLOP/s/GPU", "MFU", "verdict"])
-    return "\n".join([f"{gpu_ladder['params'] / 1e9:.2f}B on {device}, {date}:", table, takeaway(gpu_ladder)])
+    parts = [f"{gpu_ladder['params'] / 1e9:.2f}B on {device}, {date}:", kept_path(gpu_ladder),
+             dropped_lines(gpu_ladder), takeaway(gpu_ladder)]
+    return "\n".join(p for p in parts if p)
 
 
 def _same_batch_run(ladder: dict, setting: dict, compiled: bool) -> dict | None:
@@ -1282,9 +1342,10 @@ def fsdp2_takeaway(ladder: dict) -> str:
 
 def overlap_line(ladder: dict) -> str | None:
     """What ``overlap_comm`` did in a committed ladder, from its data: each measured overlap candidate's model
-    TFLOP/s per GPU and peak memory against the setting it started from (the kept setting trained again in its
-    launch, else the last kept or baseline candidate before it); None where no overlap candidate was measured.
-    The probes measure how much communication stayed exposed, not where a step's time went: the line says so."""
+    TFLOP/s per GPU against the setting it started from (the kept setting trained again in its launch, else the
+    last kept or baseline candidate before it), set against the margin; None where no overlap candidate was
+    measured. The probes measure how much communication stayed exposed, not where a step's time went: the line
+    says so where overlap was slower."""
     rows = ladder["candidates"]
     tried = [i for i, c in enumerate(rows) if c.get("rung") == "overlap" and c.get("tflops_per_gpu") is not None
              and c["setting"].get("overlap_comm")]
@@ -1292,20 +1353,16 @@ def overlap_line(ladder: dict) -> str | None:
                   and c["verdict"].startswith((AGAIN_VERDICT, "kept", "baseline"))), None) if tried else None
     if start is None:
         return None
-    parts, slower, bounded = [], False, False
+    parts, slower = [], False
     for i in tried:
         gain = rows[i]["tflops_per_gpu"] / start["tflops_per_gpu"] - 1
         slower |= gain < -ladder["margin"]
-        larger = rows[i]["peak_bytes"] > start["peak_bytes"]
-        bounded |= larger and bool(rows[i].get("peak_upper_bound") or _memory_maybe_held_by_earlier(rows[i]))
-        parts.append(f"{rows[i]['label']} {rows[i]['tflops_per_gpu']:.4g} ({gain:+.1%}), peak {_peak(rows[i])}")
-    why = ("slower by more than the margin; why is not measured: the probes record how much communication stayed "
-           "exposed, not where a step's time went" if slower else f"within the {ladder['margin']:.1%} margin")
-    memory = (", and the larger peak is an upper bound (earlier runs of its launch may have held memory), so more "
-              "memory is not shown" if bounded else "")
-    return (f"{ladder['params'] / 1e9:.2f}B on {ladder['device']}, ZeRO-{start['setting']['stage']}: without overlap "
-            f"{start['tflops_per_gpu']:.4g} model TFLOP/s per GPU, peak {_peak(start)}; " + "; ".join(parts)
-            + f": {why}{memory}.")
+        parts.append(f"{rows[i]['label']} {rows[i]['tflops_per_gpu']:.4g} ({gain:+.1%})")
+    why = (f"slower by more than the {ladder['margin']:.1%} margin (the probes record how much communication stayed "
+           "exposed, not where a step's time went)" if slower else f"within the {ladder['margin']:.1%} margin")
+    where = setting_label(start["setting"], Setting(**ladder["baseline"]))
+    return (f"{ladder['params'] / 1e9:.2f}B on {ladder['device']}, ZeRO-{start['setting']['stage']}, {where}: without "
+            f"overlap {start['tflops_per_gpu']:.4g} model TFLOP/s per GPU; " + "; ".join(parts) + f": {why}.")
 
 
 def fsdp2_takeaways(ladders: list[dict]) -> str:
@@ -1394,14 +1451,16 @@ WITHHELD = "withheld (load)"
 def guarded(ladder: dict, load: load_guard.Load) -> dict:
     """``ladder`` (``Ladder.to_dict()``) as the chapter shows it beside the load its launch ran under: where the
     launch did not have its devices to itself (``load``), every verdict the rule gave (kept, dropped, not
-    eligible) reads :data:`WITHHELD` instead, with the rule's figure after it, and ``withheld`` holds the load's
-    reason; alone, the ladder as it is. The walk's own data is left as it was."""
+    eligible) reads :data:`WITHHELD` instead, with the rule's figure after it, as does each rung's kept
+    candidate, and ``withheld`` holds the load's reason; alone, the ladder as it is. The walk's own data is left
+    as it was."""
     if load.alone:
         return ladder
     judged = ("kept", "dropped", "not eligible")
     candidates = [{**c, "verdict": f"{WITHHELD}; the rule: {_gain(c['verdict'])}"}
                   if c["verdict"].startswith(judged) else c for c in ladder["candidates"]]
-    return {**ladder, "candidates": candidates, "withheld": load.reason()}
+    rungs = [{**r, "kept": WITHHELD} if r.get("kept") else r for r in ladder.get("rungs", [])]
+    return {**ladder, "candidates": candidates, "rungs": rungs, "withheld": load.reason()}
 
 
 def _gain(verdict: str) -> str:
@@ -1411,24 +1470,21 @@ def _gain(verdict: str) -> str:
 
 
 def warm_up(ladder: Ladder, load: load_guard.Load) -> str:
-    """The baseline's first run against its repeat, in one line from their records: each first step (left out of
-    every figure) beside the median of its measured steps, and what the data can say about a warm-up, given the
-    machine's ``load``."""
+    """The baseline's first step against its measured steps, in one line from its two runs' records: how many
+    times slower each first step ran (no figure counts it), and whether the data shows a warm-up beyond it,
+    given the machine's ``load``."""
     runs = [c for c in ladder.candidates if c.label in ("baseline", "baseline, again") and c.record is not None]
     if len(runs) < 2:
         return "Warm-up: the baseline was not measured twice, nothing to compare."
     first = [c.record["throughput"]["all_step_times_s"][0] for c in runs]
     median = [statistics.median(_steps(c.record)) for c in runs]
-    line = (f"Warm-up: the baseline's first step took {first[0]:.2f} s ({first[0] / median[0]:.1f}x its measured "
-            f"median of {median[0] * 1e3:.0f} ms), its repeat's {first[1]:.2f} s ({first[1] / median[1]:.1f}x of "
-            f"{median[1] * 1e3:.0f} ms); no figure counts the first two steps. ")
+    line = (f"Warm-up: the baseline's first step took {first[0] / median[0]:.1f}x its measured median, its "
+            f"repeat's {first[1] / median[1]:.1f}x; the figures leave the warm-up steps out. ")
     if median[0] <= median[1]:
-        return line + ("The first run's measured steps were the faster: it shows no warm-up beyond them"
-                       + (f"; the gap is the machine's other load ({load.reason()})." if not load.alone else "."))
+        return line + "Its measured steps show no warm-up beyond them."
     if load.alone:
-        return line + "The first run's measured steps were the slower, alone on the machine: a warm-up beyond them."
-    return line + (f"The first run's measured steps were the slower: warm-up or the other processes' load "
-                   f"({load.reason()}); these figures cannot tell which.")
+        return line + "The first run's measured steps were still the slower: a warm-up beyond them."
+    return line + "The first run's measured steps were the slower: with other processes running, warm-up or load."
 
 
 def _steps(record: records.Record) -> list[float]:
