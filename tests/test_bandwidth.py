@@ -724,10 +724,14 @@ def test_the_core_wait_table_and_reading_split_the_calls_by_whether_their_ranks_
     assert bandwidth.core_wait_reading(bench) == (
         f"Calls slower than 3x their point's fastest call: {points} of {2 * points} (50%) of the calls whose ranks "
         f"waited for a core, 0 of {2 * points} (0%) of the others.")
+    everyone = dict(bench, results=[dict(p, core_wait=[1.0] * 4) for p in bench["results"]])
+    assert bandwidth.core_wait_reading(everyone).endswith(
+        "every call's ranks waited for a core, so the fits use each point's fastest call.")
     assert "did not record" in bandwidth.core_wait_reading(_with_times(_synthetic_benchmark(2, {"all_reduce": (1e-4, 1e-9)})))
 
 
-def test_a_timed_call_reads_how_long_its_threads_waited_for_a_core():
+def test_a_timed_call_reads_how_long_its_threads_waited_for_a_core(monkeypatch):
+    monkeypatch.setattr(bandwidth.tdist, "barrier", lambda: None)  # one process here: no peer to wait for
     seconds, waited = bandwidth._timed_with_core_wait(lambda call: (call(), 0.5)[1], lambda: sum(range(10**5)))
     assert seconds == 0.5 and waited >= 0.0
     assert bandwidth._core_wait_ns(), "Linux keeps /proc/self/task/*/schedstat"

@@ -242,7 +242,9 @@ def _core_wait_ns() -> dict[str, int]:
 def _timed_with_core_wait(timed: Callable[[Callable[[], object]], float],
                           call: Callable[[], object]) -> tuple[float, float]:
     """``timed(call)``'s seconds, and the seconds this process's threads spent meanwhile ready to run but waiting
-    for a core that another thread (of any program) held."""
+    for a core that another thread (of any program) held. A barrier first, so that the wait for a late peer in
+    ``timed``'s own barrier stays out of it."""
+    tdist.barrier()
     before = _core_wait_ns()
     seconds = timed(call)
     after = _core_wait_ns()
@@ -450,9 +452,15 @@ def core_wait_reading(result: dict, slow: float = SLOW_CALL) -> str:
                 waited, slow_waited = waited + 1, slow_waited + is_slow
             else:
                 kept, slow_kept = kept + 1, slow_kept + is_slow
-    share = lambda a, b: f"{a} of {b} ({a / b:.0%})" if b else "none of 0"
-    return (f"Calls slower than {slow:g}x their point's fastest call: {share(slow_waited, waited)} of the calls whose "
-            f"ranks waited for a core, {share(slow_kept, kept)} of the others.")
+    share = lambda a, b: f"{a} of {b} ({a / b:.0%})"
+    said = f"Calls slower than {slow:g}x their point's fastest call: "
+    if not waited:
+        return said + f"{share(slow_kept, kept)}; no call waited for a core."
+    if not kept:
+        return said + (f"{share(slow_waited, waited)}; every call's ranks waited for a core, so the fits use each "
+                       "point's fastest call.")
+    return said + (f"{share(slow_waited, waited)} of the calls whose ranks waited for a core, "
+                   f"{share(slow_kept, kept)} of the others.")
 
 
 def bandwidth_table(result: dict, op: str, implementations: Sequence[str] | None = None) -> str:
