@@ -514,20 +514,18 @@ def test_the_slow_fit_reading_reads_the_bandwidth_from_the_largest_message_where
                         f"bytes in {(2e-3 + 2**21 / rate) * 1e3:.1f} ms = {2**21 / (2e-3 + 2**21 / rate) / 1e6:.1f} MB/s "
                         f"({2**21 / (2e-3 + 2**21 / rate) / rate - 1:+.0%} off the set rate)")
     assert lines[1].endswith("1,048,576 wire bytes in 21.0 ms = 50.0 MB/s (+0% off the set rate)")
-    assert lines[2] == ("So: all_reduce's fitted 1/beta recovers the set rate: gloo's bytes cross the cable at the rate "
-                        "tc set; all_gather's fitted 1/beta strays from the set rate while its largest message alone "
-                        "comes within 10% of it: a line through 3 sizes trades alpha against beta (slow small calls "
-                        "raise alpha and flatten the line), so read a link's bandwidth from its largest messages.")
+    assert lines[2] == ("So: all_reduce's fitted 1/beta matches the set rate: gloo's bytes cross the cable at tc's "
+                        "rate. all_gather's fitted line strays from the set rate, but its largest message comes within "
+                        "10% of it: read a link's bandwidth from its largest messages.")
     slowed = _slow_bench({"all_reduce": [(s, 2 * s / rate) for s in (2**14, 2**18, 2**21)],  # half the rate
                           "all_gather": [(s, s / 4 / rate) for s in (2**14, 2**18, 2**21)]})  # twice the rate
     off = bandwidth.CommModel.from_benchmark(slowed, ops=("all_reduce", "all_gather"))
     reading = bandwidth.slow_fit_reading(off, fast, slowed, rate)
     assert reading.splitlines()[0].startswith("all_reduce: alpha 0 us (fast link: 300 us)")
     assert reading.splitlines()[-1] == (
-        "So: all_reduce ran below the set rate even at its largest message: a set rate is a ceiling, and a call also "
-        "spends time beyond its bytes, so that reading only bounds the link's bandwidth from below; all_gather ran "
-        "above the set rate even at its largest message, which a cable's rate should not allow: this run cannot "
-        "explain it (each call: the last section).")
+        "So: all_reduce stayed below the set rate even at its largest message: the rate is a ceiling, not a promise. "
+        "all_gather beat the set rate at its largest message, which the cable should not allow: the last section "
+        "lists each call.")
 
 
 def test_the_model_reading_points_to_the_reference_where_no_verdict_is_given():
@@ -692,3 +690,70 @@ def test_the_reference_comparison_and_worked_row_name_the_references_model_and_p
     zero0 = runs["zero0-acc4"]
     assert bandwidth.reference_worked_row().startswith(
         f"zero0-acc4 ({device}, {date}, {zero0.model_name} {zero0.precision}; not this run, 2 ranks), one optimizer step:")
+
+
+def test_the_kept_cores_view_keeps_only_calls_whose_ranks_hardly_waited_and_fits_the_line_on_them():
+    known = {"all_reduce": (100e-6, 1 / 2e9)}
+    bench = _with_times(_synthetic_benchmark(2, known))
+    for p in bench["results"]:  # the middle call of every point waited 4 ms for a core
+        p["times"] = [p["seconds"], p["seconds"] + 4e-3, p["seconds"] * 1.01]
+        p["core_wait"] = [0.0, 4e-3, 0.1 * p["seconds"]]  # the last waited, but under bandwidth.WAITED of its time
+        p["seconds"] = p["times"][2]  # the median of the three calls
+    calm = bandwidth.kept_cores(bench)
+    assert all(p["times"] == [q["times"][0], q["times"][2]] for p, q in zip(calm["results"], bench["results"]))
+    model = bandwidth.CommModel.from_benchmark(calm)
+    assert model.fits["all_reduce"].alpha == pytest.approx(100e-6, rel=0.02)
+    assert model.source.endswith("calls whose ranks kept their cores")
+    point = calm["results"][0]
+    assert point["busbw"] * point["seconds"] == pytest.approx(point["wire_bytes"])
+    everyone = dict(bench, results=[dict(p, core_wait=[1.0] * 3) for p in bench["results"]])
+    assert [p["seconds"] for p in bandwidth.kept_cores(everyone)["results"]] == \
+        [min(p["times"]) for p in bench["results"]]  # every call waited: the fastest stands in
+    counted_nowhere = _with_times(_synthetic_benchmark(2, known))
+    assert bandwidth.kept_cores(counted_nowhere) is counted_nowhere
+
+
+def test_the_core_wait_table_and_reading_split_the_calls_by_whether_their_ranks_waited_for_a_core():
+    bench = _with_times(_synthetic_benchmark(2, {"all_reduce": (100e-6, 1 / 2e9)}))
+    for p in bench["results"]:
+        p["times"] = [1e-4, 5e-3, 1.1e-4, 1e-4]
+        p["core_wait"] = [0.0, 4e-3, 1e-4, 1e-5]  # the second and third waited over 20% of their time
+    table = bandwidth.core_wait_table(bench)
+    assert "2 of 4" in table and "2,555" in table and "55" in table  # waited: median of 5 ms and 0.11 ms
+    points = len(bench["results"])
+    assert bandwidth.core_wait_reading(bench) == (
+        f"Calls slower than 3x their point's fastest call: {points} of {2 * points} (50%) of the calls whose ranks "
+        f"waited for a core, 0 of {2 * points} (0%) of the others.")
+    everyone = dict(bench, results=[dict(p, core_wait=[1.0] * 4) for p in bench["results"]])
+    assert bandwidth.core_wait_reading(everyone).endswith(
+        "every call's ranks waited for a core, so the fits use each point's fastest call.")
+    assert "did not record" in bandwidth.core_wait_reading(_with_times(_synthetic_benchmark(2, {"all_reduce": (1e-4, 1e-9)})))
+
+
+def test_a_timed_call_reads_how_long_its_threads_waited_for_a_core(monkeypatch):
+    monkeypatch.setattr(bandwidth.tdist, "barrier", lambda: None)  # one process here: no peer to wait for
+    seconds, waited = bandwidth._timed_with_core_wait(lambda call: (call(), 0.5)[1], lambda: sum(range(10**5)))
+    assert seconds == 0.5 and waited >= 0.0
+    assert bandwidth._core_wait_ns(), "Linux keeps /proc/self/task/*/schedstat"
+
+
+def test_the_accumulation_exercise_picks_the_stage_whose_calls_per_step_do_not_grow():
+    class Run:  # what the exercise reads of a record: its collectives per optimizer step
+        def __init__(self, counts: dict):
+            self.counts = counts
+
+        def comm_ops(self) -> dict:
+            return {op: {"count": n, "bytes": 4 * n} for op, n in self.counts.items()}
+
+    run = Run
+    runs = {"zero1-acc1": run({"all_reduce": 2, "all_gather": 1}), "zero1-acc4": run({"all_reduce": 2, "all_gather": 1}),
+            "zero2-acc1": run({"all_reduce": 2, "all_gather": 1}), "zero2-acc4": run({"all_reduce": 5, "all_gather": 1})}
+    assert bandwidth.exercise_accumulation_gain("ZeRO-1", runs)
+    assert not bandwidth.exercise_accumulation_gain("ZeRO-2", runs)
+    assert not bandwidth.exercise_accumulation_gain(..., runs).answered
+    assert "not one of the choices" in str(bandwidth.exercise_accumulation_gain("ZeRO-3", runs))
+    swapped = {"zero1-acc1": runs["zero2-acc1"], "zero1-acc4": runs["zero2-acc4"],
+               "zero2-acc1": runs["zero1-acc1"], "zero2-acc4": runs["zero1-acc4"]}
+    assert bandwidth.exercise_accumulation_gain("ZeRO-2", swapped)
+    assert "ZeRO-1 3 at accumulation 1, 3 at 4; ZeRO-2 3 at accumulation 1, 6 at 4" in \
+        str(bandwidth.exercise_accumulation_gain("ZeRO-1", runs))

@@ -71,6 +71,7 @@ def test_the_benchmark_measures_every_point_with_nccl_tests_conventions(swept):
         assert ("torch.distributed", "all_gather", size) not in got
     for r in bench["results"]:
         assert len(r["times"]) == 2 and r["seconds"] > 0
+        assert len(r["core_wait"]) == 2 and min(r["core_wait"]) >= 0  # per call, all ranks together
         assert r["busbw"] * r["seconds"] == pytest.approx(r["wire_bytes"])
     assert bench["shm"]["local_size"] == "2"
 

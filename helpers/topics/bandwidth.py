@@ -228,6 +228,29 @@ def benchmark(run: PlannedRun, position: int, count: int, born: float) -> None:
     run_benchmark(run, position, deepspeed_call, aligned)
 
 
+def _core_wait_ns() -> dict[str, int]:
+    """Thread id -> nanoseconds each of this process's threads has waited, runnable, for a core (the second field
+    of Linux's ``/proc/self/task/*/schedstat``); empty where the kernel does not keep it."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for task in os.scandir("/proc/self/task"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                found[task.name] = int(Path(task.path, "schedstat").read_text().split()[1])
+    return found
+
+
+def _timed_with_core_wait(timed: Callable[[Callable[[], object]], float],
+                          call: Callable[[], object]) -> tuple[float, float]:
+    """``timed(call)``'s seconds, and the seconds this process's threads spent meanwhile ready to run but waiting
+    for a core that another thread (of any program) held. A barrier first, so that the wait for a late peer in
+    ``timed``'s own barrier stays out of it."""
+    tdist.barrier()
+    before = _core_wait_ns()
+    seconds = timed(call)
+    after = _core_wait_ns()
+    return seconds, sum(ns - before.get(task, 0) for task, ns in after.items()) / 1e9
+
+
 def run_benchmark(run: PlannedRun, position: int,
                   call: Callable[[str, int, torch.dtype, torch.device], Callable[[], object]],
                   timed: Callable[[Callable[[], object]], float]) -> None:
@@ -285,9 +308,16 @@ def run_benchmark(run: PlannedRun, position: int,
                     for _ in range(settings["warmup"]):
                         timed(fn)
                 times: dict[str, list[float]] = {name: [] for name in chosen}
+                waits: dict[str, list[float]] = {name: [] for name in chosen}
                 for _ in range(settings["iters"]):
                     for name, fn in chosen.items():
-                        times[name].append(timed(fn))
+                        seconds, waited = _timed_with_core_wait(timed, fn)
+                        times[name].append(seconds)
+                        waits[name].append(waited)
+                # per call, the seconds all ranks together waited for a core
+                summed = torch.tensor([waits[name] for name in chosen], dtype=torch.float64, device=device)
+                tdist.all_reduce(summed)
+                core_wait = dict(zip(chosen, summed.tolist()))
                 sent: dict[str, float | None] = {name: None for name in chosen}
                 if _interface_bytes() is not None:  # bytes on the wire, where the counters are ours alone
                     barriers = _interface_bytes()
@@ -302,7 +332,7 @@ def run_benchmark(run: PlannedRun, position: int,
                 for name, measured in times.items():
                     seconds = statistics.median(measured)
                     results.append({"implementation": name, "op": op, "bytes": message, "elements": elements,
-                                    "seconds": seconds, "times": measured,
+                                    "seconds": seconds, "times": measured, "core_wait": core_wait[name],
                                     "algbw": message / seconds,
                                     "busbw": theory.bus_bandwidth(op, message, seconds, world),
                                     "wire_bytes": wire_bytes(op, message, world),
@@ -356,6 +386,81 @@ def coverage_table(result: dict) -> str:
         impls = ", ".join(i for i in IMPLEMENTATIONS if rows(result, i, op))
         table.append([op, impls, f"{len(sizes)}", f"{records.format_bytes(sizes[0])} .. {records.format_bytes(sizes[-1])}"])
     return records.format_table(table, ["collective", "implementations", "sizes", "range"])
+
+
+#: A call this many times its point's fastest call is counted slow by :func:`core_wait_reading`.
+SLOW_CALL = 3.0
+#: A call whose ranks waited for a core longer than this share of its time "waited" (:func:`kept_cores`).
+WAITED = 0.2
+
+
+def _calls(p: dict) -> list[tuple[float, float | None]]:
+    """(seconds, seconds all ranks waited for a core, or None where not recorded) of each timed call."""
+    waits = p.get("core_wait") or [None] * len(p.get("times", []))
+    return list(zip(p.get("times", []), waits))
+
+
+def _waited(seconds: float, wait: float | None) -> bool:
+    """Whether a call's ranks waited for a core longer than :data:`WAITED` of its time."""
+    return wait is not None and wait > WAITED * seconds
+
+
+def kept_cores(result: dict) -> dict:
+    """A copy of a benchmark summary whose points keep only the calls whose ranks hardly waited for a core (not
+    :func:`_waited`): each point's time is their median, or its fastest call where every call waited. A summary
+    without the waits (the GPU references) comes back unchanged."""
+    if not any(p.get("core_wait") for p in result["results"]):
+        return result
+    points = []
+    for p in result["results"]:
+        kept = [t for t, wait in _calls(p) if not _waited(t, wait)] or [min(p["times"])]
+        seconds = statistics.median(kept)
+        points.append(dict(p, times=kept, seconds=seconds, algbw=p["bytes"] / seconds,
+                           busbw=theory.bus_bandwidth(p["op"], p["bytes"], seconds, result["world_size"])))
+    return dict(result, results=points, selection="calls whose ranks kept their cores")
+
+
+def core_wait_table(result: dict, op: str = "all_reduce", implementation: str = "deepspeed.comm") -> str:
+    """Per message size of ``op``: how many timed calls waited for a core, the median time of the calls that did
+    and did not, and the median wait (all ranks summed)."""
+    table = []
+    for p in sorted(rows(result, implementation, op), key=lambda r: r["bytes"]):
+        calls = _calls(p)
+        kept = [t for t, w in calls if not _waited(t, w)]
+        waited = [t for t, w in calls if _waited(t, w)]
+        waits = [w for _, w in calls if w is not None]
+        table.append([records.format_bytes(p["bytes"]), f"{len(waited)} of {len(calls)}",
+                      f"{statistics.median(kept) * 1e6:,.0f}" if kept else "-",
+                      f"{statistics.median(waited) * 1e6:,.0f}" if waited else "-",
+                      f"{statistics.median(waits) * 1e6:,.0f}" if waits else "-"])
+    return f"{op}, {implementation} (a call 'waited' where its ranks waited for a core over {WAITED:.0%} of it):\n" + \
+        records.format_table(table, ["size", "calls that waited", "median us, kept cores", "median us, waited",
+                                     "median wait us"])
+
+
+def core_wait_reading(result: dict, slow: float = SLOW_CALL) -> str:
+    """Whether the slow calls of a benchmark (over ``slow`` times their point's fastest call) are the calls whose
+    ranks waited for a core, counted over every point and implementation."""
+    slow_waited = slow_kept = waited = kept = 0
+    for p in result["results"]:
+        fastest = min(p["times"])
+        for t, wait in _calls(p):
+            if wait is None:
+                return "(this benchmark did not record the ranks' waits for a core)"
+            is_slow = t > slow * fastest
+            if _waited(t, wait):
+                waited, slow_waited = waited + 1, slow_waited + is_slow
+            else:
+                kept, slow_kept = kept + 1, slow_kept + is_slow
+    share = lambda a, b: f"{a} of {b} ({a / b:.0%})"
+    said = f"Calls slower than {slow:g}x their point's fastest call: "
+    if not waited:
+        return said + f"{share(slow_kept, kept)}; no call waited for a core."
+    if not kept:
+        return said + (f"{share(slow_waited, waited)}; every call's ranks waited for a core, so the fits use each "
+                       "point's fastest call.")
+    return said + (f"{share(slow_waited, waited)} of the calls whose ranks waited for a core, "
+                   f"{share(slow_kept, kept)} of the others.")
 
 
 def bandwidth_table(result: dict, op: str, implementations: Sequence[str] | None = None) -> str:
@@ -791,9 +896,10 @@ class CommModel:
                 fits[op] = fit([p["wire_bytes"] for p in points], [p["seconds"] for p in points])
         if not fits:
             raise ValueError(f"no collective measured at two sizes with {implementation}")
-        where = f"{result['world_size']} x {result['device_name']}" + (" in course namespaces"
+        where = f"{result['world_size']} x {result['device_name']}" + (" in network namespaces (see 'A real slow link')"
                                                                        if result.get("namespace") else "")
-        return cls(fits, result["world_size"], f"{implementation} benchmark, {where}")
+        selection = f"; {result['selection']}" if result.get("selection") else ""
+        return cls(fits, result["world_size"], f"{implementation} benchmark, {where}{selection}")
 
     @classmethod
     def for_link(cls, bandwidth: float, alpha: float, world_size: int, name: str = "") -> "CommModel":
@@ -815,7 +921,7 @@ def fit_table(model: CommModel, result: dict | None = None, implementation: str 
             errors = relative_errors(ab, [p["wire_bytes"] for p in points], [p["seconds"] for p in points])
             row.append(f"{max(abs(e) for e in errors):.0%}")
         table.append(row)
-    headers = ["collective", "alpha us", "1/beta GB/s", "alpha/beta"] + (["worst fit error"] if result else [])
+    headers = ["collective", "alpha us", "1/beta GB/s", "alpha/beta (wire bytes w)"] + (["worst fit error"] if result else [])
     return records.format_table(table, headers)
 
 
@@ -894,13 +1000,13 @@ def reference_fit_reading(name: str = "bandwidth-nvlink") -> str:
 def fit_summary(model: CommModel, result: dict, load: load_guard.Load | None = None) -> str:
     """This run's fit through the load guard: its figures always (:func:`fit_reading`'s errors); their comment
     only where the launch's ``load`` shows the run had its devices to itself, else why it is withheld: other
-    programs' work lands in single calls at random, so a busy machine's scatter says nothing about the model."""
+    programs can slow any single call, so a busy machine's scatter says nothing about the model."""
     figures = fit_reading(model, result)
     if load is None or load.samples == 0 or not load.alone:
         why = load.reason() if load is not None and load.samples else "nothing recorded what else used the devices"
-        return (f"This run ({model.source}): {_fit_figures(model, result)[0]}. Comment withheld: {why}; other programs' work "
-                "lands in single calls at random, so these points measure the load as much as the link. The "
-                "model is judged on the GPU reference above.")
+        return (f"This run ({model.source}): {_fit_figures(model, result)[0]}. Comment withheld: {why}; on a busy "
+                "machine even the calls kept can be slowed by other programs, so the model is judged on the GPU "
+                "reference above.")
     return f"This run ({model.source}), alone on its devices: {figures}"
 
 
@@ -986,18 +1092,13 @@ def slow_fit_reading(slow: CommModel, fast: CommModel, result: dict, rate: float
             kinds["traded"].append(op)
         else:
             kinds["below" if got < rate else "above"].append(op)
-    sizes = len({p["bytes"] for p in rows(result, implementation)})
-    said = {"recovered": "{}'s fitted 1/beta recovers the set rate: gloo's bytes cross the cable at the rate tc set",
-            "traded": "{}'s fitted 1/beta strays from the set rate while its largest message alone comes within "
-                      f"{RATE_MATCH:.0%} of it: a line through {sizes} sizes trades alpha against beta"
-                      + (" (slow small calls raise alpha and flatten the line)" if all(
-                          slow.fits[op].bandwidth > rate for op in kinds["traded"]) else "")
-                      + ", so read a link's bandwidth from its largest messages",
-            "below": "{} ran below the set rate even at its largest message: a set rate is a ceiling, and a call also "
-                     "spends time beyond its bytes, so that reading only bounds the link's bandwidth from below",
-            "above": "{} ran above the set rate even at its largest message, which a cable's rate should not allow: "
-                     "this run cannot explain it (each call: the last section)"}
-    take = "So: " + "; ".join(said[kind].format(" and ".join(ops)) for kind, ops in kinds.items() if ops) + "."
+    said = {"recovered": "{}'s fitted 1/beta matches the set rate: gloo's bytes cross the cable at tc's rate.",
+            "traded": "{}'s fitted line strays from the set rate, but its largest message comes within "
+                      f"{RATE_MATCH:.0%} of it: read a link's bandwidth from its largest messages.",
+            "below": "{} stayed below the set rate even at its largest message: the rate is a ceiling, not a promise.",
+            "above": "{} beat the set rate at its largest message, which the cable should not allow: the last "
+                     "section lists each call."}
+    take = "So: " + " ".join(said[kind].format(" and ".join(ops)) for kind, ops in kinds.items() if ops)
     return "\n".join(lines + [take])
 
 
@@ -2155,9 +2256,8 @@ def exercise_latency_bound_size(answer: object, op: str = "all_gather",
         f"{op} latency-bound below", answer, expected, relative=0.05, unit=" bytes",
         task=f"Predict the message size S, in bytes, at which {op}'s alpha equals its bytes term, with the model "
              f"fitted on {_fit_words(op, where, model)}.",
-        hint="use the alpha and 1/beta of this to-do line (not this machine's fit table). The crossover of "
-             "'A model of a collective' is a number of wire bytes w; the answer is asked in S, the message: "
-             "'The collectives, measured' says how the two relate for this collective.",
+        hint="use the alpha and 1/beta of this to-do line (not this machine's fit table) in the model of "
+             "'A model of a collective', and mind which bytes each of its quantities counts.",
         why=f"alpha / beta = {records.format_bytes(ab.half_bandwidth_bytes)} of wire bytes, and each rank sends "
             f"{per_byte:g} x S, so S = {records.format_bytes(expected)}: below it a call costs about alpha whatever "
             "its size, which is why many small collectives (stage 3's per-layer gathers, small buckets) cost more "
@@ -2203,10 +2303,36 @@ def exercise_logged_calls(answer: object, record: records.Record, block: dict | 
         task=f"With comms_logger = {block!r}, which collectives would DeepSpeed record for ZeRO-{stage} at "
              f"accumulation {accum} (micro batch as in the runs), and how many calls of each per optimizer step? "
              "Answer a dict {logged name: calls per step}.",
-        hint="two things to settle: which ops this block records (DeepSpeed decides whether the logger is on in "
-             f"deepspeed/comm/config.py with `{comms_logger_switch()}`; the field table under the training script "
+        hint="two things to settle: which ops this block records (read how DeepSpeedCommsConfig.__init__ in "
+             "deepspeed/comm/config.py decides whether the logger is on; the field table under the training script "
              f"says what the other fields do), and how ZeRO-{stage}'s calls per step change with the accumulation (the "
              "table of calls per step at accumulation 1 and 4, and the reading under it).",
-        why=f"the block's presence turns the logger on whatever 'enabled' says, and prof_all false leaves only "
+        why=f"the block's presence turns the logger on whatever 'enabled' says (`{comms_logger_switch()}`), and prof_all false leaves only "
             f"prof_ops; ZeRO-{stage}'s per-step counts at accumulation {accum}, built from the run's measured "
             f"micro-steps: {all_counts}.")
+
+
+def _calls_per_step(record: records.Record) -> int:
+    """Collective calls per optimizer step in a run's comms-logger records."""
+    return int(round(sum(row["count"] for row in record.comm_ops().values())))
+
+
+def exercise_accumulation_gain(answer: object, runs: Mapping[str, records.Record]) -> exercises.Verdict:
+    """Exercise: predict which of ZeRO-1 and ZeRO-2 gains more samples/s from accumulation 4 against 1 on a slow
+    link. By the alpha-beta model the stage whose collective calls (and bytes) per optimizer step do not grow with
+    the accumulation spreads them over four times the samples; the counts come from the runs' records, so the
+    answer is the same on every machine that ran them."""
+    calls = {stage: (_calls_per_step(runs[f"zero{stage}-acc1"]), _calls_per_step(runs[f"zero{stage}-acc4"]))
+             for stage in (1, 2)}
+    growth = {stage: four / one for stage, (one, four) in calls.items()}
+    expected = "ZeRO-1" if growth[1] < growth[2] else "ZeRO-2"
+    counts = "; ".join(f"ZeRO-{stage} {one} at accumulation 1, {four} at 4" for stage, (one, four) in calls.items())
+    return exercises.choice(
+        "accumulation on a slow link", answer, expected, choices=("ZeRO-1", "ZeRO-2"),
+        task="On the slow link, which stage gains more samples/s from accumulation 4 against 1: \"ZeRO-1\" or "
+             "\"ZeRO-2\"?",
+        hint="on a slow link the collectives dominate a step; compare how each stage's collective calls and bytes "
+             "per optimizer step change from accumulation 1 to 4 (the table of 'Predicting a ZeRO step's "
+             "communication'), and what that does to the communication per sample.",
+        why=f"collective calls per optimizer step: {counts}. A stage whose calls do not grow shares them among four "
+            "times the samples; one that all-reduces in every micro-step does not.")
