@@ -421,21 +421,20 @@ def kept_cores(result: dict) -> dict:
 
 
 def core_wait_table(result: dict, op: str = "all_reduce", implementation: str = "deepspeed.comm") -> str:
-    """Per message size of ``op``: how many timed calls waited for a core, the median time of the calls that did
-    and did not, and the median wait (all ranks summed)."""
+    """Per message size of ``op``: how many timed calls waited for a core, and the median time of the calls that
+    did and did not. (The wait itself is summed over every thread of every rank, so it is not comparable with a
+    call's time and is not shown.)"""
     table = []
     for p in sorted(rows(result, implementation, op), key=lambda r: r["bytes"]):
         calls = _calls(p)
         kept = [t for t, w in calls if not _waited(t, w)]
         waited = [t for t, w in calls if _waited(t, w)]
-        waits = [w for _, w in calls if w is not None]
         table.append([records.format_bytes(p["bytes"]), f"{len(waited)} of {len(calls)}",
                       f"{statistics.median(kept) * 1e6:,.0f}" if kept else "-",
-                      f"{statistics.median(waited) * 1e6:,.0f}" if waited else "-",
-                      f"{statistics.median(waits) * 1e6:,.0f}" if waits else "-"])
-    return f"{op}, {implementation} (a call 'waited' where its ranks waited for a core over {WAITED:.0%} of it):\n" + \
-        records.format_table(table, ["size", "calls that waited", "median us, kept cores", "median us, waited",
-                                     "median wait us"])
+                      f"{statistics.median(waited) * 1e6:,.0f}" if waited else "-"])
+    return (f"{op}, {implementation} (a call 'waited' where its ranks' threads, together, waited for a core longer "
+            f"than {WAITED:.0%} of the call):\n"
+            + records.format_table(table, ["size", "calls that waited", "median us, kept cores", "median us, waited"]))
 
 
 def core_wait_reading(result: dict, slow: float = SLOW_CALL) -> str:
