@@ -80,6 +80,20 @@ def test_adopting_a_cpu_record_or_a_folder_without_one_is_refused(tmp_path):
         references.adopt_records("x", {"a": _gpu_folder(tmp_path, "cpu", device="cpu")}, "n", "c", "w")
 
 
-def test_reference_reports_state_their_conditions():
+def test_reference_reports_state_conditions_only_where_a_reference_records_them(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr(references, "REFERENCE_DIR", tmp_path)
+    runs = {"a": {"ratio": 1.5}}
+    (tmp_path / "x-1xA.json").write_text(json.dumps({"device": "1 x A", "date": "d1", "note": "while others ran",
+                                                     "runs": runs}))
+    (tmp_path / "x-2xA.json").write_text(json.dumps({"device": "2 x A", "date": "d2", "note": "n",
+                                                     "conditions": "alone", "runs": runs}))
+    blocks = references.references_report("x", lambda found: f"{len(found)} run").split("\n\n")
+    assert blocks[0].splitlines() == ["Measured on 1 x A, d1 (while others ran):", "1 run"]
+    assert blocks[1].splitlines() == ["Measured on 2 x A, d2 (n):", "Conditions: alone", "1 run"]
+
+
+def test_the_zero_references_state_their_conditions_in_their_note():
     report = zero.reference_report("zero1-knobs")
-    assert report.splitlines()[1].startswith("Conditions: ")
+    assert "Conditions: " not in report and "ran at the same time" in report.splitlines()[0]

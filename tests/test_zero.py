@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.core import load_guard, records
+from helpers.core import load_guard, records, theory
 from helpers.topics import zero
 from test_records import minimal_summary
 
@@ -357,3 +357,70 @@ def test_bucket_rule_counts_a_reduce_per_owner_when_multi_rank_allreduce_is_off(
              "use_multi_rank_bucket_allreduce=false": _knob(2, {"use_multi_rank_bucket_allreduce": False})}
     assert zero.exercise_bucket_for_calls({"stage": 1, "reduce_bucket_size": 150_000}, knobs)
     assert not zero.exercise_bucket_for_calls({"reduce_bucket_size": 150_000, "use_multi_rank_bucket_allreduce": False}, knobs)
+
+
+# --- chapter 03: the paper beside the measurements -----------------------------------------------------
+
+def _states(params: int, grads: int, optimizer: int, master: int, stage: int) -> records.Record:
+    """A fp32 run on 2 ranks whose rank 0 measured these bytes; the paper's count is theory's for ``stage``."""
+    states = {"params": params, "grads": grads, "optimizer": optimizer, "master": master, "buffers": 999}
+    summary = {**minimal_summary(), "zero_stage": stage}
+    summary["memory"] = {**summary["memory"], "model_states_bytes_per_rank": [dict(states), dict(states)]}
+    summary["theory"] = {**summary["theory"], "model_states_bytes_per_rank": theory.model_state_bytes(1000, stage, 2, "fp32")}
+    return records.Record(summary)
+
+
+def test_comparison_table_sets_the_papers_ratio_beside_each_measured_one():
+    stage0 = _states(4000, 4000, 8000, 0, stage=0)
+    stage1 = _states(4000, 4000, 4000, 2000, stage=1)  # DeepSpeed's fp32 master copy of the slice
+    rows = {line.split("  ")[0]: line.split()[-2:] for line in
+            zero.comparison_table(stage1, {"stage 0": stage0}, paper=True).splitlines()[2:]}
+    assert rows["model states per rank"] == ["0.88x", "0.75x"]  # 14,000 / 16,000 measured; 12 / 16 by the paper
+    assert rows["Adam states per rank"] == ["0.50x", "0.50x"]
+    assert "paper" not in zero.comparison_table(stage1, {"stage 0": stage0}).splitlines()[0]
+
+
+def test_master_note_puts_the_gap_on_the_master_copy_only_where_it_closes_it():
+    stage0 = _states(4000, 4000, 8000, 0, stage=0)
+    note = zero.master_note(_states(4000, 4000, 4000, 2000, stage=1), stage0)
+    assert "measured 0.875x, the paper's formula 0.750x" in note and "without the master copies the ratio is 0.750x" in note
+    other = zero.master_note(_states(4000, 4000, 6000, 0, stage=1), stage0)  # a gap the master copy does not explain
+    assert "The gap is the master copy" not in other
+
+
+def test_bucket_note_counts_gradient_bytes_and_names_the_other_calls():
+    base = _record({"all_reduce": {"allreduce_bucket": {"count": 1.0, "bytes": 4000.0},
+                                   "get_grad_norm_direct": {"count": 1.0, "bytes": 4.0}},
+                    "all_gather_into_tensor": {"all_gather_into_tensor_dp_groups": {"count": 1.0, "bytes": 2000.0}}})
+    small = _record({"all_reduce": {"allreduce_bucket": {"count": 8.0, "bytes": 4000.0},
+                                    "get_grad_norm_direct": {"count": 1.0, "bytes": 4.0}},
+                     "all_gather_into_tensor": {"all_gather_into_tensor_dp_groups": {"count": 1.0, "bytes": 2000.0}}})
+    for run in (base, small):  # the logger's totals per collective, as a record holds them beside by_caller
+        run.summary["comm"]["by_op"] = {op: {"count": sum(row["count"] for row in callers.values()),
+                                             "bytes": sum(row["bytes"] for row in callers.values())}
+                                        for op, callers in run.summary["comm"]["by_caller"].items()}
+    note = zero.bucket_note(base, small, "small")
+    assert "1 call(s) against 8" in note and "(4,000 against 4,000)" in note and "add 2 more per step" in note
+
+
+def test_scaled_out_table_keeps_the_stages_asked_for():
+    table = zero.scaled_out_table(7.5e9, 64, stages=(0, 1), estimator=False).splitlines()
+    assert [line.split()[:3] for line in table[2:]] == [["stage", "0", "120.0"], ["stage", "1", "31.4"]]
+    assert "estimator" not in table[0] and "estimator" in zero.scaled_out_table(7.5e9, 64).splitlines()[0]
+
+
+def test_reduction_table_heads_the_computed_column_as_told():
+    run = _record({"all_reduce": {"allreduce_bucket": {"count": 1.0, "bytes": 4000.0}}})
+    assert "computed" in zero.reduction_table({"defaults": run}, sent_label="sent (computed)").splitlines()[0]
+
+
+def test_bucket_sizes_for_calls_is_the_whole_range_the_rule_gives():
+    low, high = zero.bucket_sizes_for_calls(MLP, 4)
+    assert (low, high) == (2 * 65_792, 3 * 65_792 - 1)  # two layers fit; a third would complete a bucket of three
+    assert zero.bucket_calls(MLP, low) == zero.bucket_calls(MLP, high) == 4
+    assert zero.bucket_calls(MLP, low - 1) > 4 and zero.bucket_calls(MLP, high + 1) < 4
+    assert zero.bucket_sizes_for_calls(MLP, 1) == (sum(MLP), None)
+    with pytest.raises(ValueError):
+        zero.bucket_sizes_for_calls([10, 10], 3)
+    knobs = {"defaults": _knob(1, {"stage": 1})}
+    assert "from 131,584 to 197,375" in str(zero.exercise_bucket_for_calls({"reduce_bucket_size": 150_000}, knobs))

@@ -113,13 +113,16 @@ def no_references(name: str, how: str = "") -> str:
 
 
 def references_report(name: str, render: Callable[[dict], str], how: str = "") -> str:
-    """Every committed GPU result of experiment ``name``: a "Measured on <device>, <date> (<note>):" line with
-    ``render(runs)`` below it, one block per reference; or :func:`no_references`."""
+    """Every committed GPU result of experiment ``name``: a "Measured on <device>, <date> (<note>):" line, a
+    "Conditions: ..." line where the reference records them (its note may state them instead), and
+    ``render(runs)`` below, one block per reference; or :func:`no_references`."""
     found = reference_runs(name)
     if not found:
         return no_references(name, how)
-    return "\n\n".join(f"Measured on {device}, {date} ({note}):\nConditions: {conditions}\n{render(runs)}"
-                        for (device, date, note, runs), conditions in zip(found, reference_conditions(name)))
+    stated = [f"Conditions: {payload['conditions']}\n" if payload.get("conditions") else ""
+              for payload in _reference_payloads(name)]
+    return "\n\n".join(f"Measured on {device}, {date} ({note}):\n{conditions}{render(runs)}"
+                        for (device, date, note, runs), conditions in zip(found, stated))
 
 
 

@@ -207,26 +207,30 @@ def gradient_bytes(record: records.Record) -> float:
 
 
 def bucket_note(base: records.Record, small: records.Record, small_name: str) -> str:
-    """What ``reduce_bucket_size`` did in two runs: the bucket's bytes against the parameters' (rank 0) and
-    the gradient calls and logged bytes per step."""
+    """What ``reduce_bucket_size`` did in two runs: the bucket's bytes against the parameters' (rank 0), the
+    gradient reductions per step (calls and logged bytes) and the other collectives the knob table counts
+    beside them (the gradient norm's all_reduce, the parameters' all-gather)."""
     default = int(zero_default("reduce_bucket_size"))
     b, s = base.states(0), small.states(0)
+    other = small.comm.calls_per_step - gradient_calls(small)
     return (f"DeepSpeed's default reduce_bucket_size: {default:,} elements. With it, buffers {b['buffers']:,} bytes "
             f"for {b['params']:,} bytes of parameters ({b['buffers'] / b['params']:,.0f} times the model); "
             f"with {small_name}: {s['buffers']:,} bytes. Gradient reductions per step: {gradient_calls(base):g} "
-            f"call(s) against {gradient_calls(small):g}, logged bytes per step {base.comm.bytes_per_step:,.0f} "
-            f"against {small.comm.bytes_per_step:,.0f}.")
+            f"call(s) against {gradient_calls(small):g}, carrying the same logged bytes ({gradient_bytes(base):,.0f} "
+            f"against {gradient_bytes(small):,.0f}); the knob table's collectives add {other:g} more per step, the "
+            f"gradient norm's all_reduce and the parameters' all-gather.")
 
 
-def reduction_table(runs: Mapping[str, records.Record]) -> str:
+def reduction_table(runs: Mapping[str, records.Record], sent_label: str = "sent per rank/step (NCCL ring)") -> str:
     """Per setting: the collectives that reduce the gradients (the DeepSpeed function that issued them),
     calls and logged bytes per optimizer step, and the bytes one rank sends for them
-    (:func:`gradient_sent_bytes`). Counts and bytes are the same on every processor."""
+    (:func:`gradient_sent_bytes`, computed: ``sent_label`` heads that column). Counts and bytes are the same on
+    every processor."""
     rows = [[name, f"{op} ({caller})", f"{row['count']:g}", f"{row['bytes']:,.0f}",
              f"{gradient_sent_bytes(op, row['bytes'], r.world_size):,.0f}"]
             for name, r in runs.items() for op, caller, row in _gradient_rows(r)]
     return records.format_table(rows, ["setting", "gradient collective (issued by)", "calls/step",
-                                       "logged bytes/step", "sent per rank/step (NCCL ring)"])
+                                       "logged bytes/step", sent_label])
 
 
 def latest_reference(name: str) -> tuple[str, dict[str, records.Record]]:
@@ -291,14 +295,19 @@ def per_micro_step_volume(runs: Mapping[str, records.Record]) -> str:
                                        "measured/paper"])
 
 
-def scaled_out_table(psi: float, world_size: int, largest_layer_params: int = 0, k: int = theory.PAPER_K) -> str:
-    """The paper's per-device GB for every stage at ``psi`` parameters on ``world_size`` ranks, with DeepSpeed's estimate."""
+def scaled_out_table(psi: float, world_size: int, largest_layer_params: int = 0, k: int = theory.PAPER_K,
+                     stages: Sequence[int] = theory.STAGES, estimator: bool = True) -> str:
+    """The paper's per-device GB for ``stages`` at ``psi`` parameters on ``world_size`` ranks, with DeepSpeed's
+    estimate unless ``estimator`` is False."""
     rows = []
-    for stage in theory.STAGES:
+    for stage in stages:
         paper = theory.paper_bytes_per_device(psi, stage, world_size, k) / 1e9
-        estimate = theory.deepspeed_estimate_bytes(int(psi), stage, world_size, largest_layer_params)
-        rows.append([f"stage {stage}", f"{paper:.1f}", "-" if estimate is None else f"{estimate / 1e9:.1f}"])
-    return records.format_table(rows, ["ZeRO", "paper GB/device", "DeepSpeed estimator GB/device"])
+        row = [f"stage {stage}", f"{paper:.1f}"]
+        if estimator:
+            estimate = theory.deepspeed_estimate_bytes(int(psi), stage, world_size, largest_layer_params)
+            row.append("-" if estimate is None else f"{estimate / 1e9:.1f}")
+        rows.append(row)
+    return records.format_table(rows, ["ZeRO", "paper GB/device", *(["DeepSpeed estimator GB/device"] if estimator else [])])
 
 
 def reference_report(name: str) -> str:
@@ -306,11 +315,14 @@ def reference_report(name: str) -> str:
     return references.references_report(name, lambda runs: knob_table(runs, timings=True))
 
 
-def comparison_table(subject: records.Record, baselines: Mapping[str, records.Record], rank: int = 0) -> str:
+def comparison_table(subject: records.Record, baselines: Mapping[str, records.Record], rank: int = 0,
+                     paper: bool = False) -> str:
     """One run against others, ratio by ratio: the 'when to use this stage' tables of the ZeRO chapters.
 
     Rows: model states, Adam states, gradients and parameters per rank (measured, ``rank``), collective
-    calls and wire bytes per step, and whether the losses agree (within the precision's tolerance).
+    calls and wire bytes per step, and whether the losses agree (within the precision's tolerance). With
+    ``paper``, each baseline's column is followed by the paper's ratio (the records' ``theory``: model-state
+    bytes per rank and wire bytes per step), "-" where the paper gives none.
     """
     def calls(r: records.Record) -> float:
         return sum(row["count"] for row in r.comm_ops().values())
@@ -322,6 +334,16 @@ def comparison_table(subject: records.Record, baselines: Mapping[str, records.Re
         return records.loss_agreement(a.losses, b.losses, a.summary["precision"])
 
     s = subject
+
+    def paper_ratio(key: str | None = None) -> list[str]:  # the paper's bytes per rank; key None: all states
+        def held(r: records.Record) -> float:
+            return r.theory_states.get(key or "total", 0)
+        return [ratio(held(s), held(b)) for b in baselines.values()]
+
+    none = ["-"] * len(baselines)
+    paper_rows = [paper_ratio(), paper_ratio("optimizer"), paper_ratio("grads"), paper_ratio("params"), none,
+                  [ratio(s.theory.comm_wire_bytes_per_step, b.theory.comm_wire_bytes_per_step) for b in baselines.values()],
+                  none]
     rows = [
         ["model states per rank", *(ratio(s.model_state_bytes(rank), b.model_state_bytes(rank)) for b in baselines.values())],
         *([f"{name} per rank", *(ratio(s.states(rank)[key], b.states(rank)[key]) for b in baselines.values())]
@@ -331,7 +353,28 @@ def comparison_table(subject: records.Record, baselines: Mapping[str, records.Re
                                   for b in baselines.values())],
         ["losses", *(losses(s, b) for b in baselines.values())],
     ]
-    return records.format_table(rows, [s.label, *(f"vs {name}" for name in baselines)])
+    headers = [s.label, *(f"vs {name}" for name in baselines)]
+    if paper:  # measured, then the paper's, per baseline
+        rows = [[row[0], *(cell for pair in zip(row[1:], theirs) for cell in pair)] for row, theirs in zip(rows, paper_rows)]
+        headers = [s.label, *(cell for name in baselines for cell in (f"vs {name}", "paper"))]
+    return records.format_table(rows, headers)
+
+
+def master_note(subject: records.Record, baseline: records.Record, rank: int = 0) -> str:
+    """One sentence: ``subject``'s model states per rank against ``baseline``'s, measured and by the paper's
+    formula (the records' ``theory``), and how much of the gap the master copies (measured, ``rank``) make."""
+    measured = subject.model_state_bytes(rank) / baseline.model_state_bytes(rank)
+    paper = subject.theory_states["total"] / baseline.theory_states["total"]
+    master_s, master_b = subject.states(rank).get("master", 0), baseline.states(rank).get("master", 0)
+    without = (subject.model_state_bytes(rank) - master_s) / (baseline.model_state_bytes(rank) - master_b)
+    said = f"Model states per rank: measured {measured:.3f}x, the paper's formula {paper:.3f}x."
+    if round(measured, 3) == round(paper, 3):
+        return f"{said} They agree: the paper counts every state {subject.label} holds."
+    if not master_s - master_b or round(without, 3) != round(paper, 3):
+        return f"{said} Master copies: {master_s:,} bytes against {master_b:,}."
+    return (f"{said} The gap is the master copy: {subject.label} keeps an fp32 copy of its slice of the weights "
+            f"({master_s:,} bytes on rank {rank}), {baseline.label} {'none' if not master_b else f'{master_b:,} bytes'}, "
+            f"and the paper's count leaves it out; without the master copies the ratio is {without:.3f}x, the paper's.")
 
 
 # --- building the model partitioned: deepspeed.zero.Init and GatheredParameters ---------------------------
@@ -532,6 +575,22 @@ def bucket_calls(sizes: Sequence[int], bucket_size: int) -> int:
     return calls + (filled > 0)
 
 
+def bucket_sizes_for_calls(sizes: Sequence[int], calls: int) -> tuple[int, int | None]:
+    """The smallest and largest ``reduce_bucket_size`` (from the largest parameter's size up) for which
+    :func:`bucket_calls` gives ``calls`` buckets (largest None for one bucket: any larger size); the calls only
+    fall as the bucket grows. ValueError if no size gives ``calls``."""
+    def first_at_most(target: int) -> int:  # the smallest size giving at most target buckets
+        low, high = max(sizes), sum(sizes)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if bucket_calls(sizes, middle) <= target else (middle + 1, high)
+        return low
+    smallest = first_at_most(calls)
+    if bucket_calls(sizes, smallest) != calls:
+        raise ValueError(f"no reduce_bucket_size gives {calls} bucket(s) for parameters of these sizes")
+    return smallest, first_at_most(calls - 1) - 1 if calls > 1 else None
+
+
 def exercise_state_bytes(answer: Any, record: records.Record) -> exercises.Verdict:
     """Exercise: predict the model-state bytes per rank (parameters, gradients, optimizer states and the fp32
     master copy; not buffers) of ``record``, as its rank 0 measured them."""
@@ -541,8 +600,8 @@ def exercise_state_bytes(answer: Any, record: records.Record) -> exercises.Verdi
         task=(f"Predict the model-state bytes one rank holds in the {record.label} run: Ψ = {record.params:,} "
               f"parameters, N_d = {n}, stage {s['zero_stage']}, {s['precision']} (parameters + gradients + Adam's "
               f"states + fp32 master copy; within 1%)."),
-        hint=(f"the paper's model-state bytes per rank for stage {s['zero_stage']}, the formula at the top of the "
-              f"chapter, with K = 12 bytes of optimizer state per parameter in mixed precision."),
+        hint=("add up the bytes per parameter of each of the four states in bf16 training (the chapter's first "
+              "paragraph says which precision each is kept in), dividing by N_d the ones stage 1 partitions."),
         why=(f"The paper's formula for stage {s['zero_stage']} with K = 12, measured on rank 0: "
              + ", ".join(f"{k} {v:,}" for k, v in record.states(0).items() if k != "buffers")
              + " (Adam's step counters add a few bytes)."))
@@ -601,16 +660,20 @@ def exercise_bucket_for_calls(answer: Any, knobs: Mapping[str, records.Record], 
                 f"parameters of {', '.join(f'{n:,}' for n in sorted(set(sizes), reverse=True))} elements.")
         if found != calls:
             return False, said
+        world_size = knobs["defaults"].world_size  # one bucket of every gradient: the calls a bucket takes
+        low, high = bucket_sizes_for_calls(sizes, calls // calls_per_step(block, sum(sizes), world_size))
         measured = ", ".join(f"{gradient_calls(r):g} with {name}" for name, r in knobs.items())
-        return True, (f"{said} DeepSpeed fills a bucket parameter by parameter and sends it when the next gradient "
-                      f"would overflow it; the same rule gives the calls the chapter's runs measured ({measured}).")
+        span = f"from {low:,} to {high:,}" if high else f"from {low:,} up"
+        return True, (f"{said} Every size {span} elements gives {calls}. DeepSpeed fills a bucket "
+                      f"parameter by parameter and sends it when the next gradient would overflow it; the same rule "
+                      f"gives the calls the chapter's runs measured ({measured}).")
 
     return exercises.satisfies(
         "bucket size", answer, test,
         task=(f"Write a zero_optimization block with a reduce_bucket_size that makes stage 1 reduce this model's "
               f"gradients in exactly {calls} all_reduce calls per optimizer step."),
-        hint=("a bucket takes whole parameters until the next one would overflow it; each of the 8 layers has a "
-              "weight of 65,536 elements and a bias of 256: how many layers per bucket give that many calls?"))
+        hint=("DeepSpeed's bucketing rule, stated above the exercise, applied to the gradients in the order "
+              "zero.model_parameter_sizes() lists them."))
 
 
 def stage2_wire_bytes_at(record: records.Record, accumulation: int) -> float:
