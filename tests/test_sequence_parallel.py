@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.core import configs, load_guard, models, references, theory, train
+from helpers.core import configs, load_guard, models, records, references, theory, train
 from helpers.topics import activations, sequence_parallel as sp
 
 OPTIMIZER = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -194,6 +194,67 @@ def test_the_config_exercise_wants_the_largest_group_the_stage_and_the_asked_sam
     assert not sp.exercise_ulysses_config(...).answered
 
 
+def test_the_pages_config_exercise_is_bound_by_the_length_not_the_heads():
+    # 24 GPUs and 12 heads would allow 12; 5,000 tokens split only into 1, 2 or 4 equal slices
+    right = {"train_micro_batch_size_per_gpu": 8, "sequence_parallel_size": 4, "zero_optimization": {"stage": 3},
+             **OPTIMIZER}
+    assert sp.exercise_ulysses_config(right).right
+    refused = sp.exercise_ulysses_config({**right, "sequence_parallel_size": 12, "train_micro_batch_size_per_gpu": 24})
+    assert not refused.right and "5000 tokens do not split into 12" in refused.message
+    assert "seq_length" in sp.exercise_ulysses_config(...).message
+
+
+def test_the_layer_exercise_prints_the_probes_count_with_commas_and_hides_the_formula_in_its_hint(monkeypatch):
+    monkeypatch.setattr(sp, "group_size", lambda record: 2)
+    record = types.SimpleNamespace(section=lambda name: {"per_rank": [{"per_layer": [7, 11_452_416]}]},
+                                   model_name="llama", precision="fp32")
+    runs = {"ulysses-4096": record}
+    assert str(sp.exercise_layer_bytes(11_452_416, runs)).endswith("right: 11,452,416 bytes: the activations probe "
+                                                                  "counted exactly that on rank 0.")
+    wrong = sp.exercise_layer_bytes(5_000_000, runs)
+    assert not wrong.right and "5,000,000 bytes is not within 0.1%" in wrong.message
+    assert not sp.exercise_layer_bytes("many", runs).right
+    blank = sp.exercise_layer_bytes(..., runs)
+    assert not blank.answered and "activation_bytes_per_layer" not in blank.message and "4,096 tokens" in blank.message
+
+
+def test_the_equality_sentence_flags_a_gradient_of_another_scale_behind_the_same_losses():
+    def run(norm, losses, stage):
+        return types.SimpleNamespace(section=lambda name: {"per_step": [norm]}, losses=losses, precision="fp32",
+                                     stage=stage)
+    runs = {"data-parallel": run(2.0, [5.0, 4.0], 1), "ulysses": run(4.0, [5.0, 4.0], 1),
+            "ulysses-zero3": run(2.0, [5.0, 4.0], 3)}
+    assert sp.equality_sentence(runs).splitlines() == [
+        "ulysses (ZeRO-1): the same losses, but a gradient 2.000x data-parallel's: another scale, which the losses "
+        "hide (why: the next section).",
+        "ulysses-zero3 (ZeRO-3): the same losses and data-parallel's gradient norm (1.000x)."]
+
+
+def test_the_calls_sentence_sorts_a_ulysses_runs_calls_into_all_to_alls_positions_and_zero():
+    by_caller = {"all_to_all_single": {"ulysses": {"count": 32, "bytes": 1}},
+                 "all_gather": {"positions": {"count": 4, "bytes": 1}},
+                 "all_gather_into_tensor": {"allgather_fn": {"count": 2, "bytes": 1}},
+                 "reduce_scatter_tensor": {"reduce_scatter_fn": {"count": 2, "bytes": 1}},
+                 "all_reduce": {"norm": {"count": 1, "bytes": 1}}, "recv": {"x": {"count": 9, "bytes": 1}}}
+    class Record(dict):  # a record's keys, read as attributes too
+        __getattr__ = dict.__getitem__
+    record = Record(name="ulysses-compare", model_name="llama", grad_accum=2, stage=3, data_parallel_size=1,
+                    comm=types.SimpleNamespace(by_caller=by_caller), config={"sequence_parallel_size": 2})
+    text = sp.calls_sentence(record)
+    assert text.startswith("Ulysses (sequence) + ZeRO-3: 41 calls per step = 32 all-to-alls")
+    assert "+ 4 all_gathers of the token positions" in text and "+ 5 of ZeRO-3" in text and "2 micro-steps" in text
+
+
+def test_the_zero3_sentence_multiplies_the_models_traffic_by_the_micro_steps():
+    shape, psi = sp.ARTICLE_SHAPE, models.llama_7b_parameters()
+    rows = sp.what_if_rows(shape, psi, 8, (4096, 65536))
+    text = sp.ulysses_zero3_sentence(rows, psi, 8)
+    parts = sp.ulysses_sent_parts(shape, psi, 4096, 8, "bf16", regather=True)
+    assert text.startswith("At 4,096 tokens Ulysses sends 358 GiB per rank and step against ZeRO-3's 32.9 GiB.")
+    assert f"8 x {records.format_bytes(parts['ZeRO-3'] / 8)} = {records.format_bytes(parts['ZeRO-3'])}" in text
+    assert "gathered twice" in text and "reducing fp32 gradients" in text
+
+
 def test_the_ulysses_bytes_split_into_all_to_alls_positions_and_zero3_and_the_all_to_alls_grow_with_tokens():
     shape, psi = sp.ARTICLE_SHAPE, models.llama_7b_parameters()
     for seq in (4096, 65536):
@@ -289,6 +350,17 @@ def test_the_gpu_measurement_returns_the_runs_and_the_search_without_the_failed_
     assert (asked["size"], asked["batch"], asked["precision"], asked["growing"]) == ("llama-gpu", 4, "bf16", ())
     assert set(runs) == {"zero3", "fit: ulysses-16384", "fit outcomes"}
     assert runs["fit outcomes"]["outcomes"] == {"ulysses-16384": "fits", "one-sequence-65536": "out of memory"}
+    assert asked["divided"] == sp.DIVIDED
+    sp.gpu_measurement(world_size=2, divided=["ulysses"])  # the page's divided reaches the GPU runs
+    assert asked["divided"] == ["ulysses"]
+
+
+def test_the_gpu_report_labels_the_runs_the_page_divided():
+    runs = _reference_runs()
+    labelled = [line.split()[0] for line in sp.run_report(runs, ALONE, divided=["ulysses"]).splitlines()
+                if "divided by P" in line]
+    assert labelled == ["ulysses"]
+    assert [line.split()[0] for line in sp.reference_report().splitlines() if "divided by P" in line] == list(sp.DIVIDED)
 
 
 def test_the_pages_settings_reach_the_named_runs_and_an_unknown_run_is_refused(monkeypatch):
@@ -299,6 +371,31 @@ def test_the_pages_settings_reach_the_named_runs_and_an_unknown_run_is_refused(m
     assert "gradient_clipping" not in seen["data-parallel"].overrides
     with pytest.raises(ValueError, match="no such run"):
         sp.sequence_parallel_runs(world_size=2, settings={"ulyses": {}})
+
+
+def test_the_pages_divided_runs_get_the_option_and_one_line_per_run_replaces_the_bars(monkeypatch, capsys):
+    seen, kw_seen = {}, {}
+    monkeypatch.setattr(sp.launch, "sweep", lambda specs, **kw: seen.update(specs) or kw_seen.update(kw) or {})
+    sp.sequence_parallel_runs(world_size=2)
+    assert {n for n, s in seen.items() if (s.options or {}).get("divide_by_group")} == set(sp.DIVIDED)
+    assert kw_seen["progress"] is False
+    kw_seen["on_event"]({"event": "run_start", "run": 0, "name": "data-parallel", "steps": 3})
+    kw_seen["on_event"]({"event": "step", "run": 0, "name": "data-parallel", "step": 1, "steps": 3, "loss": 5.0})
+    assert capsys.readouterr().out == f"run 1/{len(seen)}: data-parallel\n"
+    seen.clear()
+    sp.sequence_parallel_runs(world_size=2, divided=["ulysses"])
+    assert {n for n, s in seen.items() if (s.options or {}).get("divide_by_group")} == {"ulysses"}
+    with pytest.raises(ValueError, match="is no run"):
+        sp.sequence_parallel_runs(world_size=2, divided=["ulyses"])
+
+
+def test_the_labels_follow_the_divided_runs_not_their_names():
+    def run(norm):
+        return types.SimpleNamespace(section=lambda name: {"per_step": [norm]}, losses=[5.0], precision="fp32",
+                                     config={"sequence_parallel_size": 2}, stage=1, probes={"grad_norm": 1})
+    runs = {"data-parallel": run(2.0), "ulysses": run(2.0), "ulysses-zero3": run(2.0)}
+    table = sp.equality_table(runs, divided=["ulysses"])
+    assert [line.split()[0] for line in table.splitlines() if "divided by P" in line] == ["ulysses"]
 
 
 def test_every_run_of_the_page_is_built_wrapped_and_trained_by_the_pages_three_functions(monkeypatch):

@@ -367,11 +367,14 @@ def measured_s(record: records.Record) -> list[float]:
 #: A setting whose updates follow the gradient's scale: no clipping, and AdamW's eps as large as its gradients
 #: (Adam's step is g/(sqrt(v) + eps): with a tiny eps it does not depend on the scale of g).
 SCALE_SENSITIVE = {"gradient_clipping": 0.0, "optimizer": {"params": {"eps": 1.0}}}
+#: The runs whose Ulysses loss goes backward divided by the group's size (the page's ``divide_by_group``).
+DIVIDED = ("scale-ulysses-divided", "scale-ulysses-zero3-divided")
 
 
 def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, growing: Sequence[int] = GROWING,
                            world_size: int | None = None, precision: str = "fp32",
-                           code: RankCode = CODE, settings: Mapping[str, dict] | None = None) -> dict:
+                           code: RankCode = CODE, settings: Mapping[str, dict] | None = None,
+                           divided: Sequence[str] = DIVIDED, progress: bool = False) -> dict:
     """One launch on N ranks (ZeRO-1 unless named, no accumulation unless said), every model with ``sdpa``,
     built, wrapped and trained by ``code`` (:class:`RankCode`: the chapter's page, through :func:`rank_code`, or
     this module's :data:`CODE`):
@@ -394,8 +397,10 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
 
     The comparison runs take :func:`timed_steps` steps: a warm-up and enough measured steps for a spread.
 
-    ``settings`` ({run name: DeepSpeed config keys}, the chapter's page) are merged last into the named runs.
-    Each run's Ulysses constraints are checked first (:func:`findings`). Returns {run name: Record or RunFailed}."""
+    ``settings`` ({run name: DeepSpeed config keys}, the chapter's page) are merged last into the named runs;
+    the runs named in ``divided`` backpropagate the Ulysses loss divided by the group's size (the page's
+    ``divide_by_group`` option). Each run's Ulysses constraints are checked first (:func:`findings`). Without
+    ``progress`` bars, one line per run as it starts (:func:`announce`). Returns {run name: Record or RunFailed}."""
     world = environment.detect(world_size).default_world_size
     if batch % world:
         raise ValueError(f"batch={batch}: data parallelism needs a multiple of the {world} ranks")
@@ -412,15 +417,13 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
              "ulysses": _spec("zero1", batches(batch, **sp), size, steps),
              "ulysses-zero3": _spec("zero3", batches(batch, **sp), size, steps, probes=norms)}
     # the same with a setting whose updates follow the gradient's scale, each loss as the tutorial's or divided by N
-    divided = {"divide_by_group": True}
     specs.update({
         "scale-data-parallel": _spec("zero1", batches(batch // world, **SCALE_SENSITIVE), size, steps, probes=norms),
         "scale-ulysses": _spec("zero1", batches(batch, **sp, **SCALE_SENSITIVE), size, steps, probes=norms),
-        "scale-ulysses-divided": _spec("zero1", batches(batch, **sp, **SCALE_SENSITIVE), size, steps, probes=norms,
-                                       options=divided),
+        "scale-ulysses-divided": _spec("zero1", batches(batch, **sp, **SCALE_SENSITIVE), size, steps, probes=norms),
         "scale-ulysses-zero3": _spec("zero3", batches(batch, **sp, **SCALE_SENSITIVE), size, steps, probes=norms),
         "scale-ulysses-zero3-divided": _spec("zero3", batches(batch, **sp, **SCALE_SENSITIVE), size, steps,
-                                             probes=norms, options=divided),
+                                             probes=norms),
         "scale-ulysses-zero3-contiguous": _spec("zero3", batches(batch, **sp, **SCALE_SENSITIVE,
                                                                  zero_optimization={"reduce_scatter": False}),
                                                 size, steps, probes=norms)})
@@ -442,10 +445,23 @@ def sequence_parallel_runs(size: str = "llama", batch: int = 4, steps: int = 3, 
         if name not in specs:
             raise ValueError(f"settings for {name!r}: no such run (one of {', '.join(specs)})")
         specs[name] = dataclasses.replace(specs[name], overrides=configs.merged(specs[name].overrides, extra))
+    for name in divided:
+        if name not in specs:
+            raise ValueError(f"divided: {name!r} is no run (one of {', '.join(specs)})")
+        specs[name] = dataclasses.replace(specs[name], options={**(specs[name].options or {}), "divide_by_group": True})
     for name, spec in specs.items():
         if spec.builder == code.builder and name != "ulysses-eager":
             _raise_on_errors(spec, world, name)
-    return launch.sweep(specs, name=f"sequence-parallel-{size}", world_size=world_size)
+    return launch.sweep(specs, name=f"sequence-parallel-{size}", world_size=world_size, progress=progress,
+                        on_event=None if progress else announce(len(specs)))
+
+
+def announce(runs: int) -> launch.EventListener:
+    """A listener for :func:`helpers.core.launch.sweep` that prints one line as each of its ``runs`` starts."""
+    def listen(event: dict) -> None:
+        if event["event"] == "run_start":
+            print(f"run {event['run'] + 1}/{runs}: {event['name']}", flush=True)
+    return listen
 
 
 def settings_table(runs: Mapping[str, Any], names: Sequence[str]) -> str:
@@ -538,10 +554,11 @@ def group_size(record: records.Record) -> int:
 
 
 def equality_table(runs: Mapping[str, Any], baseline: str = "data-parallel",
-                   others: Sequence[str] = ("ulysses", "ulysses-zero3")) -> str:
+                   others: Sequence[str] = ("ulysses", "ulysses-zero3"), divided: Sequence[str] = DIVIDED) -> str:
     """Each run against ``baseline`` at the same global batch: do the losses agree (within the precision's
     tolerance for reordered sums), and DeepSpeed's gradient norm over the baseline's at the first step (where
-    both runs measured it), when both have the same weights: a comparison of the gradients alone."""
+    both runs measured it), when both have the same weights: a comparison of the gradients alone. The runs in
+    ``divided`` are labelled as backpropagating the loss divided by P."""
     base = runs[baseline]
     rows = []
     for name in others:
@@ -550,7 +567,7 @@ def equality_table(runs: Mapping[str, Any], baseline: str = "data-parallel",
         agreement = records.loss_agreement(r.losses, base.losses, r.precision, tolerance)
         norms = f"{norm_ratio(runs, name, baseline):.3f}" if "grad_norm" in r.probes and "grad_norm" in base.probes \
             else "(not measured)"
-        loss = "divided by P" if r.config.get("sequence_parallel_size", 1) > 1 and "divided" in name else (
+        loss = "divided by P" if r.config.get("sequence_parallel_size", 1) > 1 and name in divided else (
             "the tutorial's" if r.config.get("sequence_parallel_size", 1) > 1 else "")
         if r.stage == 3 and r.config.get("zero_optimization", {}).get("reduce_scatter") is False:
             loss += " (reduce_scatter off)"
@@ -563,9 +580,28 @@ SCALE_RUNS = ("scale-ulysses", "scale-ulysses-divided", "scale-ulysses-zero3", "
               "scale-ulysses-zero3-contiguous")
 
 
-def scale_table(runs: Mapping[str, Any]) -> str:
+def scale_table(runs: Mapping[str, Any], divided: Sequence[str] = DIVIDED) -> str:
     """:func:`equality_table` of the scale-sensitive runs against their data-parallel run."""
-    return equality_table(runs, "scale-data-parallel", SCALE_RUNS)
+    return equality_table(runs, "scale-data-parallel", SCALE_RUNS, divided)
+
+
+def equality_sentence(runs: Mapping[str, Any], baseline: str = "data-parallel",
+                      others: Sequence[str] = ("ulysses", "ulysses-zero3")) -> str:
+    """One line per run of :func:`equality_table`: the same losses as ``baseline`` or not, and whether its first
+    gradient norm is the baseline's (within 1e-3) or of another scale, which the losses did not show."""
+    base = runs[baseline]
+    lines = []
+    for name in others:
+        r = runs[name]
+        same = records.max_loss_difference(r.losses, base.losses) <= records.REORDERED_TOLERANCE[r.precision]
+        ratio = norm_ratio(runs, name, baseline)
+        losses = "the same losses" if same else "other losses"
+        if abs(ratio - 1) < 1e-3:
+            lines.append(f"{name} (ZeRO-{r.stage}): {losses} and {baseline}'s gradient norm ({ratio:.3f}x).")
+        else:
+            lines.append(f"{name} (ZeRO-{r.stage}): {losses}, but a gradient {ratio:.3f}x {baseline}'s: another "
+                         f"scale{', which the losses hide' if same else ''} (why: the next section).")
+    return "\n".join(lines)
 
 
 def scale_findings(runs: Mapping[str, Any], names: Sequence[str] = SCALE_RUNS) -> str:
@@ -734,6 +770,21 @@ def _moving(record: records.Record) -> list[tuple[str, dict]]:
             if not op.startswith("recv") and not (alone and caller in ZERO_CALLERS)]
 
 
+def calls_sentence(record: records.Record) -> str:
+    """What a Ulysses run's collective calls per step (rank 0, those that send: :func:`comparison_rows`' count)
+    are: its all-to-alls (8 per layer and micro-step), the ``all_gather`` of the token positions Ulysses' attention
+    makes in every layer and micro-step, and the rest (ZeRO's gathers and reductions, the gradient norm's)."""
+    moving = _moving(record)
+    total = sum(row["count"] for _, row in moving)
+    a2a = sum(row["count"] for op, row in moving if op == "all_to_all_single")
+    positions = sum(row["count"] for op, row in moving if op == "all_gather")
+    shape = _shape_of(record)
+    return (f"{COMPARED.get(record.name, record.name)}: {total:g} calls per step = {a2a:g} all-to-alls (8 per layer "
+            f"and micro-step: {shape.layers} layers, {record.grad_accum} micro-steps) + {positions:g} all_gathers of "
+            f"the token positions (one per layer and micro-step) + {total - a2a - positions:g} of ZeRO-{record.stage} "
+            f"(parameters gathered, gradients reduced, the gradient norm)")
+
+
 def comparison_rows(runs: Mapping[str, Any], names: Mapping[str, str] = COMPARED) -> list[dict]:
     """Per way of splitting, measured on rank 0: collective calls and bytes sent per step (:func:`_moving`),
     model states, step time (median after the warm-up, :func:`measured_s`) and, on GPUs, peak memory."""
@@ -877,6 +928,26 @@ def ulysses_split_sentence(rows: Sequence[dict]) -> str:
     return "Ulysses' bytes per step: " + "; ".join(parts) + "."
 
 
+def ulysses_zero3_sentence(rows: Sequence[dict], params: int, ranks: int, precision: str = "bf16",
+                           gradient_precision: str = GRADIENT_COMMUNICATION) -> str:
+    """Why Ulysses with ZeRO-3 sends more than ZeRO-3 alone at the first length of :func:`what_if_rows`: ZeRO-3
+    trains the step's ``ranks`` sequences at once, one per rank, and moves the model once; Ulysses' one group
+    trains them one at a time, ``ranks`` micro-steps, each moving the model again (its gradients in
+    ``gradient_precision``), plus its all-to-alls and the token positions."""
+    seq = rows[0]["seq"]
+    zero3, ulysses = (next(r for r in rows if r["seq"] == seq and r["way"] == way)
+                      for way in ("zero3", "ulysses-compare"))
+    parts, fmt = ulysses["parts"], records.format_bytes
+    gathers = "twice (forward, then backward)" if regathers(params) else "once"
+    return (f"At {seq:,} tokens Ulysses sends {fmt(ulysses['sent'])} per rank and step against ZeRO-3's "
+            f"{fmt(zero3['sent'])}. ZeRO-3 trains the {ranks} sequences at once, one per rank: the parameters "
+            f"gathered {gathers} and the {precision} gradients reduce-scattered, once per step. Ulysses' one group of "
+            f"{ranks} trains them one at a time, {ranks} micro-steps, each gathering the parameters "
+            f"{gathers.split(' (')[0]} and reducing {gradient_precision} gradients: {ranks} x {fmt(parts['ZeRO-3'] / ranks)} = "
+            f"{fmt(parts['ZeRO-3'])}; its all-to-alls add {fmt(parts['all-to-alls'])}, the token positions "
+            f"{fmt(parts['positions'])}.")
+
+
 def cheapest(rows: Sequence[dict], key: str) -> dict[int, str]:
     """{sequence length: the way of splitting with the least ``key`` (a link's seconds, "sent", "activations")}."""
     best: dict[int, tuple[float, str]] = {}
@@ -921,14 +992,14 @@ REFERENCE = "sequence-parallel"
 
 
 def gpu_measurement(world_size: int | None = None, code: RankCode = CODE,
-                    settings: Mapping[str, dict] | None = None) -> dict:
+                    settings: Mapping[str, dict] | None = None, divided: Sequence[str] = DIVIDED) -> dict:
     """On a GPU machine: this chapter's runs on ``llama-gpu`` in bf16 (:func:`sequence_parallel_runs`, no
     growing runs) and the search for the longest sequence (:func:`fit_runs`). Returns {run: record} with the
     search's runs as ``fit: <run>`` and its ``fit outcomes``, failed runs left out: what :func:`run_report`
     prints and :func:`keep_reference` keeps."""
     world = environment.detect(world_size).default_world_size
     runs = sequence_parallel_runs(size="llama-gpu", batch=2 * world, steps=4, growing=(), world_size=world_size,
-                                  precision="bf16", code=code, settings=settings)
+                                  precision="bf16", code=code, settings=settings, divided=divided)
     fits, again = fit_runs(world_size=world_size, code=code)
     return {**{k: v for k, v in runs.items() if not isinstance(v, Exception)},
             **{f"fit: {k}": v for k, v in fits.items() if not isinstance(v, Exception)},
@@ -1005,24 +1076,27 @@ def timing_verdict(runs: Mapping[str, Any], load: load_guard.Load | None, run: s
             f"{verdict.ratio:.2f}x, more than the spread")
 
 
-def _report_body(runs: Mapping[str, Any], load: load_guard.Load | None) -> str:
+def _report_body(runs: Mapping[str, Any], load: load_guard.Load | None, divided: Sequence[str] = DIVIDED) -> str:
     """The GPU results of one launch: losses and gradient scales against data parallelism, the all-to-alls and
     each way's bytes against their formulas, the comparison with timings and its :func:`timing_verdict` under
-    ``load``, and the longest-sequence search."""
-    body = "\n".join([equality_table(runs), scale_table(runs), scale_findings(runs), all_to_all_table(runs["ulysses"]),
-                      prediction_table(runs), comparison_table(comparison_rows(runs), timings=True),
-                      timing_verdict(runs, load), fit_table(runs), fit_sentence(runs)])
+    ``load``, and the longest-sequence search; the runs in ``divided`` labelled as such (:func:`equality_table`)."""
+    body = "\n".join([equality_table(runs, divided=divided), scale_table(runs, divided), scale_findings(runs),
+                      all_to_all_table(runs["ulysses"]), prediction_table(runs),
+                      comparison_table(comparison_rows(runs), timings=True), timing_verdict(runs, load),
+                      fit_table(runs), fit_sentence(runs)])
     return body.replace(records.PEAK_NOTE, "<= : an upper bound (see How this was measured)")
 
 
-def run_report(runs: Mapping[str, Any], load: load_guard.Load | None, kept: Path | None = None) -> str:
+def run_report(runs: Mapping[str, Any], load: load_guard.Load | None, kept: Path | None = None,
+               divided: Sequence[str] = DIVIDED) -> str:
     """This launch's GPU results (:func:`gpu_measurement`), labelled as this run with its devices and the
     ``load`` recorded beside it, and where they were ``kept``."""
     first = next(r for r in runs.values() if isinstance(r, records.Record))
     device = f"{first.world_size} x {first.device_name}"
     where = f"; kept as {kept}" if kept else ""
     return (f"THIS RUN, {device}, {datetime.date.today().isoformat()}{where}\n"
-            f"{load.describe() if load is not None else 'Load beside the run: not recorded.'}\n{_report_body(runs, load)}")
+            f"{load.describe() if load is not None else 'Load beside the run: not recorded.'}\n"
+            f"{_report_body(runs, load, divided)}")
 
 
 def reference_report(name: str = REFERENCE) -> str:
@@ -1172,18 +1246,19 @@ def ulysses_config_test(world_size: int, model: str, seq: int, samples: int, sta
     return test
 
 
-def exercise_ulysses_config(answer: object, world_size: int = 16, model: str = "llama-medium", seq: int = 6144,
-                            samples: int = 32, stage: int = 3) -> exercises.Verdict:
+def exercise_ulysses_config(answer: object, world_size: int = 24, model: str = "llama-medium", seq: int = 5000,
+                            samples: int = 48, stage: int = 3) -> exercises.Verdict:
     """Exercise: write the DeepSpeed config that splits each sequence over the largest Ulysses group the model
     allows on ``world_size`` GPUs, under ZeRO ``stage``, with ``samples`` samples per optimizer step."""
     shape = models.shape_of(model)
     return exercises.satisfies(
         "Ulysses config", answer, ulysses_config_test(world_size, model, seq, samples, stage),
         task=(f"Write the DeepSpeed config (a dict: batch keys, sequence_parallel_size, an optimizer, ZeRO-{stage}) for "
-              f"{world_size} GPUs training '{model}' ({shape.heads} heads) on sequences of {seq} tokens, split over "
-              f"the largest Ulysses group it allows, {samples} samples per optimizer step."),
-        hint="the group size must divide the ranks, the heads and the tokens; DeepSpeed's batch arithmetic counts "
-             "groups, not ranks (world size / sequence_parallel_size)")
+              f"{world_size} GPUs training '{model}' ({shape.heads} heads) on sequences of {seq:,} tokens, split over "
+              f"the largest Ulysses group it allows, {samples} samples per optimizer step. The length is no config "
+              f"key (register_with_transformers takes it as seq_length); the check is told it."),
+        hint="list the group sizes each of the three constraints of 'What DeepSpeed refuses' allows, keep the "
+             "largest they share; then the batch arithmetic of that section")
 
 
 def exercise_layer_bytes(answer: object, runs: Mapping[str, Any], seq: int = 4096) -> exercises.Verdict:
@@ -1192,15 +1267,20 @@ def exercise_layer_bytes(answer: object, runs: Mapping[str, Any], seq: int = 409
     r = runs[f"ulysses-{seq}"]
     measured = r.section("activations")["per_rank"][0]["per_layer"][-1]
     shape = _shape_of(r)
-    return exercises.number(
-        "Ulysses layer bytes", answer, measured, relative=0.001,
+
+    def test(value: Any) -> tuple[bool, str]:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False, f"{value!r} is not a number: write your answer as one (e.g. 1024 or 2.5e6)."
+        if math.isclose(value, measured, rel_tol=0.001):
+            return True, f"{measured:,} bytes: the activations probe counted exactly that on rank 0."
+        return False, f"{value:,.0f} bytes is not within 0.1% of what the probe counted."
+    return exercises.satisfies(
+        "Ulysses layer bytes", answer, test,
         task=(f"Predict the bytes decoder layer 1 keeps for backward on rank 0 of 'ulysses-{seq}' (one sequence of "
-              f"{seq} tokens over {group_size(r)} ranks; hidden {shape.hidden}, {shape.heads} heads, MLP "
+              f"{seq:,} tokens over {group_size(r)} ranks; hidden {shape.hidden}, {shape.heads} heads, MLP "
               f"{shape.intermediate}, {r.precision})."),
-        hint="the section's formula: chapter 10's per-layer count for sdpa at s/P tokens "
-             "(sequence_parallel.activation_bytes_per_layer takes the group size), plus the one tensor Ulysses "
-             "keeps twice",
-        why="the activations probe counted exactly that on rank 0.")
+        hint=f"the section's formula, every term counted at the tokens one rank holds, times the bytes of "
+             f"{r.precision}; remember the term Ulysses adds")
 
 
 #: The source article's model, LLaMA-7B's shape (hidden 4096, 32 layers and heads, MLP 11008, 32k vocabulary).
