@@ -99,6 +99,19 @@ def test_a_script_that_ends_well_returns_every_ranks_output_and_leaves_no_proces
     assert _survivors(str(script)) == []
 
 
+def test_the_processor_time_of_a_script_that_ended_well_stays_counted(tmp_path):
+    # the launch is ended after every rank's clean exit: its launcher first, so that the deepspeed command waits
+    # for it and the ranks' processor time reaches this process as it does when the launch ends by itself
+    import resource
+
+    script = tmp_path / "busy.py"
+    script.write_text("import time\nstart = time.process_time()\nwhile time.process_time() - start < 1.0:\n    pass\n")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    launch.run_script(script, world_size=2, show=False, timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) >= 2.0  # both ranks' second
+
+
 def test_a_rank_failing_after_the_other_ended_well_still_fails_the_script(tmp_path):
     script = tmp_path / "late.py"
     script.write_text("import os, time\nif os.environ.get('RANK') == '1':\n    time.sleep(3)\n"

@@ -470,6 +470,23 @@ def _kill_group(process: subprocess.Popen, signals: Sequence[int] = (signal.SIGT
             time.sleep(0.05)
 
 
+def _end_idle_launcher(process: subprocess.Popen) -> None:
+    """End a launch whose ranks all exited with status 0 (:class:`_CleanExits`): DeepSpeed's launcher first,
+    so that its parent (the ``deepspeed`` command, where there is one) waits for it and counts the processor
+    time of the launcher and its ranks as the ``time`` command does, then the rest of the group."""
+    try:
+        launchers = psutil.Process(process.pid).children()
+    except psutil.NoSuchProcess:
+        launchers = []
+    for launcher in launchers:
+        try:
+            launcher.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(launchers, timeout=5)
+    _kill_group(process, signals=(signal.SIGKILL,))
+
+
 def _runs_in_group(pgid: int) -> bool:
     """Whether a process of process group ``pgid`` is still running, zombies left out. Where the launcher dies
     with the ``deepspeed`` command above it, the launcher's zombie waits for the machine's init process to
@@ -889,8 +906,9 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
             # of this Python on every host. Kill this launch's processes here, then its ranks there.
             _kill_group(process, signals=(signal.SIGKILL,))
             _stop_remote_ranks(hosts, folder / "plan.json", child)
-        # nothing of a launch outlives it, whatever happened; after clean exits, only the launcher's idle second
-        _kill_group(process, signals=(signal.SIGKILL,) if exits.done else (signal.SIGTERM, signal.SIGKILL))
+        if exits.done:  # only the launcher's idle second was left
+            _end_idle_launcher(process)
+        _kill_group(process)  # nothing of a launch outlives it, whatever happened
         remove_shared_memory(port)
         if interrupted:
             print("interrupted: every process of the run was stopped", file=sys.stderr)
@@ -1036,7 +1054,7 @@ def run_script(script: str | Path, args: Sequence[str] = (), *, world_size: int 
                             + "".join(output[-25:]), log_tail="".join(output[-40:]))
     finally:
         if process.poll() is None:
-            _kill_group(process, signals=(signal.SIGKILL,) if exits.done else (signal.SIGTERM, signal.SIGKILL))
+            _end_idle_launcher(process) if exits.done else _kill_group(process)
         try:  # ranks that outlive their launcher share its process group
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
