@@ -96,8 +96,8 @@ def set_up(python: str, wheelhouse: str | Path | None = None) -> None:
     else:
         _say("requirements and the course already installed")
     _say("building DeepSpeed's ops (only the first time takes minutes)")
-    _run([python, "-m", "helpers", "build-ops"])
-    _run([python, "-m", "helpers", "env"])
+    # the ops, then what the course uses here, in one Python: each start imports torch and DeepSpeed again
+    _run([python, "-c", "import sys; from helpers.__main__ import main; sys.exit(main(['build-ops']) or main(['env']))"])
 
 
 def _option(args: list[str], name: str, default: str | None = None) -> str | None:

@@ -292,3 +292,20 @@ def test_a_chapters_own_module_under_runs_is_found_without_the_repository_on_the
         assert found.__module__ == "runs.test_own_module.rank_code" and found.__name__ == "task"
     finally:
         shutil.rmtree(folder)
+
+
+def test_a_process_group_of_zombies_only_counts_as_ended():
+    # a group whose only process is a zombie (killed, not yet waited for): a signal still reaches the group,
+    # but nothing in it runs, so ending a launch need not wait for its zombies' reaper
+    process = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert launch._runs_in_group(process.pid)
+        process.kill()
+        deadline = time.monotonic() + 10
+        while psutil.Process(process.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        launch.os.killpg(process.pid, 0)  # the zombie is still in its group
+        assert not launch._runs_in_group(process.pid)
+    finally:
+        process.kill()
+        process.wait()

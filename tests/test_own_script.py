@@ -81,6 +81,46 @@ def test_a_failing_script_raises_with_its_error_and_leaves_no_process(tmp_path):
     assert _survivors(str(script)) == []
 
 
+def test_a_launch_ends_once_deepspeeds_launcher_logged_every_ranks_clean_exit():
+    exits = launch._CleanExits(2)
+    log = ["[2026-11-29 00:00:00,001] [INFO] [launch.py:245:main] process 11 spawned with command: [...]\n",
+           "[2026-11-29 00:00:01,002] [INFO] [launch.py:285:main] Process 11 exits successfully.\n",
+           "a rank's own line that says Process 12 exits successfully.\n",  # not the launcher's log line
+           "[2026-11-29 00:00:01,003] [ERROR] [launch.py:291:sigkill_handler] [...] exits with return code = 1\n"]
+    assert [exits.see(line) for line in log] == [False, False, False, False] and exits.seen == 1
+    assert exits.see("[2026-11-29 00:00:02,004] [INFO] [launch.py:285:main] Process 12 exits successfully.\n")
+
+
+def test_a_script_that_ends_well_returns_every_ranks_output_and_leaves_no_process(tmp_path):
+    script = tmp_path / "ends.py"
+    script.write_text("import os\nprint(f\"rank {os.environ['RANK']} done\", flush=True)\n")
+    output = launch.run_script(script, world_size=2, show=False, timeout=120)
+    assert "rank 0 done" in output and "rank 1 done" in output and output.count("exits successfully") == 2
+    assert _survivors(str(script)) == []
+
+
+def test_the_processor_time_of_a_script_that_ended_well_stays_counted(tmp_path):
+    # the launch is ended after every rank's clean exit: its launcher first, so that the deepspeed command waits
+    # for it and the ranks' processor time reaches this process as it does when the launch ends by itself
+    import resource
+
+    script = tmp_path / "busy.py"
+    script.write_text("import time\nstart = time.process_time()\nwhile time.process_time() - start < 1.0:\n    pass\n")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    launch.run_script(script, world_size=2, show=False, timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) >= 2.0  # both ranks' second
+
+
+def test_a_rank_failing_after_the_other_ended_well_still_fails_the_script(tmp_path):
+    script = tmp_path / "late.py"
+    script.write_text("import os, time\nif os.environ.get('RANK') == '1':\n    time.sleep(3)\n"
+                      "    raise SystemExit('rank 1 fails late')\n")
+    with pytest.raises(launch.RunFailed, match="rank 1 fails late"):
+        launch.run_script(script, world_size=2, show=False, timeout=120)
+    assert _survivors(str(script)) == []
+
+
 def test_a_hanging_script_is_stopped_at_its_timeout_and_leaves_no_process(tmp_path):
     script = tmp_path / "hangs.py"
     script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")

@@ -219,6 +219,8 @@ def test_setup_from_a_wheelhouse_never_reaches_the_index(tmp_path, monkeypatch):
     assert len(pip_calls) == 2
     for argv in pip_calls:
         assert argv[argv.index("--find-links") + 1] == str(tmp_path / "wheelhouse") and "--no-index" in argv
+    ops = [c for c in calls if "pip" not in c]  # the ops and the report of what the course uses: one Python
+    assert len(ops) == 1 and "main(['build-ops'])" in ops[0][-1] and "main(['env'])" in ops[0][-1]
 
 
 def test_empty_wheelhouse_says_how_to_fill_it(tmp_path):

@@ -12,7 +12,9 @@ the ranks on a free port; a progress bar per run shows each optimizer step's los
 same number the record keeps); and each run's :class:`helpers.core.records.Record` is returned. A rank that
 raises ends the launch within seconds with that rank's error (:class:`RunFailed`); a launch that passes its
 timeout, or is interrupted (Jupyter's stop button, Ctrl-C), is ended, every process of it. If the
-Python process that started a launch is killed outright, the launcher and its ranks die with it.
+Python process that started a launch is killed outright, the launcher and its ranks die with it. A launch
+whose ranks all exited with status 0, as DeepSpeed's launcher logs, is over: the launcher's last idle
+second (and the ``deepspeed`` command's exit after it) is not waited out (:data:`RANK_EXITED`).
 
 Three ways to start the ranks, same rank script (``helpers.core.train``) and the same records:
 
@@ -463,7 +465,42 @@ def _kill_group(process: subprocess.Popen, signals: Sequence[int] = (signal.SIGT
                 os.killpg(process.pid, 0)  # the launcher may be gone while ranks linger
             except ProcessLookupError:
                 return
+            if not _runs_in_group(process.pid):  # zombies only: a parent's wait removes them, not a signal
+                return
             time.sleep(0.05)
+
+
+def _end_idle_launcher(process: subprocess.Popen) -> None:
+    """End a launch whose ranks all exited with status 0 (:class:`_CleanExits`): DeepSpeed's launcher first,
+    so that its parent (the ``deepspeed`` command, where there is one) waits for it and counts the processor
+    time of the launcher and its ranks as the ``time`` command does, then the rest of the group."""
+    try:
+        launchers = psutil.Process(process.pid).children()
+    except psutil.NoSuchProcess:
+        launchers = []
+    for launcher in launchers:
+        try:
+            launcher.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(launchers, timeout=5)
+    _kill_group(process, signals=(signal.SIGKILL,))
+
+
+def _runs_in_group(pgid: int) -> bool:
+    """Whether a process of process group ``pgid`` is still running, zombies left out. Where the launcher dies
+    with the ``deepspeed`` command above it, the launcher's zombie waits for the machine's init process to
+    reap it (a second or more in some containers). True where ``/proc`` cannot tell."""
+    if not Path("/proc/self/stat").exists():
+        return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
 
 
 # --- preparing a launch -----------------------------------------------------------------------
@@ -769,6 +806,30 @@ class _Progress:
 #: pdsh puts "<host>: " before each line a host prints
 _HOST_PREFIX = re.compile(r"^[\w.-]+: ?")
 
+#: The line DeepSpeed's per-machine launcher (``deepspeed/launcher/launch.py``) logs for each rank it saw exit
+#: with status 0. Once it has logged one per rank, what it has left is the last second of its poll loop
+#: (``time.sleep(1)``) and its own exit, then the ``deepspeed`` command's (the runner waits for it): about 1.5 s
+#: per launch, which the course does not wait out (:class:`_CleanExits`).
+RANK_EXITED = re.compile(r"\[launch\.py:\d+:main\] Process \d+ exits successfully\.")
+
+
+class _CleanExits:
+    """Counts DeepSpeed's launcher's :data:`RANK_EXITED` lines in a local launch's output: ``done`` once every
+    one of the ``world`` ranks has exited with status 0. Nothing is left to wait for then but the launcher's
+    idle second, so the caller ends the launcher (and the ``deepspeed`` command above it) at once."""
+
+    def __init__(self, world: int):
+        self.world, self.seen = world, 0
+
+    def see(self, line: str) -> bool:
+        """Count ``line``; True once every rank's clean exit has been logged."""
+        self.seen += bool(RANK_EXITED.search(line))
+        return self.done
+
+    @property
+    def done(self) -> bool:
+        return self.seen >= self.world
+
 
 def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list[_Prepared], world: int,
             where: str, timeout: float, progress: bool, port: int,
@@ -787,9 +848,10 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
     threading.Thread(target=_reader, args=(process.stdout, lines), daemon=True).start()
     timed_out = interrupted = False
     stacks = ""
+    exits = _CleanExits(world if hosts is None else math.inf)  # several hosts: pdsh's runner ends by itself
     try:
         with open(folder / "launch.log", "w") as log:
-            while True:
+            while not exits.done:
                 remaining = timeout - (time.perf_counter() - started)
                 if remaining <= 0:
                     timed_out = True
@@ -825,7 +887,8 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
                 log.write(line)
                 log_lines.append(line)
                 del log_lines[:-40]
-        if not timed_out:
+                exits.see(line)
+        if not timed_out and not exits.done:
             try:
                 process.wait(max(1.0, timeout - (time.perf_counter() - started)))
             except subprocess.TimeoutExpired:
@@ -834,7 +897,7 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
         interrupted = True
         raise
     finally:
-        code = process.poll()
+        code = 0 if exits.done else process.poll()  # every rank exited 0, as DeepSpeed's launcher logged
         bars.close()
         if timed_out and hosts is None:
             stacks = _rank_stacks(process, lines, folder / "launch.log")
@@ -843,6 +906,8 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
             # of this Python on every host. Kill this launch's processes here, then its ranks there.
             _kill_group(process, signals=(signal.SIGKILL,))
             _stop_remote_ranks(hosts, folder / "plan.json", child)
+        if exits.done:  # only the launcher's idle second was left
+            _end_idle_launcher(process)
         _kill_group(process)  # nothing of a launch outlives it, whatever happened
         remove_shared_memory(port)
         if interrupted:
@@ -966,8 +1031,9 @@ def run_script(script: str | Path, args: Sequence[str] = (), *, world_size: int 
     threading.Thread(target=_reader, args=(process.stdout, lines), daemon=True).start()
     output: list[str] = []
     deadline = time.monotonic() + timeout
+    exits = _CleanExits(world)  # the deepspeed command's launcher logs each rank's clean exit (not accelerate's)
     try:
-        while True:
+        while not exits.done:
             try:
                 line = lines.get(timeout=0.2)
             except queue.Empty:
@@ -978,16 +1044,17 @@ def run_script(script: str | Path, args: Sequence[str] = (), *, world_size: int 
                 output.append(line)
                 if show:  # paths inside the course's folder shown relative to it, as on any learner's machine
                     print(line.replace(f"{environment.REPO_ROOT}/", ""), end="", flush=True)
+                exits.see(line)
             if time.monotonic() > deadline:
                 raise RunFailed(f"{script.name} ran past its timeout of {timeout:.0f} s: stopped",
                                 log_tail="".join(output[-40:]))
-        code = process.wait()
+        code = 0 if exits.done else process.wait()  # every rank exited 0: the finally below ends the rest
         if code != 0:
             raise RunFailed(f"{script.name} failed (exit code {code}); the end of its output:\n"
                             + "".join(output[-25:]), log_tail="".join(output[-40:]))
     finally:
         if process.poll() is None:
-            _kill_group(process)
+            _end_idle_launcher(process) if exits.done else _kill_group(process)
         try:  # ranks that outlive their launcher share its process group
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
