@@ -226,7 +226,7 @@ def test_the_equality_sentence_flags_a_gradient_of_another_scale_behind_the_same
             "ulysses-zero3": run(2.0, [5.0, 4.0], 3)}
     assert sp.equality_sentence(runs).splitlines() == [
         "ulysses (ZeRO-1): the same losses, but a gradient 2.000x data-parallel's: another scale, which the losses "
-        "hide (why: the next section).",
+        "hide (why: the rule above).",
         "ulysses-zero3 (ZeRO-3): the same losses and data-parallel's gradient norm (1.000x)."]
 
 
@@ -262,10 +262,16 @@ def test_the_ulysses_bytes_split_into_all_to_alls_positions_and_zero3_and_the_al
         assert sum(parts.values()) == sp.predicted_sent_bytes("ulysses-compare", shape, psi, seq, 8, "bf16", regather=True)
         assert parts["all-to-alls"] == 8 * sp.all_to_all_wire_bytes(shape.layers, 1, seq, shape.hidden, shape.heads,
                                                                     shape.heads, 8, "bf16")
-    rows = sp.what_if_rows(shape, psi, 8, (4096, 262144))
-    text = sp.ulysses_split_sentence(rows)
-    assert "4,096 tokens: all-to-alls 7 GiB (2%)" in text and "most of it ZeRO-3;" in text
-    assert text.endswith("most of it the all-to-alls.")
+    small, large = (sp.ulysses_sent_parts(shape, psi, seq, 8, "bf16", regather=True) for seq in (4096, 262144))
+    assert large["all-to-alls"] == 64 * small["all-to-alls"] and large["ZeRO-3"] == small["ZeRO-3"]
+
+
+def test_the_what_if_table_shows_the_model_states_only_when_asked():
+    rows = sp.what_if_rows(sp.ARTICLE_SHAPE, models.llama_7b_parameters(), 8, sp.WHAT_IF_SEQUENCES)
+    header = sp.what_if_table(rows).splitlines()[0]
+    assert "ms on NVLink 4" in header and "25 Gb/s" not in header and "model states" not in header
+    assert "model states per rank" in sp.what_if_table(rows, states=True).splitlines()[0]
+    assert len(sp.what_if_table(rows).splitlines()) == 2 + 4 * len(sp.WHAT_IF_SEQUENCES)
 
 
 def test_the_formula_names_each_kind_of_all_to_all_only_when_their_sizes_differ():

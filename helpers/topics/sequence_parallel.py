@@ -600,7 +600,7 @@ def equality_sentence(runs: Mapping[str, Any], baseline: str = "data-parallel",
             lines.append(f"{name} (ZeRO-{r.stage}): {losses} and {baseline}'s gradient norm ({ratio:.3f}x).")
         else:
             lines.append(f"{name} (ZeRO-{r.stage}): {losses}, but a gradient {ratio:.3f}x {baseline}'s: another "
-                         f"scale{', which the losses hide' if same else ''} (why: the next section).")
+                         f"scale{', which the losses hide' if same else ''} (why: the rule above).")
     return "\n".join(lines)
 
 
@@ -912,22 +912,6 @@ def what_if_rows(shape: models.LlamaShape, params: int, ranks: int, seqs: Sequen
     return rows
 
 
-def ulysses_split_sentence(rows: Sequence[dict]) -> str:
-    """What Ulysses' bytes per step are made of at each length of :func:`what_if_rows`: the all-to-alls' share
-    against the rest (ZeRO-3's gathers and gradients, the token positions), and which is larger."""
-    parts = []
-    for r in rows:
-        if r["way"] != "ulysses-compare":
-            continue
-        a2a = r["parts"]["all-to-alls"]
-        rest = r["sent"] - a2a
-        parts.append(f"{r['seq']:,} tokens: all-to-alls {records.format_bytes(a2a)} ({a2a / r['sent']:.0%}), the rest "
-                     f"(ZeRO-3's gathers and gradients, the token positions) {records.format_bytes(rest)} "
-                     f"({rest / r['sent']:.0%}): "
-                     f"most of it {'the all-to-alls' if a2a > rest else 'ZeRO-3'}")
-    return "Ulysses' bytes per step: " + "; ".join(parts) + "."
-
-
 def ulysses_zero3_sentence(rows: Sequence[dict], params: int, ranks: int, precision: str = "bf16",
                            gradient_precision: str = GRADIENT_COMMUNICATION) -> str:
     """Why Ulysses with ZeRO-3 sends more than ZeRO-3 alone at the first length of :func:`what_if_rows`: ZeRO-3
@@ -957,14 +941,16 @@ def cheapest(rows: Sequence[dict], key: str) -> dict[int, str]:
     return {seq: way for seq, (_, way) in best.items()}
 
 
-def what_if_table(rows: Sequence[dict], links: Sequence[str] = ("25 Gb/s", "NVLink 4")) -> str:
-    """:func:`what_if_rows` as a table: one row per sequence length and way."""
+def what_if_table(rows: Sequence[dict], links: Sequence[str] = ("NVLink 4",), states: bool = False) -> str:
+    """:func:`what_if_rows` as a table: one row per sequence length and way; the model states per rank only
+    when ``states`` (every way of :func:`memory_rows` divides them alike)."""
     table = [[r["seq"], COMPARED[r["way"]], records.format_bytes(r["sent"]),
-              *(f"{r[link] * 1000:,.1f}" for link in links), records.format_bytes(r["states"]),
+              *(f"{r[link] * 1000:,.1f}" for link in links),
+              *([records.format_bytes(r["states"])] if states else []),
               records.format_bytes(r["activations"])] for r in rows]
     return records.format_table(table, ["tokens", "way of splitting", "sent per rank per step",
-                                        *(f"ms on {link}" for link in links), "model states per rank",
-                                        "activations per rank"])
+                                        *(f"ms on {link}" for link in links),
+                                        *(["model states per rank"] if states else []), "activations per rank"])
 
 
 def memory_rows(shape: models.LlamaShape, params: int, ranks: int, seq: int, precision: str = "bf16") -> list[dict]:
@@ -1286,7 +1272,7 @@ def exercise_layer_bytes(answer: object, runs: Mapping[str, Any], seq: int = 409
 #: The source article's model, LLaMA-7B's shape (hidden 4096, 32 layers and heads, MLP 11008, 32k vocabulary).
 ARTICLE_SHAPE = models.LlamaShape(hidden=4096, layers=32, heads=32, intermediate=11008, seq=4096, vocab=32000)
 #: The sequence lengths of the what-if comparison.
-WHAT_IF_SEQUENCES = (4096, 16384, 65536, 262144)
+WHAT_IF_SEQUENCES = (4096, 65536)
 
 
 def what_if_sentence(rows: Sequence[dict], link: str = "NVLink 4", gpu_bytes: float = 80 * 2**30) -> str:
