@@ -486,12 +486,46 @@ def test_the_accumulation_floor_explains_each_ratio_below_one_from_the_computati
         "accumulation-1 steps.", "Every ratio here is at or above it."]
     slower = [row(1, 8, 0.020, 0.150, 0.015), row(4, 32, 0.120, 0.250, 0.100)]  # 0.67x over the fast link
     lines = bandwidth.accumulation_floor(slower).splitlines()
-    assert len(lines) == 2 and lines[1].startswith("ZeRO-1 over the fast link, 0.67x: its accumulation-4 step took "
-                                                   "120.0 ms, more than four accumulation-1 steps (80.0 ms)")
-    assert lines[1].endswith("100.0 ms against 4 x 15.0 ms, so the same work ran slower in the accumulation-4 run: "
-                             "the cores' load, not the link.")
-    slower[1]["compute_s"] = 0.050
-    assert bandwidth.accumulation_floor(slower).endswith("its computation does not account for the extra time.")
+    assert lines[1:] == ["ZeRO-1 over the fast link, 0.67x: 120.0 ms against four accumulation-1 steps' 80.0 ms; "
+                         "computation (micro_steps, fast link) 100.0 ms against 4 x 15.0 ms."]
+
+
+def test_the_accumulation_load_note_reads_a_ratio_below_one_as_load_only_where_the_verdict_was_withheld():
+    def row(accum, batch, fast, slow, compute):
+        return {"name": f"zero1-acc{accum}", "accum": accum, "batch": batch, "fast_s": fast, "slow_s": slow,
+                "compute_s": compute}
+    slower = [row(1, 8, 0.020, 0.150, 0.015), row(4, 32, 0.120, 0.250, 0.100)]  # 0.67x over the fast link
+    note = bandwidth.accumulation_load_note(slower, BUSY)
+    assert note.startswith("Accumulation 4 losing to 1 (ZeRO-1 0.67x over the fast link) is below the model's floor")
+    assert "the cores' load, not the link" in note
+    assert note.endswith("(micro_steps probe: ZeRO-1 100.0 ms against 4 x 15.0 ms).")
+    assert bandwidth.accumulation_load_note(slower, ALONE) == ""  # a verdict given: no sentence
+    slower[1]["compute_s"] = 0.050  # the computation did not grow: no evidence quoted
+    assert bandwidth.accumulation_load_note(slower, None).endswith("not the link.")
+    above = [row(1, 8, 0.020, 0.150, 0.015), row(4, 32, 0.070, 0.250, 0.060)]
+    assert bandwidth.accumulation_load_note(above, BUSY) == ""
+
+
+def test_the_slow_link_load_note_names_runs_faster_over_the_slow_link_only_where_the_verdict_was_withheld():
+    rows = [{"name": "zero1-acc4", "fast_s": 0.1735, "slow_s": 0.122}, {"name": "zero2-acc4", "fast_s": 0.2, "slow_s": 0.3}]
+    note = bandwidth.slow_link_load_note(rows, BUSY)
+    assert note.startswith("Faster over the slow link than over the fast one (zero1-acc4 122 ms against 173.5 ms)")
+    assert "zero2-acc4" not in note and note.endswith("the cores' load, not the link.")
+    assert bandwidth.slow_link_load_note(rows, ALONE) == ""
+    assert bandwidth.slow_link_load_note(rows[1:], BUSY) == ""
+
+
+def test_the_shard_note_explains_all_gathers_logged_bytes_as_one_ranks_shard():
+    logged = {"all_gather_into_tensor | [Caller Func: allgather_fn]": {"1052672": {"count": 8}},
+              "reduce_scatter_tensor | [Caller Func: reduce_scatter_fn]": {"2105344": {"count": 8}},
+              "all_reduce | [Caller Func: get_grad_norm_direct]": {"8": {"count": 2}}}
+    assert bandwidth.shard_note(logged, 2).startswith(
+        "all_gather's 1,052,672 bytes per call are 1/2 of reduce_scatter's 2,105,344: for all_gather the logger "
+        "records one rank's shard")
+    assert "0.50x" in bandwidth.shard_note(logged, 4)  # not 1/4 on 4 ranks: said as the ratio found
+    logged["all_gather_into_tensor | [Caller Func: allgather_fn]"]["526336"] = {"count": 2}
+    assert bandwidth.shard_note(logged, 2).startswith("all_gather's 9,474,048 logged bytes in all are 0.56x")
+    assert bandwidth.shard_note({"all_reduce | x": {"8": {"count": 1}}}, 2) == ""
 
 
 def _slow_bench(points: dict[str, list[tuple[int, float]]]) -> dict:
@@ -709,6 +743,9 @@ def test_the_kept_cores_view_keeps_only_calls_whose_ranks_hardly_waited_and_fits
     everyone = dict(bench, results=[dict(p, core_wait=[1.0] * 3) for p in bench["results"]])
     assert [p["seconds"] for p in bandwidth.kept_cores(everyone)["results"]] == \
         [min(p["times"]) for p in bench["results"]]  # every call waited: the fastest stands in
+    assert bandwidth.kept_cores(everyone)["selection"] == bandwidth.NONE_KEPT
+    assert bandwidth.kept_cores_warning(bandwidth.kept_cores(everyone)).startswith("No call of this benchmark kept")
+    assert calm["selection"] == bandwidth.KEPT and bandwidth.kept_cores_warning(calm) == ""
     counted_nowhere = _with_times(_synthetic_benchmark(2, known))
     assert bandwidth.kept_cores(counted_nowhere) is counted_nowhere
 
@@ -726,7 +763,7 @@ def test_the_core_wait_table_and_reading_split_the_calls_by_whether_their_ranks_
         f"waited for a core, 0 of {2 * points} (0%) of the others.")
     everyone = dict(bench, results=[dict(p, core_wait=[1.0] * 4) for p in bench["results"]])
     assert bandwidth.core_wait_reading(everyone).endswith(
-        "every call's ranks waited for a core, so the fits use each point's fastest call.")
+        "every call's ranks waited for a core, so the fits use the fastest call per point (no call kept its cores).")
     assert "did not record" in bandwidth.core_wait_reading(_with_times(_synthetic_benchmark(2, {"all_reduce": (1e-4, 1e-9)})))
 
 

@@ -405,19 +405,37 @@ def _waited(seconds: float, wait: float | None) -> bool:
     return wait is not None and wait > WAITED * seconds
 
 
+#: The label of :func:`kept_cores`' points where some calls kept their cores, and where none did.
+KEPT = "calls whose ranks kept their cores"
+NONE_KEPT = "fastest call per point (no call kept its cores)"
+
+
 def kept_cores(result: dict) -> dict:
     """A copy of a benchmark summary whose points keep only the calls whose ranks hardly waited for a core (not
-    :func:`_waited`): each point's time is their median, or its fastest call where every call waited. A summary
-    without the waits (the GPU references) comes back unchanged."""
+    :func:`_waited`): each point's time is their median, or its fastest call where every call waited. Its
+    ``selection`` label is :data:`KEPT`, or :data:`NONE_KEPT` where no call of the benchmark kept its cores. A
+    summary without the waits (the GPU references) comes back unchanged."""
     if not any(p.get("core_wait") for p in result["results"]):
         return result
-    points = []
+    points, any_kept = [], False
     for p in result["results"]:
-        kept = [t for t, wait in _calls(p) if not _waited(t, wait)] or [min(p["times"])]
-        seconds = statistics.median(kept)
-        points.append(dict(p, times=kept, seconds=seconds, algbw=p["bytes"] / seconds,
+        kept = [t for t, wait in _calls(p) if not _waited(t, wait)]
+        any_kept = any_kept or bool(kept)
+        seconds = statistics.median(kept or [min(p["times"])])
+        points.append(dict(p, times=kept or [min(p["times"])], seconds=seconds, algbw=p["bytes"] / seconds,
                            busbw=theory.bus_bandwidth(p["op"], p["bytes"], seconds, result["world_size"])))
-    return dict(result, results=points, selection="calls whose ranks kept their cores")
+    return dict(result, results=points, selection=KEPT if any_kept else NONE_KEPT)
+
+
+def kept_cores_warning(calm: dict) -> str:
+    """The line printed before this run's fit table where :func:`kept_cores` found no call that kept its cores
+    (its ``selection`` is :data:`NONE_KEPT`): such a fit cannot be trusted, and the GPU reference is the lesson.
+    Empty where some calls kept their cores or no waits were recorded."""
+    if calm.get("selection") != NONE_KEPT:
+        return ""
+    return ("No call of this benchmark kept its cores (every call's ranks waited for one), so each point is its "
+            "fastest call, still slowed by other programs: this run's fit cannot be trusted on this machine. The "
+            "lesson is the GPU reference's fit ('Key result' above); the figures below only show this machine's load.")
 
 
 def core_wait_table(result: dict, op: str = "all_reduce", implementation: str = "deepspeed.comm") -> str:
@@ -456,8 +474,8 @@ def core_wait_reading(result: dict, slow: float = SLOW_CALL) -> str:
     if not waited:
         return said + f"{share(slow_kept, kept)}; no call waited for a core."
     if not kept:
-        return said + (f"{share(slow_waited, waited)}; every call's ranks waited for a core, so the fits use each "
-                       "point's fastest call.")
+        return said + (f"{share(slow_waited, waited)}; every call's ranks waited for a core, so the fits use the "
+                       f"{NONE_KEPT}.")
     return said + (f"{share(slow_waited, waited)} of the calls whose ranks waited for a core, "
                    f"{share(slow_kept, kept)} of the others.")
 
@@ -1185,6 +1203,29 @@ def byte_sum(record: records.Record) -> str:
     return " + ".join(terms) + f" = {total:,.0f} bytes per step"
 
 
+def shard_note(logged: Mapping[str, Mapping[str, Mapping[str, float]]], world_size: int) -> str:
+    """Why a ZeRO-3 run's logged all_gather bytes are 1/n of its reduce_scatter's, from what
+    ``deepspeed.comm.log_summary()`` returned (``{name: {size: {"count": ...}}}``): for all_gather the logger
+    records one rank's shard (the tensor it sends), for the other collectives the whole tensor. Empty where the
+    summary lacks either collective."""
+    sizes: dict[str, list[tuple[int, float]]] = {}
+    for name, by_size in logged.items():
+        for op in ("all_gather", "reduce_scatter"):
+            if name.startswith(op):
+                sizes.setdefault(op, []).extend((int(size), row["count"]) for size, row in by_size.items())
+    if len(sizes) < 2:
+        return ""
+    gathered, scattered = sizes["all_gather"], sizes["reduce_scatter"]
+    if len(gathered) == len(scattered) == 1:
+        a, b, what = gathered[0][0], scattered[0][0], "bytes per call"
+    else:
+        a, b = (int(sum(size * count for size, count in calls)) for calls in (gathered, scattered))
+        what = "logged bytes in all"
+    share = f"1/{world_size} of" if a * world_size == b else f"{a / b:.2f}x"
+    return (f"all_gather's {a:,} {what} are {share} reduce_scatter's {b:,}: for all_gather the logger records one "
+            f"rank's shard (the tensor it sends, {world_size} ranks), for the other collectives the whole tensor.")
+
+
 def comms_logger_fields() -> str:
     """The fields of DeepSpeed's ``comms_logger`` config block and their defaults, read from DeepSpeed's own
     config model (what ``enabled`` does is exercise 3's question: :func:`comms_logger_switch`)."""
@@ -1610,7 +1651,8 @@ def with_config_changes(specs: Mapping[str, object], changes: Mapping[str, dict]
 def run_chapter(task: str | None = None, model: str = "mlp", precision: str = "fp32", micro_batch: int = 4,
                 steps: int = 3, rate_mbit: float = SLOW_RATE_MBIT, slow_link: bool = True, env=None,
                 timeout: float = 600, config_changes: Mapping[str, dict] | None = None,
-                sizes: Sequence[int] | None = None, train_task: str = "train") -> tuple[dict, str]:
+                sizes: Sequence[int] | None = None, train_task: str = "train", progress: bool = True
+                ) -> tuple[dict, str]:
     """Chapter 09's measurements in ONE launch: the collective benchmark (rank-side ``task``, default
     :data:`TASK`, on message ``sizes``, default :func:`default_sizes`) and the training runs of :func:`stage_specs`,
     trained by ``train_task`` (``overlap_comm`` off and on only on GPUs, where
@@ -1619,7 +1661,8 @@ def run_chapter(task: str | None = None, model: str = "mlp", precision: str = "f
     (``slow-collectives``) and the same runs of stages 1 and 2 named ``slow-...``. Returns {name: record or
     benchmark summary} and a sentence saying which links were used. ``config_changes`` maps a training run's name
     to DeepSpeed config settings merged into its config (:func:`with_config_changes`). The launch's own files go to
-    ``runs/bandwidth-<model>/``; it is stopped after ``timeout`` seconds."""
+    ``runs/bandwidth-<model>/``; it is stopped after ``timeout`` seconds. ``progress``: show the runs' progress
+    bars (:func:`helpers.core.launch.sweep`)."""
 
     env = env or environment.detect()
     world = env.default_world_size
@@ -1633,7 +1676,7 @@ def run_chapter(task: str | None = None, model: str = "mlp", precision: str = "f
     ok, why = slow_link_plan(world, env, rate_mbit) if slow_link else (False, "No slow link: not asked for.")
     if not ok:
         specs = with_config_changes(specs, config_changes)
-        runs = launch.sweep(specs, name=f"bandwidth-{model}", timeout=timeout)
+        runs = launch.sweep(specs, name=f"bandwidth-{model}", timeout=timeout, progress=progress)
         return runs, f"one link only (the ranks' loopback). {why}"
     specs[f"{SLOW}rate"] = set_rate_spec(f"{SLOW}rate", rate_mbit)
     specs[f"{SLOW}collectives"] = spec(f"{SLOW}collectives", sizes=(2**14, 2**18, 2**21),
@@ -1645,7 +1688,7 @@ def run_chapter(task: str | None = None, model: str = "mlp", precision: str = "f
     specs = with_config_changes(specs, config_changes)
     with rate_limited_link(world, None) as link:
         runs = launch.sweep(specs, name=f"bandwidth-{model}", timeout=timeout, rank_prefix=link.rank_prefix,
-                            master_addr=link.master_addr)
+                            master_addr=link.master_addr, progress=progress)
     return runs, (f"{link.describe()}; then cut to {rate_mbit:g} Mbit/s per rank and direction for the "
                   f"'{SLOW}' runs")
 
@@ -1773,13 +1816,60 @@ def accumulation_reading(rows: Sequence[dict], load: load_guard.Load | None) -> 
     return "\n".join([head, verdicts, take])
 
 
+def _busy(load: load_guard.Load | None) -> bool:
+    """Whether the load guard withholds a timing verdict for the launch's load: others used the devices, or
+    nothing recorded what did."""
+    return load is None or load.samples == 0 or not load.alone
+
+
+def slow_link_load_note(rows: Sequence[dict], load: load_guard.Load | None) -> str:
+    """Under the table of :func:`slow_link_rows`, where the load guard withheld its verdict: each run whose step
+    was faster over the slow link than over the fast one, read as the cores' load (a slower link cannot speed up
+    the same work). Empty where the run was alone or no run did so."""
+    faster = [r for r in rows if r["slow_s"] < r["fast_s"]]
+    if not faster or not _busy(load):
+        return ""
+    runs = "; ".join(f"{r['name']} {r['slow_s'] * 1e3:,.0f} ms against {r['fast_s'] * 1e3:,.1f} ms" for r in faster)
+    return (f"Faster over the slow link than over the fast one ({runs}): the same work cannot gain from a slower "
+            "link, so that comes from the cores' load, not the link.")
+
+
+def _accumulation_ratio(one: dict, four: dict, key: str) -> float:
+    """Samples/s at accumulation 4 over accumulation 1, from the step times under ``key``."""
+    return (four["batch"] / four[f"{key}_s"]) / (one["batch"] / one[f"{key}_s"])
+
+
+def accumulation_load_note(rows: Sequence[dict], load: load_guard.Load | None,
+                           links: Mapping[str, str] = {"fast": "the fast link", "slow": "the slow link"}) -> str:
+    """Under :func:`accumulation_reading`, where the load guard withheld its verdict: each ratio of accumulation 4
+    over 1 below the model's floor of 1x (an accumulation-4 step does no more work and no more collectives than
+    four accumulation-1 steps), read as the cores' load, with the computation the ``micro_steps`` probe measured
+    where it grew too. Empty where the run was alone or every ratio reaches the floor."""
+    by = {r["name"]: r for r in rows}
+    below, grew = [], []
+    for stage in (1, 2):
+        one, four = by.get(f"zero{stage}-acc1"), by.get(f"zero{stage}-acc4")
+        if not (one and four):
+            continue
+        below += [f"ZeRO-{stage} {_accumulation_ratio(one, four, key):.2f}x over {link}" for key, link in links.items()
+                  if _accumulation_ratio(one, four, key) < 1]
+        if four["compute_s"] > 4 * one["compute_s"]:
+            grew.append(f"ZeRO-{stage} {four['compute_s'] * 1e3:,.1f} ms against 4 x {one['compute_s'] * 1e3:,.1f} ms")
+    if not below or not _busy(load):
+        return ""
+    evidence = f"; the same computation ran slower there too (micro_steps probe: {'; '.join(grew)})" if grew else ""
+    return (f"Accumulation 4 losing to 1 ({', '.join(below)}) is below the model's floor of 1x, since an "
+            f"accumulation-4 step does no more work and no more collectives than four accumulation-1 steps: it comes "
+            f"from the cores' load, not the link{evidence}.")
+
+
 def accumulation_floor(rows: Sequence[dict],
                        links: Mapping[str, str] = {"fast": "the fast link", "slow": "the slow link"}) -> str:
     """What the model allows for accumulation 4 against 1 at a fixed micro batch (stages 1 and 2), beside the
     figures of :func:`slow_link_rows`: an accumulation-4 step does four micro-steps, one optimizer step and no
     more collectives than four accumulation-1 steps, so its samples/s is at least 1x the accumulation-1 run's.
     For each ratio below that floor, the two measured steps and the computation the ``micro_steps`` probe
-    measured in each (on the fast link), which says whether the computation or the collectives took the time."""
+    measured in each (on the fast link); :func:`accumulation_load_note` reads them."""
     by = {r["name"]: r for r in rows}
     lines = ["The model's floor is 1x: an accumulation-4 step does no more work and no more collectives than four "
              "accumulation-1 steps."]
@@ -1789,17 +1879,13 @@ def accumulation_floor(rows: Sequence[dict],
         if not (one and four):
             continue
         for key, link in links.items():
-            ratio = (four["batch"] / four[f"{key}_s"]) / (one["batch"] / one[f"{key}_s"])
+            ratio = _accumulation_ratio(one, four, key)
             if ratio >= 1:
                 continue
             below += 1
-            grew = four["compute_s"] > 4 * one["compute_s"]
-            lines.append(f"ZeRO-{stage} over {link}, {ratio:.2f}x: its accumulation-4 step took "
-                         f"{four[f'{key}_s'] * 1e3:,.1f} ms, more than four accumulation-1 steps "
-                         f"({4 * one[f'{key}_s'] * 1e3:,.1f} ms); computation alone (micro_steps probe, fast link): "
-                         f"{four['compute_s'] * 1e3:,.1f} ms against 4 x {one['compute_s'] * 1e3:,.1f} ms, so "
-                         + ("the same work ran slower in the accumulation-4 run: the cores' load, not the link."
-                            if grew else "its computation does not account for the extra time."))
+            lines.append(f"ZeRO-{stage} over {link}, {ratio:.2f}x: {four[f'{key}_s'] * 1e3:,.1f} ms against four "
+                         f"accumulation-1 steps' {4 * one[f'{key}_s'] * 1e3:,.1f} ms; computation (micro_steps, fast "
+                         f"link) {four['compute_s'] * 1e3:,.1f} ms against 4 x {one['compute_s'] * 1e3:,.1f} ms.")
     if not below:
         lines.append("Every ratio here is at or above it.")
     return "\n".join(lines)
@@ -2330,8 +2416,8 @@ def exercise_accumulation_gain(answer: object, runs: Mapping[str, records.Record
         "accumulation on a slow link", answer, expected, choices=("ZeRO-1", "ZeRO-2"),
         task="On the slow link, which stage gains more samples/s from accumulation 4 against 1: \"ZeRO-1\" or "
              "\"ZeRO-2\"?",
-        hint="on a slow link the collectives dominate a step; compare how each stage's collective calls and bytes "
-             "per optimizer step change from accumulation 1 to 4 (the table of 'Predicting a ZeRO step's "
-             "communication'), and what that does to the communication per sample.",
+        hint="on a slow link the collectives dominate a step, so compare the communication per sample: which of "
+             "each stage's collectives come once per optimizer step and which in every micro-step (chapter 04's "
+             "ZeRO-2 schedule, chapter 08's accumulation), and the alpha-beta model's cost of each call.",
         why=f"collective calls per optimizer step: {counts}. A stage whose calls do not grow shares them among four "
             "times the samples; one that all-reduces in every micro-step does not.")
