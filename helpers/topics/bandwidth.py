@@ -2416,8 +2416,8 @@ def exercise_accumulation_gain(answer: object, runs: Mapping[str, records.Record
         "accumulation on a slow link", answer, expected, choices=("ZeRO-1", "ZeRO-2"),
         task="On the slow link, which stage gains more samples/s from accumulation 4 against 1: \"ZeRO-1\" or "
              "\"ZeRO-2\"?",
-        hint="on a slow link the collectives dominate a step, so compare the communication per sample: which of "
-             "each stage's collectives come once per optimizer step and which in every micro-step (chapter 04's "
-             "ZeRO-2 schedule, chapter 08's accumulation), and the alpha-beta model's cost of each call.",
+        hint="on a slow link the collectives dominate a step, so compare the communication per sample under "
+             "accumulation: compare chapter 04's and chapter 08's schedules of each stage's collectives, and the "
+             "alpha-beta model's cost of each call.",
         why=f"collective calls per optimizer step: {counts}. A stage whose calls do not grow shares them among four "
             "times the samples; one that all-reduces in every micro-step does not.")
