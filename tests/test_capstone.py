@@ -4,6 +4,7 @@ and the tables. Its runs are notebook 16's (nbval)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -227,7 +228,7 @@ def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypat
     launches = []
 
     def fake_launch(index, rung, pairs, size, steps, world, name, timeout, prefix="", trainer=capstone.TRAINER,
-                    initialize=capstone.INITIALIZE):
+                    initialize=capstone.INITIALIZE, progress=True):
         launches.append([label for label, _ in pairs])
         return [capstone.Candidate(rung.name, label, s, f"{prefix}{index}-{i}", record=_FakeRecord(value(s)))
                 for i, (label, s) in enumerate(pairs)]
@@ -235,7 +236,7 @@ def test_walk_keeps_what_beats_the_margin_and_resumes_where_it_stopped(monkeypat
     monkeypatch.setattr(capstone, "_launch_rung", fake_launch)
     fsdp2_settings = []
 
-    def fake_fsdp2(setting, size, steps, world_size, name, timeout):
+    def fake_fsdp2(setting, size, steps, world_size, name, timeout, progress=True):
         fsdp2_settings.append(setting)
         return {"measured": False, "reason": "faked"}
 
@@ -326,7 +327,7 @@ def test_a_resumed_walk_proposes_again_what_failed_for_another_reason_than_memor
     proposed = []
 
     def fake_launch(index, rung, pairs, size, steps, world, name, timeout, prefix="", trainer=capstone.TRAINER,
-                    initialize=capstone.INITIALIZE):
+                    initialize=capstone.INITIALIZE, progress=True):
         proposed.extend(label for label, _ in pairs)
         return [capstone.Candidate(rung.name, label, s, f"{prefix}{index}-{i}", record=_FakeRecord(100.0))
                 for i, (label, s) in enumerate(pairs)]
@@ -570,6 +571,38 @@ def test_exercise_mfu_is_the_probes_mfu_from_the_courses_formula():
     assert "per cent" in str(capstone.exercise_mfu(50, ladder))
     assert not capstone.exercise_mfu(0.3, ladder)
     assert "to do:" in str(capstone.exercise_mfu(..., ladder))
+    # the run it names is the start's first, not "the baseline"; the table's figure is the mean of the two runs
+    task = str(capstone.exercise_mfu(..., ladder))
+    assert "The first of the start's two runs of the 2.70B ladder on 4 x NVIDIA H200 (micro 16 x accum 2, compiled)" in task
+    why = str(capstone.exercise_mfu(c["mfu"], ladder))
+    assert "= 496.5 TFLOP/s per GPU" in why and "the mean of the start's two runs, 496.9 TFLOP/s" in why
+
+
+def test_compile_lines_give_each_kept_compile_gain_and_whether_it_was_the_largest():
+    ladders = [e[4] for e in capstone.reference_ladders("1.2b") + capstone.reference_ladders("2.7b")]
+    lines = capstone.compile_lines(ladders).splitlines()
+    assert len(lines) == 4  # three ladders kept it (1 GPU: skipped; 4 GPUs: started compiled), then the range
+    assert lines[2] == ("2.70B on 2 x NVIDIA H200: engine.compile() kept at +14.1%, the largest of the 3 gains that "
+                        "ladder kept")
+    assert lines[-1] == "engine.compile() gained +14% to +17% where it was tried"
+    smaller = copy.deepcopy(ladders[3])
+    for c in smaller["candidates"]:
+        if c["verdict"].startswith("kept") and c["rung"] != "compile":
+            c["verdict"] = "kept: +30.0%"
+    assert "not the largest" in capstone.compile_lines([smaller])
+    assert capstone.compile_lines([ladders[0]]) == ""  # nothing compiled was kept there
+
+
+def test_trained_lines_give_one_line_per_run_and_why_one_failed():
+    ladder = {"candidates": [
+        {"rung": "cpu", "label": "baseline", "verdict": "baseline", "losses": [5.5] * 8},
+        {"rung": "cpu", "label": "ZeRO-3", "verdict": "failed: rank 0 failed: OutOfMemoryError", "failure": "x"}],
+        "fsdp2": {"measured": True, "runs": {"FSDP2 full": {"losses": [5.5] * 8}}}}
+    assert capstone.trained_lines(ladder).splitlines() == [
+        "cpu: baseline: 8 steps", "cpu: ZeRO-3: failed: rank 0 failed: OutOfMemoryError", "torchrun: FSDP2 full: 8 steps"]
+    ladder["fsdp2"] = {"measured": False, "reason": "time budget: about 9 s needed, 1 s left"}
+    assert capstone.trained_lines(ladder).splitlines()[-1] == (
+        "torchrun: FSDP2 has no figure (time budget: about 9 s needed, 1 s left)")
 
 
 def test_exercise_hidden_bound_is_the_shortfalls_bound():
@@ -645,12 +678,22 @@ def test_kept_path_names_each_setting_by_what_it_trains_with():
     assert "micro 16 x accum 2, compiled        494.2  49.9%           kept: +2.3% over 483.3" in two
     assert "relative" not in two and "x2" not in two and "/2" not in two
     assert "moved by up to 1.9% between launches, against the 2.0% margin" in two  # 471.2 -> 462.1
-    assert two.endswith("ends at micro 16 x accum 2, compiled: MFU 49.9%, target 50% not reached, but within the "
-                        "2.0% margin of it: the noise cannot tell 49.9% from 50%")
+    assert ("\nends at micro 16 x accum 2, compiled: MFU 49.9%, target 50% not reached, but within the "
+            "2.0% margin of it: the noise cannot tell 49.9% from 50%\n") in two
+    # which figure "ends at" reads: the kept candidate's own, not its later re-runs (49.2% to 50.0%)
+    assert two.endswith("that MFU is its figure when it was kept (494.2 TFLOP/s/GPU); its re-runs measured MFU "
+                        "49.2% to 50.0%")
+    # a re-run is labelled by the rung whose candidates it judged, not as a rung's own setting
+    assert two.count("\nre-run before ") == 6 and "\ncheckpointing " not in two
+    assert "\nre-run before checkpointing  micro 16 x accum 2, compiled        495.1  50.0%" in two
     four = capstone.kept_path(capstone.key_ladder("2.7b", world_size=4))
     assert "nothing kept" in four and "target 50% reached, but within the 2.0% margin" in four
+    assert four.endswith("that MFU is the mean of its two runs")
     first = capstone.kept_path(capstone.key_ladder("1.2b", world_size=1))
-    assert "target 50% not reached" in first and "within" not in first.splitlines()[-1]  # 37.8% is far from it
+    assert "no candidate trained: only the start, measured twice; the time budget skipped rung compile" in first
+    assert "beat the start" not in first  # nothing trained that could have
+    ends = next(line for line in first.splitlines() if line.startswith("ends at"))
+    assert "target 50% not reached" in ends and "within" not in ends  # 37.8% is far from it
 
 
 def test_kept_path_prints_the_figures_each_gain_is_computed_from():
@@ -739,15 +782,19 @@ def test_fsdp2_takeaways_compare_eager_with_eager_and_name_the_out_of_memory_run
     two = capstone.fsdp2_takeaway(capstone.key_ladder("2.7b", world_size=2))
     assert "FSDP2 full -2.3%, FSDP2 grad-op -0.3% against DeepSpeed's 413.1" in two  # the baseline's two runs' mean
     assert "not all within the 2.0% margin" in two and "engine.compile() on that batch: 471.2" in two
-    assert two.endswith("on the best setting since, FSDP2 ran out of memory")
+    assert two.endswith("on the best setting since, FSDP2 ran out of memory (DeepSpeed too ran out of memory at "
+                        "micro batch 16 when eager, rung 'batch': FSDP2 runs eagerly)")
     assert capstone.fsdp2_takeaway(capstone.key_ladder("2.7b", world_size=4)).endswith("FSDP2 ran out of memory")
     assert "in 3 of 3 ladders" in lines[-1] and "14% to 16% ahead" in lines[-1]
     assert "(2.70B on 2 GPU(s), 2.70B on 4 GPU(s))" in lines[-1]
+    # only the 2-GPU ladder tried that micro batch eagerly (and ran out of memory there)
+    assert lines[-1].endswith("a micro batch DeepSpeed fitted only compiled where it tried it eagerly (2.70B on 2 GPU(s)).")
 
 
 def test_overlap_line_sets_overlap_comm_beside_the_setting_it_started_from():
     two = capstone.overlap_line(capstone.key_ladder("2.7b", world_size=2))
-    assert "micro 16 x accum 1, compiled: without overlap 483.3 model TFLOP/s per GPU; overlap_comm 451.3 (-6.6%)" in two
+    assert ("micro 16 x accum 1, compiled: without overlap 483.3 model TFLOP/s per GPU, 2.3% of its step exposed "
+            "communication; overlap_comm 451.3 (-6.6%)") in two
     assert "slower by more than the 2.0% margin" in two and "not where a step's time went" in two
     assert "peak" not in two
     assert capstone.overlap_line(capstone.key_ladder("2.7b", world_size=4)) is None  # no overlap rung there
@@ -779,7 +826,10 @@ def test_warm_up_compares_each_baseline_runs_first_step_with_its_measured_ones()
 def test_each_committed_ladder_ends_with_its_takeaway_from_its_data():
     four = capstone.key_ladder("2.7b", world_size=4)
     line = capstone.takeaway(four)
-    assert line.startswith("Takeaway: nothing beat the start") and "target 50% reached, but within" in line
+    assert line.startswith("Takeaway: nothing kept: no candidate beat the start") and "target 50% reached, but within" in line
+    one = capstone.takeaway(capstone.key_ladder("1.2b", world_size=1))
+    assert one.startswith("Takeaway: no candidate trained: only the start, measured twice; the time budget skipped "
+                          "rung compile;") and "rungs the time budget skipped" not in one
     two = capstone.takeaway(capstone.key_ladder("2.7b", world_size=2))
     assert "kept at rungs compile, rebatch, rebatch, ending at micro 16 x accum 2, compiled" in two
     assert "target 50% not reached, but within the 2.0% margin" in two

@@ -344,7 +344,8 @@ def _checkpointing(s: Setting) -> list[tuple[str, Setting]]:
 GPU_LADDER: list[Rung] = [
     Rung("stage", "ZeRO stage (stage 1 is measured for comparison; the target asks for 2 or 3)",
          lambda s: [("ZeRO-3", dataclasses.replace(s, stage=3)), ("ZeRO-1", dataclasses.replace(s, stage=1))]),
-    Rung("batch", "micro batch and gradient accumulation", _batch),
+    Rung("batch", "micro batch and gradient accumulation, first, with eager kernels: the shape that fills the GPU "
+         "before any other knob moves", _batch),
     Rung("overlap", "communication overlap and bucket sizes", _overlap),
     Rung("compile", "torch.compile through engine.compile()",
          lambda s: [("engine.compile()", dataclasses.replace(s, compile=True))] if not s.compile else []),
@@ -510,7 +511,7 @@ def _estimate(history: list[tuple[float, int, bool]], count: int, compiles: bool
 
 def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], size: str, steps: int,
                  world: int, name: str, timeout: float, prefix: str = "", trainer: str = TRAINER,
-                 initialize: str = INITIALIZE) -> list[Candidate]:
+                 initialize: str = INITIALIZE, progress: bool = True) -> list[Candidate]:
     """Train ``pairs`` in one launch; a candidate that fails (out of memory, say) is recorded, not fatal.
 
     A failure can leave the ranks unfit for what follows in the same processes (on 2 x H200 a compiled
@@ -528,7 +529,7 @@ def _launch_rung(rung_index: int, rung: Rung, pairs: list[tuple[str, Setting]], 
                                     initialize=initialize, trainer=trainer))
     # the retried ones together: each compiled candidate alone would pay the compile's start again
     results, again = launch.sweep_retrying(specs, name=f"{name}/{prefix}{rung_index}-{rung.name}", world_size=world,
-                                           timeout_each=timeout / len(specs), together=True)
+                                           timeout_each=timeout / len(specs), together=True, progress=progress)
     # the launch's first failure: the one candidate that failed and was not trained again
     first = next((c.label for c in candidates if c.run_name not in again
                   and not isinstance(results.get(c.run_name), records.Record)), None)
@@ -571,7 +572,7 @@ def decide(measured: list[tuple[Candidate, float | None]], best_value: float, ma
 def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Setting | None = None,
          budget_s: float = 300, steps: int | None = None, world_size: int | None = None,
          name: str = "capstone", resume: dict | None = None, climb_again: Collection[str] = (),
-         trainer: str = TRAINER, initialize: str = INITIALIZE) -> Ladder:
+         trainer: str = TRAINER, initialize: str = INITIALIZE, progress: bool = True) -> Ladder:
     """Climb ``ladder`` from ``baseline`` with the capstone model of ``size`` within ``budget_s`` seconds.
 
     Defaults: on GPUs the 1.24B model would be ``size="1.2b"`` with :data:`GPU_LADDER` from
@@ -581,7 +582,8 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
     the best so far; a setting measured before is not trained again). Sets
     :data:`RANK_ENVIRONMENT` in this process (unless set) for the ranks. ``initialize`` and ``trainer``: the
     import paths of the call that makes every candidate's engine and of the step it trains with (chapter 16's
-    page module, :func:`page_code`; this module's :func:`initialize` and :func:`train_step` by default). Returns
+    page module, :func:`page_code`; this module's :func:`initialize` and :func:`train_step` by default).
+    ``progress=False`` shows no progress bar per run (:func:`trained_lines` sums the runs up after). Returns
     the :class:`Ladder`; every candidate's record is in ``runs/<name>/``.
     """
     for key, value in RANK_ENVIRONMENT.items():
@@ -651,7 +653,7 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
         launched = time.monotonic()
         # the budget decides which rungs start; a started launch gets room (a loaded machine is slow)
         found = _launch_rung(index, rung, pairs, size, steps, world, name, timeout=max(300.0, min(left, 3 * estimate)),
-                             prefix=prefix, trainer=trainer, initialize=initialize)
+                             prefix=prefix, trainer=trainer, initialize=initialize, progress=progress)
         history.append((time.monotonic() - launched, len(pairs), any(s.compile for _, s in pairs)))
         seen.update(s for _, s in pairs)
         if best is None:
@@ -691,7 +693,8 @@ def walk(size: str = "tiny", ladder: Sequence[Rung] | None = None, baseline: Set
         result.fsdp2 = {"measured": False,
                         "reason": f"{BUDGET_SKIP}about {estimate:.0f} s needed, {max(0, left):.0f} s left"}
     else:
-        result.fsdp2 = fsdp2_run(best or baseline, size, steps, world, name, timeout=max(300.0, 3 * estimate))
+        result.fsdp2 = fsdp2_run(best or baseline, size, steps, world, name, timeout=max(300.0, 3 * estimate),
+                                 progress=progress)
     result.seconds = time.monotonic() - started
     return result
 
@@ -702,7 +705,7 @@ FSDP2_STRATEGIES = ("fsdp2", "fsdp2-grad-op")
 
 
 def fsdp2_run(setting: Setting, size: str, steps: int, world_size: int, name: str = "capstone",
-              timeout: float = 600.0) -> dict:
+              timeout: float = 600.0, progress: bool = True) -> dict:
     """PyTorch FSDP2 on the ladder's best setting, the alternative a user would weigh: the capstone model
     trained under ``torchrun`` by :func:`helpers.topics.frameworks.train_run` with each of
     :data:`FSDP2_STRATEGIES`, at the same micro batch, accumulation, sequence length, precision and
@@ -722,7 +725,7 @@ def fsdp2_run(setting: Setting, size: str, steps: int, world_size: int, name: st
         builder=BUILDER, task=frameworks.TASK, options={"strategy": strategy}) for strategy in FSDP2_STRATEGIES}
     try:
         found = launch.sweep(specs, name=f"{name}/fsdp2", world_size=world_size, launcher="torchrun",
-                             timeout=timeout)
+                             timeout=timeout, progress=progress)
     except launch.RunFailed as failure:
         return {"measured": False, "reason": f"the FSDP2 launch failed: {str(failure).splitlines()[0][:200]}"}
     runs = {frameworks.STRATEGIES[s].label: measurements(found[f"fsdp2-{s}"]) for s in FSDP2_STRATEGIES}
@@ -957,8 +960,10 @@ def _near_target(ladder: dict, mfu: float) -> str:
 def kept_path(ladder: dict) -> str:
     """The path a ladder kept, as a table from its data: the setting it started from (the mean of its two runs),
     each kept candidate with the figure it beat and its gain, and each time a later walk trained the kept setting
-    again ("best so far, again", the yardstick of that walk's candidates) with how far it moved from that setting's
-    last figure; then the setting it ended with, its MFU against the target and whether the margin can tell."""
+    again ("best so far, again", the yardstick of that walk's candidates; its rung column says "re-run before" the
+    rung whose candidates it judged) with how far it moved from that setting's last figure; then the setting it
+    ended with, its MFU as measured when it was kept against the target, whether the margin can tell, and the MFU
+    its re-runs measured. Where no candidate trained, it says so and which rungs the time budget skipped."""
     per = "rank" if ladder["device"].startswith("CPU") else "GPU"
     start = Setting(**ladder["baseline"])
     base = [c for c in ladder["candidates"] if c["verdict"] == "baseline" and "metric" in c]
@@ -970,8 +975,8 @@ def kept_path(ladder: dict) -> str:
         if c["verdict"].startswith(AGAIN_VERDICT) and "metric" in c:
             move = c["metric"] / against - 1
             moves.append(abs(move))
-            rows.append([c["rung"], setting_label(c["setting"], start), f"{c['metric']:.4g}", _pct(c.get("mfu")),
-                         f"trained again: {move:+.1%} from {against:.4g}"])
+            rows.append([f"re-run before {c['rung']}", setting_label(c["setting"], start), f"{c['metric']:.4g}",
+                         _pct(c.get("mfu")), f"trained again: {move:+.1%} from {against:.4g}"])
             against = c["metric"]
         elif c["verdict"].startswith("kept"):
             rows.append([c["rung"], setting_label(c["setting"], start), f"{c['metric']:.4g}", _pct(c.get("mfu")),
@@ -979,7 +984,7 @@ def kept_path(ladder: dict) -> str:
             against = c["metric"]
     lines = [records.format_table(rows, ["rung", "setting", f"TFLOP/s/{per}", "MFU", "verdict"])]
     if len(rows) == 1:
-        lines.append(f"nothing kept: no candidate beat the start by more than the {ladder['margin']:.1%} margin")
+        lines.append(_nothing_kept(ladder))
     if moves:
         lines.append(f"trained again, the same setting moved by up to {max(moves):.1%} between launches, against the "
                      f"{ladder['margin']:.1%} margin: a gain close to the margin is at the edge of the noise")
@@ -987,7 +992,26 @@ def kept_path(ladder: dict) -> str:
     if found is not None:
         best = next(c for c in ladder["candidates"] if c["run"] == ladder["best_run"])
         lines.append(f"ends at {setting_label(best['setting'], start)}: {_near_target(ladder, found[0])}")
+        line = "that MFU is " + ("the mean of its two runs" if best["verdict"] == "baseline" else
+                                 f"its figure when it was kept ({best['metric']:.4g} TFLOP/s/{per})")
+        again = [c["mfu"] for c in ladder["candidates"] if c["verdict"].startswith(AGAIN_VERDICT)
+                 and c.get("mfu") is not None and c["setting"] == best["setting"]]
+        if again:
+            line += f"; its re-runs measured MFU {min(again):.1%} to {max(again):.1%}"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _nothing_kept(ladder: dict) -> str:
+    """Why a ladder kept nothing: no candidate trained (and the rungs the time budget skipped), or none beat the
+    start by more than the margin."""
+    tried = [c for c in ladder["candidates"] if c["verdict"] != "baseline"]
+    if tried:
+        return f"nothing kept: no candidate beat the start by more than the {ladder['margin']:.1%} margin"
+    skipped = [r["rung"] for r in ladder["rungs"] if not r["ran"] and r["why"].startswith(BUDGET_SKIP)]
+    return ("no candidate trained: only the start, measured twice"
+            + (f"; the time budget skipped rung{'s' if len(skipped) > 1 else ''} {', '.join(skipped)}"
+               if skipped else ""))
 
 
 def dropped_lines(ladder: dict) -> str:
@@ -1077,6 +1101,22 @@ def fsdp2_partner(ladder: dict) -> dict | None:
         return best
     return next((c for c in reversed(ladder["candidates"]) if c["verdict"].startswith(("kept", "baseline"))
                  and _samples(c["setting"]) == _samples(fsdp2["setting"])), None)
+
+
+def trained_lines(ladder: dict) -> str:
+    """One line per run a walk launched, in order, from its dict (:meth:`Ladder.to_dict`): each candidate's label
+    and rung with how many steps it recorded a loss for, or why it failed; then FSDP2's runs, or why it did not
+    run. What the progress bars show while it trains, summed up after."""
+    lines = []
+    for c in ladder["candidates"]:
+        done = f"{len(c['losses'])} steps" if c.get("losses") else c["verdict"]
+        lines.append(f"{c['rung']}: {c['label']}: {done}")
+    fsdp2 = ladder.get("fsdp2") or {}
+    if fsdp2.get("measured"):
+        lines += [f"torchrun: {label}: {len(run['losses'])} steps" for label, run in fsdp2["runs"].items()]
+    else:
+        lines.append(f"torchrun: FSDP2 {_no_fsdp2_figure(fsdp2.get('reason', 'not run'))}")
+    return "\n".join(lines)
 
 
 def fsdp2_same_math(ladder: dict) -> str:
@@ -1248,13 +1288,13 @@ def takeaway(ladder: dict) -> str:
     best = next(c for c in ladder["candidates"] if c["run"] == ladder["best_run"])
     line = "Takeaway: " + (f"kept at rungs {', '.join(kept)}, ending at "
                            f"{setting_label(best['setting'], Setting(**ladder['baseline']))}" if kept else
-                           f"nothing beat the start by more than the {ladder['margin']:.1%} margin")
+                           _nothing_kept(ladder))
     if found is not None:
         mfu, exposed = found
         line += (f"; {_near_target(ladder, mfu)}; "
                  f"exposed communication {exposed:.1%} of a step, so hiding it could add at most "
                  f"{(mfu / (1 - exposed) - mfu) * 100:.1f} points of MFU")
-    if skipped:
+    if skipped and any(c["verdict"] != "baseline" for c in ladder["candidates"]):
         line += f"; rungs the time budget skipped: {', '.join(skipped)}"
     return line + "."
 
@@ -1337,7 +1377,28 @@ def fsdp2_takeaway(ladder: dict) -> str:
         line += f"; DeepSpeed with engine.compile() on that batch: {compiled['tflops_per_gpu']:.4g} (FSDP2 ran eager only)"
     if "latest" in fsdp2:
         line += f"; on the best setting since, FSDP2 {_no_fsdp2_figure(fsdp2['latest']['reason'])}"
-    return line
+    return line + _eager_oom_note(ladder)
+
+
+def _eager_out_of_memory(ladder: dict) -> dict | None:
+    """Where FSDP2 ran out of memory on the setting a ladder ended with: the DeepSpeed candidate of that ladder that
+    trained the same micro batch, sequence, stage and checkpointing eagerly and ran out of memory too, or None."""
+    fsdp2 = ladder.get("fsdp2") or {}
+    if not any(r and _out_of_memory(r) for r in (fsdp2.get("reason"), (fsdp2.get("latest") or {}).get("reason"))):
+        return None
+    best = next(c for c in ladder["candidates"] if c["run"] == ladder["best_run"])["setting"]
+    keys = ("micro_batch", "seq_len", "stage", "checkpointing")
+    return next((c for c in ladder["candidates"] if not c["setting"].get("compile") and "metric" not in c
+                 and _out_of_memory(c.get("failure") or c["verdict"])
+                 and all(c["setting"].get(k) == best.get(k) for k in keys)), None)
+
+
+def _eager_oom_note(ladder: dict) -> str:
+    found = _eager_out_of_memory(ladder)
+    if found is None:
+        return ""
+    return (f" (DeepSpeed too ran out of memory at micro batch {found['setting']['micro_batch']} when eager, "
+            f"rung {found['rung']!r}: FSDP2 runs eagerly)")
 
 
 def overlap_line(ladder: dict) -> str | None:
@@ -1361,8 +1422,10 @@ def overlap_line(ladder: dict) -> str | None:
     why = (f"slower by more than the {ladder['margin']:.1%} margin (the probes record how much communication stayed "
            "exposed, not where a step's time went)" if slower else f"within the {ladder['margin']:.1%} margin")
     where = setting_label(start["setting"], Setting(**ladder["baseline"]))
+    exposed = start.get("comm_exposed_share")
+    hidden = "" if exposed is None else f", {exposed:.1%} of its step exposed communication"
     return (f"{ladder['params'] / 1e9:.2f}B on {ladder['device']}, ZeRO-{start['setting']['stage']}, {where}: without "
-            f"overlap {start['tflops_per_gpu']:.4g} model TFLOP/s per GPU; " + "; ".join(parts) + f": {why}.")
+            f"overlap {start['tflops_per_gpu']:.4g} model TFLOP/s per GPU{hidden}; " + "; ".join(parts) + f": {why}.")
 
 
 def fsdp2_takeaways(ladders: list[dict]) -> str:
@@ -1397,7 +1460,30 @@ def fsdp2_takeaways(ladders: list[dict]) -> str:
                  "eager runs on the same batch (the course's FSDP2 code does not compile)")
     if oom:
         line += f"; FSDP2 ran out of memory on the setting DeepSpeed ended with ({', '.join(oom)})"
+        eager = [f"{ladder['params'] / 1e9:.2f}B on {ladder['world_size']} GPU(s)" for ladder in ladders
+                 if _eager_out_of_memory(ladder) is not None]
+        if eager:
+            line += f", a micro batch DeepSpeed fitted only compiled where it tried it eagerly ({', '.join(eager)})"
     return "\n".join(lines + [line + "."])
+
+
+def compile_lines(ladders: list[dict]) -> str:
+    """What ``engine.compile()`` gained where a committed ladder kept it, from their data: its gain over the figure it
+    was judged against, and whether that was the largest gain the ladder kept; one line per ladder, then the range."""
+    lines, gains = [], []
+    for ladder in ladders:
+        kept = [(c["rung"], float(_gain(c["verdict"]).rstrip("%")) / 100) for c in ladder["candidates"]
+                if c["verdict"].startswith("kept")]
+        compiled = next((gain for rung, gain in kept if rung == "compile"), None)
+        if compiled is None:
+            continue
+        gains.append(compiled)
+        largest = "the largest" if compiled == max(gain for _, gain in kept) else "not the largest"
+        lines.append(f"{ladder['params'] / 1e9:.2f}B on {ladder['device']}: engine.compile() kept at "
+                     f"{compiled:+.1%}, {largest} of the {len(kept)} gains that ladder kept")
+    if gains:
+        lines.append(f"engine.compile() gained {min(gains):+.0%} to {max(gains):+.0%} where it was tried")
+    return "\n".join(lines)
 
 
 def knobs() -> str:
@@ -1550,12 +1636,14 @@ def exercise_mfu(answer: Any, ladder: dict, label: str = "baseline") -> exercise
     formula (:func:`helpers.core.performance.flops_per_token`, the device's dense bf16 peak); the answer is the
     MFU the throughput probe recorded for it."""
     c = next(c for c in ladder["candidates"] if c["label"] == label)
+    name = "first of the start's two runs" if label == "baseline" else f"candidate {label!r}"
     shape = performance.config_shape(model_config(ladder["size"], seq_len=c["setting"]["seq_len"]))
     flops = performance.flops_per_token(ladder["params"], shape["layers"], shape["hidden"], shape["seq_len"],
                                         shape["lookup_params"])["total"]
     peak, _ = performance.peak_tflops(ladder["device"])
     gpus = ladder["world_size"]
-    task = (f"The {label} of the {ladder['params'] / 1e9:.2f}B ladder on {ladder['device']} trained "
+    task = (f"The {name} of the {ladder['params'] / 1e9:.2f}B ladder on {ladder['device']} "
+            f"({setting_label(c['setting'], Setting(**ladder['baseline']))}) trained "
             f"{c['tokens_per_s']:,.0f} tokens/s over its {gpus} GPUs, sequences of {shape['seq_len']} tokens. "
             "Compute its MFU, as a fraction (0.5 for 50%).")
     if isinstance(answer, (int, float)) and not isinstance(answer, bool) and 1 < answer <= 100:
@@ -1567,4 +1655,12 @@ def exercise_mfu(answer: Any, ladder: dict, label: str = "baseline") -> exercise
               "tokens/s count all the GPUs, the peak one."),
         why=(f"{flops:.4g} FLOPs/token x {c['tokens_per_s']:,.0f} tokens/s / {gpus} GPUs = "
              f"{flops * c['tokens_per_s'] / gpus / 1e12:.4g} TFLOP/s per GPU, over {peak:g} TFLOP/s dense bf16: "
-             f"{c['mfu']:.1%}, the MFU the throughput probe recorded."))
+             f"{c['mfu']:.1%}, the MFU the throughput probe recorded for that run"
+             + (f" (the ladder's table shows the mean of the start's two runs, {_start_mean(ladder):.4g} TFLOP/s)."
+                if label == "baseline" else ".")))
+
+
+def _start_mean(ladder: dict) -> float:
+    """The start's model TFLOP/s per GPU: the mean of its two runs, as :func:`kept_path` shows it."""
+    base = [c["tflops_per_gpu"] for c in ladder["candidates"] if c["verdict"] == "baseline"]
+    return sum(base) / len(base)
