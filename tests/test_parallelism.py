@@ -229,6 +229,8 @@ def test_step_times_leave_the_warm_up_step_out():
 def test_the_bubble_trend_is_said_from_the_points():
     assert "falls as M grows" in pipeline.bubble_trend({1: [0.5, 0.5], 2: [0.35, 0.3], 4: [0.2, 0.21]})
     assert "do not fall" in pipeline.bubble_trend({1: [0.5, 0.5], 2: [0.35, 0.3], 4: [0.2, 0.4]}, "a CPU")
+    partly = pipeline.bubble_trend({1: [0.5, 0.5], 2: [0.35, 0.3], 4: [0.2, 0.21], 8: [0.24, 0.2]}, "a GPU")
+    assert "from M = 1 to M = 4" in partly and "beyond M = 4 they do not fall" in partly
     figure = pipeline.bubble_vs_micro_batches({1: [0.5, 0.5], 4: [0.4, 0.4]}, 2,
                                               reference=("GPU, day", {1: [0.5, 0.5], 2: [0.3, 0.3], 8: [0.1, 0.1]}))
     labels = [line.get_label() for line in figure.axes[0].lines]
