@@ -410,7 +410,7 @@ def test_the_recomputation_findings_name_which_assumption_of_the_four_thirds_rul
     found = activations.recompute_findings(runs, ["plain", "deepspeed"], ALONE).splitlines()
     assert found[0].startswith("no checkpointing is faster: deepspeed.checkpointing takes 1.37x its time, beyond")
     assert found[1:] == [
-        "deepspeed.checkpointing: 1.37x the step without checkpointing, above the rule's 1.33x.",
+        "deepspeed.checkpointing: 1.37x the fastest step without checkpointing, above the rule's 1.33x.",
         "Without checkpointing the loss and backward took 1.50 times the forward (the rule assumes 2: shorter, so one "
         "forward is more than a third of forward + backward), and the decoder layers were 80% of the forward; one "
         "more forward of them predicts 1.27x.",
