@@ -443,6 +443,7 @@ def recompute_rows(runs: dict, names: Sequence[str]) -> list[dict]:
         both = row["phases"] is not None and base_phases is not None
         row["step_s"] = row["phases"]["step_s"] if both else r.timing.median_s
         row["ratio"] = row["step_s"] / (base_phases["step_s"] if both else base.timing.median_s)
+        row["basis"] = "fastest" if both else "median"  # which step the ratio divides
         if base_phases and row["phases"] and name != names[0]:
             row["predicted"] = 1 + base_phases["layers_s"] / base_phases["step_s"]
             # the backward's growth, in forwards of the layers it replays
@@ -538,7 +539,7 @@ def recompute_findings(runs: dict, names: Sequence[str], load: load_guard.Load |
     base = rows[0]["phases"]
     for row in rows[1:]:
         side = "within" if row["ratio"] <= RULE_OF_THUMB else "above"
-        lines.append(f"{row['label']}: {row['ratio']:.2f}x the step without checkpointing, {side} the "
+        lines.append(f"{row['label']}: {row['ratio']:.2f}x the {row['basis']} step without checkpointing, {side} the "
                      f"rule's {RULE_OF_THUMB:.2f}x.")
     if not base:
         lines.append("These runs were not split into phases (no 'phases' probe), so which of the rule's "

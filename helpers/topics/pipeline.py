@@ -998,12 +998,18 @@ def reference_bubbles(name: str = "pipeline") -> tuple[str, dict[int, list[float
 
 
 def bubble_trend(measured: Mapping[int, Sequence[float]], where: str = "this launch") -> str:
-    """Whether each stage's measured idle share falls as M grows, as (S-1)/(M+S-1) does, said of ``where``."""
+    """Whether each stage's measured idle share falls as M grows, as (S-1)/(M+S-1) does, said of ``where``; where
+    it falls over the first three or more counts only, up to which M."""
     counts = sorted(measured)
-    falls = all(measured[a][s] > measured[b][s] for a, b in zip(counts, counts[1:])
-                for s in range(len(measured[counts[0]])))
-    return (f"{where}: every stage's idle share falls as M grows, as the formula's does." if falls else
-            f"{where}: the idle shares do not fall steadily as M grows; the formula's trend does not show here.")
+    falling = [all(measured[a][s] > measured[b][s] for s in range(len(measured[counts[0]])))
+               for a, b in zip(counts, counts[1:])]
+    if all(falling):
+        return f"{where}: every stage's idle share falls as M grows, as the formula's does."
+    steps = falling.index(False)  # how many steps from the smallest M fall on every stage
+    if steps >= 2:
+        return (f"{where}: every stage's idle share falls from M = {counts[0]} to M = {counts[steps]}, as the "
+                f"formula's does; beyond M = {counts[steps]} they do not fall, while the formula's still does.")
+    return f"{where}: the idle shares do not fall steadily as M grows; the formula's trend does not show here."
 
 
 def bubble_vs_micro_batches(measured: Mapping[int, Sequence[float]], stages: int, title: str | None = None,
