@@ -453,3 +453,27 @@ def test_the_scale_findings_sort_runs_by_their_step_one_gradient_and_losses():
     runs = {"scale-data-parallel": run(2.0, [5.0, 4.0]), "a": run(2.0, [5.0, 4.0]), "b": run(4.0, [5.0, 3.9])}
     assert sp.scale_findings(runs, ("a", "b")) == ("data parallelism's gradient: a (1.000x)\n"
                                                    "another scale (and other losses): b (2.000x)")
+
+
+def test_a_source_line_is_named_by_the_innermost_function_holding_it():
+    source = ("X = 1\n"
+              "class Engine:\n"
+              "    def step(self):\n"
+              "        def inner():\n"
+              "            return 2\n"
+              "        return inner()\n"
+              "def free():\n"
+              "    pass\n")
+    functions = sp.enclosing_functions(source)
+    assert [name for _, _, name in functions] == ["Engine.step", "Engine.step.inner", "free"]
+    assert sp.function_of(functions, 1) == "(module level)"
+    assert sp.function_of(functions, 5) == "Engine.step.inner"
+    assert sp.function_of(functions, 6) == "Engine.step"
+    assert sp.function_of(functions, 8) == "free"
+
+
+def test_deepspeeds_gradient_division_is_printed_with_its_function():
+    text = sp.deepspeed_source_by_function("runtime/zero/stage3.py", [r"buffer_to_reduce.div_\(averaging_world_sz"])
+    lines = text.splitlines()
+    assert lines[0].startswith("deepspeed/runtime/zero/stage3.py (deepspeed ")
+    assert len(lines) == 2 and "in DeepSpeedZeroOptimizer_Stage3." in lines[1] and "sequence_parallel_size" in lines[1]

@@ -23,10 +23,12 @@ DeepSpeed 0.19.8 ships it for Hugging Face models as ``UlyssesSPAttentionHF``
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import datetime
 import functools
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -621,6 +623,43 @@ def norm_ratio(runs: Mapping[str, Any], name: str = "ulysses", baseline: str = "
     """Run ``name``'s gradient norm over the baseline's at the first step (the same weights in both runs; later
     steps start from weights their different updates made)."""
     return runs[name].section("grad_norm")["per_step"][0] / runs[baseline].section("grad_norm")["per_step"][0]
+
+
+def enclosing_functions(source: str) -> list[tuple[int, int, str]]:
+    """Every function of the Python ``source`` as (first line, last line, qualified name such as
+    ``Class.method``), nested functions included, in the order they start."""
+    found: list[tuple[int, int, str]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if not isinstance(child, ast.ClassDef):
+                    found.append((child.lineno, child.end_lineno or child.lineno, prefix + child.name))
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return sorted(found)
+
+
+def function_of(functions: Sequence[tuple[int, int, str]], line: int) -> str:
+    """The qualified name of the innermost function of :func:`enclosing_functions` holding ``line``
+    (1-based), or ``"(module level)"``."""
+    holding = [f for f in functions if f[0] <= line <= f[1]]
+    return min(holding, key=lambda f: f[1] - f[0])[2] if holding else "(module level)"
+
+
+def deepspeed_source_by_function(relative: str, patterns: Sequence[str]) -> str:
+    """Lines of DeepSpeed's installed source ``relative`` that match any of ``patterns`` (regular expressions),
+    each numbered as in the file and named by the function it is in (its qualified name)."""
+    deepspeed = ds.load()
+    source = (Path(deepspeed.__file__).parent / relative).read_text()
+    functions = enclosing_functions(source)
+    shown = [(number, function_of(functions, number), line.strip())
+             for number, line in enumerate(source.splitlines(), 1) if any(re.search(p, line) for p in patterns)]
+    return "\n".join([f"deepspeed/{relative} (deepspeed {deepspeed.__version__}):"]
+                     + [f"{number:5d}  in {name}: {line}" for number, name, line in shown])
 
 
 def all_to_all_table(record: records.Record, seq: int | None = None) -> str:
