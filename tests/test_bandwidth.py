@@ -746,6 +746,11 @@ def test_the_kept_cores_view_keeps_only_calls_whose_ranks_hardly_waited_and_fits
     assert bandwidth.kept_cores(everyone)["selection"] == bandwidth.NONE_KEPT
     assert bandwidth.kept_cores_warning(bandwidth.kept_cores(everyone)).startswith("No call of this benchmark kept")
     assert calm["selection"] == bandwidth.KEPT and bandwidth.kept_cores_warning(calm) == ""
+    first_kept = dict(bench, results=[dict(p, core_wait=p["core_wait"] if i == 0 else [1.0] * 3)
+                                      for i, p in enumerate(bench["results"])])
+    mixed = bandwidth.kept_cores(first_kept)  # one point had calls that kept their cores, the others none
+    assert mixed["selection"] == f"1 of {len(bench['results'])} points from calls whose ranks kept their cores, " \
+        "the rest their fastest call" and bandwidth.kept_cores_warning(mixed) == ""
     counted_nowhere = _with_times(_synthetic_benchmark(2, known))
     assert bandwidth.kept_cores(counted_nowhere) is counted_nowhere
 

@@ -413,18 +413,22 @@ NONE_KEPT = "fastest call per point (no call kept its cores)"
 def kept_cores(result: dict) -> dict:
     """A copy of a benchmark summary whose points keep only the calls whose ranks hardly waited for a core (not
     :func:`_waited`): each point's time is their median, or its fastest call where every call waited. Its
-    ``selection`` label is :data:`KEPT`, or :data:`NONE_KEPT` where no call of the benchmark kept its cores. A
+    ``selection`` label is :data:`KEPT` where every point had such calls, :data:`NONE_KEPT` where none did, else
+    how many points did. A
     summary without the waits (the GPU references) comes back unchanged."""
     if not any(p.get("core_wait") for p in result["results"]):
         return result
-    points, any_kept = [], False
+    points, from_kept = [], 0
     for p in result["results"]:
         kept = [t for t, wait in _calls(p) if not _waited(t, wait)]
-        any_kept = any_kept or bool(kept)
+        from_kept += bool(kept)
         seconds = statistics.median(kept or [min(p["times"])])
         points.append(dict(p, times=kept or [min(p["times"])], seconds=seconds, algbw=p["bytes"] / seconds,
                            busbw=theory.bus_bandwidth(p["op"], p["bytes"], seconds, result["world_size"])))
-    return dict(result, results=points, selection=KEPT if any_kept else NONE_KEPT)
+    selection = (KEPT if from_kept == len(points) else NONE_KEPT if not from_kept else
+                 f"{from_kept} of {len(points)} points from calls whose ranks kept their cores, the rest their "
+                 "fastest call")
+    return dict(result, results=points, selection=selection)
 
 
 def kept_cores_warning(calm: dict) -> str:
@@ -434,8 +438,9 @@ def kept_cores_warning(calm: dict) -> str:
     if calm.get("selection") != NONE_KEPT:
         return ""
     return ("No call of this benchmark kept its cores (every call's ranks waited for one), so each point is its "
-            "fastest call, still slowed by other programs: this run's fit cannot be trusted on this machine. The "
-            "lesson is the GPU reference's fit ('Key result' above); the figures below only show this machine's load.")
+            "fastest call, still slowed by waiting for cores: this run's fit cannot be trusted on this machine. The "
+            "lesson is the GPU reference's fit ('Key result' above); the figures below show how this machine's cores "
+            "served the ranks' threads (two ranks, their gloo threads and any other program), not the link.")
 
 
 def core_wait_table(result: dict, op: str = "all_reduce", implementation: str = "deepspeed.comm") -> str:
