@@ -640,8 +640,15 @@ def test_timing_check_gives_a_verdict_only_for_a_run_alone_beyond_the_spread():
         capstone.Candidate("cpu", "baseline, again", setting, "b", record=_timed([9.0, 1.01, 1.0, 1.02])),
         capstone.Candidate("cpu", "ZeRO-3", setting, "c", record=_timed([9.0, 2.0, 2.02, 2.01]))])
     assert "baseline is faster" in capstone.timing_check(ladder, ALONE)
-    assert "Verdict withheld" in capstone.timing_check(ladder, BUSY)
-    assert "ZeRO-3" in capstone.timing_check(ladder, BUSY) and "baseline, again:" not in capstone.timing_check(ladder, BUSY)
+    assert "the machine was not alone" in capstone.timing_check(ladder, BUSY)
+    assert "ZeRO-3, step time (its step trains 1x the baseline's tokens): " in capstone.timing_check(ladder, BUSY)
+    assert "baseline, again," not in capstone.timing_check(ladder, BUSY)
+    doubled = capstone.Candidate("cpu", "accumulation x2", setting.with_knobs("grad_accum=4"), "d",
+                                 record=_timed([9.0, 1.0, 1.03, 1.01]))
+    ladder.candidates[2] = doubled
+    text = capstone.timing_check(ladder, ALONE)
+    assert "accumulation x2, step time (its step trains 2x the baseline's tokens): Withheld: within the steps' spread" \
+        in text
 
 
 def test_timing_check_comments_the_baselines_two_runs_through_the_load_guard():
@@ -649,7 +656,7 @@ def test_timing_check_comments_the_baselines_two_runs_through_the_load_guard():
     ladder = capstone.Ladder("tiny", 1, 2, "cpu", setting, 60.0, spread=0.4, margin=0.8, candidates=[
         capstone.Candidate("cpu", "baseline", setting, "a", record=_timed([9.0, 1.0, 1.01, 1.02])),
         capstone.Candidate("cpu", "baseline, again", setting, "b", record=_timed([9.0, 1.6, 1.61, 1.62]))])
-    assert "differ by 40.0% of their mean, hence the 80.0% margin" in capstone.timing_check(ladder, ALONE)
+    assert "differ by 40.0% of their mean model FLOP/s, hence the 80.0% margin" in capstone.timing_check(ladder, ALONE)
     assert "1.59x apart with the machine to itself" in capstone.timing_check(ladder, ALONE)
     busy_text = capstone.timing_check(ladder, BUSY)
     assert "withheld" in busy_text and "not DeepSpeed" in busy_text and "apart" not in busy_text
@@ -735,7 +742,8 @@ def test_guarded_withholds_every_rule_verdict_only_where_the_machine_was_shared(
     assert capstone.guarded(ladder, ALONE) == ladder
     shown = capstone.guarded(ladder, BUSY)
     assert [c["verdict"] for c in shown["candidates"]] == [
-        "baseline", "withheld (load); the rule: +181.2%", "withheld (load); the rule: -5.0%", "failed: OOM"]
+        "baseline", "withheld: the machine was not alone; the rule: +181.2%",
+        "withheld: the machine was not alone; the rule: -5.0%", "failed: OOM"]
     assert shown["withheld"] == BUSY.reason() and shown["rungs"][0]["kept"] == capstone.WITHHELD
     assert ladder["candidates"][1]["verdict"] == "kept: +181.2%"  # the walk's own data is left as it was
 
@@ -895,3 +903,23 @@ def test_initialize_compiles_the_engine_only_for_a_compiled_candidate(monkeypatc
         run = types.SimpleNamespace(model_options=setting.model_options("tiny"))
         assert capstone.initialize(torch.nn.Linear(1, 1), {}, run) is engine
     assert compiled == [True]
+
+
+def test_takeaway_table_has_one_row_per_ladder_from_its_data():
+    ladders = [e[4] for e in capstone.reference_ladders("1.2b") + capstone.reference_ladders("2.7b")]
+    table = capstone.takeaway_table(ladders).splitlines()
+    assert len(table) == 2 + len(ladders) and "FSDP2 OOM?" in table[0]
+    four = capstone.key_ladder("2.7b", world_size=4)
+    row = next(r for r in table if r.startswith("2.70B on 4 GPU(s)"))
+    mfu, exposed = capstone.best_mfu_and_exposed(four)
+    assert f"{mfu:.1%}" in row and f"{exposed:.1%}" in row and row.endswith("yes")
+    assert capstone.fsdp2_eager_gap(four) is None
+    two = capstone.key_ladder("2.7b", world_size=2)
+    assert capstone.fsdp2_eager_gap(two) == pytest.approx(-0.003, abs=0.0005)
+
+
+def test_rung_order_lists_the_rungs_a_walk_ran_and_those_it_never_ran():
+    ladder = {"rungs": [{"rung": "batch", "ran": True}, {"rung": "compile", "ran": True},
+                        {"rung": "overlap", "ran": False}]}
+    line = capstone.rung_order(ladder)
+    assert line.startswith("rungs in the order this walk ran them: batch, compile; never run: stage, overlap")

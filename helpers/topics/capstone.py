@@ -1329,13 +1329,13 @@ def _short_verdict(c: dict) -> str:
     return verdict
 
 
-def condensed_block(entry: tuple[str, str, str, str, dict]) -> str:
+def condensed_block(entry: tuple[str, str, str, str, dict], with_takeaway: bool = True) -> str:
     """One committed GPU ladder (an entry of :func:`reference_ladders`) in a few lines: its model, device and
     date, the path it kept (:func:`kept_path`), one line per rung of what it did not keep (:func:`dropped_lines`)
-    and its takeaway. :func:`reference_block` prints the whole record (peaks, exposed communication, failures)."""
+    and its takeaway (unless ``with_takeaway`` is False). :func:`reference_block` prints the whole record (peaks, exposed communication, failures)."""
     device, date, _note, _conditions, gpu_ladder = entry
     parts = [f"{gpu_ladder['params'] / 1e9:.2f}B on {device}, {date}:", kept_path(gpu_ladder),
-             dropped_lines(gpu_ladder), takeaway(gpu_ladder)]
+             dropped_lines(gpu_ladder), takeaway(gpu_ladder) if with_takeaway else ""]
     return "\n".join(p for p in parts if p)
 
 
@@ -1426,6 +1426,50 @@ def overlap_line(ladder: dict) -> str | None:
     hidden = "" if exposed is None else f", {exposed:.1%} of its step exposed communication"
     return (f"{ladder['params'] / 1e9:.2f}B on {ladder['device']}, ZeRO-{start['setting']['stage']}, {where}: without "
             f"overlap {start['tflops_per_gpu']:.4g} model TFLOP/s per GPU{hidden}; " + "; ".join(parts) + f": {why}.")
+
+
+def fsdp2_eager_gap(ladder: dict) -> float | None:
+    """FSDP2's faster eager run against DeepSpeed's eager run on the same batch (the baseline: the mean of its two
+    runs), as a fraction (-0.003: 0.3% slower), or None where FSDP2 or that DeepSpeed run was not measured."""
+    fsdp2 = ladder.get("fsdp2") or {}
+    if not fsdp2.get("measured"):
+        return None
+    eager = _same_batch_run(ladder, fsdp2["setting"], compiled=False)
+    if eager is None:
+        return None
+    runs = [c for c in ladder["candidates"] if c["verdict"] == "baseline"] if eager["verdict"] == "baseline" \
+        else [eager]
+    ds = sum(c["tflops_per_gpu"] for c in runs) / len(runs)
+    return max(r["tflops_per_gpu"] for r in fsdp2["runs"].values()) / ds - 1
+
+
+def rung_order(ladder: dict, rungs: Sequence[Rung] | None = None) -> str:
+    """The rungs a committed ladder ran, in the order it ran them, and those of ``rungs`` (default
+    :data:`GPU_LADDER`, the order the chapter lists) it never ran."""
+    ran = [r["rung"] for r in ladder["rungs"] if r["ran"]]
+    missing = [r.name for r in (GPU_LADDER if rungs is None else rungs) if r.name not in ran]
+    return (f"rungs in the order this walk ran them: {', '.join(ran) or 'none'}"
+            + (f"; never run: {', '.join(missing)}" if missing else ""))
+
+
+def takeaway_table(ladders: list[dict]) -> str:
+    """One row per committed ladder, from its data: where it ended (MFU, exposed communication of that step),
+    FSDP2's faster eager run against DeepSpeed's eager one on the same batch, and whether FSDP2 ran out of memory
+    (on the setting it trained or on the best setting since). A second ladder of the same size and GPUs is
+    named "walk 2"."""
+    rows: list[list[str]] = []
+    for ladder in ladders:
+        found = best_mfu_and_exposed(ladder)
+        fsdp2 = ladder.get("fsdp2") or {}
+        reasons = [r for r in (fsdp2.get("reason"), (fsdp2.get("latest") or {}).get("reason")) if r]
+        gap = fsdp2_eager_gap(ladder)
+        oom = "yes" if any(_out_of_memory(r) for r in reasons) else "no" if fsdp2.get("measured") else "not run"
+        name = f"{ladder['params'] / 1e9:.2f}B on {ladder['world_size']} GPU(s)"
+        again = sum(row[0].startswith(name) for row in rows)
+        rows.append([name + (f", walk {again + 1}" if again else ""),
+                     "-" if found is None else f"{found[0]:.1%}", "-" if found is None else f"{found[1]:.1%}",
+                     "-" if gap is None else f"{gap:+.1%} (margin {ladder['margin']:.1%})", oom])
+    return records.format_table(rows, ["ladder", "end MFU", "exposed comm", "FSDP2 eager delta", "FSDP2 OOM?"])
 
 
 def fsdp2_takeaways(ladders: list[dict]) -> str:
@@ -1531,7 +1575,7 @@ def exercise_margin(answer: Any, ladder: dict) -> exercises.Verdict:
 
 
 #: The verdict column's entry for a candidate the rule judged while the load guard saw other processes
-WITHHELD = "withheld (load)"
+WITHHELD = "withheld: the machine was not alone"
 
 
 def guarded(ladder: dict, load: load_guard.Load) -> dict:
@@ -1594,10 +1638,10 @@ def timing_check(ladder: Ladder, load: load_guard.Load) -> str:
         noise = load_guard.compare({"baseline": _steps(base.record), "baseline, again": _steps(again.record)}, load)
         why = (f"the same setting ran {noise.ratio:.2f}x apart with the machine to itself, beyond its steps' spread: "
                "that is this machine's own noise, and the margin absorbs it" if noise.given else
-               f"no verdict on that difference, withheld: {noise.withheld}"
+               f"no verdict on that difference, {_withheld(noise, load)}"
                + ("; on a busy machine the margin measures the other processes, not DeepSpeed, and can grow until no "
                   "candidate is kept" if not load.alone else ""))
-        lines.append(f"The baseline's two runs differ by {ladder.spread:.1%} of their mean, hence the "
+        lines.append(f"The baseline's two runs differ by {ladder.spread:.1%} of their mean model FLOP/s, hence the "
                      f"{ladder.margin:.1%} margin: {why}.")
         ratio = (1 + ladder.spread / 2) / (1 - ladder.spread / 2)  # the faster run over the slower
         if ratio >= 1.5:
@@ -1607,8 +1651,25 @@ def timing_check(ladder: Ladder, load: load_guard.Load) -> str:
         if c is not base and c is not again:
             verdict = load_guard.compare({"baseline": _steps(base.record), c.label: _steps(c.record)}, load,
                                          repeat=_steps(again.record) if again else None)
-            lines.append(f"{c.label}: {load_guard.sentence(verdict)}")
+            tokens = _tokens_per_rank_step(c.setting) / _tokens_per_rank_step(base.setting)
+            said = load_guard.sentence(verdict) if verdict.given else f"{_withheld(verdict, load).capitalize()}."
+            lines.append(f"{c.label}, step time (its step trains {tokens:g}x the baseline's tokens): {said}")
     return "\n".join(lines)
+
+
+def _tokens_per_rank_step(setting: Setting) -> int:
+    """The tokens one rank trains per optimizer step with ``setting``: micro batch x accumulation x sequence."""
+    return setting.micro_batch * setting.grad_accum * setting.seq_len
+
+
+def _withheld(verdict: load_guard.Verdict, load: load_guard.Load) -> str:
+    """Why a step-time verdict is withheld, in the words the chapter's tables use: the load guard's
+    :data:`WITHHELD`, or "withheld: within the steps' spread" where the difference does not exceed it."""
+    if not load.alone:
+        return WITHHELD
+    if verdict.withheld.startswith("the difference"):
+        return f"withheld: within the steps' spread ({verdict.spread:.0%})"
+    return f"withheld: {verdict.withheld}"
 
 
 def fsdp2_check(ladder: Ladder, load: load_guard.Load) -> str:
