@@ -867,8 +867,8 @@ def exercise_no_sync_states(answer: Any, runs: Mapping[str, records.Record], nam
               "master copy; the table of section 1 says which one no-sync holds whole between micro-steps."),
         why=(f"Measured on rank {rank}: weights {states['params']:,} (a shard), gradients {states['grads']:,} (whole: "
              f"the reduce-scatter waits for the last micro-step), Adam {states['optimizer']:,} (a shard). Plain FSDP2 "
-             f"full holds {runs['FSDP2 full'].model_state_bytes(rank):,}: no-sync pays the whole gradients' memory "
-             "for one reduce-scatter a step."))
+             f"full, its gradients sharded too, holds {runs['FSDP2 full'].model_state_bytes(rank) / run.model_state_bytes(rank):.2f}x "
+             "as much: no-sync pays the whole gradients' memory for one reduce-scatter a step."))
 
 
 def exercise_zero_redundancy_bytes(answer: Any, runs: Mapping[str, records.Record],
