@@ -22,13 +22,24 @@ import sys
 from types import ModuleType
 
 
+#: Environment variable that runs the course's ranks on the CPU (gloo) on a machine with GPUs: ``COURSE_DEVICE=cpu``
+#: (:func:`helpers.core.environment.detect` sets it for a chapter that needs more ranks than the GPUs chosen).
+DEVICE_VARIABLE = "COURSE_DEVICE"
+
+
+def cpu_ranks_chosen() -> bool:
+    """Whether this process runs the course's ranks on the CPU although GPUs may be present
+    (``$COURSE_DEVICE=cpu``)."""
+    return os.environ.get(DEVICE_VARIABLE, "").strip().lower() == "cpu"
+
+
 def choose_accelerator() -> None:
     """Before DeepSpeed is imported in this process: on a machine without GPUs, or where the course runs its
     ranks on the CPU (``$COURSE_DEVICE=cpu``), say "CPU" up front, or DeepSpeed warns that it found no
     accelerator (or picks the GPU). A choice already in ``$DS_ACCELERATOR`` stands."""
     import torch  # deferred: the commands that run before torch is installed must not import it
 
-    if not torch.cuda.is_available() or os.environ.get("COURSE_DEVICE", "").strip().lower() == "cpu":
+    if not torch.cuda.is_available() or cpu_ranks_chosen():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 

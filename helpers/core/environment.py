@@ -25,10 +25,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Environment variable a learner or instructor sets to choose the number of ranks.
 WORLD_SIZE_VARIABLE = "COURSE_WORLD_SIZE"
 
-#: Environment variable that runs the ranks on the CPU (gloo) on a machine with GPUs: ``COURSE_DEVICE=cpu``.
-#: :func:`detect` sets it for its own process (a chapter's kernel) when the chapter needs more ranks than the
-#: machine has GPUs, so every later run of that chapter takes the same CPU ranks.
-DEVICE_VARIABLE = "COURSE_DEVICE"
+#: ``COURSE_DEVICE=cpu``: the ranks on the CPU (gloo) on a machine with GPUs. :func:`detect` sets it for its own
+#: process (a chapter's kernel) when the chapter needs more ranks than the machine has GPUs, so every later run
+#: of that chapter takes the same CPU ranks.
+DEVICE_VARIABLE = ds.DEVICE_VARIABLE
 
 #: DS_ACCELERATOR as this process found it, before :func:`detect` set it for a CPU-only machine.
 _ORIGINAL_DS_ACCELERATOR = os.environ.get("DS_ACCELERATOR")

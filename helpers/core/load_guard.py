@@ -48,6 +48,8 @@ from typing import Iterator, Mapping, Sequence
 
 import psutil
 
+from helpers.core import ds
+
 #: CPU: the share of the machine's processor time other processes may use while the run still counts as alone.
 MAX_OTHER_CPU_SHARE = 0.05
 #: CPU: a process outside the run counts as "another process" once it used this much processor time (seconds).
@@ -243,7 +245,7 @@ def watch(ranks: int | None = None, interval: float = 0.5, device: str | None = 
     another. Processes that started and ended between two samples are missed on CPU.
     """
     me = psutil.Process()
-    if device is None and os.environ.get("COURSE_DEVICE", "").strip().lower() == "cpu":
+    if device is None and ds.cpu_ranks_chosen():
         device = "cpu"  # CPU ranks on a machine with GPUs (environment.detect's choice)
     sampler = _gpu_sampler() if device in (None, "gpu") else None
     device = device or ("gpu" if sampler else "cpu")
