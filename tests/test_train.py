@@ -4,6 +4,7 @@ writes its own ``deepspeed.initialize`` call), or the loop makes it with the sou
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,34 @@ def test_a_bad_initialize_is_refused_before_any_process_starts(spec, match):
     with pytest.raises(ValueError, match=match):
         launch._prepare(spec, 2, environment.detect(2))
 
+
+
+#: Imports the harness the way a rank's script does (after torch and DeepSpeed) and prints how many objects the
+#: garbage collector was told to leave alone, then whether a cycle made afterwards is still collected.
+FREEZE = """
+import gc, os, sys
+sys.path.insert(0, sys.argv[1])
+os.environ["DS_ACCELERATOR"] = "cpu"
+import torch, deepspeed
+from helpers.core import train
+frozen = gc.get_freeze_count()
+cycle = []
+cycle.append(cycle)
+del cycle
+print(frozen, gc.collect())
+"""
+
+
+@pytest.mark.parametrize("rank", [True, False])
+def test_a_rank_leaves_its_imports_out_of_garbage_collection_and_a_kernel_does_not(rank):
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK")}
+    if rank:
+        env["LOCAL_RANK"] = "0"
+    out = subprocess.run([sys.executable, "-c", FREEZE, str(environment.REPO_ROOT)], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    frozen, collected = int(out[-2]), int(out[-1])
+    if rank:
+        assert frozen > 100_000  # torch's, DeepSpeed's and torch._dynamo's module objects
+    else:
+        assert frozen == 0
+    assert collected >= 1  # what is made after the freeze is still collected

@@ -59,6 +59,21 @@ from helpers.core.probes import Probe, RunContext, Timeline, deep_update, missin
 cpu_info.remember()
 
 
+def exempt_imports_from_gc() -> None:
+    """Put every object alive now out of the garbage collector's reach (``gc.freeze``): the modules of torch,
+    DeepSpeed and the course, some 400,000 objects. A sweep's ``gc.collect()`` between runs then scans only what
+    was made since, about a millisecond instead of 0.1-0.2 s a call on a CPU. Call it before any model or engine
+    exists (what it freezes is never collected). ``torch._dynamo``, which DeepSpeed's first ``initialize``
+    imports (its Muon optimizer is compiled), is imported first so that it is frozen too."""
+    import torch._dynamo  # noqa: F401  (deferred: only a rank pays for its import)
+
+    gc.freeze()
+
+
+if "LOCAL_RANK" in os.environ:  # a rank started by a launcher (a notebook's kernel has none): no model yet
+    exempt_imports_from_gc()
+
+
 def die_with_parent() -> None:
     """Ask Linux to kill this process when its parent dies (``PR_SET_PDEATHSIG``).
 
@@ -384,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
 
         Timeline.process_marks["imports"] = round(time.time() - born, 3)
         dist = init_process_group(plan.launcher)
+        exempt_imports_from_gc()  # DeepSpeed's modules and the process group's, imported since this module was
         Timeline.process_marks["init_distributed"] = round(time.time() - born, 3)
         for position, run in enumerate(plan.runs):
             if dist.get_rank() == 0:
