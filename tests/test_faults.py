@@ -54,6 +54,38 @@ def wait_for_ranks(out: Path) -> None:
     wait_until(lambda: (out / "command.txt").exists() and len(segments_of(out)) == 2, 120)
 
 
+def test_a_rank_killed_by_sigkill_is_named_with_the_hosts_memory_and_leaves_nothing(tmp_path):
+    out = tmp_path / "rank-killed"
+    script = ("from helpers.core import launch\ntry:\n" + textwrap.indent(HANGING_RUN.format(out=str(out)), "    ")
+              + "except launch.RunFailed as failure:\n    print('RunFailed:', failure)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_ranks(out)
+        rank0 = next(p for p in course_processes(out) if "--local_rank=0" in p.cmdline())
+        rank0.kill()  # as the kernel's out-of-memory killer would: SIGKILL, no Python error
+        said = parent.communicate(timeout=60)[0]
+    finally:
+        parent.kill()
+    # the killed rank first; the other rank's error (its peer's connection closed) after it
+    assert said.startswith("RunFailed: a rank was killed by SIGKILL, which comes from outside the process"), said
+    assert "the host's available memory at the lowest sample:" in said and "; then rank 1 failed:" in said
+    assert wait_until(lambda: course_processes(out) == [], 10) < 10
+    assert segments_of(out) == []
+
+
+def test_a_sigkill_with_the_host_out_of_memory_says_so():
+    memory = launch._HostMemory()
+    lines = ["[2026-11-29 01:46:40,399] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u', '-m', "
+             "'helpers.core.train', '--local_rank=0'] exits with return code = -9\n"]
+    memory.lowest = 0.5 * 2 ** 30
+    assert launch.how_it_ended(247, lines, memory).startswith(
+        "a rank was killed by SIGKILL: the host ran out of memory (available at the lowest sample: 0.5 GiB of")
+    memory.lowest = memory.total / 2
+    assert "comes from outside the process" in launch.how_it_ended(247, lines, memory)
+    assert launch.how_it_ended(1, ["exits with return code = 1"], memory) == "exited with code 1"
+
+
 def test_killing_the_starting_process_ends_the_launch_and_the_next_run_cleans_up(tmp_path):
     out = tmp_path / "killed"
     parent = subprocess.Popen([sys.executable, "-c", HANGING_RUN.format(out=str(out))], cwd=REPO_ROOT)

@@ -813,6 +813,50 @@ _HOST_PREFIX = re.compile(r"^[\w.-]+: ?")
 RANK_EXITED = re.compile(r"\[launch\.py:\d+:main\] Process \d+ exits successfully\.")
 
 
+#: DeepSpeed's launcher's line for a rank that ended with an error or a signal (``return code = -9``: SIGKILL).
+RANK_FAILED = re.compile(r"\[launch\.py:\d+:sigkill_handler\] .* exits with return code = (-?\d+)")
+
+
+class _HostMemory:
+    """The lowest memory the host had available while a launch ran, sampled every half second: the evidence
+    for the kernel's out-of-memory killer, which ends a rank with SIGKILL and leaves no Python error."""
+
+    def __init__(self):
+        self.total, self.lowest, self._next = psutil.virtual_memory().total, math.inf, 0.0
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        if now >= self._next:
+            self.lowest, self._next = min(self.lowest, psutil.virtual_memory().available), now + 0.5
+
+    @property
+    def ran_out(self) -> bool:
+        """Whether less than 2% (or 1 GiB, whichever is larger) was left at the lowest sample."""
+        return self.lowest < max(2 ** 30, 0.02 * self.total)
+
+
+def how_it_ended(code: int | None, log_lines: Sequence[str], memory: _HostMemory) -> str:
+    """What ended a launch whose ranks did not all exit cleanly, in words: the signal that killed a rank (from
+    DeepSpeed's launcher's log) and, for SIGKILL, the host's lowest available memory, or the exit code."""
+    codes = [int(m.group(1)) for line in log_lines if (m := RANK_FAILED.search(line))]
+    signals = [-c for c in codes if c < 0]
+    if not signals:
+        return f"exited with code {code}"
+    try:
+        said = f"a rank was killed by {signal.Signals(signals[0]).name}"
+    except ValueError:
+        said = f"a rank was killed by signal {signals[0]}"
+    if signals[0] != signal.SIGKILL:
+        return said
+    gib = 2 ** 30
+    low = f"{memory.lowest / gib:.1f} GiB of {memory.total / gib:.0f} GiB" if memory.lowest < math.inf else "unknown"
+    if memory.ran_out:
+        return (f"{said}: the host ran out of memory (available at the lowest sample: {low}); the kernel's "
+                "out-of-memory killer ends a process this way, with no Python error")
+    return (f"{said}, which comes from outside the process: the kernel's out-of-memory killer or a `kill -9` "
+            f"(the host's available memory at the lowest sample: {low})")
+
+
 class _CleanExits:
     """Counts DeepSpeed's launcher's :data:`RANK_EXITED` lines in a local launch's output: ``done`` once every
     one of the ``world`` ranks has exited with status 0. Nothing is left to wait for then but the launcher's
@@ -849,6 +893,7 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
     timed_out = interrupted = False
     stacks = ""
     exits = _CleanExits(world if hosts is None else math.inf)  # several hosts: pdsh's runner ends by itself
+    memory = _HostMemory()
     try:
         with open(folder / "launch.log", "w") as log:
             while not exits.done:
@@ -856,6 +901,7 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
                 if remaining <= 0:
                     timed_out = True
                     break
+                memory.sample()
                 try:
                     line = lines.get(timeout=min(remaining, 0.2))
                 except queue.Empty:
@@ -926,7 +972,10 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
                         traceback=stacks)
     if fatal is not None:
         run = next((p for i, p in enumerate(prepared) if i in run_times and len(run_times[i]) == 1), prepared[0])
-        raise RunFailed(f"rank {fatal['rank']} failed: {fatal['type']}: {fatal['message']}", rank=fatal["rank"],
+        ended = how_it_ended(code, log_lines, memory)
+        # a rank killed by a signal is the cause; another rank's error (its peer's connection closed) follows
+        cause = f"{ended}; then " if ended.startswith("a rank was killed") else ""
+        raise RunFailed(f"{cause}rank {fatal['rank']} failed: {fatal['type']}: {fatal['message']}", rank=fatal["rank"],
                         error_type=fatal["type"], message=fatal["message"], traceback=fatal["traceback"],
                         log_tail=tail, out=run.out)
     results: dict[str, records.Record | RunFailed] = {}
@@ -938,7 +987,9 @@ def _follow(argv: list[str], child: dict[str, str], folder: Path, prepared: list
                                         log_tail=tail, out=p.out)
             continue
         if code != 0 or not (p.out / "summary.json").exists():
-            raise RunFailed(f"[{where}] exited with code {code} and no summary for {p.name}. "
+            # the run that was training when the launch ended: the first without its record
+            p = next((q for q in prepared[i:] if not (q.out / "summary.json").exists()), p)
+            raise RunFailed(f"[{where}] {how_it_ended(code, log_lines, memory)} and no summary for {p.name}. "
                             f"Last log lines:\n{tail}", log_tail=tail, out=p.out)
         times = run_times.get(i, [])
         # a launch of one run: launch to exit; a run of a sweep: its own start to its record
