@@ -350,7 +350,13 @@ def run_launch(data: dict, path: Path, name: str, trials: list[Trial], size: str
                 try:
                     results[spec.name] = records.load(launch.run_folder(spec, world))
                 except (OSError, ValueError):
-                    results[spec.name] = failure
+                    results[spec.name] = None  # did not run, unless it is the run that failed (below)
+            unfinished = [spec for spec in specs if results[spec.name] is None]
+            failed = next((spec for spec in unfinished if failure.out is not None
+                           and Path(failure.out).resolve() == launch.run_folder(spec, world).resolve()),
+                          unfinished[0] if unfinished else None)
+            if failed is not None:  # the runs after it never started: "not run", tried again next call
+                results[failed.name] = failure
     seconds = time.monotonic() - started
     for t in trials:
         entry, result = data["trials"][t.name], results.get(t.name)

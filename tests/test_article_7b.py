@@ -199,6 +199,25 @@ def test_without_a_data_parallel_run_the_comparison_says_so():
     assert article.article_comparison(data) is None
 
 
+def test_a_launch_killed_in_one_run_marks_that_run_and_leaves_the_later_ones_to_run(monkeypatch, tmp_path):
+    trials = [t for t in article.later_trials(True, ("stages", "offload"), 1)][:3]
+    folder = lambda t: article.launch.run_folder(t.spec("7b", 6, 1, tmp_path / "article" / "7b"), 1)
+    killed = article.launch.RunFailed("[1 GPU rank] a rank was killed by SIGKILL: the host ran out of memory",
+                                      out=folder(trials[1]))
+
+    def sweep(specs, **_):
+        raise killed
+
+    monkeypatch.setattr(article.launch, "sweep", sweep)
+    monkeypatch.setattr(article.launch, "RUNS_DIR", tmp_path)
+    monkeypatch.setattr(article.records, "load", lambda path: (_ for _ in ()).throw(OSError(path)))
+    data = {"params": PSI_7B, "trials": {}, "launches": []}
+    article.run_launch(data, tmp_path / "ref.json", "rest-1", trials, "7b", 6, 1, timeout=60)
+    statuses = [data["trials"][t.name]["status"] for t in trials]
+    assert statuses == ["not run", "out of memory", "not run"]  # the first had not failed: it has no record either
+    assert [article.is_final(data["trials"][t.name]) for t in trials] == [False, True, False]
+
+
 # --- end to end on two CPU ranks ---------------------------------------------------------------------
 
 @pytest.mark.system
