@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import itertools
 import json
 import os
@@ -480,6 +481,7 @@ def test_the_totals_table_adds_up_every_layer_and_the_rest():
 
 
 def test_the_pipeline_probe_on_a_model_that_is_no_pipeline_stops_before_any_process_starts(monkeypatch):
+    importlib.import_module("helpers.core.train")  # its import asks py-cpuinfo, which runs `file`: not a launch
     monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(ValueError, match="probe 'pipeline' measures training by helpers.topics.pipeline:train_step"):
         launch.run("zero1", model="llama", probes=(pipeline.PipelineTimeline,))
