@@ -270,9 +270,10 @@ def test_the_utilization_reading_withholds_a_busy_launchs_direction_and_shows_th
     reference = {"pipeline": [("2 x GPU", "2026-01-02", "", _timed_runs(99, 75))]}
     monkeypatch.setattr(pipeline.references, "reference_runs", lambda name: reference.get(name, []))
     busy = pipeline.utilization_reading(_micro_batch_runs(25, 30, 100, 50), BUSY).splitlines()
-    assert busy[0].startswith("This launch: the pipeline took 0.23x to 0.91x data parallelism's step time, "
-                              "not falling steadily as M grows. Verdicts withheld (other processes (3) used 60%")
-    assert "say nothing for or against it" in busy[0]
+    assert busy[0].startswith("Verdicts withheld (other processes (3) used 60%")  # before any ratio
+    assert ("This launch's step times below (the pipeline at 0.23x to 0.91x data parallelism's step time, not "
+            "falling steadily as M grows)") in busy[0]
+    assert busy[0].index("withheld") < busy[0].index("0.23x") and "say nothing for or against it" in busy[0]
     assert busy[1] == ("The GPU reference (2 x GPU, 2026-01-02) is what tests it: there pipeline took 1.33x "
                        "data-parallel's step time.")
     steady = pipeline.utilization_reading(_micro_batch_runs(180, 140, 100, 95), BUSY).splitlines()[0]
@@ -726,13 +727,17 @@ def test_exercise_micro_batches_counts_deepspeeds_schedule():
     assert not pipeline.exercise_micro_batches(..., stages=4, share=0.1).answered
 
 
-def test_exercise_p2p_bytes_reads_the_comms_loggers_sends():
-    sends = {"by_op": {"send": {"count": 4.0, "bytes": 262144.0}}, "bytes_per_step": 262144.0,
-             "wire_bytes_per_step": 262144.0}
-    record = records.Record({**minimal_summary(), "name": "pipeline", "model": {"name": "llama-pipe", "params": 1},
-                             "grad_accum": 4, "train_batch": 32, "comm": sends})
-    assert pipeline.exercise_p2p_bytes(4 * 4 * 64 * 64 * 4, record)  # M activations of b·s·h fp32 elements
-    assert not pipeline.exercise_p2p_bytes(2 * 4 * 4 * 64 * 64 * 4, record)  # the gradients back counted too
+def test_exercise_p2p_bytes_reads_the_comms_loggers_sends_and_receives():
+    call = 2 * 64 * 64 * 4  # one micro-batch of b = 2 samples, s = h = 64, fp32
+    both = {"by_op": {"send": {"count": 8.0, "bytes": 8.0 * call}, "recv": {"count": 8.0, "bytes": 8.0 * call}},
+            "bytes_per_step": 16.0 * call, "wire_bytes_per_step": 16.0 * call}
+    record = records.Record({**minimal_summary(), "name": "pipeline-M8", "model": {"name": "llama-pipe", "params": 1},
+                             "grad_accum": 8, "micro_batch": 2, "train_batch": 16, "data_parallel_size": 1,
+                             "comm": both})
+    assert pipeline.exercise_p2p_bytes(2 * 8 * call, record)  # an activation out, its gradient back, per micro-batch
+    assert not pipeline.exercise_p2p_bytes(8 * call, record)  # the sends only
+    assert not pipeline.exercise_p2p_bytes(2 * 8 * 4 * 64 * 64 * 4, record)  # M = 8 micro-batches of the M = 4 size
+    assert "16 samples" in str(pipeline.exercise_p2p_bytes(..., record))
     assert not pipeline.exercise_p2p_bytes(..., record).answered
 
 
@@ -899,3 +904,20 @@ def test_a_reference_saved_without_a_load_is_judged_under_its_written_conditions
     # the committed reference: alone on its own GPUs by its conditions and its saved load, but AutoTP's repeat
     # at the end of its sweep took far longer than AutoTP at the start
     assert "Verdict withheld: the machine changed during the sweep" in tensor_parallel.reference_sentences()
+
+
+def test_the_timelines_legend_names_the_colour_of_every_bar():
+    class _Timed:
+        summary = {"pipeline": {"stages": 2, "micro_batches": 1, "last_step": [
+            [("LoadMicroBatch", 0.0, 0.1), ("ForwardPass", 0.1, 1.0), ("SendActivation", 1.0, 1.2),
+             ("RecvGrad", 1.2, 3.0), ("BackwardPass", 3.0, 5.0), ("ReduceGrads", 5.0, 5.1), ("OptimizerStep", 5.1, 6.0)],
+            [("RecvActivation", 0.0, 1.2), ("ForwardPass", 1.2, 2.0), ("BackwardPass", 2.0, 3.0),
+             ("SendGrad", 3.0, 3.1), ("ReduceTiedGrads", 3.1, 3.2)]]}}
+
+    ax = pipeline.pipeline_timeline(_Timed()).axes[0]
+    named = {tuple(h.get_facecolor()): t.get_text() for h, t in zip(ax.get_legend().legend_handles,
+                                                                     ax.get_legend().get_texts())}
+    drawn = {tuple(bar.get_facecolor()) for bar in ax.patches}
+    assert drawn <= set(named)  # every colour on the chart is in the legend
+    labels = " ".join(named.values())
+    assert "send (dark grey)" in labels and "receive (light grey)" in labels and "lightest grey" in labels

@@ -462,21 +462,6 @@ def loss_table(runs: dict, pairs) -> str:
     return records.format_table(rows, ["run", "against", "losses"])
 
 
-def bubble_table(runs: dict, counts=MICRO_BATCH_COUNTS) -> str:
-    """Per micro-batch count: measured bubble per stage (median over steps), the formula, step time.
-    Timings: print in a cell nbval does not compare."""
-
-    rows = []
-    for m in counts:
-        r = runs[f"pipeline-M{m}"]
-        section = r.summary["pipeline"]
-        rows.append([m, r["micro_batch"], *(f"{b:.3f}" for b in section["bubble_per_rank"]),
-                     f"{bubble_fraction(section['stages'], m):.3f}", f"{step_median_s(r) * 1000:.1f}"])
-    stages = runs[f"pipeline-M{counts[0]}"].summary["pipeline"]["stages"]
-    return records.format_table(rows, ["M", "micro-batch", *(f"stage {s} idle" for s in range(stages)),
-                                       "(S-1)/(M+S-1)", "step ms"])
-
-
 def memory_table(pipe: records.Record, baseline: records.Record) -> str:
     """Per rank: model states, buffers (ZeRO's gradient bucket among them) and activations saved for backward
     (measured), pipeline against data parallelism at the same micro-batch size."""
@@ -513,27 +498,26 @@ def utilization_table(runs: dict, counts=MICRO_BATCH_COUNTS) -> str:
 
 
 def utilization_reading(runs: Mapping, load: load_guard.Load | None, counts=MICRO_BATCH_COUNTS) -> str:
-    """What the step times of :func:`utilization_table` may be read for: where the load guard withholds the verdict
-    of the pipeline against data parallelism (a busy machine, a drift, a difference within the spread), the range
-    of this launch's ratios and why they do not show the schedule's cost; then the committed GPU reference's ratio,
-    labelled with its device and date, which does."""
+    """What the step times of :func:`utilization_table` may be read for, to print above that table: where the load
+    guard withholds the verdict of the pipeline against data parallelism (a busy machine, a drift, a difference
+    within the spread), that first, then the range of this launch's ratios and why they do not show the schedule's
+    cost; then the committed GPU reference's ratio, labelled with its device and date, which does."""
     first, base = timed_names(runs)
     ratios = [step_median_s(runs[f"pipeline-M{m}"]) / step_median_s(runs[base]) for m in counts]
     repeat = step_seconds(runs[AGAIN]) if AGAIN in runs and not _failed(runs, AGAIN) else None
     verdict = load_guard.compare({first: step_seconds(runs[first]), base: step_seconds(runs[base])}, load,
                                  repeat=repeat)
     steady = all(a >= b for a, b in zip(ratios, ratios[1:]))
+    spread = f"{min(ratios):.2f}x to {max(ratios):.2f}x data parallelism's step time"
     if verdict.given:
-        lines = [f"This launch ran alone: its step times may be read (verdicts below); the pipeline took "
-                 f"{min(ratios):.2f}x to {max(ratios):.2f}x data parallelism's step time."]
+        lines = [f"This launch ran alone: its step times may be read (verdicts below); the pipeline took {spread}."]
     else:
         busy = load is None or bool(load.reason())
-        why = ("these times hold the machine's other load and the Python work between instructions, not the cost of "
-               "the bubble and the transfers, so they say nothing for or against it" if busy
-               else "so these times show no direction either way")
-        lines = [f"This launch: the pipeline took {min(ratios):.2f}x to {max(ratios):.2f}x data parallelism's step "
-                 f"time{'' if steady else ', not falling steadily as M grows'}. Verdicts withheld ({verdict.withheld}): "
-                 f"{why}."]
+        why = ("they hold the machine's other load and the Python work between instructions, not the cost of the "
+               "bubble and the transfers, so they say nothing for or against it" if busy
+               else "so they show no direction either way")
+        lines = [f"Verdicts withheld ({verdict.withheld}). This launch's step times below (the pipeline at {spread}"
+                 f"{'' if steady else ', not falling steadily as M grows'}): {why}."]
     for device, day, _, ref in references.reference_runs("pipeline")[-1:]:
         pipe, other = timed_names(ref)
         lines.append(f"The GPU reference ({device}, {day}) is what tests it: there {pipe} took "
@@ -959,30 +943,35 @@ def schedules_reference_report() -> str:
 
 def pipeline_timeline(record, title: str | None = None):
     """One optimizer step of a pipeline run as a Gantt chart: per stage, what each instruction took (from the
-    ``pipeline`` probe). Forward and backward passes are labelled with their micro-batch."""
+    ``pipeline`` probe). Forward and backward passes are labelled with their micro-batch; the legend names every
+    colour."""
     plt = plots.pyplot()
+    from matplotlib import patches  # after plots.pyplot() has chosen the backend
     section = record.summary["pipeline"]
     steps = section["last_step"]
     start = min(i[1] for rank in steps for i in rank)
-    colours = {"ForwardPass": "#4C72B0", "BackwardPass": "#DD8452", "SendActivation": "#bbbbbb",
-               "RecvActivation": "#dddddd", "SendGrad": "#bbbbbb", "RecvGrad": "#dddddd", "OptimizerStep": "#55A868",
-               "ReduceGrads": "#C44E52"}
-    fig, ax = plt.subplots(figsize=(7.5, 0.6 + 0.7 * len(steps)))
+    kinds = {"ForwardPass": ("#4C72B0", "forward (blue)"), "BackwardPass": ("#DD8452", "backward (orange)"),
+             "SendActivation": ("#999999", "send (dark grey)"), "SendGrad": ("#999999", None),
+             "RecvActivation": ("#cccccc", "receive (light grey)"), "RecvGrad": ("#cccccc", None),
+             "ReduceGrads": ("#C44E52", "gradient reduction (red)"), "OptimizerStep": ("#55A868", "optimizer step (green)")}
+    other = ("#eeeeee", "load micro-batch, other (lightest grey)")
+    fig, ax = plt.subplots(figsize=(9.5, 0.9 + 0.7 * len(steps)))
     for rank, instructions in enumerate(steps):
         counters = {"ForwardPass": 0, "BackwardPass": 0}
         for kind, begin, end in instructions:
-            ax.barh(rank, (end - begin) * 1000, left=(begin - start) * 1000, color=colours.get(kind, "#eeeeee"),
+            ax.barh(rank, (end - begin) * 1000, left=(begin - start) * 1000, color=kinds.get(kind, other)[0],
                     edgecolor="white", linewidth=0.3)
             if kind in counters:
                 ax.text((begin + end) / 2 * 1000 - start * 1000, rank, f"{kind[0]}{counters[kind]}", ha="center",
                         va="center", fontsize=6, color="white")
                 counters[kind] += 1
+    handles = [patches.Patch(facecolor=colour, edgecolor="#888888", linewidth=0.5, label=label) for colour, label in (*kinds.values(), other) if label]
+    ax.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     ax.set_yticks(range(len(steps)), [f"stage {s}" for s in range(len(steps))])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step's first instruction")
-    ax.set_title(title or f"One step, {section['stages']} stages x {section['micro_batches']} micro-batches: forward "
-                          "(blue), backward (orange), send/recv (grey), gradient reduction (red), optimizer (green)",
-                 fontsize=8)
+    ax.set_title(title or f"One step, {section['stages']} stages x {section['micro_batches']} micro-batches "
+                          "(F0, B0: forward and backward of micro-batch 0)", fontsize=8)
     fig.tight_layout()
     plt.close(fig)
     return fig
@@ -1041,21 +1030,22 @@ def bubble_vs_micro_batches(measured: Mapping[int, Sequence[float]], stages: int
 # --- exercises: the micro-batches for a bubble, partition a pipeline, the bytes between stages --------------------
 
 def exercise_p2p_bytes(answer: object, record: records.Record) -> exercises.Verdict:
-    """Exercise: the bytes stage 0 of the pipeline run ``record`` sends to stage 1 per optimizer step, read from
-    DeepSpeed's comms logger on rank 0 (``send``); within 1%."""
-    sent = record.comm_ops().get("send", {"count": 0, "bytes": 0})
-    shape = models.shape_of(record.model_name)
+    """Exercise: the bytes stage 0 of the pipeline run ``record`` sends and receives per optimizer step, read from
+    DeepSpeed's comms logger on rank 0 (``send`` plus ``recv``); within 1%."""
+    ops = record.comm_ops()
+    sent, received = (ops.get(op, {"count": 0, "bytes": 0}) for op in ("send", "recv"))
     return exercises.number(
-        "stage bytes", answer, sent["bytes"], relative=0.01,
-        task=f"Predict the bytes stage 0 sends to stage 1 per optimizer step in the run '{record.name}': "
-             f"M = {record['grad_accum']} micro-batches of b = {record['micro_batch']} samples, s = {shape.seq} "
-             f"tokens, hidden size h = {shape.hidden}, {record['precision']} (within 1%).",
-        hint="the quantity is the tensor stage 0's last decoder layer hands on, once for every micro-batch of "
-             "one train_batch: it has the shape of a decoder layer's input (chapter 10's checkpointed layer).",
-        why=f"DeepSpeed's comms logger on rank 0: {sent['count']:g} send calls per step, {sent['bytes']:,.0f} bytes: "
-            "one activation of b·s·h elements per micro-batch. The gradients of the same size come back (recv).")
-
-
+        "stage bytes", answer, sent["bytes"] + received["bytes"], relative=0.01,
+        task=f"Predict the bytes stage 0 sends plus receives per optimizer step in the run '{record.name}': the same "
+             f"global batch of {record['train_batch']} samples, cut into M = {record['grad_accum']} micro-batches of "
+             f"{record['micro_batch']} (within 1%).",
+        hint="ask what crosses the boundary between the stages for one micro-batch, in each direction, and its "
+             "shape (the sizes 'The stages' printed); then what cutting the same global batch into more "
+             "micro-batches changes in the total.",
+        why=f"DeepSpeed's comms logger on rank 0: {sent['count']:g} sends and {received['count']:g} receives per step, "
+            f"{sent['bytes']:,.0f} + {received['bytes']:,.0f} bytes: one activation of b·s·h elements out and its "
+            "gradient back per micro-batch. M·b is the global batch, so the bytes per step do not depend on M; only "
+            "the number of calls does.")
 
 
 def exercise_micro_batches(answer: object, stages: int = 4, share: float = 0.1) -> exercises.Verdict:
@@ -1066,8 +1056,8 @@ def exercise_micro_batches(answer: object, stages: int = 4, share: float = 0.1) 
         "micro-batches", answer, fewest, absolute=0.5,
         task=f"Predict the fewest micro-batches M per step for which each stage of a {stages}-stage pipeline idles "
              f"less than {share:.0%} of its steps in DeepSpeed's schedule.",
-        hint="the quantity is each stage's idle share, and the formula is the bubble of the key result; M is a "
-             "whole number.",
+        hint="the quantity is each stage's idle share, and the formula is the bubble counted under 'The schedule "
+             "and its bubble'; M is a whole number.",
         why=f"(S-1)/(M+S-1) < {share:g} needs M > {(stages - 1) / share - (stages - 1):g}: M = {fewest} gives "
             f"{schedule_bubble(stages, fewest):.4f} in DeepSpeed's TrainSchedule, M = {fewest - 1} still "
             f"{schedule_bubble(stages, fewest - 1):.4f}. The S-1 idle steps at each end do not shrink; only more "
