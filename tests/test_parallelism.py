@@ -428,7 +428,9 @@ def test_the_recomputation_findings_say_nothing_of_time_when_the_load_guard_with
     runs = {"plain": _timed(30, plain), "deepspeed": _timed(41, {**plain, "backward_s": 26, "step_s": 41})}
     busy = load_guard.Load("cpu", 3, 0.5, 2, 10.0, 20, "test")
     found = activations.recompute_findings(runs, ["plain", "deepspeed"], busy).splitlines()
-    assert found[0].startswith("Verdict withheld: other processes (3) used 50%") and len(found) == 2
+    assert found[0].startswith("Verdict withheld: other processes (3) used 50%") and len(found) == 3
+    assert found[1] == ("Under this load the step times cannot even rank the methods: other processes took the cores "
+                        "for different steps of each run.")  # deepspeed is slower here, in median and fastest
     assert "rule" not in "\n".join(found)
     drifted = activations.recompute_findings(runs, ["plain", "deepspeed"], ALONE, again=_timed(45, plain))
     assert drifted.startswith("Verdict withheld: the machine changed during the sweep")
@@ -655,19 +657,30 @@ def test_exercise_checkpointed_layer_bytes_is_checked_against_the_probes_measure
     assert not activations.exercise_checkpointed_layer_bytes(..., runs).answered
 
 
-def test_exercise_cpu_checkpointing_block_is_parsed_by_deepspeed_and_names_ignored_keys():
-    assert activations.exercise_cpu_checkpointing_block({"cpu_checkpointing": True})
-    assert activations.exercise_cpu_checkpointing_block({"cpu_checkpointing": True, "partition_activations": False})
-    assert not activations.exercise_cpu_checkpointing_block({"cpu_checkpointing": True, "partition_activations": True})
-    ignored = activations.exercise_cpu_checkpointing_block({"cpu_offload": True})
-    assert not ignored and "DeepSpeed ignores 'cpu_offload'" in str(ignored)
-    assert not activations.exercise_cpu_checkpointing_block(...).answered
+def test_exercise_host_bytes_is_checked_against_the_references_host_memory(monkeypatch):
+    one = 4 * 1024 * 1024 * 4  # llama-gpu: b s h elements in fp32
+    moved = _Run("llama-gpu-dsckpt", [one] * 9, outside=500)
+    moved._section["per_rank"][0]["by_device"] = {"cuda": 2 * one + 500, "cpu": 7 * one}
+    monkeypatch.setattr(activations.references, "reference_runs",
+                        lambda name: [("1 x GPU", "2026-11-28", "note", {"plain": _Run("llama-gpu", [1])}),
+                                      ("2 x GPU", "2026-11-29", "note", {"deepspeed-cpu": moved})])
+    assert activations.exercise_host_bytes(7 * 16)  # MiB
+    assert not activations.exercise_host_bytes(8 * 16)  # the newest input stays on the GPU
+    assert not activations.exercise_host_bytes(7 * one)  # bytes, not MiB
+    blank = activations.exercise_host_bytes(...)
+    assert not blank.answered and "2 x GPU" in str(blank) and "8 checkpointed decoder layers" in str(blank)
+    assert "7 inputs of 16 MiB" in str(activations.exercise_host_bytes(7 * 16))
+    monkeypatch.setattr(activations.references, "reference_runs", lambda name: [])
+    assert not activations.exercise_host_bytes(7 * 16)
 
 
 def test_the_exercises_hints_name_the_quantity_not_the_solution():
     hint = lambda verdict: str(verdict).split("Hint: ", 1)[1]
-    cpu = hint(activations.exercise_cpu_checkpointing_block(...))
-    assert "CheckpointFunction.forward" in cpu and "deepspeed-cpu" not in cpu and "{" not in cpu
+    host = hint(activations.exercise_host_bytes(...))
+    assert "exercise 1" in host and "layers - 1" not in host and "7" not in host
+    shape = models.shape_of("llama-long")
+    layer = hint(activations.exercise_checkpointed_layer_bytes(..., {"long-torch": _Run("llama-long-ckpt", [1, 1])}))
+    assert "b·s·h" not in layer and "elements" not in layer
     bubble = hint(pipeline.exercise_micro_batches(..., stages=4, share=0.1))
     assert "bubble" in bubble and "(S-1)" not in bubble and "solve" not in bubble
     sends = {"by_op": {"send": {"count": 4.0, "bytes": 262144.0}}, "bytes_per_step": 262144.0,
@@ -693,15 +706,58 @@ def test_exercise_block_bytes_is_checked_against_the_block_only_run():
 def test_cpu_checkpointing_findings_comment_the_launch_they_are_given():
     plain = _Run("llama", [500, 500])
     plain["device"] = "cpu"
-    assert "left cpu_checkpointing out" in activations.cpu_checkpointing_findings({"plain": plain})
-    without = _Run("llama-dsckpt", [65_536, 65_536], outside=400)
-    without._section["per_rank"][0]["by_device"] = {"cuda": 2 * 65_536 + 400}
-    moved = _Run("llama-dsckpt", [65_536, 65_536], outside=400)
-    moved._section["per_rank"][0]["by_device"] = {"cuda": 65_536 + 400, "cpu": 65_536}
+    assert "leaves cpu_checkpointing out (its comment says why)" in activations.cpu_checkpointing_findings(
+        {"plain": plain})
+    one = 65_536  # llama-dsckpt: b s h elements in fp32
+    without = _Run("llama-dsckpt", [one, one], outside=400)
+    without._section["per_rank"][0]["by_device"] = {"cuda": 2 * one + 400}
+    moved = _Run("llama-dsckpt", [2 * one, one], outside=400)  # layer 0's input counted on both sides
+    moved._section["per_rank"][0]["by_device"] = {"cuda": 2 * one + 400, "cpu": one}
     moved["device"] = "cuda"
     found = activations.cpu_checkpointing_findings({"plain": plain, "deepspeed": without, "deepspeed-cpu": moved})
-    assert "kept 64.4 KiB for backward on the GPU (without it: 128 KiB) and 64 KiB in host memory" in found
-    assert found.endswith("It moved 64 KiB off the GPU.")
+    rows = {line.split("  ")[0]: line.split() for line in found.splitlines()[2:6]}
+    assert rows["on the GPU"][-3:] == ["2", "400", "B"] and rows["in host memory"][-3] == "1"
+    assert rows["counted in the layers"][-2] == "3"
+    assert found.splitlines()[-1] == ("2 layers, so 2 inputs: 1 were in host memory and 2 on the GPU, 1 of them on "
+                                      "both sides (a copy still running), which the layers' count holds twice; 0 B "
+                                      "left the GPU.")
+
+
+def test_crossover_terms_count_the_fp32_copies_of_bf16(monkeypatch):
+    found = activations.crossover_terms().splitlines()
+    softmax = next(line for line in found if line.startswith("a·s²·b")).split()
+    assert softmax[1:3] == ["1", "6"]  # one tensor, kept in fp32 and in bf16
+    assert softmax[3:] == ["96", "GiB", "32", "GiB"]  # 32 layers x 32 heads x 4096² x 6 (or 2) bytes
+    assert next(line for line in found if line.startswith("b·s·h")).split()[1:3] == ["10", "24"]
+    assert "fp32 output" in found[-1]
+    assert activations.crossover_terms("fp32").splitlines()[4].split()[1:3] == ["1", "4"]
+
+
+def test_outside_table_names_the_blocks_by_their_shape():
+    run = _Run("llama", [500, 500])
+    b, s, h, v = 4, 64, 64, models.LM_VOCAB
+    run._section["per_rank"][0]["outside_blocks"] = [["float32", b * s * v], ["float32", b * s * h],
+                                                     ["float32", b * s * h], ["int64", b * s], ["float32", b * s],
+                                                     ["int64", b * (s + 1)],
+                                                     ["float32", 1], ["float32", 3]]
+    found = activations.outside_table(run)
+    assert "final norm: input, normalized, weighted (b·s·h) 2 x float32 131,072" in " ".join(found.split())
+    assert "targets, flattened for the loss (b·s) 1 x int64 2,048" in " ".join(found.split())
+    assert "token windows, b·(s+1): the ids 1 x int64 2,080" in " ".join(found.split())
+    assert "3 elements" in found and found.splitlines()[-1].startswith("formula, floating point only: ")
+
+
+def test_recompute_table_shows_the_medians_the_verdict_quotes_and_the_load_sentence():
+    runs = {"plain": _steps([600, 100, 300, 99]), "torch": _steps([200, 90, 95, 94])}
+    table = activations.recompute_table(runs, ["plain", "torch"]).splitlines()
+    assert table[0].split()[:4] == ["run", "median", "step", "ms"]
+    assert table[3].split()[1:3] == ["94.0", "0.94x"]  # median of the steps after the first: 94 ms over 100 ms
+    busy = load_guard.Load("cpu", 3, 0.6, 2, 10.0, 20, "test")
+    found = activations.recompute_findings(runs, ["plain", "torch"], busy)
+    assert ("Under this load the step times cannot even rank the methods" in found
+            and "(torch.utils.checkpoint came out faster than no checkpointing in its median or fastest" in found)
+    alone = load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test")
+    assert "cannot even rank" not in activations.recompute_findings(runs, ["plain", "torch"], alone)
 
 
 def test_chapter_records_reads_the_runs_newer_than_the_launch_in_training_order(tmp_path):

@@ -28,6 +28,7 @@ rest, to compare what recomputation costs with the 4/3 rule of thumb.
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -401,6 +402,31 @@ def terms_table(record) -> str:
     return records.format_table(rows, ["term", "tensors saved", "bytes", "formula bytes"])
 
 
+def outside_table(record) -> str:
+    """What rank 0 saved for backward outside the decoder layers, block by block, named by its shape (final norm,
+    log-softmax of the logits, token ids...), with the formula's bytes (:func:`activation_bytes_outside_layers`,
+    floating point only) under it."""
+    shape, b = _shape(record), record["micro_batch"]
+    s, h = shape.seq, shape.hidden
+    width = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
+    names = {(b * s * models.LM_VOCAB, False): "log-softmax of the logits (b·s·V)",
+             (b * s * h, False): "final norm: input, normalized, weighted (b·s·h)",
+             (b * s, False): "final norm's 1/rms (b·s)", (b * (s + 1), True): "token windows, b·(s+1): the ids",
+             (b * s, True): "targets, flattened for the loss (b·s)",
+             (1, False): "the loss"}
+    groups: dict[str, list[int]] = {}
+    for dtype, elements in measured(record)["outside_blocks"]:
+        label = names.get((elements, dtype.startswith("int")), f"{elements} elements")
+        count = groups.setdefault(label, [0, 0, dtype])
+        count[0] += 1
+        count[1] += elements * width.get(dtype, 4)
+    rows = [[label, f"{n} x {dtype}", f"{size:,}"] for label, (n, size, dtype) in groups.items()]
+    rows.append(["all outside the layers", "", f"{measured(record)['outside']:,}"])
+    formula = activation_bytes_outside_layers(b, s, h, models.LM_VOCAB, record["precision"])
+    return records.format_table(rows, ["outside the layers (rank 0)", "tensors saved", "bytes"]) + (
+        f"\nformula, floating point only: {formula:,.0f} bytes")
+
+
 def totals_table(runs: dict, names) -> str:
     """Per run: bytes saved by the decoder layers (summed), outside them, in total (the sum of the two), against
     the first run's total."""
@@ -453,17 +479,20 @@ def recompute_rows(runs: dict, names: Sequence[str]) -> list[dict]:
 
 
 def recompute_table(runs: dict, names: Sequence[str]) -> str:
-    """Each run's step, its forward and its backward (the loss and ``engine.backward``, where the replays run), rank 0,
-    its fastest step (print it in a cell nbval does not compare), and its step time over the first run's."""
+    """Each run's median step (the steps after the first, the statistic the load guard's verdict quotes), its
+    fastest step and that step's forward and backward (the loss and ``engine.backward``, where the replays run),
+    rank 0, each over the first run's (print it in a cell nbval does not compare)."""
 
+    first_median = statistics.median(_steps_s(runs[names[0]]))
     table = []
     for row in recompute_rows(runs, names):
         p = row["phases"] or {}
         ms = (lambda key: f"{p[key] * 1e3:.1f}" if key in p else "-")
-        table.append([row["label"], f"{row['step_s'] * 1e3:.1f}", ms("forward_s"), ms("backward_s"),
-                      f"{row['ratio']:.2f}x"])
-    return records.format_table(table, ["run", "step ms", "forward ms", "backward ms",
-                                        f"step vs {LABELS.get(names[0], names[0])}"])
+        median = statistics.median(_steps_s(runs[row["name"]]))
+        table.append([row["label"], f"{median * 1e3:.1f}", f"{median / first_median:.2f}x",
+                      f"{row['step_s'] * 1e3:.1f}", f"{row['ratio']:.2f}x", ms("forward_s"), ms("backward_s")])
+    return records.format_table(table, ["run", "median step ms", "median / first", "fastest step ms",
+                                        "fastest / first", "its forward ms", "its backward ms"])
 
 
 def reference_price(name: str = "activation-checkpointing") -> str:
@@ -529,6 +558,14 @@ def recompute_findings(runs: dict, names: Sequence[str], load: load_guard.Load |
                                  repeat=_steps_s(again) if again is not None else None, sweep=sweep)
     lines = [load_guard.sentence(verdict)]
     if not verdict.given:
+        if load is not None and not load.alone:
+            medians = {n: statistics.median(_steps_s(runs[n])) for n in names}
+            faster = [row["label"] for row in rows[1:]
+                      if row["ratio"] < 1 or medians[row["name"]] < medians[names[0]]]
+            lines.append("Under this load the step times cannot even rank the methods: other processes took the "
+                         "cores for different steps of each run"
+                         + (f" ({', '.join(faster)} came out faster than {LABELS.get(names[0], names[0])} in its "
+                            "median or fastest step, which a replay cannot do)." if faster else "."))
         lines.append("So nothing is said here of what recomputation cost: the step times are for reading, not for "
                      "judging.")
         return "\n".join(lines)
@@ -557,65 +594,6 @@ def recompute_findings(runs: dict, names: Sequence[str], load: load_guard.Load |
             lines.append(f"{row['label']}: its backward grew by {more:.2f} times the layers' forward "
                          f"({'more than' if more > 1 else 'at most'} the one forward the rule counts).")
     return "\n".join(lines)
-
-
-def inputs_rows(runs: dict, names: Sequence[str]) -> list[dict]:
-    """Per run (rank 0): bytes the ``activations`` probe counted in the decoder layers, against the formula's
-    (for a checkpointed layer, its input), outside the layers, and on the host."""
-    rows = []
-    for name in names:
-        r = runs[name]
-        if isinstance(r, Exception):
-            continue
-        m = measured(r)
-        layers = len(m["per_layer"])
-        rows.append({"name": name, "label": LABELS.get(name, name), "layers": sum(m["per_layer"]),
-                     "formula": sum(layer_formula(r, i) for i in range(layers)), "outside": m["outside"],
-                     "host": m.get("by_device", {}).get("cpu", 0) if r["device"] == "cuda" else 0})
-    return rows
-
-
-def inputs_table(runs: dict, names: Sequence[str]) -> str:
-    """:func:`inputs_rows` as a table: did the probe see what each run's layers keep?"""
-    table = [[row["label"], records.format_bytes(row["layers"]), records.format_bytes(row["formula"]),
-              f"{row['layers'] / row['formula']:.2f}", records.format_bytes(row["outside"]),
-              records.format_bytes(row["host"])] for row in inputs_rows(runs, names)]
-    return records.format_table(table, ["run", "counted in the layers", "formula for the layers", "counted/formula",
-                                        "outside the layers", "in host memory"])
-
-
-def reference_findings(name: str = "activation-checkpointing") -> str:
-    """What each committed GPU result says, and what it cannot say: whether the probe saw the layers' kept
-    tensors (:func:`inputs_table`), and the cost of recomputation against the 4/3 rule
-    (:func:`recompute_findings`); sentences generated from the reference."""
-
-    def render(runs: dict, load: load_guard.Load) -> str:
-        names = [n for n in LABELS if n in runs and not isinstance(runs[n], Exception)]
-        rows = {row["name"]: row for row in inputs_rows(runs, names)}
-        lines = [inputs_table(runs, names)]
-        plain = rows.get("plain")
-        for key in ("transformers", "torch", "deepspeed", "deepspeed-cpu"):
-            row = rows.get(key)
-            if row is None or plain is None:
-                continue
-            if row["layers"] >= row["formula"]:
-                lines.append(f"{row['label']}: the layers' inputs were counted ({records.format_bytes(row['layers'])}).")
-                continue
-            extra = row["outside"] - plain["outside"]
-            where = (f"; the {records.format_bytes(extra)} counted outside the layers beyond the plain run's are "
-                     "those inputs, counted in the wrong place" if extra >= row["formula"] else
-                     "; nothing beyond the plain run's bytes was counted outside the layers either: the probe did not "
-                     "see them")
-            lines.append(f"{row['label']}: {records.format_bytes(row['layers'])} counted in the layers where their "
-                         f"inputs are {records.format_bytes(row['formula'])}{where}.")
-        cpu = rows.get("deepspeed-cpu")
-        if cpu is not None and cpu["layers"] < cpu["formula"]:
-            lines.append(f"So the cpu_checkpointing row's {records.format_bytes(cpu['host'])} in host memory says "
-                         "nothing about where DeepSpeed put the inputs: the probe did not see them on this machine.")
-        lines.append(recompute_findings(runs, timed_names(runs), load, again=runs.get(AGAIN), sweep=True))
-        return "\n".join(lines)
-
-    return _report_with_load(name, render)
 
 
 def model_state_bytes_fp32(psi: int) -> int:
@@ -677,24 +655,37 @@ def block_report(runs: dict) -> str:
 
 
 def cpu_checkpointing_findings(runs: dict) -> str:
-    """What ``cpu_checkpointing`` did in this launch, generated from its runs (rank 0): the bytes DeepSpeed's
-    checkpoint kept on the device and in host memory with it and without it; or, where the launch had no
-    ``deepspeed-cpu`` run (CPU ranks, whose host memory is their device memory), that it was not measured here."""
+    """What ``cpu_checkpointing`` did in this launch, generated from its runs (rank 0): where the layers' inputs
+    were when the backward began, as a table (on the GPU, in host memory, counted in the layers) in layer inputs
+    and bytes, and a sentence that reconciles them; or, where the launch had no ``deepspeed-cpu`` run (CPU ranks),
+    that it was not measured here."""
     if "deepspeed-cpu" not in runs:
-        where = runs["plain"]["device"]
-        return (f"This launch ran on {where} ranks, whose activations already live in host memory, so the script "
-                "left cpu_checkpointing out: nothing here measures what it frees (on a GPU this cell reports the run "
-                "the script makes there).")
+        return (f"This launch ran on {runs['plain']['device']} ranks, where the script leaves cpu_checkpointing out "
+                "(its comment says why): nothing here measures it; the GPU reference below does.")
     with_cpu, without = measured(runs["deepspeed-cpu"]), measured(runs["deepspeed"])
     device = runs["deepspeed-cpu"]["device"]
     where = "GPU" if device == "cuda" else device
-    kept, host = with_cpu["by_device"].get(device, 0), with_cpu["by_device"].get("cpu", 0)
-    before = without["by_device"].get(device, 0)
-    inputs = sum(layer_formula(runs["deepspeed"], i) for i in range(len(without["per_layer"])))
-    return (f"cpu_checkpointing: rank 0 kept {records.format_bytes(kept)} for backward on the {where} (without it: "
-            f"{records.format_bytes(before)}) and {records.format_bytes(host)} in host memory when the backward "
-            f"began; the layers' inputs are {records.format_bytes(inputs)} in all. It moved "
-            f"{records.format_bytes(max(before - kept, 0))} off the {where}.")
+    layers = len(with_cpu["per_layer"])
+    one = layer_formula(runs["deepspeed"], 0)  # a checkpointed layer keeps its input: b·s·h elements
+    kept, host, before = (with_cpu["by_device"].get(device, 0), with_cpu["by_device"].get("cpu", 0),
+                          without["by_device"].get(device, 0))
+    counted = sum(with_cpu["per_layer"])
+    n = lambda size: size / one  # noqa: E731 -- bytes in layer inputs
+    table = records.format_table(
+        [[f"on the {where}", records.format_bytes(kept), f"{n(kept - with_cpu['outside']):.0f}",
+          records.format_bytes(with_cpu["outside"])],
+         ["in host memory", records.format_bytes(host), f"{n(host):.0f}", "0 B"],
+         ["counted in the layers", records.format_bytes(counted), f"{n(counted):.0f}", "-"],
+         [f"on the {where}, without cpu_checkpointing", records.format_bytes(before),
+          f"{n(before - without['outside']):.0f}", records.format_bytes(without["outside"])]],
+        ["cpu_checkpointing, rank 0, as the backward began", "bytes",
+         f"layer inputs ({records.format_bytes(one)} each)", "outside the layers"])
+    both = round(n(kept - with_cpu["outside"]) + n(host) - layers)
+    return (f"{table}\n{layers} layers, so {layers} inputs: {round(n(host))} were in host memory and "
+            f"{round(n(kept - with_cpu['outside']))} on the {where}"
+            + (f", {both} of them on both sides (a copy still running), which the layers' count holds twice"
+               if both > 0 else "")
+            + f"; {records.format_bytes(max(before - kept, 0))} left the {where}.")
 
 
 def llama_7b_shape() -> dict:
@@ -722,6 +713,31 @@ def crossover_table(course_batch: int = 4, at_seq: int = 4096) -> str:
         rows.append([label, f"{p:,}", precision, batch, records.format_bytes(16 * p), seq, records.format_bytes(at)])
     return records.format_table(rows, ["model", "parameters", "precision", "micro-batch", "model states (16 B/param)",
                                        "activations pass them at (tokens)", f"activations at {at_seq:,} tokens"])
+
+
+def crossover_terms(precision: str = "bf16", seq: int = 4096) -> str:
+    """LLaMA-7B's activations at ``seq`` tokens (micro-batch 1) term by term, as :func:`activation_bytes_per_layer`
+    counts them in ``precision``: each term's elements and bytes per unit, its bytes over the 32 layers, and what
+    the same elements would take at the precision's width alone; then why the two differ."""
+    big = llama_7b_shape()
+    args = (1, seq, big["hidden"], big["heads"], big["intermediate"])
+    counted = activation_bytes_per_layer(*args, precision=precision)
+    elements = {term: value / 4 for term, value in activation_bytes_per_layer(*args, precision="fp32").items()}
+    units = {"b·s·h": seq * big["hidden"], "b·s·i": seq * big["intermediate"],
+             "a·s²·b": big["heads"] * seq * seq, "b·s": seq}
+    width = theory.bytes_per_element(precision)
+    rows = [[term, f"{elements[term] / unit:.0f}", f"{counted[term] / unit:.0f}",
+             records.format_bytes(big["layers"] * counted[term]),
+             records.format_bytes(big["layers"] * elements[term] * width)] for term, unit in units.items()]
+    rows.append(["all 32 layers", "", "", records.format_bytes(big["layers"] * counted["total"]),
+                 records.format_bytes(big["layers"] * elements["total"] * width)])
+    table = records.format_table(rows, ["term", "tensors kept", f"bytes per unit ({precision})",
+                                        f"LLaMA-7B, {seq:,} tokens", f"at {width} B an element"])
+    return (table + f"\nWhy more than {width} bytes an element: in {precision}, transformers' eager attention runs "
+            "the softmax in fp32 (softmax(..., dtype=torch.float32)), whose backward keeps that fp32 output, and "
+            "casts it back for the product with the values, which keeps the half copy (4 + 2 bytes); each RMSNorm "
+            "keeps an fp32 copy of its input and its fp32 1/rms (LlamaRMSNorm.forward, transformers 5.24). Read "
+            "from the source: this chapter measures fp32 only.")
 
 
 def activation_curves(course_batch: int = 4, seqs=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)) -> dict:
@@ -766,7 +782,7 @@ def reference_report(name: str = "activation-checkpointing") -> str:
     ``cpu_checkpointing`` run moved (:func:`cpu_checkpointing_findings`); or a plain statement that none is."""
 
     return references.references_report(
-        name, lambda runs: gpu_table(runs) + ("\n" + cpu_checkpointing_findings(runs) if "deepspeed-cpu" in runs else ""))
+        name, lambda runs: gpu_table(runs) + ("\n\n" + cpu_checkpointing_findings(runs) if "deepspeed-cpu" in runs else ""))
 
 
 # --- exercises: predict what a checkpointed layer keeps, configure DeepSpeed's checkpoint -----------
@@ -783,54 +799,34 @@ def exercise_checkpointed_layer_bytes(answer: object, runs: Mapping[str, Any], n
         "checkpointed layer bytes", answer, expected, relative=0.01, unit=" bytes",
         task=f"Predict the bytes one checkpointed decoder layer keeps for backward in the run '{name}' "
              f"(micro-batch {batch}, {shape.seq} tokens, hidden {shape.hidden}, {record['precision']}).",
-        hint="a checkpointed layer keeps only its input, the hidden states entering it: count their elements from "
-             "the run's shape, then the bytes of its precision.",
+        hint="the tensor that enters the layer, at the run's shape and precision.",
         why=f"the probe measured {expected:,} bytes; b x s x h x {width} = {batch} x {shape.seq} x {shape.hidden} x "
             f"{width} = {formula:,.0f}. Nothing from inside the layer stays, not even the s² softmax: the replay "
             "recomputes it during backward.")
 
 
-def block_settings() -> tuple[str, ...]:
-    """The keys DeepSpeed 0.19.8 reads from an ``activation_checkpointing`` block (any other key is ignored)."""
-    ACT_CHKPT_DEFAULT = ds.load("deepspeed.runtime.activation_checkpointing.config").ACT_CHKPT_DEFAULT
-    return tuple(ACT_CHKPT_DEFAULT)
-
-
-def parse_block(block: dict) -> dict[str, Any]:
-    """The settings DeepSpeed's own parser (``DeepSpeedActivationCheckpointingConfig``, what ``DeepSpeedConfig``
-    and ``deepspeed.checkpointing.configure`` use) makes of ``activation_checkpointing = block``."""
-    config = ds.load("deepspeed.runtime.activation_checkpointing.config")
-
-    if not isinstance(block, dict):
-        raise TypeError(f"the block is a dict of settings, not {type(block).__name__}")
-    parsed = config.DeepSpeedActivationCheckpointingConfig({"activation_checkpointing": block})
-    return {key: getattr(parsed, key) for key in block_settings()}
-
-
-def exercise_cpu_checkpointing_block(answer: object) -> exercises.Verdict:
-    """Exercise: predict the smallest ``activation_checkpointing`` section that has DeepSpeed's checkpoint keep each
-    layer's input in host memory, checked with DeepSpeed's own parser (unknown keys, which it ignores
-    silently, are named)."""
-    def test(block: dict) -> tuple[bool, str]:
-        ignored = [key for key in block if key not in block_settings()]
-        if ignored:
-            return False, f"DeepSpeed ignores {', '.join(map(repr, ignored))}: its block has only {', '.join(block_settings())}."
-        parsed = parse_block(block)
-        on = [key for key, value in parsed.items() if value not in (False, None)]
-        if on == ["cpu_checkpointing"]:
-            return True, ("DeepSpeed parses it to cpu_checkpointing=True and every other setting off: partitioning is "
-                          "not needed. Alone it does nothing: deepspeed.initialize parses the section and never acts on "
-                          "it; only "
-                          "deepspeed.checkpointing.configure(mpu, deepspeed_config=...) reads it, and only "
-                          "deepspeed.checkpointing.checkpoint, called by the model around its layers, acts on it.")
-        return False, f"DeepSpeed parses it to {', '.join(f'{k}={v}' for k, v in parsed.items() if k in on) or 'every setting off'}."
-    return exercises.satisfies(
-        "cpu_checkpointing block", answer, test,
-        task="Predict the smallest activation_checkpointing section (a dict) that has DeepSpeed's checkpoint keep "
-             "each layer's input in host memory: the settings it needs on, every other off.",
-        hint=f"the section's settings are {', '.join(block_settings())}. In CheckpointFunction.forward "
-             "(deepspeed/runtime/activation_checkpointing/checkpointing.py), find the branch that moves the layer's "
-             "inputs to host memory: which settings does its condition read, and which belong to other branches?")
+def exercise_host_bytes(answer: object, name: str = "activation-checkpointing") -> exercises.Verdict:
+    """Exercise: predict the MiB DeepSpeed's ``cpu_checkpointing`` had in host memory on rank 0 when the backward
+    began, in the first committed GPU reference with a ``deepspeed-cpu`` run, checked against its probe."""
+    found = [(device, date, runs) for device, date, _, runs in references.reference_runs(name) if "deepspeed-cpu" in runs]
+    if not found:
+        return exercises.satisfies("cpu_checkpointing in host memory", answer, lambda _: (False, ""),
+                                   task=references.no_references(name), hint="")
+    device, date, runs = found[0]
+    record = runs["deepspeed-cpu"]
+    shape = _shape(record)
+    expected = measured(record)["by_device"].get("cpu", 0)
+    one = layer_formula(record, 0)
+    return exercises.number(
+        "cpu_checkpointing in host memory", answer, expected / 2**20, relative=0.01, unit=" MiB",
+        task=f"In the committed reference of {device} ({date}), the 'deepspeed-cpu' run trained {shape.layers} "
+             f"checkpointed decoder layers (micro-batch {record['micro_batch']}, {shape.seq} tokens, hidden "
+             f"{shape.hidden}, {record['precision']}) with cpu_checkpointing, which copies every checkpointed layer's "
+             "input to host memory except the newest one, the first the backward replays. Predict the MiB rank 0 "
+             "had in host memory when the backward began.",
+        hint="the quantity of exercise 1 at this run's shape, and how many layers' inputs leave the GPU.",
+        why=f"the probe counted {records.format_bytes(expected)} in host memory: {shape.layers - 1} inputs of "
+            f"{records.format_bytes(one)} (b x s x h x 4 bytes), every layer's but the newest.")
 
 
 def exercise_block_bytes(answer: object, runs: Mapping[str, Any]) -> exercises.Verdict:
