@@ -63,11 +63,12 @@ def test_largest_model_divides_the_memory_by_the_bytes_per_parameter():
 
 
 def test_the_zero_offload_headline_from_the_formulas():
-    v100 = 32 * 2**30
-    assert theory.largest_model(v100, 0, 1)["params"] / 1e9 == pytest.approx(2.147, abs=1e-3)
-    assert theory.largest_model(v100, 2, 1, "optimizer")["params"] / 1e9 == pytest.approx(17.18, abs=1e-2)
+    v100 = 32e9  # decimal GB, as the chapter's other tables
+    assert theory.largest_model(v100, 0, 1)["params"] / 1e9 == pytest.approx(2.0)
+    assert theory.largest_model(v100, 2, 1, "optimizer")["params"] / 1e9 == pytest.approx(16.0)
     text = offload.zero_offload_headline()
-    assert "17.2" in text and "2.1" in text and "13.0" in text
+    assert "16.0" in text and "2.0" in text and "13.0" in text and "81%" in text  # 13 / 16
+    assert "17.2" not in text  # not 32 GiB
 
 
 def test_traffic_and_step_cost():
@@ -110,6 +111,24 @@ def test_the_step_cost_charges_the_host_every_ranks_partition():
     busy = load_guard.Load("cpu", 3, 0.5, 2, 10.0, 20, "test")
     assert "measured while other processes" in offload.cost_lines(bench, "here", load=busy)
     assert "measured while" not in offload.cost_lines(bench, "here", load=load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test"))
+
+
+def test_an_offloaded_step_bounds_the_benchmarks_adam_rate(swept):
+    # the benchmark: 0.04 s for 2**23 parameters (4.77 ns each), its repeat 0.02 s; a training step of 10 ms for
+    # the record's parameters holds the whole CPU Adam step, so the host steps no slower than 10 ms / params
+    bench = _bench(2, seconds=0.04)
+    bench["adam"]["again_s"] = [0.02] * 3
+    trained = {"stage 2 + optimizer offload": _timed(swept["stage 2 offload"], [50, 10, 10, 10])}
+    psi = trained["stage 2 + optimizer offload"].params
+    text = offload.adam_rate_bounds(bench, trained, "here", psi=7e9)
+    bound = 0.01 / psi
+    assert f"the benchmark {0.04 / 2**23 * 1e9:.2f}, its repeat at the end {0.02 / 2**23 * 1e9:.2f}" in text
+    assert f"{bound * 1e9:.2f} ns per parameter or less" in text
+    assert f"at most {7e9 * bound:.1f} s, not {7e9 * 0.04 / 2**23:.1f} s" in text
+    assert "upper bound" in text and "2 ranks ran 1 threads each" in text
+    assert "or less" not in offload.adam_rate_bounds(bench, {}, "no run")  # no offloaded step: rates only
+    for _, _, _, runs in references.reference_runs("offload"):
+        assert "upper bound" in offload.reference_adam_bounds()
 
 
 def test_adam_verdicts_go_through_the_load_guard():
@@ -564,6 +583,11 @@ def test_the_chapters_records_come_back_in_training_order_with_the_repeat_apart(
     assert "Verdict withheld" in offload.step_verdicts(runs, again, busy)
     warmed = _timed(swept["stage 2"], [50, 5, 5.1, 5])  # the repeat at half the first run's time
     assert "the machine changed during the sweep" in offload.step_verdicts(runs, warmed, alone)
+    assert "stage 2 (again): the load guard's repeat" in offload.step_verdicts(runs, again, busy)
+    assert "(10.1 ms against 10.1 ms at the start)" in offload.step_verdicts(runs, again, busy)
+    table = offload.timing_table({**runs, again.name: again})  # the verdicts' medians, after the first step
+    assert "median after the 1st" in table and "50.0" not in table
+    assert " 20.1 " in next(line for line in table.splitlines() if line.startswith("stage 2 + optimizer"))
     with pytest.raises(FileNotFoundError, match="did the script run"):
         offload.chapter_records(tmp_path, since=time.time() + 60)
 
@@ -585,7 +609,9 @@ def test_the_fit_exercise_wants_stage_3_with_pinned_optimizer_offload(swept):
     assert not check(...).answered
     assert check({"stage": 3, "offload_optimizer": cpu})
     assert check({"stage": 3, "offload_optimizer": {"device": "cpu"}})  # DeepSpeed pins by default
-    assert check({"stage": 3, "offload_optimizer": cpu, "offload_param": cpu})
+    both = str(check({"stage": 3, "offload_optimizer": cpu, "offload_param": cpu}))  # fits, with more host memory
+    assert "not yet" in both and "also fits and keeps 2.25 bytes per parameter per rank" in both
+    assert "2.25 on the host per rank (18.00 for all 8 ranks together" in str(check({"stage": 3, "offload_optimizer": cpu}))
     assert "at most 12.0B" in str(check({"stage": 2, "offload_optimizer": cpu}))  # 24 GB / 2 bytes per parameter
     assert not check({"stage": 3})
     assert "pin_memory is false" in str(check({"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False}}))
@@ -642,6 +668,16 @@ def test_the_stage_3_bucket_is_deepspeeds_default_reduce_bucket_size():
         stage3 = runs["stage 3"]
         assert stage3.memory.placement(0)["accelerator"]["buffers"] == offload.stage3_bucket_bytes(2)
         assert stage3.params * 2 != offload.stage3_bucket_bytes(2)  # not the model's size
+        assert "The GPU's allocator holds all of it" in offload.bucket_sentence(
+            {k: r for k, r in runs.items() if isinstance(r, records.Record)})
+
+
+def test_the_bucket_sentence_reads_the_stage_3_buffer_and_the_peak(swept):
+    text = offload.bucket_sentence({"stage 3 offload": swept["stage 3 offload"]})
+    assert f"({records.format_bytes(offload.stage3_bucket_bytes(2))} in every stage 3 run" in text
+    assert "500,000,000 elements" in text and "reduce_bucket_size sizes it" in text
+    assert "larger than the runs' peak RSS" in text  # CPU ranks: the untouched pages are not resident
+    assert "No stage 3 run" in offload.bucket_sentence({"stage 2": swept["stage 2"]})
 
 
 def test_the_reference_step_times_go_through_the_load_guard(monkeypatch):
@@ -649,6 +685,7 @@ def test_the_reference_step_times_go_through_the_load_guard(monkeypatch):
     text = offload.reference_step_verdicts()
     # its conditions: one notebook at a time on its own two GPUs (others on the other two): alone, as a watch counts
     assert "stage 2 faster" in text and "within the steps' spread" in text and "not measured alone" not in text
+    assert "Parameter offload against optimizer offload alone: stage 3 + optimizer and param offload" in text
     monkeypatch.setattr(references, "reference_conditions", lambda name: ["beside 2 other notebooks"] * len(found))
     assert offload.reference_step_verdicts().count("withheld") >= 5
     runs = found[0][3]

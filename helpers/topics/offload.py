@@ -221,15 +221,21 @@ def offload_mode(record) -> str:
     return "optimizer+params" if optimizer and params else "optimizer" if optimizer else "none"
 
 
+def _steps(record) -> list[float]:
+    """A run's step times after its first (which warms up), the ones every verdict compares."""
+    return record.timing.all_s[1:] or record.timing.all_s
+
+
 def timing_table(runs: Mapping[str, object], rank: int = 0) -> str:
-    """Per run: median step time, accelerator peak (GPU: allocator peak; CPU: peak RSS) and host peak RSS
-    of ``rank``. Timings depend on the machine: print this where nbval does not compare."""
+    """Per run: median of the steps after the first (as the verdicts), accelerator peak (GPU: allocator peak;
+    CPU: peak RSS) and host peak RSS of ``rank``. Timings depend on the machine: print this where nbval does
+    not compare."""
 
     rows = []
     for name, r in runs.items():
-        rows.append([name, f"{r.timing.median_s * 1000:.1f}", records.format_peak(r, rank),
+        rows.append([name, f"{statistics.median(_steps(r)) * 1000:.1f}", records.format_peak(r, rank),
                      records.format_bytes(r.memory.host_peak(rank))])
-    return (records.format_table(rows, ["run", "step ms", "accelerator peak", "host peak RSS"])
+    return (records.format_table(rows, ["run", "step ms (median after the 1st)", "accelerator peak", "host peak RSS"])
             + f"\n(accelerator peak: {runs[next(iter(runs))].memory.peak_source})")
 
 
@@ -291,9 +297,13 @@ def step_verdicts(runs: Mapping[str, records.Record], again: records.Record, loa
     verdict only where the launch had its devices to itself (``load``), the difference exceeds the steps' spread
     and, for the first run's stage, that run trained ``again`` at the end stayed within its spread. Steps after
     each run's first (which warms up)."""
-    steps = lambda r: r.timing.all_s[1:]
+    steps = _steps
     first = next(iter(runs))
-    lines = [f"Load beside the launch: {load.reason() or 'none, it had its devices to itself'}."]
+    lines = [f"Load beside the launch: {load.reason() or 'none, it had its devices to itself'}.",
+             f"{again.name}: the load guard's repeat, {first} trained again at the end "
+             f"({statistics.median(steps(again)) * 1e3:.3g} ms against {statistics.median(steps(runs[first])) * 1e3:.3g} ms "
+             f"at the start): where the two differ by more than their spread, the machine's speed changed during "
+             f"the launch and every verdict against {first} is withheld."]
     for name, r in runs.items():
         base = f"stage {r.stage}"
         if name != base and base in runs:
@@ -316,19 +326,23 @@ def reference_step_verdicts(name: str = "offload") -> str:
     for (device, date, note, runs), conditions in zip(found, references.reference_conditions(name)):
         trained = {k: r for k, r in runs.items() if not isinstance(r, dict)}
         load = load_guard.Load.from_conditions(conditions)
-        rows, reasons = [], set()
+        rows, reasons, both = [], set(), None
         for run, r in trained.items():
             if run.endswith("unpinned"):
                 continue
-            for other in (f"stage {r.stage}", f"{run}, unpinned"):
+            for other in (f"stage {r.stage}", f"{run}, unpinned", run.replace(" and param", "")):
                 if other in trained and other != run:
-                    v = load_guard.compare({run: r.timing.all_s[1:], other: trained[other].timing.all_s[1:]}, load)
+                    v = load_guard.compare({run: _steps(r), other: _steps(trained[other])}, load)
                     reasons.add(v.withheld)
                     rows.append([run, other, f"{v.medians[0] * 1e3:.0f} vs {v.medians[1] * 1e3:.0f}",
                                  f"{v.spread:.0%}", f"{v.faster} faster" if v.given else "withheld"])
+                    if other == run.replace(" and param", "") != run:  # parameter offload against optimizer offload
+                        both = v
         lines = [f"GPU reference, {device}, {date} ({note}; medians of the steps after the first):",
                  records.format_table(rows, ["run", "against", "ms", "spread", "verdict"])]
         lines += [f"withheld: {why}" for why in sorted(reasons) if why]
+        if both:
+            lines.append(_offload_order_sentence(both))
         bench = next((r for r in runs.values() if isinstance(r, dict) and r.get("task") == "benchmark"), None)
         if bench and bench.get("transfers"):
             lines += ["", transfer_table(bench)]
@@ -336,11 +350,45 @@ def reference_step_verdicts(name: str = "offload") -> str:
     return "\n\n".join(parts)
 
 
+def _offload_order_sentence(verdict: load_guard.Verdict) -> str:
+    """What a reference's parameter-offload run against its optimizer-only offload run says: the load guard's
+    verdict, and why the chapter draws no rule from it (the guard watches GPUs; CPU Adam runs on host cores)."""
+    params, optimizer = verdict.names
+    figures = f"{params} {verdict.medians[0] * 1e3:.0f} ms against {optimizer} {verdict.medians[1] * 1e3:.0f} ms"
+    if not verdict.given:
+        return f"Parameter offload against optimizer offload alone: {figures}, withheld ({verdict.withheld})."
+    return (f"Parameter offload against optimizer offload alone: {figures}, a {verdict.ratio - 1:.0%} difference "
+            f"beyond the steps' spread ({verdict.spread:.0%}), so not noise in this run; but both steps run "
+            "CPU Adam on host cores the guard does not watch, so the chapter draws no rule from the order.")
+
+
 def stage3_bucket_bytes(dtype_bytes: int = 2) -> int:
     """Bytes of the gradient bucket stage 3 allocates on the accelerator with DeepSpeed's default
     ``reduce_bucket_size`` (read from its ``DeepSpeedZeroConfig``), in a ``dtype_bytes``-byte dtype."""
     DeepSpeedZeroConfig = ds.load("deepspeed.runtime.zero.config").DeepSpeedZeroConfig
     return DeepSpeedZeroConfig().reduce_bucket_size * dtype_bytes
+
+
+def bucket_sentence(runs: Mapping[str, records.Record], rank: int = 0) -> str:
+    """What the accelerator-side buffer of the stage 3 runs is: DeepSpeed's reduce bucket (``reduce_bucket_size``
+    elements, made with ``torch.empty`` at start-up when ``contiguous_gradients`` is on), against the run's peak
+    RSS, which on CPU ranks counts only the pages the gradients touched."""
+    stage3 = {name: r for name, r in runs.items() if r.stage == 3}
+    buffers = {r.memory.placement(rank)["accelerator"]["buffers"] for r in stage3.values()}
+    if not stage3 or buffers == {0}:
+        return "No stage 3 run holds an accelerator buffer."
+    size = max(buffers)
+    peak = max(r.memory.host_peak(rank) for r in stage3.values())
+    elements = ds.load("deepspeed.runtime.zero.config").DeepSpeedZeroConfig().reduce_bucket_size
+    rss = "ru_maxrss" in next(iter(stage3.values())).memory.peak_source
+    where = ("It is larger than the runs' peak RSS because on CPU ranks torch.empty's untouched pages take no "
+             "memory and these gradients fill only its start; on a GPU the allocator holds all of it."
+             if rss and peak < size else "The GPU's allocator holds all of it." if not rss else
+             "The runs' peak RSS holds it.")
+    return (f"Stage 3's accelerator buffer ({format_bytes(size)} in every stage 3 run, with or without offload) is "
+            f"DeepSpeed's reduce bucket, not a model state: {elements:,} elements of the default reduce_bucket_size, "
+            f"allocated at start-up whatever the model's size. {where} The zero_optimization key "
+            "reduce_bucket_size sizes it.")
 
 
 def transfer_table(bench: dict) -> str:
@@ -482,9 +530,9 @@ def pinned_table(runs: Mapping[str, object], rank: int = 0) -> str:
             + f"\nruns with every pin_memory false that still pin bytes: {', '.join(unasked) or 'none'}")
 
 
-def zero_offload_headline(gib: float = 32, host_gb: float = 1500, pytorch_largest: float = 1.4e9,
+def zero_offload_headline(gpu_gb: float = 32, host_gb: float = 1500, pytorch_largest: float = 1.4e9,
                           offload_largest: float = 13e9, host_grad_bytes: float | None = None) -> str:
-    """The ZeRO-Offload paper's headline recomputed: one V100 of ``gib`` GiB, ``host_gb`` of host memory (a
+    """The ZeRO-Offload paper's headline recomputed: one V100 of ``gpu_gb`` GB, ``host_gb`` GB of host memory (a
     DGX-2), against the largest models the paper trained (1.4B with PyTorch alone, 13B with ZeRO-Offload).
     With ``host_grad_bytes`` (host gradient bytes per element, as measured), the host side is also planned
     with what DeepSpeed keeps."""
@@ -492,7 +540,7 @@ def zero_offload_headline(gib: float = 32, host_gb: float = 1500, pytorch_larges
     rows = []
     for label, stage, mode, trained in (("PyTorch / stage 0, no offload", 0, "none", pytorch_largest),
                                         ("ZeRO-Offload (stage 2 + optimizer offload)", 2, "optimizer", offload_largest)):
-        fit = theory.largest_model(gib * 2**30, stage, 1, mode, host_gb * 1e9)
+        fit = theory.largest_model(gpu_gb * 1e9, stage, 1, mode, host_gb * 1e9)
         slopes = theory.bytes_per_parameter(stage, 1, mode)
         row = [label, f"{slopes['accelerator']:.0f}", f"{slopes['host']:.0f}"]
         if host_grad_bytes is not None:
@@ -687,6 +735,45 @@ def cost_lines(bench: dict, label: str, gpus: int = 8, psis: Sequence[float] = (
     return "\n".join(lines)
 
 
+def adam_rate_bounds(bench: dict, runs: Mapping[str, records.Record], label: str, psi: float = 7e9,
+                     run: str = "stage 2 + optimizer offload") -> str:
+    """Three readings of one result's CPU Adam rate, each in ns per parameter for the host: the benchmark's
+    first timing (what :func:`cost_lines` uses), the benchmark's repeat at its end, and the bound the training
+    run ``run`` sets (its whole step, CPU Adam included, over its parameters: the host can step no slower);
+    with the host's Adam seconds for ``psi`` parameters at the slowest and the fastest of them."""
+    adam = bench["adam"]
+    first = host_adam_s_per_param(bench)
+    rates = {"the benchmark": first}
+    if adam.get("again_s"):
+        rates["its repeat at the end"] = statistics.median(adam["again_s"]) / adam["params"]
+    r = runs.get(run)
+    if r is not None:
+        rates[f"the whole '{run}' step"] = statistics.median(_steps(r)) / r.params
+    text = ", ".join(f"{k} {v * 1e9:.2f}" for k, v in rates.items())
+    lines = [f"{label}: DeepSpeedCPUAdam, ns per parameter for the host: {text}."]
+    if r is not None:
+        bound = rates[f"the whole '{run}' step"]
+        lines.append(f"  That step ({statistics.median(_steps(r)) * 1e3:.0f} ms for {r.params:,} parameters) holds "
+                     f"the whole CPU Adam step, so this host stepped at {bound * 1e9:.2f} ns per parameter or less, "
+                     f"{first / bound:.1f}x faster than the benchmark's figure: {psi / 1e9:.0f}B parameters' Adam takes "
+                     f"at most {psi * bound:.1f} s, not {psi * first:.1f} s. Read the benchmark's estimate as an "
+                     f"upper bound: its {adam.get('ranks', 1)} ranks ran {adam['threads']} threads each on host cores "
+                     f"other work shared, and its short steps ({adam['seconds']['DeepSpeedCPUAdam'] * 1e3:.0f} ms) leave "
+                     "threads waiting for cores.")
+    return "\n".join(lines)
+
+
+def reference_adam_bounds(name: str = "offload") -> str:
+    """:func:`adam_rate_bounds` of every committed GPU result of the chapter's experiment."""
+    parts = []
+    for device, date, _, runs in references.reference_runs(name):
+        bench = next((r for r in runs.values() if isinstance(r, dict) and r.get("task") == "benchmark"), None)
+        if bench:
+            trained = {k: r for k, r in runs.items() if not isinstance(r, dict)}
+            parts.append(adam_rate_bounds(bench, trained, f"reference: {device}, {date}"))
+    return "\n".join(parts) or references.no_references(name, references.GPU_HOW)
+
+
 # --- exercises ----------------------------------------------------------------------------------------
 
 #: Exercise 2's cluster: a 13B-parameter model in bf16 on 8 GPUs of 32 GB, 8 GB of each kept for
@@ -724,6 +811,17 @@ def exercise_fit_config(answer: dict, runs: Mapping[str, records.Record], task: 
     gpus, params = int(task["gpus"]), task["params"]
     measured = measured_host_grad_bytes(runs)
 
+    def plan(stage: int, mode: str) -> tuple[float, float, str]:
+        """(host bytes per parameter per rank, largest model, what limits it) of one stage and offload mode."""
+        slope = host_bytes_per_parameter(stage, gpus, mode, measured.get(stage), "bf16")
+        return (slope, *_largest(task["gpu_gb"], stage, gpus, mode, task["host_gb"], task["reserve_gb"], slope, "bf16"))
+
+    fitting = [(plan(stage, mode)[0], stage, mode) for stage in (0, 1, 2, 3) for mode in theory.OFFLOAD_MODES
+               if (stage == 3 or mode != "optimizer+params") and (stage or mode == "none")
+               and plan(stage, mode)[1] >= params]
+    least, best_stage, best_mode = min(fitting, default=(math.inf, None, None))
+    without = "a stage without offload fits too" if any(m == "none" for _, _, m in fitting) else "no stage fits without offload"
+
     def test(zero: dict) -> tuple[bool, str]:
         if not isinstance(zero, dict):
             raise TypeError("write the zero_optimization block as a dict, e.g. {\"stage\": 1}")
@@ -735,24 +833,30 @@ def exercise_fit_config(answer: dict, runs: Mapping[str, records.Record], task: 
         optimizer = parsed.offload_optimizer is not None and parsed.offload_optimizer.device != "none"
         param = stage == 3 and parsed.offload_param is not None and parsed.offload_param.device != "none"
         mode = "optimizer+params" if optimizer and param else "optimizer" if optimizer else "none"
-        slope = host_bytes_per_parameter(stage, gpus, mode, measured.get(stage), "bf16")
-        fits, limit = _largest(task["gpu_gb"], stage, gpus, mode, task["host_gb"], task["reserve_gb"], slope, "bf16")
-        plan = (f"stage {stage}, offload {mode}: {theory.bytes_per_parameter(stage, gpus, mode, 'bf16')['accelerator']:.2f} "
-                f"bytes per parameter on each GPU and {slope * gpus:.2f} on the host (as DeepSpeed keeps gradients), "
-                f"so at most {fits / 1e9:.1f}B parameters fit ({limit} limits)")
+        slope, fits, limit = plan(stage, mode)
+        found = (f"stage {stage}, offload {mode}: {theory.bytes_per_parameter(stage, gpus, mode, 'bf16')['accelerator']:.2f} "
+                 f"bytes per parameter on each GPU and {slope:.2f} on the host per rank ({slope * gpus:.2f} for all "
+                 f"{gpus} ranks together, as DeepSpeed keeps gradients), so at most {fits / 1e9:.1f}B parameters fit "
+                 f"({limit} limits)")
         if fits < params:
-            return False, f"{plan}: not the {params / 1e9:.0f}B asked for."
+            return False, f"{found}: not the {params / 1e9:.0f}B asked for."
+        if slope > least:
+            return False, (f"{found}: it fits, but stage {best_stage} with {best_mode} offload also fits and keeps "
+                           f"{least:.2f} bytes per parameter per rank on the host: offloading the parameters too "
+                           "frees GPU memory this model does not need, and costs host memory.")
         if optimizer and not parsed.offload_optimizer.pin_memory:
-            return False, (f"{plan}, but offload_optimizer.pin_memory is false (DeepSpeed's default is true): unpinned "
+            return False, (f"{found}, but offload_optimizer.pin_memory is false (DeepSpeed's default is true): unpinned "
                            "host memory cannot be copied by the GPU's DMA engines, so every copy goes through a bounce buffer.")
-        return True, (f"{plan}: {params / 1e9:.0f}B fits. Stage 3 divides the 16-bit parameters by the {gpus} GPUs and "
+        return True, (f"{found}: {params / 1e9:.0f}B fits. Stage 3 divides the 16-bit parameters by the {gpus} GPUs and "
                       "optimizer offload takes gradients, Adam's states and the fp32 master to the host, which the "
-                      f"{task['host_gb']:.0f} GB still hold.")
+                      f"{task['host_gb']:.0f} GB still hold. Offloading the parameters too would also fit, with "
+                      f"more host memory; {without}.")
 
     return exercises.satisfies("fit with offload", answer, test,
                                task=(f"Write the zero_optimization block that fits {params / 1e9:.0f}B parameters (bf16) "
                                      f"on {gpus} GPUs of {task['gpu_gb']:.0f} GB, keeping {task['reserve_gb']:.0f} GB "
-                                     f"free on each, with {task['host_gb']:.0f} GB of host memory."),
+                                     f"free on each, with {task['host_gb']:.0f} GB of host memory, using the least "
+                                     "host memory of the blocks that fit."),
                                hint="for each stage and offload mode, the formula's accelerator bytes per parameter "
                                     "(2Ψ or 2Ψ/N_d for the parameters, the rest offloaded) against the GPU memory left "
                                     "per parameter, then the host bytes per parameter (Exercise 1's) times Ψ against the "
