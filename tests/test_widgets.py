@@ -300,6 +300,10 @@ def test_the_record_notes_account_for_the_gaps_from_the_paper(launched):
     record = launched[0].builder.last_record
     notes = widgets.record_notes(record)
     assert "within 1% of the measured: True" in notes  # stage 2: an all-reduce per micro-step, one all-gather
+    assert record.grad_accum > 1  # else stage 3's pattern would send the same bytes
+    zero3 = records.Record({**record.summary, "zero_stage": 3})  # stage 3's collectives predict other bytes
+    assert "within 1% of the measured: False" in widgets.sent_note(zero3)
+    assert widgets.sent_note(records.Record({**record.summary, "zero_stage": 1})) is None
     assert f"master: DeepSpeed's ZeRO optimizer" in notes and f"{record.states()['master']:,} bytes" in notes
 
 

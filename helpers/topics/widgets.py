@@ -845,24 +845,40 @@ def _straddling(model: str, world_size: int, rank: int = 0) -> tuple[str, int]:
     return "", 0
 
 
-def record_notes(record: records.Record) -> str:
-    """One reason each for where a ZeRO-1/2 run's record departs from the paper: bytes sent per step (stage 2),
-    the master row, the gradients' ratio (each computed from the record, with whether it accounts for the gap)."""
-    n, psi, accum = record.world_size, record.params, record.grad_accum
-    size = theory.bytes_per_element(record.precision) * psi
+def sent_note(record: records.Record) -> str | None:
+    """Why a ZeRO-2 or ZeRO-3 run's bytes sent per step differ from the paper's: the collectives DeepSpeed makes,
+    once per step or once per micro-step, and whether their ring bytes give the measured figure (else None)."""
+    n, accum = record.world_size, record.grad_accum
+    size = theory.bytes_per_element(record.precision) * record.params
+    if record.stage == 2:
+        predicted = accum * theory.ring_bytes("all_reduce", size, n) + theory.ring_bytes("all_gather", size, n)
+        how = (f"DeepSpeed all-reduces the gradients (2(n-1)/n of them, not the paper's reduce-scatter, (n-1)/n) "
+               f"once per micro-step, {accum} times a step, and all-gathers the parameters once per step")
+    elif record.stage == 3:
+        predicted = accum * theory.ring_bytes("reduce_scatter", size, n) + 2 * theory.ring_bytes("all_gather", size, n)
+        how = (f"DeepSpeed reduce-scatters the gradients once per micro-step, {accum} times a step (the paper once "
+               f"per step), and all-gathers the parameters twice per step, as the paper does")
+    else:
+        return None
     measured = record.comm.wire_bytes_per_step
-    deepspeed = accum * theory.ring_bytes("all_reduce", size, n) + theory.ring_bytes("all_gather", size, n)
-    lines = [] if record.stage != 2 else [f"sent/step {records.format_ratio(measured, record.theory.comm_wire_bytes_per_step, suffix='x')} the "
-             f"paper's: DeepSpeed all-reduces the gradients (2(n-1)/n of them, not the paper's reduce-scatter, (n-1)/n) "
-             f"at each of the {accum} micro-steps, then all-gathers the parameters once; that pattern predicts "
-             f"{records.format_bytes(deepspeed)}, within 1% of the measured: {abs(measured / deepspeed - 1) < 0.01}"]
+    return (f"ZeRO-{record.stage} sent/step {records.format_ratio(measured, record.theory.comm_wire_bytes_per_step, suffix='x')} "
+            f"the paper's: {how}; that predicts {records.format_bytes(predicted)}, within 1% of the measured: "
+            f"{abs(measured / predicted - 1) < 0.01}")
+
+
+def record_notes(record: records.Record) -> str:
+    """One reason each for where a ZeRO-1/2 run's record departs from the paper: bytes sent per step
+    (:func:`sent_note`), the master row, the gradients' ratio (each computed from the record, with whether it
+    accounts for the gap)."""
+    n = record.world_size
+    lines = [note] if (note := sent_note(record)) else []
     states, paper = record.states(), record.theory_states
     if states.get("master") and not paper.get("master"):
         lines.append(f"master: DeepSpeed's ZeRO optimizer updates an fp32 copy of this rank's slice of the weights "
                      f"even when the model is fp32 ({states['master']:,} bytes = Ψ/{n} x 4); the paper's fp32 count "
                      f"has none")
     extra = states["grads"] - paper["grads"]
-    if extra:
+    if extra and record.stage in (1, 2):
         name, past = _straddling(record.model_name, n)
         element = theory.bytes_per_element(record.precision)
         lines.append(f"grads {states['grads'] / paper['grads']:.3f}x: {extra:,.0f} extra bytes; the parameter "
