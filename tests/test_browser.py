@@ -296,7 +296,8 @@ def test_config_lab_in_jupyterlab(lab_server, driver):
     driver.execute_script("arguments[0].scrollIntoView({block: 'center'}); arguments[0].classList.add('course-exercise')", cell)
     _wait(driver, "the exercise's editor to take a click", lambda d: _click(d, ".course-exercise .cm-content"))
     ActionChains(driver).key_down(Keys.CONTROL).send_keys("a").key_up(Keys.CONTROL).perform()
-    ActionChains(driver).send_keys("answer = 1").send_keys(Keys.ENTER).send_keys("widgets.exercise_smallest_stage(answer").perform()
+    # a closing quote the editor added itself is typed over, as a closing bracket is
+    ActionChains(driver).send_keys('answer = "none"').send_keys(Keys.ENTER).send_keys("widgets.exercise_smallest_stage(answer").perform()
     typed = _text(driver, ".course-exercise .cm-content")
     if not typed.rstrip().endswith(")"):  # the editor closes brackets by itself, or not
         ActionChains(driver).send_keys(")").perform()

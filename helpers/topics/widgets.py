@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import html
+import inspect
 import json
 import re
 import time
@@ -31,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ipywidgets as w
 
-from helpers.core import configs, ds, environment, exercises, launch, models, plots, records, theory
+from helpers.core import configs, ds, environment, exercises, launch, models, performance, plots, records, theory
 
 #: Where the builder saves the learner's configs (git-ignored; ``python -m helpers check my_configs/x.json``).
 MY_CONFIGS = environment.REPO_ROOT / "my_configs"
@@ -798,24 +799,149 @@ def calculator_bars(rows: Sequence[tuple[str, Mapping[str, float]]], gpu_memory_
     return fig
 
 
+# --- what the lab's figures mean: one printed sentence each, from the data --------------------------
+
+def precision_note(builder_precision: str, calc: Calculator) -> str:
+    """Say that the calculator's precision is its own control, whatever the builder trains in."""
+    return (f"calculator precision: {calc.precision} (its own control: a model of "
+            f"{format_count(calc.psi)} parameters trains in mixed precision); the builder's {builder_precision} "
+            f"only moves the ◀ to its stage and offload")
+
+
+def estimate_note(calc: Calculator, stage: int = 2) -> str:
+    """Reconcile the paper's GPU states with DeepSpeed's estimator for ``stage`` without offload, in bytes per
+    parameter read back from both figures (the estimator's extra is an fp32 gradient partition)."""
+    row = next(r for r in calc.rows() if r.stage == stage and r.offload == "none")
+    psi, n = calc.psi, calc.cluster.world_size
+    whole = theory.bytes_per_element(calc.precision)  # the parameters every GPU keeps whole at stage 1-2
+    paper = (row.gpu["total"] - whole * psi) * n / psi
+    ours = (row.deepspeed_estimate - whole * psi) * n / psi
+    return (f"ZeRO-{stage}, no offload: the paper's {whole}Ψ + {paper:.0f}Ψ/{n} = {records.format_bytes(row.gpu['total'])}; "
+            f"DeepSpeed's estimator {whole}Ψ + {ours:.0f}Ψ/{n} = {records.format_bytes(row.deepspeed_estimate)}: its "
+            f"{ours:.0f} partitioned bytes are the paper's {paper:.0f} plus a {ours - paper:.0f}-byte fp32 gradient, "
+            f"the same copy that makes the offloaded/node column a lower bound")
+
+
+def hiding_note(row: PlanRow, psi: float, cluster: theory.Cluster, peak_tflops: float | None = None) -> str:
+    """Compare a row's communication time with computation: the tokens per step whose forward and backward
+    (6Ψ FLOPs a token) take as long at the GPUs' peak (an H100's by default)."""
+    if peak_tflops is None:
+        peak_tflops = next(t for pattern, t, _ in performance.PEAK_BF16_DENSE_TFLOPS if pattern == "H100")
+    tokens = row.comm_seconds * cluster.world_size * peak_tflops * 1e12 / (6 * psi)
+    return (f"{format_seconds(row.comm_seconds)} is what {cluster.world_size} GPUs at {peak_tflops:g} TFLOP/s "
+            f"(H100 bf16 peak) need to compute {format_count(tokens)} tokens (6Ψ FLOPs each): a global batch "
+            f"smaller than that waits on the network even at peak")
+
+
+def _straddling(model: str, world_size: int, rank: int = 0) -> tuple[str, int]:
+    """The parameter that crosses the end of ``rank``'s partition of the flat parameter list (ZeRO-1/2
+    partitions it in equal slices), and how many of its elements lie past that end."""
+    end = -(-model_parameters(model) // world_size) * (rank + 1)
+    start = 0
+    for name, p in models.build(model).named_parameters():
+        if start < end < start + p.numel():
+            return name, start + p.numel() - end
+        start += p.numel()
+    return "", 0
+
+
+def sent_note(record: records.Record) -> str | None:
+    """Why a ZeRO-2 or ZeRO-3 run's bytes sent per step differ from the paper's: the collectives DeepSpeed makes,
+    once per step or once per micro-step, and whether their ring bytes give the measured figure (else None)."""
+    n, accum = record.world_size, record.grad_accum
+    size = theory.bytes_per_element(record.precision) * record.params
+    if record.stage == 2:
+        predicted = accum * theory.ring_bytes("all_reduce", size, n) + theory.ring_bytes("all_gather", size, n)
+        how = (f"DeepSpeed all-reduces the gradients (2(n-1)/n of them, not the paper's reduce-scatter, (n-1)/n) "
+               f"once per micro-step, {accum} times a step, and all-gathers the parameters once per step")
+    elif record.stage == 3:
+        predicted = accum * theory.ring_bytes("reduce_scatter", size, n) + 2 * theory.ring_bytes("all_gather", size, n)
+        how = (f"DeepSpeed reduce-scatters the gradients once per micro-step, {accum} times a step (the paper once "
+               f"per step), and all-gathers the parameters twice per step, as the paper does")
+    else:
+        return None
+    measured = record.comm.wire_bytes_per_step
+    return (f"ZeRO-{record.stage} sent/step {records.format_ratio(measured, record.theory.comm_wire_bytes_per_step, suffix='x')} "
+            f"the paper's: {how}; that predicts {records.format_bytes(predicted)}, within 1% of the measured: "
+            f"{abs(measured / predicted - 1) < 0.01}")
+
+
+def record_notes(record: records.Record) -> str:
+    """One reason each for where a ZeRO-1/2 run's record departs from the paper: bytes sent per step
+    (:func:`sent_note`), the master row, the gradients' ratio (each computed from the record, with whether it
+    accounts for the gap)."""
+    n = record.world_size
+    lines = [note] if (note := sent_note(record)) else []
+    states, paper = record.states(), record.theory_states
+    if states.get("master") and not paper.get("master"):
+        lines.append(f"master: DeepSpeed's ZeRO optimizer updates an fp32 copy of this rank's slice of the weights "
+                     f"even when the model is fp32 ({states['master']:,} bytes = Ψ/{n} x 4); the paper's fp32 count "
+                     f"has none")
+    extra = states["grads"] - paper["grads"]
+    if extra and record.stage in (1, 2):
+        name, past = _straddling(record.model_name, n)
+        element = theory.bytes_per_element(record.precision)
+        lines.append(f"grads {states['grads'] / paper['grads']:.3f}x: {extra:,.0f} extra bytes; the parameter "
+                     f"'{name}' straddles rank 0's partition boundary and {past:,} of its elements lie past it: "
+                     f"rank 0 keeps those gradients too, the whole extra: {extra == past * element}")
+    return "\n".join(lines)
+
+
+def deepspeed_calls(functions: Sequence[Callable] | None = None,
+                    calls: Sequence[str] = ("deepspeed.initialize(", "engine.backward(", "engine.step(")) -> str:
+    """The statements that make ``calls`` in the source of ``functions`` (read from their files, not copied), with
+    the file and function they are in: by default what a lab launch's ranks run (``helpers.core.train``)."""
+    if functions is None:
+        from helpers.core import train  # deferred: the ranks' module, imported only to read its source
+
+        functions = (train.initialize, train.data_parallel_step)
+    out = []
+    for function in functions:
+        lines, _ = inspect.getsourcelines(function)
+        where = environment.shown_path(Path(inspect.getsourcefile(function)))
+        i = 0
+        while i < len(lines):
+            if any(call in lines[i] for call in calls):
+                statement = [lines[i].strip()]
+                while statement[-1].count("(") + sum(s.count("(") for s in statement[:-1]) > \
+                        sum(s.count(")") for s in statement):
+                    i += 1
+                    statement.append(lines[i].strip())
+                out.append(f"{where}, {function.__name__}(): {' '.join(statement)}")
+            i += 1
+    return "\n".join(out)
+
+
+def plain_command(config_path: str | Path, world_size: int, script: str = "my_train.py") -> str:
+    """The ``deepspeed`` command that runs a saved config with a script of your own that reads
+    ``--deepspeed_config`` (and passes it as ``deepspeed.initialize(..., config=args.deepspeed_config)``)."""
+    shown = environment.shown_path(Path(config_path))
+    return f"deepspeed --num_gpus {world_size} {script} --deepspeed_config {shown}"
+
+
 # --- the lab's exercise ------------------------------------------------------------------------------
 
-def exercise_smallest_stage(answer: Any, preset: str = "7B", gpus: int = 8, gpu_gib: float = 80,
+#: The exercise's answers: a stage, or "none" when no stage fits without offload.
+STAGE_CHOICES = (*theory.STAGES, "none")
+
+
+def exercise_smallest_stage(answer: Any, preset: str = "70B", gpus: int = 8, nodes: int = 2, gpu_gib: float = 40,
                             precision: str = "bf16") -> exercises.Verdict:
-    """The smallest ZeRO stage, without offload, whose model states for ``preset`` fit one of ``gpus`` GPUs of
-    ``gpu_gib`` GiB, as the calculator computes it (``theory.placement``, the ZeRO paper's formulas)."""
+    """The smallest ZeRO stage, without offload, whose model states for ``preset`` fit one GPU of ``gpu_gib``
+    GiB on ``nodes`` nodes of ``gpus`` GPUs, or ``"none"``, as the calculator computes it
+    (``theory.placement``, the ZeRO paper's formulas)."""
     psi = models.LLAMA_PRESETS[preset].parameters()
-    cluster = theory.Cluster(gpus_per_node=gpus, nodes=1, gpu_memory_bytes=gpu_gib * 2**30)
+    cluster = theory.Cluster(gpus_per_node=gpus, nodes=nodes, gpu_memory_bytes=gpu_gib * 2**30)
     rows = [r for r in calculator_rows(psi, cluster, precision) if r.offload == "none"]
-    fitting = [r for r in rows if r.gpu["total"] <= cluster.gpu_memory_bytes]
+    fitting = [r.stage for r in rows if r.gpu["total"] <= cluster.gpu_memory_bytes]
     states = ", ".join(f"ZeRO-{r.stage} {records.format_bytes(r.gpu['total'])}" for r in rows)
     task = (f"Which is the smallest ZeRO stage (0-3, no offload) whose model states for the {preset} preset "
-            f"({psi:,} parameters, {precision} mixed precision) fit one GPU of {gpu_gib:g} GiB, on {gpus} GPUs?")
-    if not fitting:
-        return exercises.Verdict("smallest stage", False, f"{task} None does: {states}.", answered=answer is not exercises.BLANK)
-    smallest = min(r.stage for r in fitting)
+            f"({psi:,} parameters, {precision} mixed precision) fit one GPU of {gpu_gib:g} GiB, on {nodes} node(s) of "
+            f"{gpus} GPUs? Answer 'none' if no stage does.")
     return exercises.choice(
-        "smallest stage", answer, smallest, choices=tuple(theory.STAGES), task=task,
-        hint="set the calculator to this preset, 1 node of 8 GPUs, and read the GPU states column of the rows "
-             "without offload; mixed precision keeps 2 + 2 + 12 bytes per parameter before ZeRO divides them",
-        why=f"Model states per GPU: {states}; the GPU holds {records.format_bytes(cluster.gpu_memory_bytes)}.")
+        "smallest stage", answer, min(fitting) if fitting else "none", choices=STAGE_CHOICES, task=task,
+        hint="use the paper's model states per GPU (the GPU states column of section 2): the bytes per parameter "
+             "of mixed precision, and which of them each stage divides by the number of GPUs, all GPUs of all nodes",
+        why=f"Model states per GPU on {cluster.world_size} GPUs: {states}; the GPU holds "
+            f"{records.format_bytes(cluster.gpu_memory_bytes)}"
+            + ("." if fitting else ": even ZeRO-3 does not fit, so offload or more GPUs it is."))
