@@ -481,7 +481,7 @@ def test_the_reference_price_is_one_table_of_medians_after_the_warm_up_one_colum
 
 def test_the_gpu_findings_judge_the_timed_runs_with_the_repeat_under_the_watched_load():
     runs = {"plain": _steps([600, 100, 101, 99]), "torch": _steps([200, 130, 131, 129]),
-            "block-only": _steps([900, 300, 300, 300]), "plain-again": _steps([200, 100, 100, 101])}
+            "section-only": _steps([900, 300, 300, 300]), "plain-again": _steps([200, 100, 100, 101])}
     alone = load_guard.Load("gpu", 0, None, 1, 10.0, 20, "test")
     found = activations.gpu_findings(runs, alone).splitlines()
     assert found[0].startswith("no checkpointing is faster: torch.utils.checkpoint takes 1.30x its time")
@@ -737,15 +737,15 @@ def test_the_section_settings_are_deepspeeds_six():
     assert table[2].startswith("partition_activations") and "model parallelism" in table[2]
 
 
-def test_exercise_block_bytes_is_checked_against_the_block_only_run():
-    same = {"plain": _Run("llama", [500, 500]), "block-only": _Run("llama", [500, 500])}
-    assert activations.exercise_block_bytes(1.0, same)
-    assert not activations.exercise_block_bytes(0.5, same)  # the layers alone, not the step's total
-    assert "the same as the plain run's 2,000" in str(activations.exercise_block_bytes(1.0, same))
-    fewer = {"plain": _Run("llama", [500, 500]), "block-only": _Run("llama", [20, 20])}
-    assert activations.exercise_block_bytes(0.52, fewer) and "unlike the plain run's" in str(
-        activations.exercise_block_bytes(0.52, fewer))
-    assert not activations.exercise_block_bytes(..., same).answered
+def test_exercise_section_bytes_is_checked_against_the_block_only_run():
+    same = {"plain": _Run("llama", [500, 500]), "section-only": _Run("llama", [500, 500])}
+    assert activations.exercise_section_bytes(1.0, same)
+    assert not activations.exercise_section_bytes(0.5, same)  # the layers alone, not the step's total
+    assert "the same as the plain run's 2,000" in str(activations.exercise_section_bytes(1.0, same))
+    fewer = {"plain": _Run("llama", [500, 500]), "section-only": _Run("llama", [20, 20])}
+    assert activations.exercise_section_bytes(0.52, fewer) and "unlike the plain run's" in str(
+        activations.exercise_section_bytes(0.52, fewer))
+    assert not activations.exercise_section_bytes(..., same).answered
 
 
 def test_cpu_checkpointing_findings_comment_the_launch_they_are_given():

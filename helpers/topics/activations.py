@@ -318,7 +318,7 @@ CHECKPOINTED = ("-ckpt", "-dsckpt")
 #: ``long-transformers`` name torch's checkpoint, as transformers calls it, in the older GPU references).
 LABELS = {"plain": "no checkpointing", "torch": "torch.utils.checkpoint",
           "transformers": "torch.utils.checkpoint",
-          "deepspeed": "deepspeed.checkpointing", "block-only": "config section, plain model",
+          "deepspeed": "deepspeed.checkpointing", "section-only": "config section, plain model",
           "deepspeed-cpu": "deepspeed.checkpointing + cpu_checkpointing",
           "long": "512 tokens, no checkpointing", "long-torch": "512 tokens, torch.utils.checkpoint",
           "long-transformers": "512 tokens, transformers", "plain-again": "no checkpointing, again at the end"}
@@ -746,12 +746,12 @@ def section_settings_table() -> str:
     return "\n".join([lines[0], "  ".join("-" * w for w in widths)] + lines[1:])
 
 
-def block_report(runs: dict) -> str:
+def section_report(runs: dict) -> str:
     """What the config's ``activation_checkpointing`` section did to the plain model with every setting on: its
     saved bytes (rank 0) against the run without it."""
-    plain, block = measured(runs["plain"]), measured(runs["block-only"])
-    same = block["per_layer"] == plain["per_layer"] and block["total"] == plain["total"]
-    return (f"plain model, activation_checkpointing section with every setting on: {block['total']:,} bytes saved, "
+    plain, section = measured(runs["plain"]), measured(runs["section-only"])
+    same = section["per_layer"] == plain["per_layer"] and section["total"] == plain["total"]
+    return (f"plain model, activation_checkpointing section with every setting on: {section['total']:,} bytes saved, "
             f"{'the same as' if same else 'different from'} without the section ({plain['total']:,})")
 
 
@@ -937,19 +937,19 @@ def exercise_host_bytes(answer: object, name: str = "activation-checkpointing") 
             f"{records.format_bytes(one)} (b x s x h x 4 bytes), every layer's but the newest.")
 
 
-def exercise_block_bytes(answer: object, runs: Mapping[str, Any]) -> exercises.Verdict:
-    """Exercise: predict the bytes rank 0 saves for backward in the 'block-only' run (the plain model, the config's
+def exercise_section_bytes(answer: object, runs: Mapping[str, Any]) -> exercises.Verdict:
+    """Exercise: predict the bytes rank 0 saves for backward in the 'section-only' run (the plain model, the config's
     ``activation_checkpointing`` section with every setting on) as a fraction of the plain run's, checked against
     the ``activations`` probe."""
-    block, plain = measured(runs["block-only"]), measured(runs["plain"])
-    same = block["total"] == plain["total"]
+    section, plain = measured(runs["section-only"]), measured(runs["plain"])
+    same = section["total"] == plain["total"]
     return exercises.number(
-        "the section alone", answer, block["total"] / plain["total"], relative=0.01, unit=" of the plain run's bytes",
-        task="Predict the bytes rank 0 saves for backward in the 'block-only' run (the plain model, trained with "
+        "the section alone", answer, section["total"] / plain["total"], relative=0.01, unit=" of the plain run's bytes",
+        task="Predict the bytes rank 0 saves for backward in the 'section-only' run (the plain model, trained with "
              "the config's activation_checkpointing section, every setting on) as a fraction of the plain run's.",
         hint="find, in the script, which call reads the activation_checkpointing section and which function its "
-             "settings change; does 'block-only' make that call, and does its model call that function?",
-        why=f"the probe measured {block['total']:,} bytes, {'the same as' if same else 'unlike'} the plain run's "
+             "settings change; does 'section-only' make that call, and does its model call that function?",
+        why=f"the probe measured {section['total']:,} bytes, {'the same as' if same else 'unlike'} the plain run's "
             f"{plain['total']:,}: deepspeed.initialize parses the section but nothing in it acts on it; only "
             "deepspeed.checkpointing.configure reads it, for deepspeed.checkpointing.checkpoint.")
 
