@@ -449,23 +449,39 @@ def _reference(monkeypatch, runs: dict, conditions: str) -> None:
     monkeypatch.setattr(activations.references, "reference_conditions", lambda name: [conditions])
 
 
-def test_the_reference_price_judges_the_reference_under_its_written_conditions(monkeypatch):
+def test_the_reference_findings_judge_the_reference_under_its_written_conditions(monkeypatch):
     sweep = {"plain": _steps([600, 100, 101, 99]), "deepspeed": _steps([700, 150, 151, 149])}
     _reference(monkeypatch, sweep, "executed by check-gpu, alone")
-    found = activations.reference_price().splitlines()
+    found = activations.reference_findings().splitlines()
     assert found[2] == "Median step over no checkpointing's: deepspeed.checkpointing 1.50x (the rule: 1.33x)."
     assert found[3].startswith("Verdict withheld: the sweep did not measure its first setting (no checkpointing) again")
     _reference(monkeypatch, {**sweep, "plain-again": _steps([200, 100, 100, 101])}, "executed by check-gpu, alone")
-    assert activations.reference_price().splitlines()[3].startswith(
+    assert activations.reference_findings().splitlines()[3].startswith(
         "no checkpointing is faster: deepspeed.checkpointing takes 1.50x its time")
     _reference(monkeypatch, {**sweep, "plain-again": _steps([200, 100, 100, 101])}, "4 notebooks at a time")
-    assert activations.reference_price().splitlines()[3].startswith(
+    assert activations.reference_findings().splitlines()[3].startswith(
         "Verdict withheld: not measured alone (4 notebooks at a time)")
+
+
+def test_the_reference_price_is_one_table_of_medians_after_the_warm_up_one_column_per_method(monkeypatch):
+    # the older reference names torch's checkpoint "transformers": the same column as "torch"
+    sweep = {"plain": _steps([600, 100, 90, 110]), "transformers": _steps([100, 130, 120, 140]),
+             "deepspeed": _steps([700, 150, 151, 149])}
+    _reference(monkeypatch, sweep, "executed by check-gpu, alone")
+    lines = activations.reference_price().splitlines()
+    assert lines[0].split("  ")[0] == "measured on" and "torch.utils.checkpoint" in lines[0]
+    row = lines[2].split()
+    # the first step is left out: medians 100 ms and 130 ms (the warm-up's 600 ms would make plain's 105)
+    assert row[-6:] == ["1", "100.0", "1.30x", "1.50x", "-", "1.33x"]
+    assert lines[4] == "1 x GPU: verdict withheld, the sweep did not measure its first setting (no checkpointing) " \
+                       "again at its end: the ratios are for reading only."
+    _reference(monkeypatch, {**sweep, "plain-again": _steps([200, 100, 100, 101])}, "executed by check-gpu, alone")
+    assert activations.reference_price().splitlines()[4].startswith("1 x GPU: the differences exceed the steps' spread")
 
 
 def test_the_gpu_findings_judge_the_timed_runs_with_the_repeat_under_the_watched_load():
     runs = {"plain": _steps([600, 100, 101, 99]), "torch": _steps([200, 130, 131, 129]),
-            "block-only": _steps([900, 300, 300, 300]), "plain-again": _steps([200, 100, 100, 101])}
+            "section-only": _steps([900, 300, 300, 300]), "plain-again": _steps([200, 100, 100, 101])}
     alone = load_guard.Load("gpu", 0, None, 1, 10.0, 20, "test")
     found = activations.gpu_findings(runs, alone).splitlines()
     assert found[0].startswith("no checkpointing is faster: torch.utils.checkpoint takes 1.30x its time")
@@ -692,15 +708,44 @@ def test_the_exercises_hints_name_the_quantity_not_the_solution():
     assert "class name" not in hint(pipeline.exercise_partition(...))
 
 
-def test_exercise_block_bytes_is_checked_against_the_block_only_run():
-    same = {"plain": _Run("llama", [500, 500]), "block-only": _Run("llama", [500, 500])}
-    assert activations.exercise_block_bytes(1.0, same)
-    assert not activations.exercise_block_bytes(0.5, same)  # the layers alone, not the step's total
-    assert "the same as the plain run's 2,000" in str(activations.exercise_block_bytes(1.0, same))
-    fewer = {"plain": _Run("llama", [500, 500]), "block-only": _Run("llama", [20, 20])}
-    assert activations.exercise_block_bytes(0.52, fewer) and "unlike the plain run's" in str(
-        activations.exercise_block_bytes(0.52, fewer))
-    assert not activations.exercise_block_bytes(..., same).answered
+def test_the_rotary_note_names_the_cos_and_sin_only_where_they_make_the_difference():
+    shape = models.shape_of("llama")
+    rotary = 2 * shape.seq * (shape.hidden // shape.heads) * 4
+    assert activations.rotary_note(_Run("llama", [1000 + rotary, 1000])) == (
+        f"Layer 0 saved {rotary:,} bytes more than layer 1: the rotary cos and sin, 2·s·d = 2 x {shape.seq} x "
+        f"{shape.hidden // shape.heads} x 4 bytes = {rotary:,}, which the first layer keeps for every layer.")
+    assert "something else differs" in activations.rotary_note(_Run("llama", [1000 + rotary + 4, 1000]))
+
+
+def test_the_softmax_share_finds_the_a_s2_b_block_of_layer_0():
+    shape = models.shape_of("llama-long")
+    softmax = shape.heads * shape.seq ** 2 * 4  # elements at micro-batch 4
+    run = _Run("llama-long", [8 * softmax, 8 * softmax])
+    run._section["per_rank"][0]["layer0_blocks"] = [("float32", 1000), ("float32", softmax)]
+    assert activations.softmax_share(run) == (f"{shape.seq} tokens: the a·s²·b softmax keeps "
+                                              f"{records.format_bytes(4 * softmax)} of a layer's "
+                                              f"{records.format_bytes(8 * softmax)} (50%)")
+    run._section["per_rank"][0]["layer0_blocks"] = [("float32", 1000)]
+    assert "no block" in activations.softmax_share(run)
+
+
+def test_the_section_settings_are_deepspeeds_six():
+    from deepspeed.runtime.activation_checkpointing import config
+    assert set(activations.SECTION_SETTINGS) == set(config.ACT_CHKPT_DEFAULT)
+    table = activations.section_settings_table().splitlines()
+    assert len(table) == 2 + len(config.ACT_CHKPT_DEFAULT)
+    assert table[2].startswith("partition_activations") and "model parallelism" in table[2]
+
+
+def test_exercise_section_bytes_is_checked_against_the_block_only_run():
+    same = {"plain": _Run("llama", [500, 500]), "section-only": _Run("llama", [500, 500])}
+    assert activations.exercise_section_bytes(1.0, same)
+    assert not activations.exercise_section_bytes(0.5, same)  # the layers alone, not the step's total
+    assert "the same as the plain run's 2,000" in str(activations.exercise_section_bytes(1.0, same))
+    fewer = {"plain": _Run("llama", [500, 500]), "section-only": _Run("llama", [20, 20])}
+    assert activations.exercise_section_bytes(0.52, fewer) and "unlike the plain run's" in str(
+        activations.exercise_section_bytes(0.52, fewer))
+    assert not activations.exercise_section_bytes(..., same).answered
 
 
 def test_cpu_checkpointing_findings_comment_the_launch_they_are_given():
@@ -718,9 +763,11 @@ def test_cpu_checkpointing_findings_comment_the_launch_they_are_given():
     rows = {line.split("  ")[0]: line.split() for line in found.splitlines()[2:6]}
     assert rows["on the GPU"][-3:] == ["2", "400", "B"] and rows["in host memory"][-3] == "1"
     assert rows["counted in the layers"][-2] == "3"
-    assert found.splitlines()[-1] == ("2 layers, so 2 inputs: 1 were in host memory and 2 on the GPU, 1 of them on "
+    assert found.splitlines()[-2] == ("2 layers, so 2 inputs: 1 were in host memory and 2 on the GPU, 1 of them on "
                                       "both sides (a copy still running), which the layers' count holds twice; 0 B "
                                       "left the GPU.")
+    assert found.splitlines()[-1] == ("So the 64 KiB in host memory did not free 64 KiB on the GPU: 128 KiB "
+                                      "without cpu_checkpointing, 128 KiB with it, 0 B freed.")
 
 
 def test_crossover_terms_count_the_fp32_copies_of_bf16(monkeypatch):

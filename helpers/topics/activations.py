@@ -315,10 +315,10 @@ class Phases(Probe):
 #: DeepSpeed's), which the formulas read.
 CHECKPOINTED = ("-ckpt", "-dsckpt")
 #: Run name -> what it is, as the tables print it (the chapter script's runs; ``transformers`` and
-#: ``long-transformers`` name torch's checkpoint in the GPU reference of 2026-11-26).
+#: ``long-transformers`` name torch's checkpoint, as transformers calls it, in the older GPU references).
 LABELS = {"plain": "no checkpointing", "torch": "torch.utils.checkpoint",
-          "transformers": "transformers (torch.utils.checkpoint)",
-          "deepspeed": "deepspeed.checkpointing", "block-only": "config section, plain model",
+          "transformers": "torch.utils.checkpoint",
+          "deepspeed": "deepspeed.checkpointing", "section-only": "config section, plain model",
           "deepspeed-cpu": "deepspeed.checkpointing + cpu_checkpointing",
           "long": "512 tokens, no checkpointing", "long-torch": "512 tokens, torch.utils.checkpoint",
           "long-transformers": "512 tokens, transformers", "plain-again": "no checkpointing, again at the end"}
@@ -373,6 +373,19 @@ def layer_table(runs: dict, names) -> str:
             formula = layer_formula(r, layer)
             rows.append([LABELS.get(name, name), layer, f"{saved:,}", f"{formula:,.0f}", f"{saved / formula:.3f}"])
     return records.format_table(rows, ["run", "layer", "saved bytes", "formula bytes", "measured/formula"])
+
+
+def rotary_note(record) -> str:
+    """Why decoder layer 0 of ``record`` (rank 0) saved more than layer 1: the rotary cos and sin, which the first
+    layer keeps for the whole model, compared with :func:`rotary_bytes`."""
+    shape = _shape(record)
+    first, second = measured(record)["per_layer"][:2]
+    rotary = rotary_bytes(shape.seq, shape.hidden // shape.heads, record["precision"])
+    width = theory.bytes_per_element(record["precision"])
+    return (f"Layer 0 saved {first - second:,} bytes more than layer 1: "
+            + (f"the rotary cos and sin, 2·s·d = 2 x {shape.seq} x {shape.hidden // shape.heads} x {width} bytes = "
+               f"{rotary:,.0f}, which the first layer keeps for every layer." if first - second == rotary else
+               f"not the rotary cos and sin's {rotary:,.0f} bytes: something else differs."))
 
 
 def _term_of(elements: int, record) -> str:
@@ -495,19 +508,65 @@ def recompute_table(runs: dict, names: Sequence[str]) -> str:
                                         "fastest / first", "its forward ms", "its backward ms"])
 
 
-def reference_price(name: str = "activation-checkpointing") -> str:
+def reference_findings(name: str = "activation-checkpointing") -> str:
     """Each committed GPU result's median step time over its run without checkpointing, labelled with its device,
-    date and conditions, beside the 4/3 rule, then the load guard's verdict on those times
-    (:func:`recompute_findings`)."""
+    date and conditions, beside the 4/3 rule, then the load guard's verdict on those times and the per-method
+    findings (:func:`recompute_findings`): the detail behind :func:`reference_price`."""
 
     def render(runs: dict, load: load_guard.Load) -> str:
         names = timed_names(runs)
-        base = runs[names[0]].timing.median_s
-        ratios = ", ".join(f"{LABELS.get(n, n)} {runs[n].timing.median_s / base:.2f}x" for n in names[1:])
+        base = statistics.median(_steps_s(runs[names[0]]))
+        ratios = ", ".join(f"{LABELS.get(n, n)} {statistics.median(_steps_s(runs[n])) / base:.2f}x" for n in names[1:])
         return (f"Median step over {LABELS.get(names[0], names[0])}'s: {ratios} (the rule: {RULE_OF_THUMB:.2f}x).\n"
                 + recompute_findings(runs, names, load, again=runs.get(AGAIN), sweep=True))
 
     return _report_with_load(name, render)
+
+
+#: The methods the price table compares, in its columns' order (``transformers``: torch's checkpoint in older runs).
+PRICED = (("torch.utils.checkpoint", ("torch", "transformers")), ("deepspeed.checkpointing", ("deepspeed",)),
+          ("+ cpu_checkpointing", ("deepspeed-cpu",)))
+
+
+def reference_price(name: str = "activation-checkpointing") -> str:
+    """One table of the committed GPU results: per device and date, the median step without checkpointing and
+    each checkpoint method's median over it (steps after the first, the statistic of the load guard's verdict),
+    beside the 4/3 rule; under it, one line per result with the load guard's verdict on those times."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name)
+    rows, notes = [], []
+    for (device, date, _, runs), conditions in zip(found, references.reference_conditions(name)):
+        names = timed_names(runs)
+        median = {n: statistics.median(_steps_s(runs[n])) for n in names}
+        base = median[names[0]]
+        cells = []
+        for _, candidates in PRICED:
+            run = next((n for n in candidates if n in median), None)
+            cells.append(f"{median[run] / base:.2f}x" if run else "-")
+        rows.append([f"{device}, {date}", runs[names[0]]["grad_accum"], f"{base * 1e3:.1f}", *cells,
+                     f"{RULE_OF_THUMB:.2f}x"])
+        again = runs.get(AGAIN)
+        verdict = load_guard.compare({LABELS.get(n, n): _steps_s(runs[n]) for n in names},
+                                     load_guard.Load.from_conditions(conditions),
+                                     repeat=_steps_s(again) if again is not None else None, sweep=True)
+        notes.append(f"{device}: " + (f"the differences exceed the steps' spread ({verdict.spread:.0%}): the ratios "
+                                      "stand as measured." if verdict.given else
+                                      f"verdict withheld, {verdict.withheld}: the ratios are for reading only."))
+    table = records.format_table(rows, ["measured on", "micro-batches a step", "no checkpointing, median ms",
+                                        *(label for label, _ in PRICED), "the 4/3 rule"])
+    return (table + "\nEach ratio: the method's median step over no checkpointing's, steps after the first (which "
+            "warms up).\n" + "\n".join(notes))
+
+
+def recompute_verdict(runs: dict, names: Sequence[str], load: load_guard.Load | None,
+                      again: records.Record | None = None) -> str:
+    """The load guard's verdict on the step times of ``names`` (the first without checkpointing, measured ``again``
+    at the end of the launch where given) under ``load``, in one sentence; :func:`recompute_findings` adds the
+    per-method findings."""
+    verdict = load_guard.compare({LABELS.get(n, n): _steps_s(runs[n]) for n in names}, load,
+                                 repeat=_steps_s(again) if again is not None else None)
+    return load_guard.sentence(verdict)
 
 
 #: The run without checkpointing, measured again at the end of the chapter's launch.
@@ -596,6 +655,21 @@ def recompute_findings(runs: dict, names: Sequence[str], load: load_guard.Load |
     return "\n".join(lines)
 
 
+def softmax_share(record: records.Record) -> str:
+    """What the a·s²·b softmax probabilities of decoder layer 0 take of a layer's saved bytes in ``record``
+    (rank 0): the block of that many elements the probe found, against the last layer's total."""
+    shape = _shape(record)
+    elements = shape.heads * shape.seq ** 2 * record["micro_batch"]
+    width = theory.bytes_per_element(record["precision"])
+    found = [e for _, e in measured(record)["layer0_blocks"] if e == elements]
+    layer = measured(record)["per_layer"][-1]
+    if not found:
+        return f"{shape.seq} tokens: no block of a·s²·b = {elements:,} elements was saved."
+    softmax = width * sum(found)
+    return (f"{shape.seq} tokens: the a·s²·b softmax keeps {records.format_bytes(softmax)} of a layer's "
+            f"{records.format_bytes(layer)} ({softmax / layer:.0%})")
+
+
 def model_state_bytes_fp32(psi: int) -> int:
     """Model states of fp32 training with Adam at ZeRO-0: 4 (weights) + 4 (gradients) + 8 (moments) bytes
     a parameter."""
@@ -645,12 +719,39 @@ def saving_summary(runs: Mapping[str, Any], pairs: Sequence[tuple[str, str]] = (
     return "\n".join(lines)
 
 
-def block_report(runs: dict) -> str:
+#: The config's ``activation_checkpointing`` settings (DeepSpeed 0.19.8:
+#: ``deepspeed/runtime/activation_checkpointing/config.py``, read by ``checkpointing.configure``): what each changes
+#: in ``deepspeed.checkpointing.checkpoint``, and where it applies.
+SECTION_SETTINGS = {
+    "partition_activations": ("splits each input it keeps across the model-parallel ranks",
+                              "model parallelism (an mpu given to configure)"),
+    "cpu_checkpointing": ("moves the inputs it keeps to host memory until the replay",
+                          "GPUs (not CPU ranks: the script's comment)"),
+    "contiguous_memory_optimization": ("copies the split inputs into one preallocated buffer",
+                                       "with partition_activations and number_checkpoints"),
+    "number_checkpoints": ("how many checkpoints a forward keeps: that buffer's size",
+                           "with contiguous_memory_optimization"),
+    "synchronize_checkpoint_boundary": ("waits for the device at each checkpoint's start and end",
+                                        "debugging, timing"),
+    "profile": ("logs each checkpoint's forward and backward time", "profiling"),
+}
+
+
+def section_settings_table() -> str:
+    """The six settings of the config's ``activation_checkpointing`` section: what each does, where it applies."""
+    rows = [["setting", "what it does to deepspeed.checkpointing.checkpoint", "applies with"]]
+    rows += [[name, does, where] for name, (does, where) in SECTION_SETTINGS.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths)] + lines[1:])
+
+
+def section_report(runs: dict) -> str:
     """What the config's ``activation_checkpointing`` section did to the plain model with every setting on: its
     saved bytes (rank 0) against the run without it."""
-    plain, block = measured(runs["plain"]), measured(runs["block-only"])
-    same = block["per_layer"] == plain["per_layer"] and block["total"] == plain["total"]
-    return (f"plain model, activation_checkpointing section with every setting on: {block['total']:,} bytes saved, "
+    plain, section = measured(runs["plain"]), measured(runs["section-only"])
+    same = section["per_layer"] == plain["per_layer"] and section["total"] == plain["total"]
+    return (f"plain model, activation_checkpointing section with every setting on: {section['total']:,} bytes saved, "
             f"{'the same as' if same else 'different from'} without the section ({plain['total']:,})")
 
 
@@ -685,7 +786,10 @@ def cpu_checkpointing_findings(runs: dict) -> str:
             f"{round(n(kept - with_cpu['outside']))} on the {where}"
             + (f", {both} of them on both sides (a copy still running), which the layers' count holds twice"
                if both > 0 else "")
-            + f"; {records.format_bytes(max(before - kept, 0))} left the {where}.")
+            + f"; {records.format_bytes(max(before - kept, 0))} left the {where}.\nSo the "
+            f"{records.format_bytes(host)} in host memory did not free {records.format_bytes(host)} on the {where}: "
+            f"{records.format_bytes(without['by_device'].get(device, 0))} without cpu_checkpointing, "
+            f"{records.format_bytes(kept)} with it, {records.format_bytes(max(before - kept, 0))} freed.")
 
 
 def llama_7b_shape() -> dict:
@@ -760,21 +864,24 @@ def activation_curves(course_batch: int = 4, seqs=(16, 32, 64, 128, 256, 512, 10
 
 def gpu_table(runs: dict) -> str:
     """GPU results: per run, bytes saved for backward (on the GPU and in host memory), the allocator's view
-    (allocated when the last step starts, the run's peak), step time and its ratio to the first run."""
+    (allocated when the last step starts, the run's peak), the median step after the first (which warms up) and
+    its ratio to the first run's."""
 
     names = [n for n, r in runs.items() if not isinstance(r, Exception)]
-    base = runs[names[0]].timing.median_s
+    base = statistics.median(_steps_s(runs[names[0]]))
     rows = []
     for name in names:
         r = runs[name]
         m = measured(r)
+        median = statistics.median(_steps_s(r))
         rows.append([LABELS.get(name, name), records.format_bytes(m["by_device"].get("cuda", 0)),
                      records.format_bytes(m["by_device"].get("cpu", 0)),
                      records.format_bytes(m.get("allocated_at_step_start", 0)),
                      records.format_peak(r, 0),
-                     f"{r.timing.median_s * 1000:.1f}", f"{r.timing.median_s / base:.2f}x"])
+                     f"{median * 1000:.1f}", f"{median / base:.2f}x"])
     return records.format_table(rows, ["run", "saved on GPU", "saved in host memory", "allocated at step start",
-                                       f"peak ({runs[names[0]]['memory']['peak_source']})", "step ms", "time vs first"])
+                                       f"peak ({runs[names[0]]['memory']['peak_source']})", "median step ms",
+                                       "time vs first"])
 
 
 def reference_report(name: str = "activation-checkpointing") -> str:
@@ -821,27 +928,28 @@ def exercise_host_bytes(answer: object, name: str = "activation-checkpointing") 
         "cpu_checkpointing in host memory", answer, expected / 2**20, relative=0.01, unit=" MiB",
         task=f"In the committed reference of {device} ({date}), the 'deepspeed-cpu' run trained {shape.layers} "
              f"checkpointed decoder layers (micro-batch {record['micro_batch']}, {shape.seq} tokens, hidden "
-             f"{shape.hidden}, {record['precision']}) with cpu_checkpointing, which copies every checkpointed layer's "
-             "input to host memory except the newest one, the first the backward replays. Predict the MiB rank 0 "
-             "had in host memory when the backward began.",
-        hint="the quantity of exercise 1 at this run's shape, and how many layers' inputs leave the GPU.",
+             f"{shape.hidden}, {record['precision']}) with cpu_checkpointing, which moves checkpointed layers' inputs "
+             "to host memory until the backward replays them. Predict the MiB rank 0 had in host memory when the "
+             "backward began.",
+        hint="what one checkpointed layer keeps (exercise 1), at this run's shape; then think about which layer "
+             "the backward replays first, and whether its input has any reason to leave the GPU.",
         why=f"the probe counted {records.format_bytes(expected)} in host memory: {shape.layers - 1} inputs of "
             f"{records.format_bytes(one)} (b x s x h x 4 bytes), every layer's but the newest.")
 
 
-def exercise_block_bytes(answer: object, runs: Mapping[str, Any]) -> exercises.Verdict:
-    """Exercise: predict the bytes rank 0 saves for backward in the 'block-only' run (the plain model, the config's
+def exercise_section_bytes(answer: object, runs: Mapping[str, Any]) -> exercises.Verdict:
+    """Exercise: predict the bytes rank 0 saves for backward in the 'section-only' run (the plain model, the config's
     ``activation_checkpointing`` section with every setting on) as a fraction of the plain run's, checked against
     the ``activations`` probe."""
-    block, plain = measured(runs["block-only"]), measured(runs["plain"])
-    same = block["total"] == plain["total"]
+    section, plain = measured(runs["section-only"]), measured(runs["plain"])
+    same = section["total"] == plain["total"]
     return exercises.number(
-        "the section alone", answer, block["total"] / plain["total"], relative=0.01, unit=" of the plain run's bytes",
-        task="Predict the bytes rank 0 saves for backward in the 'block-only' run (the plain model, trained with "
+        "the section alone", answer, section["total"] / plain["total"], relative=0.01, unit=" of the plain run's bytes",
+        task="Predict the bytes rank 0 saves for backward in the 'section-only' run (the plain model, trained with "
              "the config's activation_checkpointing section, every setting on) as a fraction of the plain run's.",
         hint="find, in the script, which call reads the activation_checkpointing section and which function its "
-             "settings change; does 'block-only' make that call, and does its model call that function?",
-        why=f"the probe measured {block['total']:,} bytes, {'the same as' if same else 'unlike'} the plain run's "
+             "settings change; does 'section-only' make that call, and does its model call that function?",
+        why=f"the probe measured {section['total']:,} bytes, {'the same as' if same else 'unlike'} the plain run's "
             f"{plain['total']:,}: deepspeed.initialize parses the section but nothing in it acts on it; only "
             "deepspeed.checkpointing.configure reads it, for deepspeed.checkpointing.checkpoint.")
 
