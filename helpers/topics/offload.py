@@ -195,6 +195,25 @@ def placement_table(runs: Mapping[str, object], rank: int = 0) -> str:
     return records.format_table(rows, ["run", *STATE_NAMES.values(), "accelerator", "host", "buffers", "pinned"])
 
 
+def buffers_note(runs: Mapping[str, records.Record], rank: int = 0) -> str:
+    """What the ``buffers`` of a stage 2 optimizer-offload run in ``runs`` are, from its placement on ``rank``: the
+    accelerator's gradient staging buffer, and on the host its twin plus a working-precision copy of the rank's
+    parameter partition (checked: host minus accelerator buffer bytes = the partition's bytes)."""
+    for name, r in runs.items():
+        p = r.memory.placement(rank)
+        if r.stage != 2 or not p["host"]["buffers"]:
+            continue
+        a, h = p["accelerator"]["buffers"], p["host"]["buffers"]
+        partition = r.params // r["world_size"] * theory.BYTES_PER_ELEMENT[r["precision"]]
+        if h - a != partition:
+            return f"{name}'s buffers: A {records.format_bytes(a)}, H {records.format_bytes(h)} (staging buffers)."
+        return (f"{name}'s buffers: A {records.format_bytes(a)} is the gradient staging buffer (one largest "
+                f"parameter in {r['precision']}); H {records.format_bytes(h)} is its host twin plus a {r['precision']} "
+                f"copy of the rank's parameter partition ({records.format_bytes(partition)}) that the updated weights "
+                "go up from.")
+    return "No stage 2 optimizer-offload run: no staging buffers to explain."
+
+
 def theory_table(runs: Mapping[str, object], rank: int = 0) -> str:
     """Per run: measured model-state bytes of each side on ``rank`` beside the offload formula
     (:func:`helpers.core.theory.offload_bytes_per_device`, the run's precision), and their ratio."""
@@ -227,14 +246,15 @@ def _steps(record) -> list[float]:
 
 
 def timing_table(runs: Mapping[str, object], rank: int = 0) -> str:
-    """Per run: median of the steps after the first (as the verdicts), accelerator peak (GPU: allocator peak;
-    CPU: peak RSS) and host peak RSS of ``rank``. Timings depend on the machine: print this where nbval does
-    not compare."""
+    """Per run: median of the steps after the first (as the verdicts), accelerator peak (GPU: allocator peak)
+    and host peak RSS of ``rank``, one column where they are the same (CPU ranks). Timings depend on the
+    machine: print this where nbval does not compare."""
 
-    rows = []
-    for name, r in runs.items():
-        rows.append([name, f"{statistics.median(_steps(r)) * 1000:.1f}", records.format_peak(r, rank),
-                     records.format_bytes(r.memory.host_peak(rank))])
+    rows = [[name, f"{statistics.median(_steps(r)) * 1000:.1f}", records.format_peak(r, rank),
+             records.format_bytes(r.memory.host_peak(rank))] for name, r in runs.items()]
+    if all(row[2] == row[3] for row in rows):  # CPU ranks: the accelerator is the host, one peak
+        return records.format_table([row[:3] for row in rows], ["run", "step ms (median after the 1st)",
+                                                                "peak RSS (accelerator = host)"])
     return (records.format_table(rows, ["run", "step ms (median after the 1st)", "accelerator peak", "host peak RSS"])
             + f"\n(accelerator peak: {runs[next(iter(runs))].memory.peak_source})")
 
@@ -299,7 +319,9 @@ def step_verdicts(runs: Mapping[str, records.Record], again: records.Record, loa
     each run's first (which warms up)."""
     steps = _steps
     first = next(iter(runs))
-    lines = [f"Load beside the launch: {load.reason() or 'none, it had its devices to itself'}.",
+    if not load.alone:  # one line says it for every run
+        return f"Every verdict below is withheld: {load.reason()}."
+    lines = [f"Load beside the launch: none, it had its devices to itself.",
              f"{again.name}: the load guard's repeat, {first} trained again at the end "
              f"({statistics.median(steps(again)) * 1e3:.3g} ms against {statistics.median(steps(runs[first])) * 1e3:.3g} ms "
              f"at the start): where the two differ by more than their spread, the machine's speed changed during "
@@ -507,7 +529,8 @@ def reference_host_gradient_bytes(name: str = "offload") -> str:
 
 def pinned_table(runs: Mapping[str, object], rank: int = 0) -> str:
     """Per offloading run: the host bytes (model states and buffers) on ``rank`` and how many of them are
-    pinned (page-locked), with the run's ``pin_memory`` settings."""
+    pinned (page-locked), with the run's ``pin_memory`` settings; where some run pins, how many pin less than
+    they hold or pin unasked; then :func:`pinning_advice`."""
     rows, partly, unasked = [], 0, []
     for name, r in runs.items():
         p = r.memory.placement(rank)
@@ -525,9 +548,40 @@ def pinned_table(runs: Mapping[str, object], rank: int = 0) -> str:
         if "true" not in pins and p["pinned_bytes"]:
             unasked.append(name)
     asked = sum("true" in row[1] for row in rows)
-    return (records.format_table(rows, ["run", "settings", "host bytes (states + buffers)", "pinned"])
-            + f"\nruns with pin_memory true that pin less than their host bytes: {partly} of {asked}"
-            + f"\nruns with every pin_memory false that still pin bytes: {', '.join(unasked) or 'none'}")
+    table = records.format_table(rows, ["run", "settings", "host bytes (states + buffers)", "pinned"])
+    if not any(r.memory.placement(rank)["pinned_bytes"] for r in runs.values()):  # CPU ranks: the counts say nothing
+        return table + "\n" + pinning_advice(runs, rank)
+    return (table + f"\nruns with pin_memory true that pin less than their host bytes: {partly} of {asked}"
+            + f"\nruns with every pin_memory false that still pin bytes: {', '.join(unasked) or 'none'}"
+            + "\n" + pinning_advice(runs, rank))
+
+
+def pinning_advice(runs: Mapping[str, object], rank: int = 0) -> str:
+    """What a user budgets as pinned memory, from the offloading runs' placement on ``rank``: the pinned bytes per
+    element of the rank's partition in each run, whether Adam's states stay unpinned (every run pins at most its
+    host bytes minus them), and which runs pin their host parameter shards although ``pin_memory`` is false."""
+    per_element, moments_free, forced = [], True, []
+    for name, r in runs.items():
+        p = r.memory.placement(rank)
+        host = sum(p["host"][k] for k in STATE_NAMES) + p["host"]["buffers"]
+        if not host:
+            continue
+        per_element.append((name, p["pinned_bytes"] / (r.params / r["world_size"])))
+        moments_free &= p["pinned_bytes"] <= host - p["host"]["optimizer"]
+        zero = r["config"].get("zero_optimization", {})
+        if p["pinned_bytes"] and not any(zero.get(k, {}).get("pin_memory", True) for k in ("offload_optimizer", "offload_param")
+                                         if zero.get(k, {}).get("device", "none") != "none"):
+            forced.append(f"{name} ({format_bytes(p['pinned_bytes'])}, its host parameters "
+                          f"{format_bytes(p['host']['params'])})")
+    if not any(b for _, b in per_element):
+        return ("For a user: nothing is pinned here (DeepSpeed's CPU accelerator skips pinning); on GPUs "
+                "budget pinned memory from a GPU run's table.")
+    rates = ", ".join(f"{name} {b:.1f}" for name, b in per_element if b)
+    return (f"For a user: pinned memory cannot be swapped out, so all ranks' pinned bytes must fit in RAM together. "
+            f"Budget per rank these pinned bytes per partition element times Ψ/N_d: {rates}. "
+            + ("Adam's states are never pinned (each run pins at most its host bytes minus them). "
+               if moments_free else "")
+            + (f"pin_memory false did not stop {'; '.join(forced)}." if forced else ""))
 
 
 def zero_offload_headline(gpu_gb: float = 32, host_gb: float = 1500, pytorch_largest: float = 1.4e9,
@@ -547,26 +601,30 @@ def zero_offload_headline(gpu_gb: float = 32, host_gb: float = 1500, pytorch_lar
             host = host_bytes_per_parameter(stage, 1, mode, host_grad_bytes)
             row += [f"{host:.0f}", "-" if not host else f"{host_gb * 1e9 / host / 1e9:.0f}"]
         rows.append(row + [f"{fit['params'] / 1e9:.1f}", f"{trained / 1e9:.1f}", f"{trained / fit['params']:.0%}"])
-    measured = [] if host_grad_bytes is None else ["host B/param: DeepSpeed, measured", "host memory fits (B), measured"]
+    measured = [] if host_grad_bytes is None else ["host B/param: DeepSpeed, measured", "host limit (B), measured"]
     return records.format_table(rows, ["1 GPU", "GPU B/param", "host B/param: formula", *measured,
-                                       "formula: largest (B)", "paper trained (B)", "share of the formula"])
+                                       "GPU limit (B), formula", "paper trained (B)", "share of the GPU limit"])
 
 
 def headline_sentence(host_grad_bytes: float, host_gb: float = 1500, offload_largest: float = 13e9,
-                      pytorch_largest: float = 1.4e9) -> str:
+                      pytorch_largest: float = 1.4e9, gpu_gb: float = 32) -> str:
     """The tenfold claim in bytes, from the formulas and the measured host gradient bytes per element:
-    what one GPU keeps per parameter without and with optimizer offload, and how far ``host_gb`` of host
-    memory goes at the host bytes DeepSpeed keeps."""
+    what one GPU keeps per parameter without and with optimizer offload, how far ``host_gb`` of host memory
+    goes at the host bytes DeepSpeed keeps, and which side limited the paper's trained size."""
     before = theory.bytes_per_parameter(0, 1, "none")["accelerator"]
     after = theory.bytes_per_parameter(2, 1, "optimizer")["accelerator"]
     paper_host = theory.bytes_per_parameter(2, 1, "optimizer")["host"]
     host = host_bytes_per_parameter(2, 1, "optimizer", host_grad_bytes)
     fits = host_gb * 1e9 / host
+    gpu_limit = theory.largest_model(gpu_gb * 1e9, 2, 1, "optimizer")["params"]
+    side = (f"the GPU, not the host, limited the paper's {offload_largest / 1e9:.0f}B ({gpu_gb:g} GB at {after:.0f} "
+            f"bytes per parameter hold {gpu_limit / 1e9:.0f}B before activations)" if gpu_limit < fits else
+            f"the host limited it first ({fits / 1e9:.0f}B against the GPU's {gpu_limit / 1e9:.0f}B)")
     return (f"One GPU keeps {before:.0f} bytes per parameter without offload and {after:.0f} with optimizer offload "
             f"({before / after:.0f}x fewer; the paper's {offload_largest / 1e9:.0f}B against PyTorch's "
-            f"{pytorch_largest / 1e9:.1f}B is {offload_largest / pytorch_largest:.1f}x); the host keeps {host:.0f} bytes per parameter as DeepSpeed runs it "
-            f"(the formula: {paper_host:.0f}), so {host_gb / 1000:g} TB of host memory holds the model states of "
-            f"{fits / 1e9:.0f}B parameters, {fits / offload_largest:.1f}x the {offload_largest / 1e9:.0f}B the paper trained.")
+            f"{pytorch_largest / 1e9:.1f}B is {offload_largest / pytorch_largest:.1f}x). The host keeps {host:.0f} bytes "
+            f"per parameter as DeepSpeed runs it (the formula: {paper_host:.0f}), so {host_gb / 1000:g} TB of host "
+            f"memory holds the model states of {fits / 1e9:.0f}B parameters: {side}.")
 
 
 def reference_pinned_report(name: str = "offload") -> str:
@@ -640,20 +698,27 @@ def placement_bars(runs: Mapping[str, records.Record], rank: int = 0, title: str
 
 
 def largest_model(accelerator_gb: Sequence[float], world_size: int, reserve_gb: float = 0.0,
+                  host_gb: float | None = None, host_grad_bytes: Mapping[int, float] | None = None,
                   modes: Sequence[tuple[int, str]] = ((0, "none"), (2, "none"), (2, "optimizer"), (3, "none"),
-                                                      (3, "optimizer")), precision: str = "fp16"):
-    """Largest model (billions of parameters) whose model states fit per device, against the device's
-    memory, one line per stage and offload mode (:func:`helpers.core.theory.largest_model`)."""
+                                                      (3, "optimizer"), (3, "optimizer+params")),
+                  precision: str = "bf16"):
+    """Largest model (billions of parameters) whose model states fit, against the memory per device, one line
+    per stage and offload mode: the smaller of the accelerator's limit and, with ``host_gb`` of host memory in
+    all, the host's (planned with ``host_grad_bytes`` as :func:`largest_model_table` does), so a line turns flat
+    where the host limits it."""
     plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     accelerator_gb = [gb for gb in accelerator_gb if gb > reserve_gb]  # a device smaller than the reserve fits nothing
     for i, (stage, mode) in enumerate(modes):
-        sizes = [theory.largest_model(gb * 1e9, stage, world_size, mode, None, reserve_gb * 1e9, precision)["params"] / 1e9
+        grad = None if host_grad_bytes is None else host_grad_bytes.get(stage)
+        slope = host_bytes_per_parameter(stage, world_size, mode, grad, precision)
+        sizes = [_largest(gb, stage, world_size, mode, host_gb, reserve_gb, slope, precision)[0] / 1e9
                  for gb in accelerator_gb]
-        ax.plot(accelerator_gb, sizes, marker="os^vD"[i % 5], linestyle=["-", "--", ":", "-."][i % 4],
+        ax.plot(accelerator_gb, sizes, marker="os^vDx"[i % 6], linestyle=["-", "--", ":", "-."][i % 4],
                 label=f"stage {stage}" + ("" if mode == "none" else f" + {mode} offload"))
+    host = "" if host_gb is None else f", {host_gb:g} GB host"
     ax.set(xlabel="accelerator memory per device (GB)", ylabel="largest model (B parameters)", yscale="log",
-           title=f"Model states that fit {world_size} device(s) ({precision} mixed precision, K=12)")
+           title=f"Model states that fit {world_size} device(s){host} ({precision} mixed precision, K=12)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     plt.close(fig)
@@ -719,19 +784,45 @@ def cost_lines(bench: dict, label: str, gpus: int = 8, psis: Sequence[float] = (
            "compare with one measured with every rank stepping at once") if not adam.get("ranks") else ""
     lines = [f"{label}: DeepSpeedCPUAdam {host * 1e9:.2f} ns per parameter for the host "
              f"({_benchmark_conditions(adam)}{shared}{old})"]
+    return "\n".join(lines + _cost_rows(bench, host, gpus, psis))
+
+
+def _cost_rows(bench: dict, host: float, gpus: int, psis: Sequence[float], bound: bool = False) -> list[str]:
+    """One line per ``psis`` (and offload mode, where ``bench`` ran on a GPU) of :func:`offload_step_cost_s` at
+    ``host`` seconds per parameter for the host's CPU Adam; ``bound``: that rate is an upper bound."""
+    lines = []
     transfers = (bench.get("transfers") or {}).get("bytes_per_s")
     for psi in psis:
         if not transfers:
             lines.append(f"  {psi / 1e9:.0f}B parameters: the host's CPU Adam takes {psi * host:.2f} s per step, "
                          f"however many GPUs share it (no GPU here: copies not measured)")
             continue
+        adam = bench["adam"]
         device = adam["accelerator_adamw_seconds"] / adam.get("accelerator_params", adam["params"])
         for mode in ("optimizer", "optimizer+params"):
             cost = offload_step_cost_s(psi, gpus, mode, transfers["device_to_host_pinned"],
                                        transfers["host_to_device_pinned"], host, device)
-            lines.append(f"  {psi / 1e9:.0f}B parameters on {gpus} GPUs of one such host, {mode} offload: up to "
-                         f"{cost['total_s']:.2f} s more per step ({cost['copies_s']:.2f} s copies, "
-                         f"{cost['adam_s']:.2f} s Adam)")
+            lines.append(f"  {psi / 1e9:.0f}B parameters on {gpus} GPUs of one such host, {mode} offload: "
+                         f"{'at most' if bound else 'up to'} {cost['total_s']:.2f} s more per step "
+                         f"({cost['copies_s']:.2f} s copies, {cost['adam_s']:.2f} s Adam)")
+    return lines
+
+
+def bounded_cost_lines(bench: dict, runs: Mapping[str, records.Record], label: str, gpus: int = 8,
+                       psis: Sequence[float] = (1e9, 7e9), run: str = "stage 2 + optimizer offload") -> str:
+    """:func:`offload_step_cost_s` at the CPU Adam rate the offloaded training step ``run`` bounds (its whole step,
+    CPU Adam included, over its parameters: the host steps no slower), with ``bench``'s copy bandwidths; and one
+    line on why ``bench``'s own CPU Adam timing reads slower (its threads per rank on shared host cores)."""
+    r = runs[run]
+    step = statistics.median(_steps(r))
+    bound = step / r.params
+    adam = bench["adam"]
+    lines = [f"{label}: its '{run}' step ({step * 1e3:.0f} ms for {r.params:,} parameters) includes the host's "
+             f"whole CPU Adam step, so that host steps {bound * 1e9:.2f} ns per parameter or faster:"]
+    lines += _cost_rows(bench, bound, gpus, psis, bound=True)
+    if host_adam_s_per_param(bench) > bound:
+        lines.append(f"  (Its CPU Adam benchmark reads slower, see the closing section: its {adam.get('ranks', 1)} ranks "
+                     f"ran {adam['threads']} threads each on host cores other work shared, so threads waited for cores.)")
     return "\n".join(lines)
 
 
@@ -764,13 +855,13 @@ def adam_rate_bounds(bench: dict, runs: Mapping[str, records.Record], label: str
 
 
 def reference_adam_bounds(name: str = "offload") -> str:
-    """:func:`adam_rate_bounds` of every committed GPU result of the chapter's experiment."""
+    """:func:`bounded_cost_lines` of every committed GPU result of the chapter's experiment."""
     parts = []
     for device, date, _, runs in references.reference_runs(name):
         bench = next((r for r in runs.values() if isinstance(r, dict) and r.get("task") == "benchmark"), None)
-        if bench:
-            trained = {k: r for k, r in runs.items() if not isinstance(r, dict)}
-            parts.append(adam_rate_bounds(bench, trained, f"reference: {device}, {date}"))
+        trained = {k: r for k, r in runs.items() if not isinstance(r, dict)}
+        if bench and "stage 2 + optimizer offload" in trained:
+            parts.append(bounded_cost_lines(bench, trained, f"reference: {device}, {date}"))
     return "\n".join(parts) or references.no_references(name, references.GPU_HOW)
 
 
@@ -865,9 +956,17 @@ def exercise_fit_config(answer: dict, runs: Mapping[str, records.Record], task: 
 
 def how_measured(name: str = "offload") -> str:
     """What measured each committed GPU result of the chapter's experiment: device, date, the run's note and
-    the conditions stored with it (what else ran on the machine)."""
+    the conditions stored with it (what else ran on the machine), then its CPU Adam benchmark's estimate
+    (:func:`cost_lines`) and the rates against the offloaded step's bound (:func:`adam_rate_bounds`)."""
     found = references.reference_runs(name)
     if not found:
         return references.no_references(name, references.GPU_HOW)
-    return "\n".join(f"Measured on {device}, {date} ({note}).\nConditions: {conditions}"
-                     for (device, date, note, _), conditions in zip(found, references.reference_conditions(name)))
+    parts = []
+    for (device, date, note, runs), conditions in zip(found, references.reference_conditions(name)):
+        parts.append(f"Measured on {device}, {date} ({note}).\nConditions: {conditions}")
+        bench = next((r for r in runs.values() if isinstance(r, dict) and r.get("task") == "benchmark"), None)
+        if bench:
+            trained = {k: r for k, r in runs.items() if not isinstance(r, dict)}
+            parts.append(cost_lines(bench, "Its CPU Adam benchmark's own estimate") + "\n"
+                         + adam_rate_bounds(bench, trained, "Its rates"))
+    return "\n".join(parts)
