@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import ipywidgets as w
 
 from helpers.core import configs, ds, environment, exercises, launch, models, performance, plots, records, theory
+from helpers.core import train
 
 #: Where the builder saves the learner's configs (git-ignored; ``python -m helpers check my_configs/x.json``).
 MY_CONFIGS = environment.REPO_ROOT / "my_configs"
@@ -892,8 +893,6 @@ def deepspeed_calls(functions: Sequence[Callable] | None = None,
     """The statements that make ``calls`` in the source of ``functions`` (read from their files, not copied), with
     the file and function they are in: by default what a lab launch's ranks run (``helpers.core.train``)."""
     if functions is None:
-        from helpers.core import train  # deferred: the ranks' module, imported only to read its source
-
         functions = (train.initialize, train.data_parallel_step)
     out = []
     for function in functions:
