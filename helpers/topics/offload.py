@@ -920,7 +920,7 @@ def bounded_cost_lines(bench: dict, runs: Mapping[str, records.Record], label: s
              f"whole CPU Adam step, so that host steps {bound * 1e9:.2f} ns per parameter or faster:"]
     lines += _cost_rows(bench, bound, gpus, psis, bound=True)
     if host_adam_s_per_param(bench) > bound:
-        lines.append(f"  (Its CPU Adam benchmark reads slower, see the closing section: its {adam.get('ranks', 1)} ranks "
+        lines.append(f"  (Its CPU Adam benchmark reads slower, as the how-measured cell above says: its {adam.get('ranks', 1)} ranks "
                      f"ran {adam['threads']} threads each on host cores other work shared, so threads waited for cores.)")
     return "\n".join(lines)
 
