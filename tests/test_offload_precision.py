@@ -783,3 +783,55 @@ def test_the_timing_table_names_its_peak_once():
     for _, _, _, runs in references.reference_runs("offload"):
         table = offload.timing_table({k: r for k, r in runs.items() if isinstance(r, records.Record)})
         assert "accelerator peak" in table and table.count("max_memory_allocated") == 1
+
+
+def test_the_fused_sentence_says_fused_won_only_where_the_guard_allows_it():
+    busy = load_guard.Load("cpu", 3, 0.5, 2, 10.0, 20, "test")
+    alone = load_guard.Load("cpu", 0, 0.0, 2, 10.0, 20, "test")
+    fast = _bench(2, seconds=0.02)
+    fast["adam"]["seconds"]["torch.optim.AdamW(fused=True)"] = 0.01
+    fast["adam"]["steps_s"]["torch.optim.AdamW(fused=True)"] = [0.01, 0.0101, 0.01]
+    assert offload.fused_sentence(fast, alone).startswith(
+        "On this machine torch.optim.AdamW(fused=True) stepped faster (torch.optim.AdamW(fused=True) 10.00 ms "
+        "against 20.00 ms per step)")
+    assert offload.fused_sentence(fast, busy).startswith("No ranking of torch.optim.AdamW(fused=True)")
+    slow = copy.deepcopy(fast)
+    slow["adam"]["steps_s"]["torch.optim.AdamW(fused=True)"] = [0.04, 0.0401, 0.04]
+    assert "did not beat DeepSpeedCPUAdam" in offload.fused_sentence(slow, alone)
+    assert "did not step both" in offload.fused_sentence(_bench(2), alone)
+
+
+def test_the_reference_headline_reads_the_step_times_and_the_copy_rates():
+    (device, date, _, runs), = references.reference_runs("offload")[:1]
+    text = offload.reference_headline()
+    assert text.startswith(f"GPU reference: {device}, {date}")
+    offloaded, plain = runs["stage 3 + optimizer offload"], runs["stage 3"]
+    assert (f"stage 3 + optimizer offload: {statistics.median(offloaded.timing.all_s[1:]) * 1e3:.0f} ms per step, "
+            f"no offload {statistics.median(plain.timing.all_s[1:]) * 1e3:.0f} ms") in text
+    rates = next(r for r in runs.values() if isinstance(r, dict))["transfers"]["bytes_per_s"]
+    assert f"{rates['host_to_device_pinned'] / 1e9:.1f} GB/s pinned" in text
+    assert "no offload faster" in text  # the reference ran alone on its GPUs: the guard judges its steps
+
+
+def test_the_pinning_rule_budgets_the_most_pinned_bytes_per_mode_and_never_adams_states():
+    rule = offload.pinning_rule()
+    _, _, _, runs = references.reference_runs("offload")[0]
+    r = runs["stage 2 + optimizer offload"]
+    per_element = r.memory.placement(0)["pinned_bytes"] / (r.params / r["world_size"])
+    assert f"up to {per_element:.1f} pinned bytes per partition element" in rule
+    assert "never Adam's states" in rule and "pin_memory false does not stop" in rule
+
+
+def test_the_theory_table_keeps_the_distinct_cases(swept):
+    runs = {"stage 2": swept["stage 2"], "stage 2 offload": swept["stage 2 offload"],
+            "stage 2 offload, unpinned": swept["stage 2 offload"]}
+    table = offload.theory_table(runs)
+    assert "0 = 0" not in table  # stage 2 holds nothing on the host, in the formula and measured
+    assert "stage 2 offload, pinned or not" in table and "stage 2 offload, unpinned" not in table
+    assert len(table.splitlines()) == 2 + 1 + 2  # header and rule, stage 2's accelerator, the twins' two sides
+
+
+def test_a_plotted_line_that_coincides_with_another_says_so():
+    fig = offload.largest_model([40, 80], 8, 16, host_gb=2000, host_grad_bytes={2: 6.0, 3: 6.0})
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert "stage 3 (same as stage 2 + optimizer offload)" in labels

@@ -216,18 +216,29 @@ def buffers_note(runs: Mapping[str, records.Record], rank: int = 0) -> str:
 
 def theory_table(runs: Mapping[str, object], rank: int = 0) -> str:
     """Per run: measured model-state bytes of each side on ``rank`` beside the offload formula
-    (:func:`helpers.core.theory.offload_bytes_per_device`, the run's precision), and their ratio."""
+    (:func:`helpers.core.theory.offload_bytes_per_device`, the run's precision), and their ratio. Sides that
+    hold nothing, in the formula and measured, are left out; runs whose rows are the same (a run and its
+    unpinned twin) share one row."""
 
-    rows = []
+    cases: dict[tuple, list[str]] = {}
     for name, r in runs.items():
         p = r.memory.placement(rank)
         mode = offload_mode(r)
         expected = theory.offload_bytes_per_device(r.params, r.stage, r["world_size"], mode, r["precision"])
+        figures = []
         for side in ("accelerator", "host"):
             measured = sum(p[side][k] for k in STATE_NAMES)
             paper = expected[side]["total"]
-            rows.append([name, side, f"{measured:,}", f"{paper:,.0f}", f"{measured / paper:.2f}" if paper else
-                         ("0 = 0" if not measured else "(not in formula)")])
+            if measured or paper:
+                figures.append((side, f"{measured:,}", f"{paper:,.0f}",
+                                f"{measured / paper:.2f}" if paper else "(not in formula)"))
+        cases.setdefault(tuple(figures), []).append(name)
+    rows = []
+    for figures, names in cases.items():
+        label = "; ".join(names)
+        if len(names) == 2 and names[1] == f"{names[0]}, unpinned":
+            label = f"{names[0]}, pinned or not"
+        rows += [[label, *row] for row in figures]
     return records.format_table(rows, ["run", "side", "measured bytes", "formula bytes", "measured/formula"])
 
 
@@ -312,6 +323,24 @@ def adam_verdicts(bench: dict, load: load_guard.Load | None, base: str = "DeepSp
     return "\n".join(lines)
 
 
+def fused_sentence(bench: dict, load: load_guard.Load | None, fused: str = "torch.optim.AdamW(fused=True)",
+                   base: str = "DeepSpeedCPUAdam") -> str:
+    """One sentence on torch's fused AdamW against DeepSpeed's CPU Adam in the benchmark: that it stepped faster
+    on this machine only where the load guard gives that verdict (:func:`helpers.core.load_guard.compare`, the
+    first optimizer's repeat included); otherwise the medians and why no ranking is printed."""
+    adam = bench["adam"]
+    if fused not in adam["seconds"] or base not in adam["seconds"]:
+        return f"The benchmark did not step both {base} and {fused}."
+    if "steps_s" not in adam:
+        return "No ranking: this result kept only each optimizer's median step, not the steps' spread."
+    v = load_guard.compare({base: adam["steps_s"][base], fused: adam["steps_s"][fused]}, load, repeat=adam["again_s"])
+    figures = f"{v.medians[1] * 1e3:.2f} ms against {v.medians[0] * 1e3:.2f} ms per step"
+    if v.given:
+        return (f"On this machine {v.faster} stepped faster ({fused} {figures}), beyond the steps' spread."
+                if v.faster == fused else f"{fused} did not beat {base} on this machine ({figures}).")
+    return f"No ranking of {fused} against {base} ({figures}) from this run: {v.withheld}."
+
+
 def step_verdicts(runs: Mapping[str, records.Record], again: records.Record, load: load_guard.Load) -> str:
     """Each offloading run's step times against its stage without offload, through the course's load guard: a
     verdict only where the launch had its devices to itself (``load``), the difference exceeds the steps' spread
@@ -370,6 +399,37 @@ def reference_step_verdicts(name: str = "offload") -> str:
             lines += ["", transfer_table(bench)]
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
+
+
+def reference_headline(name: str = "offload") -> str:
+    """The chapter's timing lesson from the first committed GPU result of the experiment, labelled with its
+    device, date and written conditions: optimizer offload's step against no offload at stages 2 and 3, pinned
+    against unpinned, each through :func:`helpers.core.load_guard.compare` under those conditions (steps after
+    each run's first), then the host-to-device copy bandwidth, pinned against pageable."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    (device, date, note, runs), conditions = found[0], references.reference_conditions(name)[0]
+    load = load_guard.Load.from_conditions(conditions)
+    lines = [f"GPU reference: {device}, {date} ({note}); conditions: {conditions} "
+             f"({'the load guard judges these steps' if load.alone else 'not alone: every verdict withheld'})"]
+    for run, other, short in (("stage 2 + optimizer offload", "stage 2", ("offload", "no offload")),
+                              ("stage 3 + optimizer offload", "stage 3", ("offload", "no offload")),
+                              ("stage 2 + optimizer offload", "stage 2 + optimizer offload, unpinned",
+                               ("pinned", "unpinned"))):
+        if run in runs and other in runs:
+            v = load_guard.compare({short[0]: _steps(runs[run]), short[1]: _steps(runs[other])}, load)
+            verdict = f"{v.faster} faster" if v.given else f"withheld: {v.withheld}"
+            lines.append(f"  {run}: {v.medians[0] * 1e3:.0f} ms per step, {short[1]} {v.medians[1] * 1e3:.0f} ms "
+                         f"({v.medians[0] / v.medians[1]:.1f}x; {verdict})")
+    bench = next((r for r in runs.values() if isinstance(r, dict) and r.get("task") == "benchmark"), None)
+    rates = (bench or {}).get("transfers", {}) or {}
+    rates = rates.get("bytes_per_s", {})
+    if "host_to_device_pinned" in rates and "host_to_device_pageable" in rates:
+        pinned, pageable = rates["host_to_device_pinned"], rates["host_to_device_pageable"]
+        lines.append(f"  host-to-device copies: {pinned / 1e9:.1f} GB/s pinned against {pageable / 1e9:.1f} GB/s "
+                     f"pageable ({pinned / pageable:.1f}x)")
+    return "\n".join(lines)
 
 
 def _offload_order_sentence(verdict: load_guard.Verdict) -> str:
@@ -632,6 +692,40 @@ def reference_pinned_report(name: str = "offload") -> str:
     return _per_reference(name, pinned_table)
 
 
+def pinning_rule(name: str = "offload", rank: int = 0) -> str:
+    """A rule of thumb for pinned host memory from the first committed GPU result of the experiment: what
+    ``pin_memory`` pinned (never Adam's states), and the most pinned bytes per element of the rank's
+    partition among its runs with optimizer offload alone and with parameter offload, to budget per rank."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    device, date, _, runs = found[0]
+    worst: dict[str, float] = {}
+    moments_free, forced = True, False
+    for run, r in runs.items():
+        if isinstance(r, dict):
+            continue
+        p = r.memory.placement(rank)
+        if not p["pinned_bytes"]:
+            continue
+        moments_free &= p["pinned_bytes"] <= sum(p["host"][k] for k in STATE_NAMES) + p["host"]["buffers"] - p["host"]["optimizer"]
+        mode = offload_mode(r)
+        worst[mode] = max(worst.get(mode, 0.0), p["pinned_bytes"] / (r.params / r["world_size"]))
+        zero = r["config"].get("zero_optimization", {})
+        forced |= not any(zero.get(k, {}).get("pin_memory", True) for k in ("offload_optimizer", "offload_param")
+                          if zero.get(k, {}).get("device", "none") != "none")
+    if not worst:
+        return f"GPU reference, {device}, {date}: no run pinned anything."
+    budget = ", ".join(f"{b:.1f}" + (" pinned bytes per partition element (times Ψ/N_d)" if i == 0 else "")
+                       + f" with {mode} offload" for i, (mode, b) in enumerate(sorted(worst.items())))
+    return (f"Rule of thumb (GPU reference, {device}, {date}): pin_memory pins the host buffers the GPU copies "
+            f"to and from (the fp32 master, its gradient, staging buffers, with parameter offload the parameter "
+            f"shards){', never Adam' + chr(39) + 's states' if moments_free else ''}. Budget per rank up to "
+            f"{budget}; all ranks' pinned bytes must fit in "
+            f"RAM together: pinned pages cannot be swapped out."
+            + (" pin_memory false does not stop parameter offload pinning its shards." if forced else ""))
+
+
 def reference_report(name: str = "offload") -> str:
     """Every committed GPU result of the chapter's experiment: placement, step time and peaks, the Adam
     benchmark and host-device bandwidth, each labelled with its device."""
@@ -709,13 +803,18 @@ def largest_model(accelerator_gb: Sequence[float], world_size: int, reserve_gb: 
     plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     accelerator_gb = [gb for gb in accelerator_gb if gb > reserve_gb]  # a device smaller than the reserve fits nothing
+    plotted: dict[str, list[float]] = {}
     for i, (stage, mode) in enumerate(modes):
         grad = None if host_grad_bytes is None else host_grad_bytes.get(stage)
         slope = host_bytes_per_parameter(stage, world_size, mode, grad, precision)
         sizes = [_largest(gb, stage, world_size, mode, host_gb, reserve_gb, slope, precision)[0] / 1e9
                  for gb in accelerator_gb]
+        label = f"stage {stage}" + ("" if mode == "none" else f" + {mode} offload")
+        same = next((other for other, drawn in plotted.items() if drawn == sizes), None)
+        plotted[label] = sizes
         ax.plot(accelerator_gb, sizes, marker="os^vDx"[i % 6], linestyle=["-", "--", ":", "-."][i % 4],
-                label=f"stage {stage}" + ("" if mode == "none" else f" + {mode} offload"))
+                linewidth=1.5 if same is None else 3.0, alpha=1.0 if same is None else 0.5,
+                label=label if same is None else f"{label} (same as {same})", zorder=1 if same else 2)
     host = "" if host_gb is None else f", {host_gb:g} GB host"
     ax.set(xlabel="accelerator memory per device (GB)", ylabel="largest model (B parameters)", yscale="log",
            title=f"Model states that fit {world_size} device(s){host} ({precision} mixed precision, K=12)")
@@ -821,7 +920,7 @@ def bounded_cost_lines(bench: dict, runs: Mapping[str, records.Record], label: s
              f"whole CPU Adam step, so that host steps {bound * 1e9:.2f} ns per parameter or faster:"]
     lines += _cost_rows(bench, bound, gpus, psis, bound=True)
     if host_adam_s_per_param(bench) > bound:
-        lines.append(f"  (Its CPU Adam benchmark reads slower, see the closing section: its {adam.get('ranks', 1)} ranks "
+        lines.append(f"  (Its CPU Adam benchmark reads slower, as the how-measured cell above says: its {adam.get('ranks', 1)} ranks "
                      f"ran {adam['threads']} threads each on host cores other work shared, so threads waited for cores.)")
     return "\n".join(lines)
 
