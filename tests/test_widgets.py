@@ -304,6 +304,12 @@ def test_the_record_notes_account_for_the_gaps_from_the_paper(launched):
     zero3 = records.Record({**record.summary, "zero_stage": 3})  # stage 3's collectives predict other bytes
     assert "within 1% of the measured: False" in widgets.sent_note(zero3)
     assert widgets.sent_note(records.Record({**record.summary, "zero_stage": 1})) is None
+    one = {**record.summary, "world_size": 1, "train_batch": record.summary["micro_batch"] * record.grad_accum,
+           "memory": {key: value[:1] if isinstance(value, list) else value
+                      for key, value in record.summary["memory"].items()}}
+    one.pop("data_parallel_size", None)
+    alone = widgets.sent_note(records.Record(one))
+    assert alone.startswith("ZeRO-2 on one rank") and "within 1%" not in alone
     assert f"master: DeepSpeed's ZeRO optimizer" in notes and f"{record.states()['master']:,} bytes" in notes
 
 

@@ -862,6 +862,9 @@ def sent_note(record: records.Record) -> str | None:
     else:
         return None
     measured = record.comm.wire_bytes_per_step
+    if n < 2:
+        return (f"ZeRO-{record.stage} on one rank: a collective has no other rank to send to, so the ring sends "
+                f"nothing (measured: {records.format_bytes(measured)} a step)")
     return (f"ZeRO-{record.stage} sent/step {records.format_ratio(measured, record.theory.comm_wire_bytes_per_step, suffix='x')} "
             f"the paper's: {how}; that predicts {records.format_bytes(predicted)}, within 1% of the measured: "
             f"{abs(measured / predicted - 1) < 0.01}")
