@@ -86,7 +86,8 @@ def test_chapter_time_leaves_out_checks_with_too_few_ranks(tmp_path, monkeypatch
     (tmp_path / "check.json").write_text(json.dumps(report))
     monkeypatch.setattr(notebooks, "CHECK_REPORTS", (tmp_path,))
     assert "1 rank on" in notebooks.chapter_time("12_x")
-    assert "(2026-11-27, one notebook at a time)" in notebooks.chapter_time("12_x") and "not this run" in only_all(notebooks)
+    assert "1 rank on 4 x NVIDIA H200 (6 notebooks at a time)" in only_all(notebooks) and "not this run" in only_all(notebooks)
+    assert "2.0 min with 4 ranks on 4 x NVIDIA H200. " in only_all(notebooks)  # alone: no sharing to name
     only = notebooks.chapter_time("12_x", min_ranks=2)
     assert "1 rank on" not in only and "2.0 min with 4 ranks" in only
     assert notebooks.chapter_time("12_x", min_ranks=8).startswith("No committed check report")

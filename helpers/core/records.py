@@ -409,9 +409,8 @@ def format_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
 
 #: Marks a GPU peak that may include memory of earlier runs (:func:`peak_may_include_earlier_runs`).
 UPPER_BOUND = "<= "
-PEAK_NOTE = ("<= : an upper bound. A run after the first of its launch, measured when the course did not release each "
-             "run's engine before the next (before 2026-11-27, and in a regression of 2026-11-28 fixed that day): earlier "
-             "engines could still hold GPU memory, so its peak may include memory of the launch's earlier runs.")
+PEAK_NOTE = ("<= : an upper bound: an earlier run of the same launch may still have held GPU memory when this "
+             "run peaked (measured before the course released each run's engine; docs/results.md).")
 
 
 def peak_may_include_earlier_runs(record: "Record | dict") -> bool:

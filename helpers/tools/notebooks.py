@@ -40,8 +40,8 @@ def course_notebooks() -> list[Path]:
 
 def chapter_time(notebook: str, min_ranks: int = 1) -> str:
     """How long executing ``notebook`` (its file name or stem) took, as the committed check reports
-    (``docs/gpu-check/``, ``docs/cpu-check/``) measured it: the latest time on each machine they name, with the
-    date and how many notebooks shared the machine. A sentence for the opening of a chapter. Checks that ran it
+    (``docs/gpu-check/``, ``docs/cpu-check/``) measured it: the latest time on each machine they name, and how
+    many notebooks shared the machine where others did. A sentence for the opening of a chapter. Checks that ran it
     on fewer than ``min_ranks`` ranks are left out (a chapter whose topic needs several ranks)."""
     name = notebook if notebook.endswith(".ipynb") else f"{notebook}.ipynb"
     latest: dict[tuple[str, int], tuple[str, float, str, str]] = {}  # (folder, ranks) -> the newest
@@ -61,10 +61,11 @@ def chapter_time(notebook: str, min_ranks: int = 1) -> str:
                                        "one notebook at a time" if shared == 1 else f"{shared} notebooks at a time")
     if not latest:
         return f"No committed check report has timed {name} yet (python3 -m helpers.course check-gpu makes one)."
-    parts = [f"{seconds / 60:.1f} min with {ranks} rank{'' if ranks == 1 else 's'} on {machine} ({date}, {how})"
+    parts = [f"{seconds / 60:.1f} min with {ranks} rank{'' if ranks == 1 else 's'} on {machine}"
+             + ("" if how == "one notebook at a time" else f" ({how})")
              for (_, ranks), (date, seconds, machine, how) in sorted(latest.items())]
-    return (f"In the committed check reports (not this run), executing this notebook took {'; '.join(parts)}. "
-            "Other work on the machine adds to it: the load guard's line under each launch says what ran beside it.")
+    return (f"How long this notebook takes, from the course's check reports (docs/cpu-check/, docs/gpu-check/; "
+            f"not this run): {'; '.join(parts)}. Other work on the machine makes it slower.")
 
 
 def is_exclusive(path: Path) -> bool:
