@@ -78,3 +78,17 @@ def test_stage0_bytes_read_from_the_runs_comms_log():
     assert first_run.exercise_stage0_bytes(PSI * 4, run)
     assert not first_run.exercise_stage0_bytes(PSI * 8, run)  # accumulation does not multiply it
     assert not first_run.exercise_stage0_bytes(..., run).answered
+
+
+def test_first_difference_finds_the_first_step_beyond_the_tolerance():
+    assert first_run.first_difference([5.0, 4.0, 3.0], [5.0, 4.000001, 3.01], tolerance=1e-5) == 3
+    assert first_run.first_difference([5.0, 4.0], [5.0, 4.0], tolerance=1e-5) is None
+
+
+def test_exercise_hints_name_the_quantity_not_the_answer():
+    warmup = first_run.exercise_warmup_scheduler(..., ARTICLE)
+    assert "0.5" not in str(warmup).split("Hint:")[1]  # the fraction is the task's, not the hint's method
+    summary = minimal_summary()
+    summary["comm"]["by_caller"] = {"all_reduce": {"allreduce_bucket": {"count": 1.0, "bytes": PSI * 4.0}}}
+    blank = str(first_run.exercise_stage0_bytes(..., records.Record(summary)))
+    assert f"{PSI:,}" not in blank and "4 bytes" not in blank  # neither the count nor the element size

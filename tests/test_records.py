@@ -203,6 +203,9 @@ def test_comm_table_rows():
     assert lines[3].split() == ["ZeRO-2", "fp32", "all_gather_into_tensor", "-", "1", "2,000"]
     assert lines[4].endswith("6,000") and "wire bytes" in lines[4]
     assert lines[5].endswith("4,000") and "paper" in lines[5]
+    logged = records.comm_table([record], totals=False).splitlines()
+    assert len(logged) == 4 and logged[0].split() == lines[0].split()  # the logged rows only
+    assert [line.split() for line in logged[2:]] == [line.split() for line in lines[2:4]]
 
 
 def test_comm_table_names_the_calling_function_when_logged():

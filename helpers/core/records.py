@@ -486,18 +486,19 @@ def memory_table(runs: Sequence[Record], rank: int = 0) -> str:
     return format_table(rows, ["run", "state", "measured bytes", "paper bytes", "measured/paper"])
 
 
-def comm_table(runs: Sequence[Record]) -> str:
+def comm_table(runs: Sequence[Record], totals: bool = True) -> str:
     """Collectives per optimizer step (count and logged bytes, and the DeepSpeed function that issued them)
-    run by run, with the wire bytes per rank and the paper's volume."""
+    run by run, with (``totals``) the wire bytes per rank and the paper's volume."""
     rows = []
     for r in runs:
         callers = r.summary["comm"].get("by_caller") or {op: {"": row} for op, row in r.comm_ops().items()}
         for op, by_caller in callers.items():
             for caller, row in by_caller.items():
                 rows.append([r.label, op, caller or "-", f"{row['count']:g}", f"{row['bytes']:,.0f}"])
-        comm = r.summary["comm"]
-        rows.append([r.label, "= wire bytes per rank (ring)", "", "", f"{comm['wire_bytes_per_step']:,.0f}"])
-        rows.append([r.label, "= paper (2Ψ or 3Ψ) x (n-1)/n", "", "", f"{r.theory.comm_wire_bytes_per_step:,.0f}"])
+        if totals:
+            comm = r.summary["comm"]
+            rows.append([r.label, "= wire bytes per rank (ring)", "", "", f"{comm['wire_bytes_per_step']:,.0f}"])
+            rows.append([r.label, "= paper (2Ψ or 3Ψ) x (n-1)/n", "", "", f"{r.theory.comm_wire_bytes_per_step:,.0f}"])
     return format_table(rows, ["run", "collective", "issued by (DeepSpeed function)", "count/step", "bytes/step"])
 
 

@@ -2,12 +2,13 @@
 
 - :func:`exercise_batch_config`: the learner writes the batch block of a ``ds_config`` for a given world size;
   DeepSpeed's own config class (``DeepSpeedConfig``) resolves it, as ``deepspeed.initialize`` would.
-- :func:`warmup_table`: the learning rates DeepSpeed's ``WarmupLR`` sets in the first optimizer steps, for the
-  article's block and linear warm-ups to the same peak; :func:`exercise_warmup_scheduler`: the learner predicts
+- :func:`warmup_table`: the learning rates DeepSpeed's ``WarmupLR`` sets in the first optimizer steps, one column
+  per scheduler block; :func:`exercise_warmup_scheduler`: the learner predicts
   the first step at which the article's warm-up uses half its peak, and DeepSpeed's scheduler has the answer.
 - :func:`exercise_stage0_bytes`: the learner predicts the bytes of stage 0's gradient all_reduce per optimizer
   step; the comms log of the chapter's stage-0 run has the real number. :func:`norm_allreduce` says what the
-  other, 4-byte all_reduce of that run is, from the comms log and DeepSpeed's source.
+  other, 4-byte all_reduce of that run is, from the comms log and DeepSpeed's source. :func:`first_difference`:
+  the first step at which two runs' losses part (the baseline without clipping).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import inspect
 import logging
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 from unittest import mock
 
 import torch
@@ -141,8 +142,7 @@ def exercise_warmup_scheduler(answer: Any, scheduler: dict) -> exercises.Verdict
         "warm-up", answer, expected, absolute=1,
         task=(f"Predict the first optimizer step at which the article's WarmupLR ({kind}, {warmup} steps to "
               f"{max(lrs):g}) uses at least {WARMUP_FRACTION:g} of its peak learning rate."),
-        hint=(f"take the chapter's rule for optimizer step k under \"{kind}\": the fraction of the way from "
-              f"warmup_min_lr to warmup_max_lr; set it to {WARMUP_FRACTION:g} and find the first whole step k."),
+        hint=f"the chapter's rule for the learning rate of optimizer step k under \"{kind}\".",
         why=(f"DeepSpeed's WarmupLR sets {lrs[expected - 1]:.3g} at optimizer step {expected}. A linear warm-up over "
              f"the same {warmup} steps gets there only at step {linear}, yet both reach the peak only after "
              f"{warmup} steps (the log one at step {peak}): a log warm-up rises fast at first and slowly at the end."))
@@ -169,6 +169,11 @@ def norm_allreduce(record: records.Record) -> str:
             f"source:\n{source}")
 
 
+def first_difference(a: Sequence[float], b: Sequence[float], tolerance: float) -> int | None:
+    """The first 1-based step at which two runs' losses differ by more than ``tolerance``; None if none does."""
+    return next((i for i, (x, y) in enumerate(zip(a, b), 1) if abs(x - y) > tolerance), None)
+
+
 def gradient_allreduce_bytes(record: records.Record) -> float:
     """Bytes per optimizer step of the all_reduce that carries the gradients (:data:`GRADIENT_CALLER`), as the
     run's comms logger recorded them."""
@@ -181,9 +186,11 @@ def exercise_stage0_bytes(answer: Any, stage0: records.Record) -> exercises.Verd
     expected = gradient_allreduce_bytes(stage0)
     return exercises.number(
         "stage 0 bytes", answer, expected, unit=" bytes",
-        task=(f"Predict the bytes stage 0's gradient all_reduce carries per optimizer step ({stage0.params:,} "
-              f"fp32 parameters, {stage0.summary['grad_accum']} micro-steps per optimizer step)."),
-        hint="one gradient element per parameter, 4 bytes each in fp32; does accumulation multiply it?",
+        task=("Predict the bytes stage 0's gradient all_reduce carries per optimizer step, as an expression of "
+              f"stage0.params (the model's parameter count; fp32, {stage0.summary['grad_accum']} micro-steps per "
+              "optimizer step)."),
+        hint=("the bytes of one copy of the gradients, and how often engine.backward and engine.step all-reduce "
+              "it (the chapter's list of the script's DeepSpeed lines)."),
         why=(f"{stage0.params:,} parameters x 4 bytes: the gradients accumulate locally over the "
              f"{stage0.summary['grad_accum']} micro-steps, and the engine all-reduces them once, at the boundary "
              f"({GRADIENT_CALLER} in the comms log)."))
