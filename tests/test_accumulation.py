@@ -360,11 +360,44 @@ def test_the_step_growth_exercise_reads_both_stages_from_the_records():
     assert "one factor per stage" in str(check(5.67))
 
 
-def test_the_bytes_per_sample_exercise_divides_by_the_growing_global_batch():
-    one = {s: _phased(s, 1, 16, 400.0, 200.0, s == 2) for s in (0, 2)}
-    four = {s: _phased(s, 4, 16, 400.0, 200.0, s == 2) for s in (0, 2)}
-    grid = accumulation.Grid({}, {**{(s, 1): r for s, r in one.items()}, **{(s, 4): r for s, r in four.items()}}, 32, 16)
-    check = lambda answer: accumulation.exercise_bytes_per_sample(answer, grid)
-    assert check({0: 0.25, 2: (4 * 400 + 200) / 600 / 4})
-    assert not check({0: 1.0, 2: 1.0})  # bytes per step, not per sample
-    assert "for 128 at 4" in str(check({0: 0.25, 2: 0.75}))
+def test_the_bytes_floor_exercise_takes_the_repeating_phase_over_a_whole_step_at_accumulation_one():
+    one, four = _phased(2, 1, 16, 400.0, 200.0, True), _phased(2, 4, 16, 400.0, 200.0, True)
+    grid = accumulation.Grid({}, {(2, 1): one, (2, 4): four}, 32, 16)
+    check = lambda answer: accumulation.exercise_bytes_floor(answer, grid)
+    assert not check(...).answered and "without bound" in str(check(...))
+    right = check(400 / 600)
+    assert right and "400 / 600 = 0.67x" in str(right) and "Measured at accumulation 4: 0.75x" in str(right)
+    assert not check(0.75) and "Hint" in str(check(0.75))  # accumulation 4's factor, not the limit
+    assert not check(0.0)  # stage 0's limit, not stage 2's
+    assert "one number" in str(check({2: 0.67}))
+
+
+def test_timing_table_gives_the_steps_after_the_first_as_the_verdicts_do():
+    r = _timed(0, 4, [9.0, 0.30, 0.20, 0.25])  # 8 x 4 x 2 = 64 samples a step; the 9 s warm-up left out
+    row = accumulation.timing_table({(0, 4): r}).splitlines()[2].split()
+    assert row[3:5] == ["250.0", "256"]
+
+
+def test_the_step_cost_reading_fits_the_share_paid_once_and_labels_withheld_stages():
+    one = _timed(1, 1, [5.0, 0.100, 0.101, 0.099], micro=8)
+    four = _timed(1, 4, [5.0, 0.130, 0.131, 0.129], micro=8)  # 4x the samples, 1.3x the time
+    noisy = _timed(3, 4, [5.0, 0.40, 0.10, 0.25], micro=8)
+    runs = {"a": one, "b": four, "c": _timed(3, 1, [5.0, 0.10, 0.11, 0.09], micro=8), "d": noisy}
+    lines = accumulation.step_cost_reading(runs, ALONE).splitlines()
+    assert lines[1] == "- ZeRO-1: 1.30x as long; 90% paid once"  # t(1) = once + v, t(4) = once + 4v: once = 0.09
+    assert lines[2].endswith("(a figure: verdict withheld)")
+    assert lines[3] == ("The largest gain with a verdict, ZeRO-1's +208% samples/s, measures this small model on these "
+                        "ranks, not the article's 30%.")
+    assert accumulation.step_cost_reading(runs, BUSY).splitlines()[-1].startswith("Every verdict is withheld")
+
+
+def test_the_reference_conclusion_settles_the_claim_only_with_a_verdict(monkeypatch):
+    one, four = _timed(2, 1, [5.0, 0.10, 0.101, 0.099]), _timed(2, 4, [5.0, 0.35, 0.351, 0.349])
+    monkeypatch.setattr(accumulation.references, "reference_runs", lambda name: [("2 x GPU", "2026-01-01", "", {"a": one, "b": four})])
+    text = accumulation.reference_conclusion("claim")
+    assert text.startswith("So the committed 2 x GPU run (2026-01-01) measured ZeRO-2 at accumulation 4 with +14% "
+                           "samples/s against accumulation 1, where the article reports about 30%; it is a figure, not a "
+                           "verdict, because nothing recorded what else used the devices during the run")
+    one.summary["load"] = dataclasses.asdict(ALONE)
+    assert accumulation.reference_conclusion("claim").endswith(
+        "about 30%: 14% faster, 0.5 of the article's 30%, so the data supports a gain but not the article's figure.")
