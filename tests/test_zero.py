@@ -163,6 +163,19 @@ def test_timing_verdict_needs_the_devices_alone_a_steady_repeat_and_a_clear_diff
     assert "the machine changed during the sweep" in drifted and "is faster" not in drifted
 
 
+def test_merged_timing_verdicts_say_one_shared_reason_once_and_keep_every_median():
+    settings = {"defaults": _steps([20, 21, 22]), "fast": _steps([10, 11, 12]), "close": _steps([19, 21, 23])}
+    alone = load_guard.Load("cpu", 0, 0.01, 2, 30.0, 60, "test")
+    busy = load_guard.Load("cpu", 3, 0.40, 2, 30.0, 60, "test")
+    merged = zero.timing_verdict(settings, _steps([21, 21, 21]), busy, merge=True)
+    assert merged.count("used 40% of the 2 cores' time") == 1 and "\n" not in merged
+    assert merged.startswith("Step-time verdicts withheld for all 2 settings against defaults:")
+    assert merged.endswith("(medians without each run's first step: defaults 21 ms, fast 11 ms, close 21 ms).")
+    # a verdict given, or reasons that differ, keep one line per setting
+    assert zero.timing_verdict(settings, _steps([21, 21, 21]), alone, merge=True) == \
+        zero.timing_verdict(settings, _steps([21, 21, 21]), alone)
+
+
 # --- building the model: the meter, the builder's checks, the estimate -----------------------------
 
 def test_the_meter_counts_what_parameters_hold_at_their_highest():
@@ -407,6 +420,18 @@ def test_scaled_out_table_keeps_the_stages_asked_for():
     table = zero.scaled_out_table(7.5e9, 64, stages=(0, 1), estimator=False).splitlines()
     assert [line.split()[:3] for line in table[2:]] == [["stage", "0", "120.0"], ["stage", "1", "31.4"]]
     assert "estimator" not in table[0] and "estimator" in zero.scaled_out_table(7.5e9, 64).splitlines()[0]
+    gib = zero.scaled_out_table(7.5e9, 64, unit="GiB").splitlines()
+    assert gib[0].split()[:3] == ["ZeRO", "paper", "GiB/device"] and "estimator GiB/device" in gib[0]
+    assert gib[2].split()[2] == f"{16 * 7.5e9 / 2**30:.1f}" == "111.8"  # the paper's 120 GB, in GiB
+    with pytest.raises(KeyError):
+        zero.scaled_out_table(7.5e9, 64, unit="TB")
+
+
+def test_knob_table_heads_the_logged_bytes_as_told():
+    runs = {"defaults": _timed([900, 12, 12], 3, 2**30)}
+    assert zero.knob_table(runs).splitlines()[0].split()[4] == "bytes/step"
+    header = zero.knob_table(runs, bytes_label="logged bytes/step").splitlines()[0]
+    assert "logged bytes/step" in header and header.index("logged") < header.index("buffers")
 
 
 def test_reduction_table_heads_the_computed_column_as_told():

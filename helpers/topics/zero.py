@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import statistics
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -54,18 +55,23 @@ def _steps_ms(record: records.Record) -> list[float]:
 
 
 def timing_verdict(settings: Mapping[str, records.Record], again: records.Record, load: load_guard.Load,
-                   base: str = "defaults") -> str:
+                   base: str = "defaults", merge: bool = False) -> str:
     """Each setting's steps against ``base``'s, through the course's load guard (:func:`load_guard.compare`): a
     verdict only where the launch had its devices to itself (``load``), ``base`` run ``again`` at the end of the
     launch stayed within its first run's spread, and the difference exceeds the steps' spread; otherwise the
-    line says why it withholds one. Steps after each run's first (which warms up)."""
+    line says why it withholds one. Steps after each run's first (which warms up). With ``merge``, verdicts all
+    withheld for one reason make one sentence, the reason once and every median after it."""
     first, repeat = _steps_ms(settings[base]), _steps_ms(again)
-    lines = [f"Load beside the launch: {load.reason() or 'none, it had its devices to itself'}."]
-    for name, record in settings.items():
-        if name != base:
-            verdict = load_guard.compare({base: [t / 1000 for t in first], name: [t / 1000 for t in _steps_ms(record)]},
+    verdicts = {name: load_guard.compare({base: [t / 1000 for t in first], name: [t / 1000 for t in _steps_ms(record)]},
                                          load, repeat=[t / 1000 for t in repeat])
-            lines.append(f"{name}: {load_guard.sentence(verdict)}")
+                for name, record in settings.items() if name != base}
+    reasons = {verdict.withheld for verdict in verdicts.values()}
+    if merge and len(reasons) == 1 and "" not in reasons:
+        medians = ", ".join(f"{name} {statistics.median(_steps_ms(record)):,.3g} ms" for name, record in settings.items())
+        return (f"Step-time verdicts withheld for all {len(verdicts)} settings against {base}: {reasons.pop()} "
+                f"(medians without each run's first step: {medians}).")
+    lines = [f"Load beside the launch: {load.reason() or 'none, it had its devices to itself'}."]
+    lines += [f"{name}: {load_guard.sentence(verdict)}" for name, verdict in verdicts.items()]
     return "\n".join(lines)
 
 
@@ -141,8 +147,9 @@ def knob_agreement(runs: Mapping[str, records.Record], base: str = "defaults") -
     return "; ".join(f"{name} against {base}: {verdict}" for name, verdict in verdicts.items())
 
 
-def knob_table(runs: Mapping[str, records.Record], timings: bool = False) -> str:
-    """Per setting: collectives and bytes per step, buffers and gradients held; with timings, peak memory and step time.
+def knob_table(runs: Mapping[str, records.Record], timings: bool = False, bytes_label: str = "bytes/step") -> str:
+    """Per setting: collectives and the comms logger's bytes per step (headed ``bytes_label``), buffers and
+    gradients held; with timings, peak memory and step time.
 
     Counts and bytes are deterministic (nbval checks them); timings are not (print them separately).
     """
@@ -155,7 +162,7 @@ def knob_table(runs: Mapping[str, records.Record], timings: bool = False) -> str
         if timings:
             row += [records.format_peak(r, 0), f"{r.timing.median_s * 1000:.1f}"]
         rows.append(row)
-    headers = ["setting", "collectives per step", "bytes/step", "buffers", "grads", "params"]
+    headers = ["setting", "collectives per step", bytes_label, "buffers", "grads", "params"]
     if timings:
         headers += ["peak (rank 0)", "step ms"]
     return records.format_table(rows, headers)
@@ -295,24 +302,31 @@ def per_micro_step_volume(runs: Mapping[str, records.Record]) -> str:
                                        "measured/paper"])
 
 
+#: The units :func:`scaled_out_table` can print in, and their bytes.
+UNITS = {"GB": 1e9, "GiB": 2**30}
+
+
 def scaled_out_table(psi: float, world_size: int, largest_layer_params: int = 0, k: int = theory.PAPER_K,
-                     stages: Sequence[int] = theory.STAGES, estimator: bool = True) -> str:
-    """The paper's per-device GB for ``stages`` at ``psi`` parameters on ``world_size`` ranks, with DeepSpeed's
-    estimate unless ``estimator`` is False."""
+                     stages: Sequence[int] = theory.STAGES, estimator: bool = True, unit: str = "GB") -> str:
+    """The paper's per-device ``unit`` (a key of :data:`UNITS`) for ``stages`` at ``psi`` parameters on
+    ``world_size`` ranks, with DeepSpeed's estimate unless ``estimator`` is False."""
+    scale = UNITS[unit]
     rows = []
     for stage in stages:
-        paper = theory.paper_bytes_per_device(psi, stage, world_size, k) / 1e9
+        paper = theory.paper_bytes_per_device(psi, stage, world_size, k) / scale
         row = [f"stage {stage}", f"{paper:.1f}"]
         if estimator:
             estimate = theory.deepspeed_estimate_bytes(int(psi), stage, world_size, largest_layer_params)
-            row.append("-" if estimate is None else f"{estimate / 1e9:.1f}")
+            row.append("-" if estimate is None else f"{estimate / scale:.1f}")
         rows.append(row)
-    return records.format_table(rows, ["ZeRO", "paper GB/device", *(["DeepSpeed estimator GB/device"] if estimator else [])])
+    return records.format_table(rows, ["ZeRO", f"paper {unit}/device",
+                                       *([f"DeepSpeed estimator {unit}/device"] if estimator else [])])
 
 
-def reference_report(name: str) -> str:
-    """The knob table of every committed GPU result of ``name``, timings included, each labelled with its device."""
-    return references.references_report(name, lambda runs: knob_table(runs, timings=True))
+def reference_report(name: str, bytes_label: str = "bytes/step") -> str:
+    """The knob table of every committed GPU result of ``name``, timings included, each labelled with its device
+    (``bytes_label`` heads the logged bytes, as in :func:`knob_table`)."""
+    return references.references_report(name, lambda runs: knob_table(runs, timings=True, bytes_label=bytes_label))
 
 
 def comparison_table(subject: records.Record, baselines: Mapping[str, records.Record], rank: int = 0,
@@ -758,8 +772,8 @@ def exercise_overlap_peak(answer: Any, name: str = "zero2-knobs",
         "overlap peak", answer, overlap, relative=0.02, unit=" bytes",
         task=(f"On {label}, the stage-2 defaults run peaked at {base:,} bytes per rank (rank 0). Predict the peak of "
               f"the overlap_comm=true run, which reduces one gradient bucket while backward fills the next (within 2%)."),
-        hint=("only the gradient buckets change: how many must exist at once for that, and what one takes at "
-              "DeepSpeed's default reduce_bucket_size (zero.zero_default) in fp32?"),
+        hint=("the bytes of the gradient buckets that overlap_comm adds (DeepSpeed's default reduce_bucket_size: "
+              "zero.zero_default('reduce_bucket_size') fp32 elements)."),
         why=(f"It peaked {overlap - base:,} bytes above defaults: {(overlap - base) / bucket:.2f} times one bucket of "
              f"{bucket // 4:,} fp32 elements ({bucket:,} bytes). To reduce one bucket while backward fills another, "
              f"DeepSpeed allocates two (setup_buckets in stage_1_and_2.py)."))
