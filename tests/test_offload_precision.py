@@ -492,6 +492,21 @@ def test_a_speed_verdict_only_alone_and_beyond_the_spread_of_the_steps(swept):
     assert precision.peak_fp32_tflops("NVIDIA H200")[0] == 67.0 and precision.peak_fp32_tflops("CPU")[0] is None
 
 
+def test_the_speed_bounds_set_each_measured_gain_beside_the_products_least_time(swept):
+    fp32 = _timed(swept["accum fp32 training"], [90, 50, 52, 54])
+    runs = {"ZeRO-2 fp32": fp32, "ZeRO-2 bf16": _timed(swept["stage 2"], [90, 40, 41, 42]),
+            "ZeRO-2 fp16": _timed(swept["stage 2"], [90, 40, 42, 41])}
+    text = precision.speed_bounds(runs, ALONE)
+    assert "of the 52.0 ms fp32 step" in text and "could speed the step up 1.00x at most" in text  # a tiny MLP
+    assert "ZeRO-2 bf16 and ZeRO-2 fp16 beat that bound" in text
+    assert "ZeRO-2 fp16 against ZeRO-2 bf16: verdict withheld: the difference (0%)" in text
+    assert "nothing these runs measured explains a difference" in text
+    shared = precision.speed_bounds(runs, SHARED)
+    assert "beat" not in shared and "Within that bound" in shared  # no gain judged under load
+    cpu = {k: _timed(r, [90, 50, 52, 54], device="CPU") for k, r in runs.items()}
+    assert "no fp32 peak known" in precision.speed_bounds(cpu, ALONE)
+
+
 def test_a_references_written_conditions_are_its_load():
     assert load_guard.Load.from_conditions("alone on the machine: one at a time").alone
     beside = load_guard.Load.from_conditions("executed by check-gpu beside 5 other notebook(s)")
@@ -504,7 +519,8 @@ def test_a_references_written_conditions_are_its_load():
 def test_the_scripts_run_names_become_the_chapters_keys():
     assert precision.run_key("zero2-bf16") == (2, "bf16")
     assert precision.run_key("accum-zero3-fp32") == ("accum", (3, "fp32"))
-    assert precision.run_key("accum-zero2-fp32-training") == ("accum", (2, "fp32 training"))
+    assert precision.run_key("fp32-zero2") == ("accum", (2, "fp32 training"))
+    assert precision.run_key("accum-zero2-fp32-training") is None  # accumulation runs name a dtype only
     assert precision.run_key("speed-zero2-fp16") == ("speed", "fp16")
     assert precision.run_key("zero2-int8") is None and precision.run_key("my-run") is None
 
@@ -556,6 +572,32 @@ def test_the_fp32_reference_probe_for_a_script_names_its_model():
 def test_formats_come_from_torch():
     table = precision.formats_table()
     assert "1 / 8 / 23" in table and "1 / 8 / 7" in table and "1 / 5 / 10" in table and "6.55e+04" in table
+    assert "a ZeRO optimizer keeps" in table and "under ZeRO" in precision.formats_table(adds={"fp32": "under ZeRO"})
+    assert "a loss scale" in precision.formats_table(adds={"fp32": "under ZeRO"})  # the other rows keep theirs
+
+
+class _States(records.Record):
+    """A record whose measured model states are given (bytes on every rank), for the arithmetic's tests."""
+
+    def __init__(self, states: dict[str, int], params: int = 100):  # no run behind it: nothing to validate
+        self.summary, self._given = {"model": {"params": params}}, states
+
+    def states(self, rank: int = 0) -> dict[str, int]:
+        return dict(self._given)
+
+
+def test_the_saving_lines_add_each_runs_states_and_name_the_master():
+    runs = {(0, "fp32"): _States({"params": 400, "grads": 400, "optimizer": 800, "master": 0}),
+            (0, "bf16"): _States({"params": 200, "grads": 200, "optimizer": 800, "master": 400}),
+            (2, "fp32"): _States({"params": 400, "grads": 200, "optimizer": 400, "master": 200}),
+            (2, "bf16"): _States({"params": 200, "grads": 100, "optimizer": 400, "master": 200})}
+    zero0, zero2 = precision.saving_lines(runs).splitlines()
+    assert zero0 == ("ZeRO-0: fp32 4.00 + 4.00 + 8.00 = 16.00; bf16 2.00 + 2.00 + 8.00 + 4.00 master = 16.00 B/param. "
+                     "bf16 saves 4.00 on parameters and gradients and adds 4.00 of fp32 master: 0.00 saved "
+                     "(1.00 of fp32's).")
+    assert zero2.endswith("bf16 saves 3.00 on parameters and gradients, both keep the same fp32 master: 3.00 saved "
+                          "(0.75 of fp32's).")
+    assert precision.saving_lines({(2, "bf16"): runs[(2, "bf16")]}) == ""  # no fp32 run to set it beside
 
 
 def test_the_chapters_records_come_back_in_training_order_with_the_repeat_apart(swept, tmp_path):

@@ -91,3 +91,19 @@ def test_chapter_time_leaves_out_checks_with_too_few_ranks(tmp_path, monkeypatch
     only = notebooks.chapter_time("12_x", min_ranks=2)
     assert "1 rank on" not in only and "2.0 min with 4 ranks" in only
     assert notebooks.chapter_time("12_x", min_ranks=8).startswith("No committed check report")
+
+
+def test_chapter_time_line_gives_a_range_per_kind_of_machine(tmp_path, monkeypatch):
+    gpu = {"machine": "4 x NVIDIA H200", "checks": [
+        {"date": "2026-11-27", "ranks": 1, "jobs": 6, "notebooks": [{"notebook": "12_x.ipynb", "ok": True, "seconds": 60}]},
+        {"date": "2026-11-27", "ranks": 4, "jobs": 1, "notebooks": [{"notebook": "12_x.ipynb", "ok": True, "seconds": 180}]}]}
+    cpu = {"machine": "2-core x86-64 CPU", "checks": [
+        {"date": "2026-11-27", "ranks": 2, "jobs": 1, "notebooks": [{"notebook": "12_x.ipynb", "ok": True, "seconds": 30}]}]}
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "gpu" / "check.json").write_text(json.dumps(gpu))
+    (tmp_path / "cpu" / "check.json").write_text(json.dumps(cpu))
+    monkeypatch.setattr(notebooks, "CHECK_REPORTS", (tmp_path / "gpu", tmp_path / "cpu"))
+    assert notebooks.chapter_time_line("12_x") == ("This notebook takes about 0.5 min on a CPU and 1.0-3.0 min on GPUs "
+                                                   "(the course's check reports, not this run).")
+    assert notebooks.chapter_time_line("13_y").startswith("No committed check report")

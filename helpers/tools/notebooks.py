@@ -68,6 +68,21 @@ def chapter_time(notebook: str, min_ranks: int = 1) -> str:
             f"not this run): {'; '.join(parts)}. Other work on the machine makes it slower.")
 
 
+def chapter_time_line(notebook: str, min_ranks: int = 1) -> str:
+    """:func:`chapter_time` in one short line: the range of minutes on CPUs and on GPUs the committed check
+    reports measured, without each machine's details."""
+    full = chapter_time(notebook, min_ranks)
+    if full.startswith("No committed"):
+        return full
+    found: dict[str, list[float]] = {}
+    for part in full.split("not this run): ", 1)[1].split(". Other work")[0].split("; "):
+        minutes, where = part.split(" min with ", 1)
+        found.setdefault("GPUs" if re.search(r"GPU|H100|H200|A100|NVIDIA", where) else "a CPU", []).append(float(minutes))
+    spans = [f"{min(m):.1f} min" if min(m) == max(m) else f"{min(m):.1f}-{max(m):.1f} min" for m in found.values()]
+    return (f"This notebook takes about {' and '.join(f'{s} on {where}' for s, where in zip(spans, found))} "
+            "(the course's check reports, not this run).")
+
+
 def is_exclusive(path: Path) -> bool:
     """Whether a notebook asks to run alone on the machine (notebook metadata ``course.exclusive``: the
     capstone, which fills the GPUs' memory)."""

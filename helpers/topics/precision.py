@@ -415,6 +415,28 @@ def bytes_per_parameter_table(runs: Mapping[tuple[int, str], Any], rank: int = 0
                                        "total B/param", "paper B/param"])
 
 
+def saving_lines(runs: Mapping[tuple[int, str], Any], rank: int = 0, half: str = "bf16") -> str:
+    """Per ZeRO stage with an fp32 and a ``half`` run (keys (stage, precision)): each run's measured bytes per
+    parameter on ``rank``, state by state, summed; then what the 16-bit run saves on its parameters and gradients
+    and what its fp32 master adds beyond fp32's own master (a ZeRO optimizer keeps one in fp32 too)."""
+    lines = []
+    for stage in sorted({s for s, _ in runs}):
+        pair = {p: runs.get((stage, p)) for p in ("fp32", half)}
+        if not all(isinstance(r, records.Record) for r in pair.values()):
+            continue
+        per = {p: {k: r.states(rank)[k] / r.params for k in records.MODEL_STATE_KEYS} for p, r in pair.items()}
+        sums = {p: " + ".join(f"{v:.2f}" + (" master" if k == "master" else "") for k, v in b.items()
+                              if v or k != "master") + f" = {sum(b.values()):.2f}" for p, b in per.items()}
+        saved = sum(per["fp32"][k] - per[half][k] for k in ("params", "grads"))
+        added = per[half]["master"] - per["fp32"]["master"]
+        net = sum(per["fp32"].values()) - sum(per[half].values())
+        lines.append(f"ZeRO-{stage}: fp32 {sums['fp32']}; {half} {sums[half]} B/param. {half} saves {saved:.2f} on "
+                     f"parameters and gradients" + (f" and adds {added:.2f} of fp32 master" if added else
+                                                   ", both keep the same fp32 master")
+                     + f": {net:.2f} saved ({sum(per[half].values()) / sum(per['fp32'].values()):.2f} of fp32's).")
+    return "\n".join(lines)
+
+
 
 # --- gradient accumulation in bf16 (data_types.grad_accum_dtype) -------------------------------------
 
@@ -632,23 +654,25 @@ def corrected_article(half: str = "bf16") -> dict:
 
 #: How chapter 07's script names its runs' folders (the keys the chapter's tables read them by: run_key).
 RUN_NAME = re.compile(r"^(?:zero(?P<stage>\d)-(?P<precision>fp32|bf16|fp16)"
-                      r"|accum-zero(?P<accum_stage>\d)-(?P<accum>bf16|fp32|fp32-training)"
+                      r"|accum-zero(?P<accum_stage>\d)-(?P<accum>bf16|fp32)|(?P<training>fp32)-zero(?P<training_stage>\d)"
                       r"|speed-zero2-(?P<speed>fp32|bf16|fp16))$")
 #: What a run the script could not start leaves in its folder instead of a record.
 REFUSED = "refused.json"
 
 
 def run_key(name: str) -> tuple | None:
-    """The chapter's key for a run folder's name: ``zero2-bf16`` -> (2, "bf16"); ``accum-zero3-fp32`` ->
-    ("accum", (3, "fp32")); ``accum-zero2-fp32-training`` -> ("accum", (2, "fp32 training")); ``speed-zero2-fp16``
-    -> ("speed", "fp16"); None for any other name."""
+    """The chapter's key for a run folder's name: ``zero2-bf16`` -> (2, "bf16"); ``accum-zero3-fp32`` (a bf16 run
+    accumulating in fp32) -> ("accum", (3, "fp32")); ``fp32-zero2`` (the accumulation runs' fp32 training) ->
+    ("accum", (2, "fp32 training")); ``speed-zero2-fp16`` -> ("speed", "fp16"); None for any other name."""
     found = RUN_NAME.match(name)
     if found is None:
         return None
     if found["stage"]:
         return int(found["stage"]), found["precision"]
     if found["accum_stage"]:
-        return "accum", (int(found["accum_stage"]), found["accum"].replace("-", " "))
+        return "accum", (int(found["accum_stage"]), found["accum"])
+    if found["training"]:
+        return "accum", (int(found["training_stage"]), "fp32 training")
     return "speed", found["speed"]
 
 
@@ -786,10 +810,12 @@ def speed_table(runs: Mapping[Any, Any], rank: int = 0, peak: bool = True) -> st
 
 # --- the formats, from torch itself ----------------------------------------------------------------
 
-def formats_table() -> str:
+def formats_table(adds: Mapping[str, str] | None = None) -> str:
     """fp32, bf16 and fp16 as ``torch.finfo`` describes them: bits of sign / exponent / mantissa, the largest
-    value, the smallest normal value, the spacing just above 1 (``eps``), and what DeepSpeed adds for each."""
-    adds = {"fp32": "nothing (a ZeRO optimizer keeps its fp32 partition)", "bf16": "an fp32 master copy", "fp16": "an fp32 master copy, and a loss scale"}
+    value, the smallest normal value, the spacing just above 1 (``eps``), and what DeepSpeed adds for each
+    (``adds`` replaces that column's text for the formats it names)."""
+    adds = {"fp32": "nothing (a ZeRO optimizer keeps its fp32 partition)", "bf16": "an fp32 master copy",
+            "fp16": "an fp32 master copy, and a loss scale", **(adds or {})}
     rows = []
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
         info = torch.finfo(dtype)
@@ -953,6 +979,55 @@ def speed_summary(runs: Mapping[str, records.Record], load: load_guard.Load | No
                      if verdict.given else f"{name} {ratio:.2f}x (verdict withheld: {verdict.withheld}")
         parts[-1] += ")"
     return f"Median step speed against {base}: " + "; ".join(parts) + "."
+
+
+def speed_bounds(runs: Mapping[str, records.Record], load: load_guard.Load | None, base: str = "ZeRO-2 fp32",
+                 pair: tuple[str, str] = ("ZeRO-2 bf16", "ZeRO-2 fp16")) -> str:
+    """What the datasheets' peaks allow 16-bit to gain in ``runs``' step, from their data: the least time the
+    step's matrix products take in fp32 and in 16-bit (:func:`speed_explanation`'s lower bounds), the speed-up
+    ``base`` would get if its products ran at the fp32 peak and became free of all but their 16-bit time, against
+    each 16-bit run's measured one; then ``pair`` (fp16 against bf16: the same bytes, the same dense peak)
+    compared through the load guard, and that these runs do not explain a difference between them."""
+    fp32 = runs.get(base)
+    if fp32 is None:
+        return f"no {base} run to compare with"
+    peak32, source32 = peak_fp32_tflops(fp32["device_name"])
+    peak16, source16 = performance.peak_tflops(fp32["device_name"])
+    if not (peak32 and peak16):
+        return source32 if not peak32 else source16
+    flops = 6 * fp32.params * fp32.micro_batch * fp32.grad_accum
+    math32, math16, step = flops / (peak32 * 1e12), flops / (peak16 * 1e12), fp32.timing.median_s
+    bound = step / (step - math32 + math16)
+    measured = {name: fp32.timing.median_s / r.timing.median_s for name, r in runs.items() if name != base}
+    above = [name for name, ratio in measured.items() if ratio > bound and load_guard.compare(
+        {base: timed_steps(fp32), name: timed_steps(runs[name])}, load).given]  # beyond it, and beyond the spread
+    lines = [f"At the datasheets' peaks the step's matrix products need at least {math32 * 1e3:.2f} ms of the "
+             f"{step * 1e3:.1f} ms fp32 step ({math32 / step:.0%}) and {math16 * 1e3:.2f} ms in 16-bit: were they at "
+             f"the fp32 peak, 16-bit could speed the step up {bound:.2f}x at most, the rest of the step unchanged. "
+             "Measured: " + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in measured.items()) + "."
+             + (f" {' and '.join(above)} beat{'s' if len(above) == 1 else ''} that bound: either the fp32 products "
+                "ran below the peak, or other work got faster in 16-bit too (such as the halved gradient reduction); "
+                "a kernel profile, which these runs did not take, would say which." if above else
+                " Within that bound; how long the products really took needs a kernel profile, which these runs "
+                "did not take.")]
+    if all(name in runs for name in pair):
+        slow, fast = (runs[name] for name in pair)
+        verdict = load_guard.compare({pair[0]: timed_steps(slow), pair[1]: timed_steps(fast)}, load)
+        lines.append(f"{pair[1]} against {pair[0]}: "
+                     + (f"{verdict.faster} faster by {verdict.ratio - 1:.0%}, beyond the steps' spread"
+                        if verdict.given else f"verdict withheld: {verdict.withheld}")
+                     + ". The two keep the same bytes and have the same dense peak: nothing these runs measured "
+                     "explains a difference.")
+    return "\n".join(lines)
+
+
+def speed_bounds_reference(name: str = "precision-speed") -> str:
+    """:func:`speed_bounds` for each committed GPU result of experiment ``name``, under its written conditions."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    return "\n\n".join(f"{device}, {date}: {speed_bounds(runs, load_guard.Load.from_conditions(conditions))}"
+                         for (device, date, _, runs), conditions in zip(found, references.reference_conditions(name)))
 
 
 def speed_reference_report(name: str = "precision-speed", detail: bool = False) -> str:
@@ -1175,9 +1250,8 @@ def exercise_half_ratio(answer: float, runs: Mapping[Any, Any], world_size: int 
     expected = totals["bf16"] / totals["fp32"]
     return exercises.number("bf16 / fp32 at ZeRO-2", answer, expected, relative=0.01,
                             task=f"Predict bf16's model-state bytes per rank over fp32's at ZeRO-2 on {world_size} ranks.",
-                            hint="per precision, the bytes per parameter of each state (the table above, times its "
-                                 "ranks where ZeRO-2 splits it), then ZeRO-2's rule for what it splits among "
-                                 f"{world_size} ranks; the ratio of the two totals",
+                            hint="each state's bytes per parameter (the table above) and ZeRO-2's rule for "
+                                 "which states it splits; the ratio of the two totals",
                             why="; ".join(why) + ". DeepSpeed keeps an fp32 master slice in fp32 training too, "
                                 "so the ratio tends to 1/2 only as the split states vanish per rank.")
 
