@@ -449,3 +449,60 @@ def test_bucket_sizes_for_calls_is_the_whole_range_the_rule_gives():
         zero.bucket_sizes_for_calls([10, 10], 3)
     knobs = {"defaults": _knob(1, {"stage": 1})}
     assert "from 131,584 to 197,375" in str(zero.exercise_bucket_for_calls({"reduce_bucket_size": 150_000}, knobs))
+
+
+# --- chapter 05: bytes per optimizer step, model states without the master copy, the gradient bucket --------
+
+def _stage(stage: int, grad_accum: int = 2, states: dict | None = None, **changes) -> records.Record:
+    summary = {**minimal_summary(), "zero_stage": stage, "grad_accum": grad_accum, "train_batch": 8 * grad_accum,
+               **changes}
+    if states is not None:
+        summary["memory"] = {**summary["memory"], "model_states_bytes_per_rank": [dict(states), dict(states)]}
+    return records.Record(summary)
+
+
+def test_the_papers_stage_3_volume_counts_once_per_micro_step_and_stage_0s_once_per_step():
+    # the summary's theory volume is 4,000 bytes: per forward and backward at stage 3, per step below it
+    assert zero.paper_wire_bytes_per_optimizer_step(_stage(3, grad_accum=2)) == 8000
+    assert zero.paper_wire_bytes_per_optimizer_step(_stage(3, grad_accum=1)) == 4000
+    assert zero.paper_wire_bytes_per_optimizer_step(_stage(0, grad_accum=2)) == 4000
+
+
+def test_comm_table_per_optimizer_step_labels_each_paper_row_and_compares_with_it():
+    lines = zero.comm_table_per_optimizer_step([_stage(0), _stage(3)]).splitlines()
+    assert "bytes/optimizer step" in lines[0]
+    stage0 = [line for line in lines if line.startswith("ZeRO-0")]
+    stage3 = [line for line in lines if line.startswith("ZeRO-3")]
+    assert "= paper: 2Ψ(n-1)/n, once" in stage0[-2] and stage0[-2].split()[-1] == "4,000"
+    assert "= paper: 3Ψ(n-1)/n x 2 micro-steps" in stage3[-2] and stage3[-2].split()[-1] == "8,000"
+    # measured: 6,000 wire bytes per step
+    assert stage0[-1].split()[-1] == "1.50x" and stage3[-1].split()[-1] == "0.75x"
+
+
+def test_model_states_note_takes_the_master_copy_out():
+    base = {"params": 4000, "grads": 4000, "optimizer": 8000, "master": 0, "buffers": 0}
+    halved = {"params": 2000, "grads": 2000, "optimizer": 4000, "master": 2000, "buffers": 0}
+    note = zero.model_states_note(_stage(3, states=halved), _stage(0, states=base))
+    assert "ZeRO-3 fp32 10,000 bytes against ZeRO-0 fp32 16,000 (0.62x)" in note
+    assert "(2,000 and 0 bytes): 0.50x, 1/N_d on 2 ranks" in note
+    uneven = dict(halved, params=3000)
+    assert "not 1/N_d" in zero.model_states_note(_stage(3, states=uneven), _stage(0, states=base))
+
+
+def test_bucket_buffer_note_compares_the_buffers_with_the_default_bucket():
+    bucket = {"params": 2000, "grads": 2000, "optimizer": 4000, "master": 2000, "buffers": 2_000_000_000}
+    note = zero.bucket_buffer_note(_stage(3, states=bucket))
+    assert "500,000,000 elements, x 4 bytes (fp32) = 2,000,000,000 bytes;" in note
+    assert "measured 2,000,000,000 bytes (the same)" in note
+    assert "for a model of 4,000 bytes" in note  # PSI = 1,000 fp32 parameters
+    assert "(not the same)" in zero.bucket_buffer_note(_stage(3, states=dict(bucket, buffers=512)))
+    assert "x 2 bytes (bf16) = 1,000,000,000" in zero.bucket_buffer_note(_stage(3, states=bucket, precision="bf16"))
+
+
+def test_knob_table_with_wire_bytes_names_both_byte_columns():
+    run = _stage(3, comm={**minimal_summary()["comm"], "bytes_per_step": 6000.0, "wire_bytes_per_step": 2500.0})
+    plain, wire = zero.knob_table({"defaults": run}), zero.knob_table({"defaults": run}, wire=True)
+    assert "bytes/step" in plain.splitlines()[0] and "logged" not in plain
+    header, row = wire.splitlines()[0], wire.splitlines()[2]
+    assert "logged bytes/step" in header and "wire bytes/step" in header
+    assert "6,000" in row.split() and "2,500" in row.split()

@@ -147,22 +147,25 @@ def knob_agreement(runs: Mapping[str, records.Record], base: str = "defaults") -
     return "; ".join(f"{name} against {base}: {verdict}" for name, verdict in verdicts.items())
 
 
-def knob_table(runs: Mapping[str, records.Record], timings: bool = False, bytes_label: str = "bytes/step") -> str:
+def knob_table(runs: Mapping[str, records.Record], timings: bool = False, bytes_label: str = "bytes/step",
+               wire: bool = False) -> str:
     """Per setting: collectives and the comms logger's bytes per step (headed ``bytes_label``), buffers and
-    gradients held; with timings, peak memory and step time.
+    gradients held; with timings, peak memory and step time. With ``wire``, the logger's bytes are headed
+    "logged bytes/step" and followed by the bytes one rank sends per step on a ring ("wire bytes/step").
 
     Counts and bytes are deterministic (nbval checks them); timings are not (print them separately).
     """
     rows = []
     for name, r in runs.items():
         ops = r.comm_ops()
-        row = [name, " ".join(f"{op}:{row['count']:g}" for op, row in ops.items()),
-               f"{r.comm.bytes_per_step:,.0f}", records.format_bytes(r.states(0)["buffers"]),
+        row = [name, " ".join(f"{op}:{row['count']:g}" for op, row in ops.items()), f"{r.comm.bytes_per_step:,.0f}",
+               *([f"{r.comm.wire_bytes_per_step:,.0f}"] if wire else []), records.format_bytes(r.states(0)["buffers"]),
                records.format_bytes(r.states(0)["grads"]), records.format_bytes(r.states(0)["params"])]
         if timings:
             row += [records.format_peak(r, 0), f"{r.timing.median_s * 1000:.1f}"]
         rows.append(row)
-    headers = ["setting", "collectives per step", bytes_label, "buffers", "grads", "params"]
+    byte_headers = ["logged bytes/step", "wire bytes/step"] if wire else [bytes_label]
+    headers = ["setting", "collectives per step", *byte_headers, "buffers", "grads", "params"]
     if timings:
         headers += ["peak (rank 0)", "step ms"]
     return records.format_table(rows, headers)
@@ -298,8 +301,58 @@ def per_micro_step_volume(runs: Mapping[str, records.Record]) -> str:
         paper = r.theory.comm_wire_bytes_per_step
         rows.append([name, f"{r.grad_accum}", f"{per_micro:,.0f}", f"{paper:,.0f}",
                      records.format_ratio(per_micro, paper, suffix="x")])
-    return records.format_table(rows, ["run", "micro-steps/step", "wire bytes/micro-step", "paper, one step",
+    return records.format_table(rows, ["run", "micro-steps/step", "wire bytes/micro-step", "paper, one micro-step",
                                        "measured/paper"])
+
+
+def paper_wire_bytes_per_optimizer_step(record: records.Record) -> float:
+    """The paper's bytes one rank sends, counted per optimizer step: its volume (``theory.comm_wire_bytes_per_step``,
+    2Ψ or 3Ψ x (n-1)/n) once at stages 0-2, whose gradients the paper reduces once per step, and once per
+    micro-step at stage 3, whose parameters are gathered for every forward and backward."""
+    return record.theory.comm_wire_bytes_per_step * (record.grad_accum if record.stage == 3 else 1)
+
+
+def comm_table_per_optimizer_step(runs: Sequence[records.Record]) -> str:
+    """:func:`helpers.core.records.comm_table`, with the paper's row counted per optimizer step
+    (:func:`paper_wire_bytes_per_optimizer_step`) and labelled with its formula, and the measured wire bytes
+    against it: every byte figure of the table in one unit, per optimizer step."""
+    rows = []
+    for r in runs:
+        for op, by_caller in (r.comm.by_caller or {op: {"": row} for op, row in r.comm_ops().items()}).items():
+            rows += [[r.label, op, caller or "-", f"{row['count']:g}", f"{row['bytes']:,.0f}"]
+                     for caller, row in by_caller.items()]
+        paper = paper_wire_bytes_per_optimizer_step(r)
+        formula = f"3Ψ(n-1)/n x {r.grad_accum} micro-steps" if r.stage == 3 else "2Ψ(n-1)/n, once"
+        wire = r.comm.wire_bytes_per_step
+        rows += [[r.label, "= wire bytes per rank (ring)", "", "", f"{wire:,.0f}"],
+                 [r.label, f"= paper: {formula}", "", "", f"{paper:,.0f}"],
+                 [r.label, "= measured/paper", "", "", records.format_ratio(wire, paper, suffix="x")]]
+    return records.format_table(rows, ["run", "collective", "issued by (DeepSpeed function)", "count/step",
+                                       "bytes/optimizer step"])
+
+
+def model_states_note(stage3: records.Record, stage0: records.Record, rank: int = 0) -> str:
+    """One sentence: ``stage3``'s model states per rank against ``stage0``'s, with and without the master copy
+    of the parameters that ``stage3`` keeps (``fp32_partitioned_groups_flat``) and an fp32 ``stage0`` has none of."""
+    a, b = stage3.model_state_bytes(rank), stage0.model_state_bytes(rank)
+    master, base_master = stage3.states(rank)["master"], stage0.states(rank)["master"]
+    without = (a - master) / (b - base_master)
+    share = "1/N_d" if abs(without * stage3.world_size - 1) < 1e-3 else "not 1/N_d"
+    return (f"Model states per rank: {stage3.label} {a:,} bytes against {stage0.label} {b:,} "
+            f"({records.format_ratio(a, b, suffix='x')}); without the master copies ({master:,} and "
+            f"{base_master:,} bytes): {records.format_ratio(a - master, b - base_master, suffix='x')}, "
+            f"{share} on {stage3.world_size} ranks.")
+
+
+def bucket_buffer_note(record: records.Record, rank: int = 0) -> str:
+    """One sentence: ``record``'s buffers against DeepSpeed's default ``reduce_bucket_size`` (:func:`zero_default`)
+    times the bytes of one element of its precision."""
+    default, buffers = int(zero_default("reduce_bucket_size")), record.states(rank)["buffers"]
+    element = theory.bytes_per_element(record.precision)
+    return (f"{record.label} buffers: DeepSpeed's default reduce_bucket_size, {default:,} elements, x {element} bytes "
+            f"({record.precision}) = {default * element:,} bytes; measured {buffers:,} bytes "
+            f"({'the same' if buffers == default * element else 'not the same'}), for a model of "
+            f"{record.params * element:,} bytes of parameters.")
 
 
 #: The units :func:`scaled_out_table` can print in, and their bytes.
@@ -323,10 +376,11 @@ def scaled_out_table(psi: float, world_size: int, largest_layer_params: int = 0,
                                        *([f"DeepSpeed estimator {unit}/device"] if estimator else [])])
 
 
-def reference_report(name: str, bytes_label: str = "bytes/step") -> str:
-    """The knob table of every committed GPU result of ``name``, timings included, each labelled with its device
-    (``bytes_label`` heads the logged bytes, as in :func:`knob_table`)."""
-    return references.references_report(name, lambda runs: knob_table(runs, timings=True, bytes_label=bytes_label))
+def reference_report(name: str, bytes_label: str = "bytes/step", wire: bool = False) -> str:
+    """The knob table of every committed GPU result of ``name``, timings included (and the wire bytes, with
+    ``wire``), each labelled with its device (``bytes_label`` heads the logged bytes, as in :func:`knob_table`)."""
+    return references.references_report(
+        name, lambda runs: knob_table(runs, timings=True, bytes_label=bytes_label, wire=wire))
 
 
 def comparison_table(subject: records.Record, baselines: Mapping[str, records.Record], rank: int = 0,
@@ -788,7 +842,8 @@ def exercise_init_peak(answer: Any, built: Mapping[str, records.Record]) -> exer
         "zero.Init peak", answer, found["peak_bytes"], unit=" bytes",
         task=(f"Predict the most parameter bytes one rank holds while it builds the model inside zero.Init on {n} "
               f"ranks (fp32, Ψ = {built['zero.Init'].params:,} parameters; the largest module is one layer)."),
-        hint="what the section above says zero.Init keeps of a module once its __init__ ends, and what a rank holds of the module it is still building",
+        hint=("what a rank holds of the modules already built, plus the largest module while its __init__ runs "
+              "(the section above)."),
         why=(f"the shards of the whole model ({found['held_bytes']:,}) plus the largest module whole while it is "
              f"built ({found['largest_module_bytes']:,}) minus its own shard ({found['largest_module_bytes'] // n:,}), "
              f"as the ranks measured it."))
