@@ -29,6 +29,8 @@ KERNEL_NAME = "course-python"
 
 #: The committed reports of executing every notebook (``check-gpu``), on GPUs and on a CPU.
 CHECK_REPORTS = (REPO_ROOT / "docs" / "gpu-check", REPO_ROOT / "docs" / "cpu-check")
+#: The folder of :data:`CHECK_REPORTS` whose reports ran on a CPU.
+CPU_REPORTS = "cpu-check"
 #: The notebook files of the chapters: ``NN_name.ipynb`` (and ``NNx_name.ipynb`` for a chapter between two).
 CHAPTER_GLOB = "[0-9][0-9]*_*.ipynb"
 
@@ -38,13 +40,12 @@ def course_notebooks() -> list[Path]:
     return sorted(NOTEBOOK_DIR.glob(CHAPTER_GLOB))
 
 
-def chapter_time(notebook: str, min_ranks: int = 1) -> str:
-    """How long executing ``notebook`` (its file name or stem) took, as the committed check reports
-    (``docs/gpu-check/``, ``docs/cpu-check/``) measured it: the latest time on each machine they name, and how
-    many notebooks shared the machine where others did. A sentence for the opening of a chapter. Checks that ran it
-    on fewer than ``min_ranks`` ranks are left out (a chapter whose topic needs several ranks)."""
+def check_times(notebook: str, min_ranks: int = 1) -> dict[tuple[str, int], tuple[str, float, str, int]]:
+    """How long executing ``notebook`` (its file name or stem) took in the committed check reports
+    (``docs/gpu-check/``, ``docs/cpu-check/``): per (report folder, ranks), the latest check's date, seconds,
+    machine and how many notebooks shared the machine. Checks on fewer than ``min_ranks`` ranks are left out."""
     name = notebook if notebook.endswith(".ipynb") else f"{notebook}.ipynb"
-    latest: dict[tuple[str, int], tuple[str, float, str, str]] = {}  # (folder, ranks) -> the newest
+    latest: dict[tuple[str, int], tuple[str, float, str, int]] = {}
     for folder in CHECK_REPORTS:
         for path in sorted(folder.glob("*.json")):
             report = json.loads(path.read_text())
@@ -57,30 +58,24 @@ def chapter_time(notebook: str, min_ranks: int = 1) -> str:
                     key = (folder.name, ranks)
                     if (entry.get("notebook") == name and entry.get("ok") and ranks >= min_ranks
                             and date >= latest.get(key, ("",))[0]):
-                        latest[key] = (date, entry["seconds"], machine,
-                                       "one notebook at a time" if shared == 1 else f"{shared} notebooks at a time")
+                        latest[key] = (date, entry["seconds"], machine, shared)
+    return latest
+
+
+def chapter_time(notebook: str, min_ranks: int = 1) -> str:
+    """One line for the opening of a chapter: the range of minutes executing ``notebook`` took on CPUs and on
+    GPUs in the committed check reports (:func:`check_times` gives each machine's)."""
+    latest = check_times(notebook, min_ranks)
     if not latest:
-        return f"No committed check report has timed {name} yet (python3 -m helpers.course check-gpu makes one)."
-    parts = [f"{seconds / 60:.1f} min with {ranks} rank{'' if ranks == 1 else 's'} on {machine}"
-             + ("" if how == "one notebook at a time" else f" ({how})")
-             for (_, ranks), (date, seconds, machine, how) in sorted(latest.items())]
-    return (f"How long this notebook takes, from the course's check reports (docs/cpu-check/, docs/gpu-check/; "
-            f"not this run): {'; '.join(parts)}. Other work on the machine makes it slower.")
-
-
-def chapter_time_line(notebook: str, min_ranks: int = 1) -> str:
-    """:func:`chapter_time` in one short line: the range of minutes on CPUs and on GPUs the committed check
-    reports measured, without each machine's details."""
-    full = chapter_time(notebook, min_ranks)
-    if full.startswith("No committed"):
-        return full
+        return (f"No committed check report has timed {Path(notebook).stem} yet "
+                "(python3 -m helpers.course check-gpu makes one).")
     found: dict[str, list[float]] = {}
-    for part in full.split("not this run): ", 1)[1].split(". Other work")[0].split("; "):
-        minutes, where = part.split(" min with ", 1)
-        found.setdefault("GPUs" if re.search(r"GPU|H100|H200|A100|NVIDIA", where) else "a CPU", []).append(float(minutes))
-    spans = [f"{min(m):.1f} min" if min(m) == max(m) else f"{min(m):.1f}-{max(m):.1f} min" for m in found.values()]
-    return (f"This notebook takes about {' and '.join(f'{s} on {where}' for s, where in zip(spans, found))} "
-            "(the course's check reports, not this run).")
+    for (folder, _), (_, seconds, _, _) in sorted(latest.items(), key=lambda item: item[0][0] != CPU_REPORTS):
+        found.setdefault("a CPU" if folder == CPU_REPORTS else "GPUs", []).append(seconds / 60)
+    spans = [f"{min(m):.1f} min" if round(min(m), 1) == round(max(m), 1) else f"{min(m):.1f}-{max(m):.1f} min"
+             for m in found.values()]
+    return (f"This notebook takes about {' and '.join(f'{span} on {where}' for span, where in zip(spans, found))} "
+            "(the course's check reports, not this run; other work on the machine makes it slower).")
 
 
 def is_exclusive(path: Path) -> bool:
