@@ -463,9 +463,9 @@ def _stage(stage: int, grad_accum: int = 2, states: dict | None = None, **change
 
 def test_the_papers_stage_3_volume_counts_once_per_micro_step_and_stage_0s_once_per_step():
     # the summary's theory volume is 4,000 bytes: per forward and backward at stage 3, per step below it
-    assert zero.paper_wire_bytes_per_optimizer_step(_stage(3, grad_accum=2)) == 8000
-    assert zero.paper_wire_bytes_per_optimizer_step(_stage(3, grad_accum=1)) == 4000
-    assert zero.paper_wire_bytes_per_optimizer_step(_stage(0, grad_accum=2)) == 4000
+    assert _stage(3, grad_accum=2).theory.comm_wire_bytes_per_optimizer_step == 8000
+    assert _stage(3, grad_accum=1).theory.comm_wire_bytes_per_optimizer_step == 4000
+    assert _stage(0, grad_accum=2).theory.comm_wire_bytes_per_optimizer_step == 4000
 
 
 def test_comm_table_per_optimizer_step_labels_each_paper_row_and_compares_with_it():
@@ -506,3 +506,12 @@ def test_knob_table_with_wire_bytes_names_both_byte_columns():
     header, row = wire.splitlines()[0], wire.splitlines()[2]
     assert "logged bytes/step" in header and "wire bytes/step" in header
     assert "6,000" in row.split() and "2,500" in row.split()
+
+
+def test_the_communication_plot_sets_each_run_beside_the_papers_volume_per_optimizer_step():
+    from helpers.core import plots
+
+    runs = [_stage(0, grad_accum=2), _stage(3, grad_accum=2)]
+    fig = plots.comm_per_step(runs)
+    paper_bars = [patch for patch in fig.axes[0].patches if patch.get_hatch() == "//"]
+    assert [bar.get_height() * 2**20 for bar in paper_bars] == pytest.approx([4000, 8000])

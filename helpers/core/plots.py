@@ -71,7 +71,8 @@ def measured_vs_theory(runs: Sequence[records.Record], rank: int = 0, title: str
 
 
 def comm_per_step(runs: Sequence[records.Record], title: str = "Communication per optimizer step"):
-    """Per run: bytes each rank sends per step (ring), by collective, beside the paper's volume."""
+    """Per run: bytes each rank sends per optimizer step (ring), by collective, beside the paper's volume per
+    optimizer step (``theory.comm_wire_bytes_per_optimizer_step``: stage 3's once per micro-step)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(runs), 3.8))
     ops = sorted({op for r in runs for op in r.comm_ops()})
@@ -86,10 +87,10 @@ def comm_per_step(runs: Sequence[records.Record], title: str = "Communication pe
                 ax.bar(i - 0.2, value, 0.38, bottom=bottom, color=colours[j % len(colours)],
                        label=op if op not in ax.get_legend_handles_labels()[1] else None)
                 bottom += value
-        ax.bar(i + 0.2, run.theory.comm_wire_bytes_per_step / 2**20, 0.38, color="lightgrey", hatch="//",
+        ax.bar(i + 0.2, run.theory.comm_wire_bytes_per_optimizer_step / 2**20, 0.38, color="lightgrey", hatch="//",
                label="paper x (n-1)/n" if i == 0 else None)
     ax.set_xticks(range(len(runs)), [f"{r.label}\nmeasured | paper" for r in runs], fontsize=8)
-    ax.set_ylabel("MiB sent per rank per step")
+    ax.set_ylabel("MiB sent per rank per optimizer step")
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -230,6 +230,14 @@ class TheoryView(_Section):
     def comm_wire_bytes_per_step(self) -> float:
         return self._data("comm_wire_bytes_per_step")
 
+    @property
+    def comm_wire_bytes_per_optimizer_step(self) -> float:
+        """The paper's bytes one rank sends per optimizer step: its volume (:attr:`comm_wire_bytes_per_step`,
+        2Ψ or 3Ψ x (n-1)/n) once at stages 0-2, whose gradients the paper reduces once per step, and once per
+        micro-step at stage 3, whose parameters are gathered for every forward and backward."""
+        summary = self._record.summary
+        return self.comm_wire_bytes_per_step * (summary["grad_accum"] if summary["zero_stage"] == 3 else 1)
+
 
 class ThroughputView(_Section):
     """``record.throughput``: tokens per second, model TFLOP/s per GPU and MFU (the ``throughput`` probe)."""

@@ -305,23 +305,16 @@ def per_micro_step_volume(runs: Mapping[str, records.Record]) -> str:
                                        "measured/paper"])
 
 
-def paper_wire_bytes_per_optimizer_step(record: records.Record) -> float:
-    """The paper's bytes one rank sends, counted per optimizer step: its volume (``theory.comm_wire_bytes_per_step``,
-    2Ψ or 3Ψ x (n-1)/n) once at stages 0-2, whose gradients the paper reduces once per step, and once per
-    micro-step at stage 3, whose parameters are gathered for every forward and backward."""
-    return record.theory.comm_wire_bytes_per_step * (record.grad_accum if record.stage == 3 else 1)
-
-
 def comm_table_per_optimizer_step(runs: Sequence[records.Record]) -> str:
     """:func:`helpers.core.records.comm_table`, with the paper's row counted per optimizer step
-    (:func:`paper_wire_bytes_per_optimizer_step`) and labelled with its formula, and the measured wire bytes
+    (``theory.comm_wire_bytes_per_optimizer_step``) and labelled with its formula, and the measured wire bytes
     against it: every byte figure of the table in one unit, per optimizer step."""
     rows = []
     for r in runs:
         for op, by_caller in (r.comm.by_caller or {op: {"": row} for op, row in r.comm_ops().items()}).items():
             rows += [[r.label, op, caller or "-", f"{row['count']:g}", f"{row['bytes']:,.0f}"]
                      for caller, row in by_caller.items()]
-        paper = paper_wire_bytes_per_optimizer_step(r)
+        paper = r.theory.comm_wire_bytes_per_optimizer_step
         formula = f"3Ψ(n-1)/n x {r.grad_accum} micro-steps" if r.stage == 3 else "2Ψ(n-1)/n, once"
         wire = r.comm.wire_bytes_per_step
         rows += [[r.label, "= wire bytes per rank (ring)", "", "", f"{wire:,.0f}"],
