@@ -209,6 +209,7 @@ def test_collectives_by_function_and_the_model_states_they_add_up_to():
     assert table[3].split() == ["all_reduce", "allreduce_bucket", "2", "8,000"] and table[-1].split() == ["total", "10,004"]
     line = own_script.model_states_line(_record())
     assert line.startswith("model states per rank (rank 0): ") and " = fp32 parameters " in line
+    assert " = bf16 parameters " in own_script.model_states_line(_record(precision="bf16"))
     assert own_script.gradient_callers(_zero2(2)) == ["allreduce_bucket"]
 
 

@@ -83,7 +83,7 @@ def collectives_table(record: records.Record) -> str:
 def model_states_line(record: records.Record, rank: int = 0) -> str:
     """One rank's model-state bytes and what they are made of, as the record measured them."""
     states = record.memory.model_states(rank)
-    parts = [("fp32 parameters", states.params), ("gradients", states.grads),
+    parts = [(f"{record.precision} parameters", states.params), ("gradients", states.grads),
              ("optimizer states", states.optimizer), ("fp32 master copy", states.master)]
     return (f"model states per rank (rank {rank}): {records.format_bytes(states.total)} = "
             + " + ".join(f"{name} {records.format_bytes(n)}" for name, n in parts if n))
