@@ -144,10 +144,20 @@ def test_configure_adds_the_comms_logger_and_keeps_the_scripts_own_settings():
 def test_auto_paths_and_the_values_deepspeed_received():
     assert own_script.auto_paths(AUTO) == ["train_micro_batch_size_per_gpu", "gradient_clipping", "optimizer.params.lr"]
     table = own_script.auto_table(AUTO, RESOLVED).splitlines()
-    assert table[2].split() == ["train_micro_batch_size_per_gpu", "auto", "4"]
-    assert table[4].split() == ["optimizer.params.lr", "auto", "0.001"]
+    assert table[2].split() == ["train_micro_batch_size_per_gpu", "per_device_train_batch_size", "4"]
+    assert table[4].split() == ["optimizer.params.lr", "learning_rate", "0.001"]
     with pytest.raises(KeyError, match="optimizer.params.eps"):
         own_script.value_at(RESOLVED, "optimizer.params.eps")
+
+
+def test_transformers_names_the_field_that_fills_each_auto():
+    written = {**AUTO, "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": 1e-8}},
+               "train_batch_size": "auto", "steps_per_print": "auto"}
+    assert own_script.trainer_fields(written) == {
+        "train_micro_batch_size_per_gpu": "per_device_train_batch_size", "gradient_clipping": "max_grad_norm",
+        "optimizer.params.lr": "learning_rate", "optimizer.params.betas": "adam_beta1+adam_beta2",
+        "train_batch_size": "train_batch_size (calculated)", "steps_per_print": "-"}  # not the Trainer's to fill
+    assert written["optimizer"]["params"]["lr"] == "auto"  # not changed
 
 
 def test_a_records_config_runs_again_without_what_the_course_adds_or_switched_off_blocks():
@@ -181,24 +191,56 @@ def test_course_runs_refuse_records_of_different_world_sizes(monkeypatch):
         own_script.course_runs({"a": _record(), "b": _four_ranks()})
 
 
-def test_the_bytes_exercise_is_checked_against_the_record():
-    record = _record()
-    assert not own_script.exercise_bytes_per_step(..., record).answered
-    assert own_script.exercise_bytes_per_step(6000, record)
-    assert own_script.exercise_bytes_per_step(6050, record)  # within 1%
-    wrong = own_script.exercise_bytes_per_step(8000, record)
-    assert not wrong and "Hint" in str(wrong)
+def _zero2(grad_accum: int) -> records.Record:
+    """A ZeRO-2 record of ``grad_accum`` micro-steps: a 4,000-byte gradient all-reduce per micro-step, the
+    4-byte norm and a 2,000-byte all-gather per optimizer step."""
+    callers = {"all_reduce": {"allreduce_bucket": {"count": float(grad_accum), "bytes": 4000.0 * grad_accum},
+                              "get_grad_norm_direct": {"count": 1.0, "bytes": 4.0}},
+               "all_gather_into_tensor": {"all_gather_into_tensor_dp_groups": {"count": 1.0, "bytes": 2000.0}}}
+    total = 4000.0 * grad_accum + 2004.0
+    return _record(grad_accum=grad_accum, train_batch=8 * grad_accum,
+                   comm={"by_op": {}, "by_caller": callers, "bytes_per_step": total,
+                         "wire_bytes_per_step": total, "measured_steps": 1})
 
 
-def test_the_auto_exercise_wants_every_auto_value_as_deepspeed_received_it():
-    record = _record(config=RESOLVED)
-    right = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "optimizer.params.lr": 0.001}
-    assert own_script.exercise_resolved_config(right, record, AUTO)
-    missing = own_script.exercise_resolved_config({"train_micro_batch_size_per_gpu": 4}, record, AUTO)
-    assert not missing and "2 of 3 wrong or missing: gradient_clipping, optimizer.params.lr" in str(missing)
-    extra = own_script.exercise_resolved_config({**right, "zero_optimization.stage": 2}, record, AUTO)
+def test_collectives_by_function_and_the_model_states_they_add_up_to():
+    table = own_script.collectives_table(_zero2(2)).splitlines()
+    assert table[2].split() == ["all_gather_into_tensor", "all_gather_into_tensor_dp_groups", "1", "2,000"]
+    assert table[3].split() == ["all_reduce", "allreduce_bucket", "2", "8,000"] and table[-1].split() == ["total", "10,004"]
+    line = own_script.model_states_line(_record())
+    assert line.startswith("model states per rank (rank 0): ") and " = fp32 parameters " in line
+    assert " = bf16 parameters " in own_script.model_states_line(_record(precision="bf16"))
+    assert own_script.gradient_callers(_zero2(2)) == ["allreduce_bucket"]
+
+
+def test_only_the_gradient_reduction_scales_with_the_micro_steps():
+    assert own_script.bytes_at_accumulation(_zero2(2), 4) == _zero2(4).comm.bytes_per_step == 18004
+    assert own_script.bytes_at_accumulation(_zero2(4), 1) == _zero2(1).comm.bytes_per_step
+    with pytest.raises(records.NotMeasured, match="by DeepSpeed function"):
+        own_script.bytes_at_accumulation(_record(), 4)
+    with pytest.raises(ValueError, match="ZeRO-3: this rule is ZeRO-2's"):
+        own_script.bytes_at_accumulation(_record(zero_stage=3), 4)
+
+
+def test_the_accumulation_exercise_is_checked_against_the_scaled_record_or_a_run_at_that_accumulation():
+    record = _zero2(2)
+    assert not own_script.exercise_bytes_at_accumulation(..., record).answered
+    assert own_script.exercise_bytes_at_accumulation(18004, record)
+    assert own_script.exercise_bytes_at_accumulation(18100, record)  # within 1%
+    naive = own_script.exercise_bytes_at_accumulation(2 * 10004, record)  # every call doubled
+    assert not naive and "Hint" in str(naive)
+    assert "Measured: your run" in str(own_script.exercise_bytes_at_accumulation(18004, _zero2(4)))
+
+
+def test_the_auto_exercise_wants_the_field_that_fills_each_auto():
+    right = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size", "gradient_clipping": "max_grad_norm",
+             "optimizer.params.lr": "learning_rate"}
+    assert own_script.exercise_trainer_fields(right, AUTO)
+    same_names = own_script.exercise_trainer_fields({**right, "gradient_clipping": "gradient_clipping"}, AUTO)
+    assert not same_names and "1 of 3 wrong or missing: gradient_clipping" in str(same_names)
+    extra = own_script.exercise_trainer_fields({**right, "zero_optimization.stage": "stage"}, AUTO)
     assert not extra and "are not 'auto'" in str(extra)
-    assert "TypeError" in str(own_script.exercise_resolved_config([4, 1.0], record, AUTO))
+    assert "TypeError" in str(own_script.exercise_trainer_fields(["learning_rate"], AUTO))
 
 
 def test_a_meter_in_a_course_launch_advances_its_progress_bar(monkeypatch, capsys):
