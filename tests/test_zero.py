@@ -118,7 +118,7 @@ def test_knob_table_warm_step_times_leave_the_first_step_out():
     runs = {"base": _timed([900, 12, 14], 3, 1)}
     assert zero.knob_table(runs, timings=True).splitlines()[-1].endswith("14.0")  # the record's median, of all three steps
     warm = zero.knob_table(runs, timings=True, warm=True)
-    assert "median step ms, steps after the 1st" in warm and warm.splitlines()[-1].endswith("13.0")
+    assert "step ms (median after step 1)" in warm and warm.splitlines()[-1].endswith("13.0")
 
 
 def test_not_in_reference_names_the_settings_without_a_gpu_row():

@@ -169,7 +169,7 @@ def knob_table(runs: Mapping[str, records.Record], timings: bool = False, bytes_
     byte_headers = ["logged bytes/step", "wire bytes/step"] if wire else [bytes_label]
     headers = ["setting", "collectives per step", *byte_headers, "buffers", "grads", "params"]
     if timings:
-        headers += ["peak (rank 0)", "median step ms, steps after the 1st" if warm else "step ms"]
+        headers += ["peak (rank 0)", "step ms (median after step 1)" if warm else "step ms"]
     return records.format_table(rows, headers)
 
 
