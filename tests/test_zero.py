@@ -98,6 +98,29 @@ def test_gpu_sentences_comment_the_chapters_own_gpu_run_before_the_reference(mon
     assert own.startswith("On this launch on 2 x CUDA box, small: peak 1 GiB per rank against 4 GiB")
 
 
+def test_chapter_05s_reference_reads_its_old_base_name_as_course_base():
+    device, runs = zero.latest_reference("zero3-knobs")
+    assert "course-base" in runs and "defaults" not in runs
+    assert runs["course-base"].summary["config"]["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    assert zero.current_names("zero1-knobs", {"defaults": 1}) == {"defaults": 1}  # other chapters keep theirs
+    assert "course-base " in zero.reference_report("zero3-knobs", wire=True)
+
+
+def test_calls_and_times_note_reads_the_reference_without_the_first_step(monkeypatch):
+    runs = {"base": _timed([900, 12, 14], 3, 1), "small": _timed([900, 19, 21], 10, 1)}
+    monkeypatch.setattr(zero, "latest_reference", lambda name: ("2 x GPU", runs))
+    note = zero.calls_and_times_note("x", "base")
+    assert note.startswith("On 2 x GPU (the committed reference), collective calls per step and median step time")
+    assert "base 3 calls, 13.0 ms; small 10 calls, 20.0 ms." in note and "not a verdict" in note
+
+
+def test_knob_table_warm_step_times_leave_the_first_step_out():
+    runs = {"base": _timed([900, 12, 14], 3, 1)}
+    assert zero.knob_table(runs, timings=True).splitlines()[-1].endswith("14.0")  # the record's median, of all three steps
+    warm = zero.knob_table(runs, timings=True, warm=True)
+    assert "step ms (median after step 1)" in warm and warm.splitlines()[-1].endswith("13.0")
+
+
 def test_not_in_reference_names_the_settings_without_a_gpu_row():
     assert "no GPU row for it" in zero.not_in_reference("zero1-knobs", ["defaults", "no-such-setting"])
     assert "no-such-setting" in zero.not_in_reference("zero1-knobs", ["defaults", "no-such-setting"])
@@ -348,12 +371,16 @@ def test_persistence_rule_keeps_small_parameters_whole_besides_every_shard():
     shards = sum(MLP) // 2 * 4
     assert zero.persistent_param_bytes(MLP, 0, 2) == shards
     assert zero.persistent_param_bytes(MLP, 100_000, 2) == shards + sum(MLP) * 4
-    knobs = {"defaults": _knob(1, {"stage3_param_persistence_threshold": 0}, params=shards),
+    knobs = {"course-base": _knob(1, {"stage3_param_persistence_threshold": 0}, params=shards),
              "persistence_threshold=1e5": _knob(1, {"stage3_param_persistence_threshold": 100_000},
                                                 params=shards + sum(MLP) * 4)}
     assert zero.exercise_persistence({"stage": 3, "stage3_param_persistence_threshold": 1000}, knobs)
     assert not zero.exercise_persistence({"stage3_param_persistence_threshold": 100_000}, knobs)
     assert not zero.exercise_persistence(..., knobs).answered
+    # every knob run is checked against the rule, whatever its name
+    wrong = {**knobs, "prefetch": _knob(1, {"stage3_param_persistence_threshold": 0}, params=shards + 4)}
+    assert "does not reproduce the measured run 'prefetch'" in str(
+        zero.exercise_persistence({"stage": 3, "stage3_param_persistence_threshold": 1000}, wrong))
 
 
 def test_init_peak_is_the_construction_probes():
