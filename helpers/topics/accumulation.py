@@ -294,7 +294,7 @@ def step_cost_reading(runs: Mapping[object, records.Record], load: load_guard.Lo
     sets the largest given gain beside the article's 30%, or says that every verdict is withheld."""
     by_key = {(r.stage, r["grad_accum"]): r for r in runs.values()}
     lines = [f"A step at accumulation {accum} ({accum}x the samples) against one at 1, and the share of a step at "
-             f"accumulation 1 paid once per optimizer step, from t(a) = once + a x per-micro-step:"]
+             f"accumulation 1 paid once per optimizer step (once / t(1) in the fit):"]
     given = []
     for stage in sorted({s for s, a in by_key if a == accum and (s, 1) in by_key}):
         one, many = by_key[(stage, 1)], by_key[(stage, accum)]
@@ -517,8 +517,7 @@ def exercise_bytes_floor(answer: object, grid: Grid, stage: int = 2, accum: int 
         "bytes floor", answer, test,
         task=f"At the fixed micro batch of {grid.micro_batch}, predict the factor ZeRO-{stage}'s bytes per training "
              "sample approach, against accumulation 1, as the accumulation grows without bound.",
-        hint=f"as the accumulation grows, what is paid once per optimizer step vanishes per sample; compare what "
-             f"ZeRO-{stage} pays in every micro-step with a whole step at accumulation 1 (its phase table)")
+        hint=f"what ZeRO-{stage} pays in every micro-step (its phase table), against a whole step at accumulation 1")
 
 
 def how_measured(name: str = "grad-accum-claim") -> str:
