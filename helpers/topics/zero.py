@@ -929,8 +929,8 @@ def reference_step_note(name: str, base: str, settings: Sequence[str],
                         measured: Mapping[str, records.Record] | None = None) -> str:
     """Lines reading the step times of a GPU run (:func:`gpu_runs`: the chapter's ``measured`` runs on GPUs, else
     the reference ``name``): each of ``settings`` against ``base``, median step and its ratio, the steps' range
-    after the first, and rank 0's peak against ``base``'s. Figures, not verdicts: no repeat of ``base`` checks
-    the spread."""
+    after the first, and rank 0's peak against ``base``'s. Figures, not verdicts: :func:`timing_verdict` judges
+    a launch's own runs through the load guard."""
     label, runs = gpu_runs(name, measured)
     a = runs[base]
 
@@ -938,7 +938,7 @@ def reference_step_note(name: str, base: str, settings: Sequence[str],
         t = _steps_ms(r) or [r.timing.median_s * 1000]
         return f"{r.timing.median_s * 1000:.1f} ms (steps {min(t):.1f}-{max(t):.1f})"
 
-    lines = [f"Step times on {label}; figures, not verdicts (no repeated run measures their spread): "
+    lines = [f"Step times on {label}; figures, not verdicts (the load guard judges only this launch's runs): "
              f"{base} {steps(a)}, peak {records.format_bytes(a.memory.peak(0))}"]
     for other in settings:
         b = runs[other]
