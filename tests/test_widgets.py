@@ -217,6 +217,17 @@ def test_calculator_table_marks_the_builders_row():
     assert len(marked) == 1 and marked[0].split()[:2] == ["2", "optimizer"]
 
 
+def test_calculator_table_without_offload_keeps_one_row_per_stage_and_heads_the_volume_as_told():
+    text = widgets.calculator_table(1e9, theory.Cluster(), stages=(0, 1, 2), offload=False,
+                                    sent_label="paper's sent/GPU/step")
+    header = text.splitlines()[3]
+    assert "paper's sent/GPU/step" in header and "offload" not in header and "fits up to" not in header
+    rows = text.splitlines()[5:]
+    assert [row.split()[0] for row in rows] == ["0", "1", "2"]
+    full = widgets.calculator_table(1e9, theory.Cluster(), stages=(0, 1, 2))
+    assert len(full.splitlines()) > len(text.splitlines())  # the offload rows are gone
+
+
 def test_lab_links_the_builders_setting_to_the_calculators_row(cpu_env, tmp_path, monkeypatch):
     monkeypatch.setattr(widgets, "MY_CONFIGS", tmp_path)
     the_lab = widgets.ConfigLab(widgets.ConfigBuilder(env=cpu_env), widgets.Calculator(), widgets.MyRuns(folder=tmp_path))

@@ -542,3 +542,32 @@ def test_the_communication_plot_sets_each_run_beside_the_papers_volume_per_optim
     fig = plots.comm_per_step(runs)
     paper_bars = [patch for patch in fig.axes[0].patches if patch.get_hatch() == "//"]
     assert [bar.get_height() * 2**20 for bar in paper_bars] == pytest.approx([4000, 8000])
+
+
+def test_optimizer_rows_note_counts_one_step_counter_per_tensor_the_optimizer_updates():
+    stage0 = _states(8000, 4000, 8000 + 16 * 4, 0, stage=0)
+    stage2 = _states(8000, 2000, 4000 + 4, 2000, stage=2)
+    note = zero.optimizer_rows_note(stage0, stage2, tensors=16)
+    assert "ZeRO-0 fp32 64 bytes = 16 counter(s) for 16 parameter tensors;" in note
+    assert "ZeRO-2 fp32 4 bytes = 1 counter(s) for 1 flat fp32 partition(s)." in note
+    assert "2,000 bytes = params / N_d (4,000)" in note and "does not explain" not in note
+    assert "does not explain" in zero.optimizer_rows_note(stage0, stage2, tensors=8)
+
+
+def test_bucket_count_note_derives_the_calls_from_whole_tensors_per_bucket():
+    run = _knob(16, {"stage": 2, "reduce_bucket_size": 100_000})
+    run.summary["grad_accum"] = 2  # stage 2 reduces after each backward
+    note = zero.bucket_count_note(run, MLP)
+    assert "8 x 65,536, 8 x 256 elements" in note and "(65,536 + 65,536) overflow" in note
+    assert "8 bucket(s) per backward x 2 micro-steps = 16 all_reduce calls per step; the record: 16 (the same)" in note
+    assert "the record: 6 (not the same)" in zero.bucket_count_note(_knob(6, {"stage": 2, "reduce_bucket_size": 100_000}), MLP)
+    assert "1 bucket(s) per backward" in zero.bucket_count_note(_knob(2, {"stage": 2}), MLP)
+
+
+def test_reference_step_note_reads_each_settings_median_and_peak_against_the_base(monkeypatch):
+    runs = {"defaults": _timed([900, 10, 12], 3, 2 * 2**30), "small": _timed([900, 30, 31], 10, 70 * 2**20)}
+    monkeypatch.setattr(zero, "latest_reference", lambda name: ("2 x GPU", runs))
+    lines = zero.reference_step_note("x", "defaults", ["small"]).splitlines()
+    assert lines[0].startswith("Step times on 2 x GPU (the committed reference); figures, not verdicts")
+    assert "defaults 12.0 ms (steps 10.0-12.0), peak 2 GiB" in lines[0]
+    assert lines[1].startswith("  small: 31.0 ms (steps 30.0-31.0), 2.58x the defaults median; peak 70 MiB (-1.93 GiB)")

@@ -453,11 +453,13 @@ def format_seconds(s: float) -> str:
 
 
 def calculator_table(psi: float, cluster: theory.Cluster, precision: str = "bf16", stages: Sequence[int] = theory.STAGES,
-                     largest_layer: int = 0, marked: tuple[int, bool, bool] | None = None) -> str:
+                     largest_layer: int = 0, marked: tuple[int, bool, bool] | None = None, offload: bool = True,
+                     sent_label: str = "sent/GPU/step") -> str:
     """The calculator as text: model states per GPU for every stage with and without offload, what the
     offload puts in each node's CPU memory, the largest model that fits a GPU, bytes each GPU sends
-    per step and the predicted communication time; ``marked`` = (stage, offload optimizer, offload
-    params) points at one row (the builder's config)."""
+    per step (the paper's volume, headed ``sent_label``) and the predicted communication time; ``marked`` =
+    (stage, offload optimizer, offload params) points at one row (the builder's config). Without ``offload``,
+    only the rows without offload, and neither the offloaded bytes nor the largest model that fits."""
     link = cluster.link_bytes_per_s
     lines = [f"Ψ = {psi:,.0f} parameters, {precision}; {cluster.nodes} node(s) x {cluster.gpus_per_node} GPU(s) = "
              f"{cluster.world_size} ranks of {records.format_bytes(cluster.gpu_memory_bytes)}; link {link / 1e9:g} GB/s"
@@ -465,15 +467,19 @@ def calculator_table(psi: float, cluster: theory.Cluster, precision: str = "bf16
              "model states only: activations, buffers and fragmentation come on top", ""]
     table = []
     for r in calculator_rows(psi, cluster, precision, stages, largest_layer):
+        if not offload and r.offload != "none":
+            continue
         total = r.gpu["total"]
         fits = "-" if r.largest_fitting is None else format_count(r.largest_fitting)
         mark = "◀" if marked == (r.stage, r.offload_optimizer, r.offload_param) else ""
-        table.append([f"{r.stage}", r.offload, records.format_bytes(total),
-                      f"{100 * total / cluster.gpu_memory_bytes:.0f}%", records.format_bytes(r.offloaded_per_node),
-                      fits, records.format_bytes(r.sent_per_step), format_seconds(r.comm_seconds),
+        table.append([f"{r.stage}", *([r.offload] if offload else []), records.format_bytes(total),
+                      f"{100 * total / cluster.gpu_memory_bytes:.0f}%",
+                      *([records.format_bytes(r.offloaded_per_node), fits] if offload else []),
+                      records.format_bytes(r.sent_per_step), format_seconds(r.comm_seconds),
                       "-" if r.deepspeed_estimate is None else records.format_bytes(r.deepspeed_estimate), mark])
-    lines.append(records.format_table(table, ["ZeRO", "offload", "GPU states", "of GPU", "offloaded/node",
-                                              "fits up to", "sent/GPU/step", "comm time/step", "DeepSpeed est.", ""]))
+    lines.append(records.format_table(table, ["ZeRO", *(["offload"] if offload else []), "GPU states", "of GPU",
+                                              *(["offloaded/node", "fits up to"] if offload else []), sent_label,
+                                              "comm time/step", "DeepSpeed est.", ""]))
     return "\n".join(line.rstrip() for line in "\n".join(lines).splitlines())
 
 

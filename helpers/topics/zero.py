@@ -915,3 +915,65 @@ def exercise_persistence(answer: Any, knobs: Mapping[str, records.Record], model
         task=("Write a zero_optimization block (stage 3) whose stage3_param_persistence_threshold keeps every bias "
               "whole on every rank and partitions every weight."),
         hint="the persistence rule of the memory section, and the sizes of this model's parameters (models.MODELS['mlp']).")
+
+
+def optimizer_rows_note(stage0: records.Record, sharded: records.Record, tensors: int, groups: int = 1,
+                        rank: int = 0) -> str:
+    """Two lines on the memory table of an fp32 ``stage0`` and a ZeRO-1/2 ``sharded`` run. What each optimizer
+    state holds beyond the paper's Adam states, counted in 4-byte ``step`` counters (PyTorch's Adam keeps one
+    float32 counter per tensor it updates: the model's ``tensors`` parameters at stage 0, ``groups`` flat fp32
+    partitions, one per parameter group, once ZeRO flattens them). And why only ``sharded`` has a master row:
+    at stage 0 the optimizer updates the model's own parameters; ZeRO hands it an fp32 copy of the rank's slice
+    (``single_partition_of_fp32_groups`` in ``stage_1_and_2.py``)."""
+    parts = []
+    for r, updated, what in ((stage0, tensors, "parameter tensors"), (sharded, groups, "flat fp32 partition(s)")):
+        extra = r.states(rank)["optimizer"] - r.theory_states["optimizer"]
+        parts.append(f"{r.label} {extra:,.0f} bytes = {extra / 4:g} counter(s) for {updated} {what}"
+                     f"{'' if extra == 4 * updated else ' (not one per tensor: the rule does not explain it)'}")
+    master, params = sharded.states(rank)["master"], sharded.states(rank)["params"]
+    return (f"Optimizer bytes above the paper: Adam's float32 step counter, one per tensor it updates: {'; '.join(parts)}.\n"
+            f"Master row: {stage0.label} has none ({stage0.states(rank)['master']:,} bytes), its optimizer updates the "
+            f"model's parameters in place; {sharded.label}'s optimizer updates an fp32 copy of this rank's slice, "
+            f"{master:,} bytes = params / N_d ({params / sharded.world_size:,.0f}).")
+
+
+def bucket_count_note(record: records.Record, sizes: Sequence[int]) -> str:
+    """One line: the gradient reductions per optimizer step that DeepSpeed's bucketing rule (:func:`bucket_calls`,
+    whole gradients per bucket) gives for parameters of ``sizes`` elements with ``record``'s ``reduce_bucket_size``,
+    once per backward at stage 2, against the calls the record logged (:func:`gradient_calls`)."""
+    zero_block = record.config.get("zero_optimization", {})
+    size = int(zero_block.get("reduce_bucket_size", zero_default("reduce_bucket_size")))
+    per_backward, micro = bucket_calls(sizes, size), record.summary["grad_accum"]
+    counts = ", ".join(f"{sizes.count(n)} x {n:,}" for n in sorted(set(sizes), reverse=True))
+    a, b = sorted(sizes, reverse=True)[:2]
+    measured = gradient_calls(record)
+    return (f"reduce_bucket_size={size:,}: a bucket takes whole gradients ({counts} elements here) and goes out "
+            f"before the next would overflow it; the two largest ({a:,} + {b:,}) {'overflow' if a + b > size else 'fit'} "
+            f"one bucket: {per_backward} bucket(s) per backward x {micro} micro-steps = {per_backward * micro} "
+            f"all_reduce calls per step; the record: {measured:g} "
+            f"({'the same' if per_backward * micro == measured else 'not the same'}).")
+
+
+def reference_step_note(name: str, base: str, settings: Sequence[str],
+                        measured: Mapping[str, records.Record] | None = None) -> str:
+    """Lines reading the step times of a GPU run (:func:`gpu_runs`: the chapter's ``measured`` runs on GPUs, else
+    the reference ``name``): each of ``settings`` against ``base``, median step and its ratio, the steps' range
+    after the first, and rank 0's peak against ``base``'s. Figures, not verdicts: :func:`timing_verdict` judges
+    a launch's own runs through the load guard."""
+    label, runs = gpu_runs(name, measured)
+    a = runs[base]
+
+    def steps(r: records.Record) -> str:
+        t = _steps_ms(r) or [r.timing.median_s * 1000]
+        return f"{r.timing.median_s * 1000:.1f} ms (steps {min(t):.1f}-{max(t):.1f})"
+
+    lines = [f"Step times on {label}; figures, not verdicts (the load guard judges only this launch's runs): "
+             f"{base} {steps(a)}, peak {records.format_bytes(a.memory.peak(0))}"]
+    for other in settings:
+        b = runs[other]
+        more = b.memory.peak(0) - a.memory.peak(0)
+        lines.append(f"  {other}: {steps(b)}, {b.timing.median_s / a.timing.median_s:.2f}x the {base} median; peak "
+                     f"{records.format_bytes(b.memory.peak(0))} ({'+' if more >= 0 else '-'}"
+                     f"{records.format_bytes(abs(more))}); {gradient_calls(b):g} gradient calls per step "
+                     f"against {gradient_calls(a):g}")
+    return "\n".join(lines)
