@@ -331,9 +331,8 @@ def _failure(result) -> str:
 
 #: The step-time column of :func:`gpu_table`: what its figure is.
 STEP_HEADER = "median step ms (steps 2+)"
-#: The footnote under a table with a peak marked ``<=`` (the history: the chapter's closing section).
-PEAK_FOOTNOTE = ("<= : an upper bound: this run followed others in its launch, and its record does not say their "
-                 "engines had released GPU memory, so its peak may include theirs.")
+#: The footnote under a table with a peak marked ``<=`` (why: ``docs/zeropp-references.md``).
+PEAK_FOOTNOTE = "<= : an upper bound, which may include earlier runs of its launch (docs/zeropp-references.md)."
 
 
 #: The words a reference's note ends with where it holds timing runs only (no bytes).
