@@ -36,7 +36,7 @@ def test_the_cpu_launch_trains_every_setting_with_the_default_probes(script):
     args = script.parse_args(["--out", "runs/13"])
     planned = script.planned_runs(args, ranks_per_node=2)
     assert [name for name, _ in planned] == list(compression.LABELS)  # the labels the tables give them
-    assert (args.model, args.steps, args.probes) == ("mlp", 3, list(measure.PROBES))
+    assert (args.model, args.steps, args.probes) == ("mlp", 4, list(measure.PROBES))
     plain = dict(planned)["zero3"]
     assert plain == script.ZERO3 and "bf16" not in plain
     assert dict(planned)["hpz"]["zero_optimization"]["zero_hpz_partition_size"] == 2

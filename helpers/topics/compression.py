@@ -331,9 +331,8 @@ def _failure(result) -> str:
 
 #: The step-time column of :func:`gpu_table`: what its figure is.
 STEP_HEADER = "median step ms (steps 2+)"
-#: The footnote under a table with a peak marked ``<=`` (the history: the chapter's closing section).
-PEAK_FOOTNOTE = ("<= : an upper bound: this run followed others in its launch, and its record does not say their "
-                 "engines had released GPU memory, so its peak may include theirs.")
+#: The footnote under a table with a peak marked ``<=`` (why: ``docs/zeropp-references.md``).
+PEAK_FOOTNOTE = "<= : an upper bound, which may include earlier runs of its launch (docs/zeropp-references.md)."
 
 
 #: The words a reference's note ends with where it holds timing runs only (no bytes).
@@ -357,7 +356,7 @@ def reference_report(name: str = "zeropp", timing_only: bool | None = None) -> s
 
 def bytes_reading(name: str = "zeropp") -> str:
     """Why qwZ's measured byte ratio differs from the paper's accounting, per committed reference, from its
-    records: the all-gathers are counted at their shard size (the model's bytes / ranks per gather pass), the
+    records, in the accounting's unit M (the model in 16 bits, 2 x its parameters): the all-gathers are counted at their shard size (the model's bytes / ranks per gather pass), the
     reduce-scatter at the whole gradient's, so halving only the gathers saves less of the total than the
     accounting's 3M -> 2M; and qwZ's gathers are twice as many, at about a quarter the size each, because
     DeepSpeed 0.19.8 gathers each quantized tensor's int8 values and its scales in two all-gathers
@@ -373,14 +372,15 @@ def bytes_reading(name: str = "zeropp") -> str:
         measured = qwz.comm.bytes_per_step / plain.comm.bytes_per_step
         accounting = (sum(v["intra"] for v in zeropp_volume(1.0, qwz=True, nodes=1).values())
                       / sum(v["intra"] for v in zeropp_volume(1.0, nodes=1).values()))
+        m = 2.0 * plain.params  # M: the model in 16 bits, the accounting's unit
         lines.append(
-            f"{device}: the all-gathers count {gather['bytes'] / scatter['bytes']:.2f}x the reduce-scatter's bytes "
-            f"({plain['world_size']} ranks: each gather is counted at its shard, 1/{plain['world_size']} of the "
-            f"layer, the reduce-scatter at the whole gradient), so halving only the gathers leaves qwZ at "
-            f"{measured:.2f}x ZeRO-3's bytes, not the accounting's {accounting:.2f}x (3M -> 2M, every "
-            f"collective at full size). qwZ issues {q_gather['count'] / gather['count']:g}x the all-gather calls, "
-            f"each {q_gather['bytes'] / q_gather['count'] / (gather['bytes'] / gather['count']):.2f}x the size: "
-            "per gather, one call for the int8 values (half of bf16) and one for their scales.")
+            f"{device} ({plain['world_size']} ranks), as the logger counts them, in M = 2Ψ bytes (the model in bf16): "
+            f"ZeRO-3's all-gathers {gather['bytes'] / m:.2f}M a step (each call at one rank's shard, 1/{plain['world_size']} "
+            f"of its layer), its reduce-scatter {scatter['bytes'] / m:.2f}M (the whole gradient); halving only the "
+            f"gathers leaves qwZ at {measured:.2f}x ZeRO-3's bytes, not the accounting's {accounting:.2f}x "
+            f"(3M -> 2M, every collective at full size). qwZ issues {q_gather['count'] / gather['count']:g}x the "
+            f"all-gather calls, each {q_gather['bytes'] / q_gather['count'] / (gather['bytes'] / gather['count']):.2f}x "
+            "the size: per gather, one call for the int8 values (half of bf16) and one for their scales.")
     return "\n".join(lines)
 
 
@@ -575,9 +575,12 @@ def one_node_reading(name: str = "zeropp", timing_only: bool | None = None) -> s
     """The committed one-node step times, each switch against ZeRO-3 per reference, through the course's load
     guard (:func:`helpers.core.load_guard.compare`) with the load saved beside the runs, or, for a reference
     saved without one, the load its written conditions state (:meth:`~helpers.core.load_guard.Load.from_conditions`:
-    "alone" where they say so). A reference whose sweep did not time ZeRO-3 again at its end gets no verdict. The medians are :func:`_median_step_s`', the figures of :func:`gpu_table`.
-    ``timing_only`` selects references as in :func:`reference_report`."""
-    lines = []
+    "alone" where they say so). A reference whose sweep did not time ZeRO-3 again at its end gets no verdict.
+    Verdicts withheld for the same reason are merged into one sentence naming the settings and references;
+    a verdict given gets a line of its own. The medians are :func:`_median_step_s`', the figures of
+    :func:`gpu_table`. ``timing_only`` selects references as in :func:`reference_report`."""
+    withheld: dict[str, tuple[list[str], list[str]]] = {}  # reason -> (settings, references)
+    given = []
     for (device, date, note, runs), conditions in zip(references.reference_runs(name),
                                                       references.reference_conditions(name)):
         if timing_only is not None and (TIMING_ONLY in note) != timing_only:
@@ -590,18 +593,26 @@ def one_node_reading(name: str = "zeropp", timing_only: bool | None = None) -> s
                   else "DeepSpeed's default knobs")
         saved = plain.summary.get("load")
         load = load_guard.Load.from_dict(saved) if saved else load_guard.Load.from_conditions(conditions)
-        lines.append(f"{device}, {date} ({regime}; {'alone' if load.alone else 'not alone'}, by "
-                     f"{'its saved load' if saved else 'its written conditions'}):")
+        where = (f"{device}, {date} ({regime}; {'alone' if load.alone else 'not alone'}, by "
+                 f"{'its saved load' if saved else 'its written conditions'})")
         again = runs.get(f"time: {AGAIN}")
         repeat = _steps_s(again) if isinstance(again, records.Record) else None
         for setting in (LABELS[name] for name in GPU_SETTINGS):
             timed = runs.get(f"time: {setting}")
             if setting == "ZeRO-3" or not isinstance(timed, records.Record):
                 continue
-            verdict = load_guard.compare({"ZeRO-3": _steps_s(plain), setting.split(" (")[0]: _steps_s(timed)}, load,
+            short = setting.split(" (")[0]
+            verdict = load_guard.compare({"ZeRO-3": _steps_s(plain), short: _steps_s(timed)}, load,
                                          repeat=repeat, sweep=True)
-            lines.append(f"  {load_guard.sentence(verdict)}")
-    return "\n".join(lines)
+            if verdict.given:
+                given.append(f"{where}: {load_guard.sentence(verdict)}")
+                continue
+            settings, wheres = withheld.setdefault(verdict.withheld, ([], []))
+            settings.extend([short] if short not in settings else [])
+            wheres.extend([where] if where not in wheres else [])
+    lines = [f"Verdict withheld for {_listed(settings)} on {_listed(wheres)}: {reason} (step times: the table above)."
+             for reason, (settings, wheres) in withheld.items()]
+    return "\n".join(given + lines)
 
 
 def where_it_failed(failure: Refusal | records.Record, frames: int = 3) -> str:
@@ -803,9 +814,8 @@ def exercise_zeropp_block(answer: Any, gpus_per_node: int = 8, nodes: int = 2) -
         task=(f"For {nodes} nodes of {gpus_per_node} GPUs: write the zero_optimization block with qwZ, hpZ and qgZ, "
               f"choosing hpZ's partition size, and predict the M one GPU would send across nodes per step if the "
               f"partition size were {cluster} instead."),
-        hint=("hpZ gives backward a gather group of its own: which GPUs share the fast links, and what does each "
-              "GPU hold of the secondary copy as the group grows? For the prediction, go phase by phase through the "
-              "accounting table, as in Exercise 1, with that group's size."))
+        hint=("the quantities are zero_hpz_partition_size, the GPUs per node and the nodes; the prediction is the "
+              "accounting's sum over the three phases, as in Exercise 1."))
 
 
 def exercise_cross_node_bytes(answer: Any, psi: float) -> exercises.Verdict:
@@ -816,8 +826,7 @@ def exercise_cross_node_bytes(answer: Any, psi: float) -> exercises.Verdict:
     return exercises.number(
         "qwZ + hpZ across nodes", answer, expected, relative=0.02, unit=" bytes",
         task=f"Predict the bytes one GPU sends across nodes per step for {psi:,.0f} parameters with qwZ and hpZ on, qgZ off.",
-        hint=(f"M = 2 x {psi:,.0f} bytes. Go phase by phase through the accounting table: what does qwZ do to a "
-              "gather, where does hpZ move the backward gather, and what is left of the reduce-scatter?"),
+        hint=f"the accounting's cross-node volume of each phase, summed, in M = 2 x {psi:,.0f} bytes.",
         why=(f"Forward gather 0.5M (int8), backward gather 0M across nodes (hpZ gathers inside the node), "
              f"gradient reduce-scatter 1M (qgZ off): 1.5M = 1.5 x {m:,.0f} bytes, half of ZeRO-3's 3M. "
              "The gradients are now two thirds of what crosses: qgZ is the switch that cuts them."))
@@ -836,9 +845,8 @@ def exercise_half_gradient_bytes(answer: Any, runs: Mapping[str, records.Record 
         task=f"Predict the bytes per optimizer step the comms logger records for ZeRO-3's gradient reduce-scatter "
              f"with communication_data_type bf16 in this launch: model '{half.model_name}' (Ψ = {psi:,} parameters), "
              f"{half['world_size']} ranks, gradient accumulation {accumulation}.",
-        hint="how often ZeRO-3 reduce-scatters the gradients per optimizer step (chapter 05), what size the logger "
-             "records for a reduce-scatter (chapter 05's \"Communication per step\" table, its reduce_scatter_tensor "
-             "row), and the bytes of one bf16 element.",
+        hint="reduce-scatters per optimizer step x the size the comms logger records for one (both in chapter 05), "
+             "at the bytes of a bf16 element.",
         why=f"{row['count']:g} reduce-scatter calls per step (ZeRO-3 reduces at every micro-step), each logged as "
             f"the whole gradient in bf16: {row['bytes'] / row['count']:,.0f} bytes, 2 x Ψ. In fp32 it would be "
             "twice that.")
