@@ -8,8 +8,7 @@
   on ZeRO-3 as a cross-check; :func:`gpu_results` reads their records, :func:`save_gpu_reference` keeps them.
 - the lines of DeepSpeed's installed code that decide what applies on one node
   (:func:`helpers.core.environment.deepspeed_source`).
-- :func:`prediction_table`: the cross-node gain from :func:`zeropp_step_prediction`, by the paper's accounting
-  and with the cost of ZeRO++'s own work that the one-node GPU runs measured (:func:`one_node_slowdowns`).
+- :func:`prediction_table`: the cross-node gain from :func:`zeropp_step_prediction`, by the paper's accounting.
 """
 
 from __future__ import annotations
@@ -286,7 +285,7 @@ def gpu_table(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, reco
               baseline: str = "ZeRO-3") -> str:
     """Per setting: each collective's calls and bytes per step and the total against plain ZeRO-3's (the
     comms-logger runs), then the median step time after the first step (:func:`_median_step_s`, the figure
-    :func:`one_node_reading` and :func:`one_node_slowdowns` use) against ZeRO-3's and the peak memory per rank
+    :func:`one_node_reading` and :func:`drift_reading` use) against ZeRO-3's and the peak memory per rank
     (the timing runs). A side that was not measured or failed says so in its columns."""
     by_time = by_time or {}
     names = list(dict.fromkeys([*by_time, *by_bytes]))
@@ -355,33 +354,43 @@ def reference_report(name: str = "zeropp", timing_only: bool | None = None) -> s
 
 
 def bytes_reading(name: str = "zeropp") -> str:
-    """Why qwZ's measured byte ratio differs from the paper's accounting, per committed reference, from its
-    records, in the accounting's unit M (the model in 16 bits, 2 x its parameters): the all-gathers are counted at their shard size (the model's bytes / ranks per gather pass), the
-    reduce-scatter at the whole gradient's, so halving only the gathers saves less of the total than the
-    accounting's 3M -> 2M; and qwZ's gathers are twice as many, at about a quarter the size each, because
-    DeepSpeed 0.19.8 gathers each quantized tensor's int8 values and its scales in two all-gathers
-    (``runtime/zero/partition_parameters.py``, ``_all_gather_coalesced``)."""
-    lines = []
+    """Why qwZ's measured byte ratio differs from the paper's accounting, as a worked table per committed
+    reference, from its records, in the accounting's unit M (the model in 16 bits, 2 x its parameters). The comms
+    logger (and the profiler, counted the same way) records each call's input tensor: an all-gather's is one
+    rank's shard, so ZeRO-3's forward and backward gathers add up to 2 x M/ranks; a reduce-scatter's is the whole
+    gradient, M. qwZ halves only the gathers (int8 values, plus small per-block scales in a second all-gather
+    per gather, ``_all_gather_coalesced`` in ``runtime/zero/partition_parameters.py``), so it saves less of the
+    total than the accounting's 3M -> 2M, where every collective counts the full model."""
+    rows, ratios = [], []
+    accounting = (sum(v["intra"] for v in zeropp_volume(1.0, qwz=True, nodes=1).values())
+                  / sum(v["intra"] for v in zeropp_volume(1.0, nodes=1).values()))
     for device, _, _, runs in references.reference_runs(name):
         plain, qwz = runs.get("bytes: ZeRO-3"), runs.get("bytes: qwZ (quantized weights)")
         if not all(isinstance(r, records.Record) and r.comm is not None for r in (plain, qwz)):
             continue
-        ops, q_ops = plain.comm_ops(), qwz.comm_ops()
-        gather, scatter = ops["all_gather_into_tensor"], ops["reduce_scatter_tensor"]
-        q_gather = q_ops["all_gather_into_tensor"]
-        measured = qwz.comm.bytes_per_step / plain.comm.bytes_per_step
-        accounting = (sum(v["intra"] for v in zeropp_volume(1.0, qwz=True, nodes=1).values())
-                      / sum(v["intra"] for v in zeropp_volume(1.0, nodes=1).values()))
-        m = 2.0 * plain.params  # M: the model in 16 bits, the accounting's unit
-        lines.append(
-            f"{device} ({plain['world_size']} ranks), as the logger counts them, in M = 2Ψ bytes (the model in bf16): "
-            f"ZeRO-3's all-gathers {gather['bytes'] / m:.2f}M a step (each call at one rank's shard, 1/{plain['world_size']} "
-            f"of its layer), its reduce-scatter {scatter['bytes'] / m:.2f}M (the whole gradient); halving only the "
-            f"gathers leaves qwZ at {measured:.2f}x ZeRO-3's bytes, not the accounting's {accounting:.2f}x "
-            f"(3M -> 2M, every collective at full size). qwZ issues {q_gather['count'] / gather['count']:g}x the "
-            f"all-gather calls, each {q_gather['bytes'] / q_gather['count'] / (gather['bytes'] / gather['count']):.2f}x "
-            "the size: per gather, one call for the int8 values (half of bf16) and one for their scales.")
-    return "\n".join(lines)
+        m, ranks = 2.0 * plain.params, plain["world_size"]
+        for label, run in (("ZeRO-3", plain), ("qwZ", qwz)):
+            gather, scatter = run.comm_ops()["all_gather_into_tensor"], run.comm_ops()["reduce_scatter_tensor"]
+            gathered = f"{gather['bytes'] / m:.2f}M"
+            if run is plain:  # the gathers as shards: passes x M/ranks
+                gathered = f"{gather['bytes'] * ranks / m:.0f} x M/{ranks} = {gathered}"
+            rows.append([device if run is plain else "", label, f"{gather['count']:g}", gathered,
+                         f"{scatter['bytes'] / m:.2f}M", f"{(gather['bytes'] + scatter['bytes']) / m:.2f}M",
+                         f"{run.comm.bytes_per_step / plain.comm.bytes_per_step:.2f}x"])
+        ratios.append((ranks, qwz.comm.bytes_per_step / plain.comm.bytes_per_step,
+                       qwz.comm_ops()["all_gather_into_tensor"], plain.comm_ops()["all_gather_into_tensor"]))
+    if not rows:
+        return "No committed reference counted the bytes of ZeRO-3 and qwZ."
+    table = records.format_table(rows, ["measured on", "setting", "all-gather calls", "all-gathers",
+                                        "reduce-scatter", "total", "bytes vs ZeRO-3"])
+    ranks, ratio, q_gather, gather = ratios[0]
+    per_call = (q_gather["bytes"] / q_gather["count"]) / (gather["bytes"] / gather["count"])
+    return (f"The comms logger records each call's input tensor: for an all-gather one rank's shard (M/ranks), for a "
+            f"reduce-scatter the whole gradient (M). Per step, in M = 2Ψ bytes (the model in bf16):\n{table}\n"
+            f"qwZ halves only the gathers, so with {ranks} ranks it sends {ratio:.2f}x ZeRO-3's bytes, not the "
+            f"accounting's {accounting:.2f}x (3M -> 2M, where every collective counts the full model). Its "
+            f"{q_gather['count'] / gather['count']:g}x calls: each gather sends the int8 values (0.5x ZeRO-3's call) "
+            f"and, in a second call, their small scales, so the average call is {per_call:.2f}x ZeRO-3's.")
 
 
 def both_tables(by_bytes: Mapping[str, records.Record], by_time: Mapping[str, records.Record] | None = None) -> str:
@@ -428,91 +437,13 @@ def volume_table(psi: float) -> str:
                                        "across nodes", "one node, in total"])
 
 
-def one_node_slowdowns(name: str = "zeropp") -> list[tuple[str, float]]:
-    """ZeRO++'s measured cost on one node: (device, ZeRO++ step time / ZeRO-3 step time) from each committed
-    reference of ``name`` whose timing runs released layers after use (``stage3_max_live_parameters`` 0,
-    :data:`GPU_OVERRIDES`), the regime :func:`zeropp_volume` counts (backward gathers again). On one node
-    ZeRO++ moves no fewer bytes across a slow link, so the ratio is what its kernels and copies cost there.
-    The medians are :func:`_median_step_s`', the figures of :func:`gpu_table` and :func:`one_node_reading`."""
-    found = []
-    for device, _, _, runs in references.reference_runs(name):
-        plain, zeropp = runs.get("time: ZeRO-3"), runs.get("time: ZeRO++ (all three)")
-        if not all(isinstance(r, records.Record) for r in (plain, zeropp)):
-            continue
-        knobs = plain.summary["config"].get("zero_optimization", {})
-        if knobs.get("stage3_max_live_parameters") == 0:
-            found.append((device, _median_step_s(zeropp) / _median_step_s(plain)))
-    return found
-
-
-def overhead_from_slowdown(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float, slowdown: float,
-                           intra: theory.AlphaBeta = DEFAULT_INTRA_NODE) -> float:
-    """Seconds per micro-step that ZeRO++'s own work (quantization kernels, hpZ's copies) adds, if the
-    ``slowdown`` measured on one node (ZeRO++ step / ZeRO-3 step) holds for this model on one node: the
-    ZeRO++ time that makes the one-node prediction equal ``slowdown`` times ZeRO-3's, less the prediction
-    without it (never below 0). An assumption: the measured ratio comes from a smaller model and shape."""
-    p = zeropp_step_prediction(psi, layers, tokens_per_gpu, 1, flops_per_s, intra)
-    return max(0.0, slowdown * p["zero3_s"] - p["zeropp_s"])
-
-
-def breakeven_gbit(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float, overhead_s: float,
-                   intra: theory.AlphaBeta = DEFAULT_INTRA_NODE, inter: theory.AlphaBeta = DEFAULT_INTER_NODE,
-                   low: float = 1.0, high: float = 1e5) -> float | None:
-    """The network bandwidth per GPU (Gbit/s) below which ZeRO++ with ``overhead_s`` is predicted faster than
-    ZeRO-3 across nodes (bisection; the speed-up falls as the network gets faster). None if it is faster
-    even at ``high`` Gbit/s, 0.0 if slower even at ``low``."""
-    def speedup(gbit: float) -> float:
-        link = theory.AlphaBeta.link(gbit * 1e9 / 8, inter.alpha)
-        return zeropp_step_prediction(psi, layers, tokens_per_gpu, 2, flops_per_s, intra, link, overhead_s)["speedup"]
-
-    if speedup(high) >= 1:
-        return None
-    if speedup(low) < 1:
-        return 0.0
-    for _ in range(60):
-        middle = (low * high) ** 0.5
-        low, high = (middle, high) if speedup(middle) >= 1 else (low, middle)
-    return low
-
-
-#: Why the cost columns of :func:`prediction_table` are illustrative whatever the sweep, printed with them.
-COST_CAVEAT = ("the ratio is ZeRO++'s one-node step over ZeRO-3's from one sweep of a smaller model, carried to "
-               "this one; it includes whatever else changed during the sweep, not only ZeRO++'s own work")
-
-
-def sweep_caveat(device: str, name: str = "zeropp") -> str:
-    """What the committed sweep of ``device`` behind :func:`one_node_slowdowns` can rule out, from its records: its
-    model's size, whether it timed ZeRO-3 again at its end (drift), and how far hpZ and qgZ, which change nothing
-    sent on one node, timed from ZeRO-3 (the noise or drift the ZeRO++ ratio carries too). "" for another device."""
-    for found, _, _, runs in references.reference_runs(name):
-        plain = runs.get("time: ZeRO-3")
-        if found != device or not isinstance(plain, records.Record):
-            continue
-        if plain.summary["config"].get("zero_optimization", {}).get("stage3_max_live_parameters") != 0:
-            continue  # the regime one_node_slowdowns leaves out
-        same = [f"{label.split(' (')[0]} {_median_step_s(timed) / _median_step_s(plain):.2f}x"
-                for label in (LABELS["hpz"], LABELS["qgz"])
-                for timed in [runs.get(f"time: {label}")] if isinstance(timed, records.Record)]
-        again = runs.get(f"time: {AGAIN}")
-        repeat = (f"ZeRO-3 timed again at its end {_median_step_s(again) / _median_step_s(plain):.2f}x its first "
-                  "median" if isinstance(again, records.Record) else "no repeat of ZeRO-3 at its end: drift not ruled out")
-        return (f"a model of {plain.params / 1e6:.0f}M parameters; {repeat}; settings that change nothing sent on one "
-                f"node timed {' and '.join(same) or 'not measured'} ZeRO-3's step")
-    return ""
-
-
 def prediction_table(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float,
                      inter_gbit: Sequence[float] = (100, 200, 400, 800),
                      intra: theory.AlphaBeta = DEFAULT_INTRA_NODE,
-                     inter: theory.AlphaBeta = DEFAULT_INTER_NODE,
-                     slowdowns: Sequence[tuple[str, float]] = ()) -> str:
+                     inter: theory.AlphaBeta = DEFAULT_INTER_NODE) -> str:
     """Predicted milliseconds per micro-step of ZeRO-3 and ZeRO++ (:func:`zeropp_step_prediction`) on one node,
     then on two or more nodes joined at each of ``inter_gbit`` Gbit/s per GPU (``inter``'s latency): first by
-    the paper's accounting (no cost for ZeRO++'s own work), then, for each (device, one-node slowdown) of
-    ``slowdowns`` (:func:`one_node_slowdowns`), the speed-up with that cost added (:func:`overhead_from_slowdown`).
-    The assumptions are printed above the table."""
-    costs = [(device, overhead_from_slowdown(psi, layers, tokens_per_gpu, flops_per_s, ratio, intra), ratio)
-             for device, ratio in slowdowns]
+    the paper's accounting (no cost for ZeRO++'s own work). The assumptions are printed above the table."""
     rows = []
     cases = [("1 node", 1, inter)] + [(f"2+ nodes, {g:g} Gb/s per GPU", 2, theory.AlphaBeta.link(g * 1e9 / 8, inter.alpha))
                                       for g in inter_gbit]
@@ -520,54 +451,55 @@ def prediction_table(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: 
         p = zeropp_step_prediction(psi, layers, tokens_per_gpu, nodes, flops_per_s, intra, link)
         row = [label, f"{p['compute_s'] * 1e3:.0f}", f"{p['zero3_s'] * 1e3:.0f}", f"{p['zeropp_s'] * 1e3:.0f}",
                f"{p['speedup']:.2f}x"]
-        for _, cost, _ in costs:
-            row.append(f"{p['zero3_s'] / (p['zeropp_s'] + cost):.2f}x")
         rows.append(row)
     header = (f"assumed: inside a node {intra.bandwidth / 1e9:g} GB/s ({intra.bandwidth * 8 / 1e9:g} Gb/s; "
               f"GB/s are bytes, Gb/s bits) and {intra.alpha * 1e6:g} µs a call; "
               f"across nodes {inter.alpha * 1e6:g} µs a call; compute {flops_per_s / 1e12:g} TFLOP/s per GPU; "
               "no overlap of communication with compute")
-    if costs:
-        header += ("\nZeRO++'s own cost (illustrative): cost = ratio x predicted ZeRO-3 step - predicted ZeRO++ step, "
-                   "both on one node; " + COST_CAVEAT)
-    for device, cost, ratio in costs:
-        caveat = sweep_caveat(device)
-        header += (f"\nZeRO++'s own cost from {device}: +{cost * 1e3:.0f} ms a micro-step (it makes the one-node "
-                   f"prediction {ratio:.2f}x ZeRO-3's step, the ratio measured there" + (f"; {caveat})" if caveat else ")"))
     headers = ["where", "compute ms", "ZeRO-3 ms", "ZeRO++ ms", "speed-up, paper's accounting"]
-    headers += [f"speed-up, {device} cost (illustrative)" for device, _, _ in costs]
     return header + "\n" + records.format_table(rows, headers)
 
 
 def prediction_reading(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float,
-                       slowdowns: Sequence[tuple[str, float]], inter_gbit: Sequence[float] = (100, 800)) -> str:
-    """What :func:`prediction_table` says, in sentences generated from its numbers: the gain at the slowest and
-    fastest network, by the paper's accounting and with each measured one-node cost, and the bandwidth per GPU
-    below which ZeRO++ still pays off."""
-    def speedup(gbit: float, cost: float) -> float:
+                       inter_gbit: Sequence[float] = (100, 800)) -> str:
+    """What :func:`prediction_table` says, in a sentence generated from its numbers: the gain by the paper's
+    accounting at the slowest and the fastest network of ``inter_gbit``."""
+    def speedup(gbit: float) -> float:
         link = theory.AlphaBeta.link(gbit * 1e9 / 8, DEFAULT_INTER_NODE.alpha)
-        return zeropp_step_prediction(psi, layers, tokens_per_gpu, 2, flops_per_s, inter=link,
-                                      overhead_s=cost)["speedup"]
+        return zeropp_step_prediction(psi, layers, tokens_per_gpu, 2, flops_per_s, inter=link)["speedup"]
 
     slow, fast = inter_gbit[0], inter_gbit[-1]
-    lines = [f"By the paper's accounting, ZeRO++ is predicted {speedup(slow, 0):.2f}x as fast as ZeRO-3 at {slow:g} "
-             f"Gb/s (gigabits) per GPU and {speedup(fast, 0):.2f}x at {fast:g} Gb/s."]
-    crossovers = []
-    for device, ratio in slowdowns:
-        cost = overhead_from_slowdown(psi, layers, tokens_per_gpu, flops_per_s, ratio)
-        even = breakeven_gbit(psi, layers, tokens_per_gpu, flops_per_s, cost)
-        where = ("faster at every bandwidth tried" if even is None else "slower at every bandwidth tried" if even == 0
-                 else f"faster only below about {even:.0f} Gb/s per GPU")
-        lines.append(f"With the cost measured on one node of {device} ({ratio:.2f}x ZeRO-3's step): "
-                     f"{speedup(slow, cost):.2f}x at {slow:g} Gb/s, {speedup(fast, cost):.2f}x at {fast:g} Gb/s; "
-                     f"ZeRO++ is {where}.")
-        if even:
-            crossovers.append(even)
-    if len(crossovers) > 1:
-        lines.append(f"These crossings ({min(crossovers):.0f} and {max(crossovers):.0f} Gb/s per GPU) illustrate how a "
-                     "one-node cost caps the gain; they are not a measured range: each ratio is one sweep of a "
-                     "smaller model, carried to this one (what each sweep rules out: above the table). Your own "
-                     "one-node ratio, from a sweep alone on its GPUs that repeats its first setting, replaces them.")
+    return (f"By the paper's accounting, ZeRO++ is predicted {speedup(slow):.2f}x as fast as ZeRO-3 at {slow:g} "
+            f"Gb/s (gigabits) per GPU and {speedup(fast):.2f}x at {fast:g} Gb/s.")
+
+
+def drift_reading(name: str = "zeropp") -> str:
+    """What the committed step times can separate, per reference: hpZ and qgZ send exactly ZeRO-3's bytes on one
+    node, so their step-time ratios to ZeRO-3 gauge how far the sweep's times wander (drift, noise, hpZ's local
+    copy); a setting's ratio points to a cost of its own only beyond both of theirs. The last line names the
+    settings beyond that range on every reference (timing runs with layers released after use)."""
+    lines, beyond_everywhere = [], None
+    for device, _, note, runs in references.reference_runs(name):
+        plain = runs.get("time: ZeRO-3")
+        if TIMING_ONLY in note or not isinstance(plain, records.Record):
+            continue
+        ratio = {label.split(" (")[0]: _median_step_s(run) / _median_step_s(plain)
+                 for label in (LABELS[k] for k in GPU_SETTINGS[1:])
+                 for run in [runs.get(f"time: {label}")] if isinstance(run, records.Record)}
+        same = [k for k in ("hpZ", "qgZ") if k in ratio]
+        if not same:
+            continue
+        spread = max(ratio[k] for k in same)
+        beyond = [k for k in ratio if k not in same and ratio[k] > spread]
+        beyond_everywhere = set(beyond) if beyond_everywhere is None else beyond_everywhere & set(beyond)
+        lines.append(f"{device}: same bytes as ZeRO-3, yet {_listed([f'{k} {ratio[k]:.2f}x' for k in same])} its step; "
+                     f"beyond that range: {_listed([f'{k} {ratio[k]:.2f}x' for k in beyond]) if beyond else 'none'}.")
+    if beyond_everywhere is None:
+        return "No committed sweep timed hpZ or qgZ beside ZeRO-3."
+    found = [k for k in ("qwZ", "ZeRO++") if k in beyond_everywhere]
+    lines.append(f"Beyond the no-op switches on every machine: {_listed(found) if found else 'no setting'}"
+                 + ("; one sweep each, with no repeat of ZeRO-3, so a hint of a cost, not a measure of it."
+                    if found else ": these sweeps separate no cost of ZeRO++ from their drift."))
     return "\n".join(lines)
 
 
@@ -656,21 +588,15 @@ def zeropp_volumes(psi: float, title: str = "What crosses nodes per GPU and step
 
 
 def zeropp_speedup(psi: float, layers: int, tokens_per_gpu: int, flops_per_s: float,
-                   gbits: Sequence[float] = (25, 50, 100, 200, 400, 800, 1600, 3200),
-                   slowdowns: Sequence[tuple[str, float]] = ()):
+                   gbits: Sequence[float] = (25, 50, 100, 200, 400, 800, 1600, 3200)):
     """Predicted ZeRO++ speed-up over ZeRO-3 on two or more nodes against the network bandwidth per GPU
-    (:func:`zeropp_step_prediction`, the default links' latencies): by the paper's accounting, and with each
-    measured one-node cost of ``slowdowns`` (:func:`overhead_from_slowdown`)."""
+    (:func:`zeropp_step_prediction`, the default links' latencies), by the paper's accounting."""
     plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
-    curves = [("paper's accounting (no cost for quantization)", 0.0)]
-    curves += [(f"with {device}'s one-node ratio ({ratio:.2f}x), illustrative",
-                overhead_from_slowdown(psi, layers, tokens_per_gpu, flops_per_s, ratio)) for device, ratio in slowdowns]
-    for label, cost in curves:
-        speedups = [zeropp_step_prediction(psi, layers, tokens_per_gpu, 2, flops_per_s,
-                                           inter=theory.AlphaBeta.link(g * 1e9 / 8, DEFAULT_INTER_NODE.alpha),
-                                           overhead_s=cost)["speedup"] for g in gbits]
-        ax.plot(gbits, speedups, marker="o", label=label)
+    speedups = [zeropp_step_prediction(psi, layers, tokens_per_gpu, 2, flops_per_s,
+                                       inter=theory.AlphaBeta.link(g * 1e9 / 8, DEFAULT_INTER_NODE.alpha))["speedup"]
+                for g in gbits]
+    ax.plot(gbits, speedups, marker="o", label="paper's accounting (no cost for quantization)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.legend(fontsize=7)
     ax.set(xscale="log", xlabel="network bandwidth between nodes, Gbit/s per GPU", ylabel="ZeRO++ / ZeRO-3 speed",
@@ -736,8 +662,8 @@ def zeropp_step_prediction(psi: float, layers: int, tokens_per_gpu: int, nodes: 
     """Predicted seconds per micro-step of plain ZeRO-3 and full ZeRO++ (qwZ + hpZ + qgZ): compute
     (6Ψ FLOPs a token at ``flops_per_s`` achieved per GPU) plus communication (:func:`zeropp_comm_seconds`),
     without overlap; and the speed-up. ZeRO++'s own work (quantization kernels, hpZ's copies) is
-    ``overhead_s`` seconds a micro-step: 0, the paper's accounting, leaves it out; the chapter's one-node GPU
-    runs measure it (:func:`overhead_from_slowdown`)."""
+    ``overhead_s`` seconds a micro-step: 0, the paper's accounting, leaves it out; a one-node measurement of
+    your own (ZeRO++'s step less ZeRO-3's, alone on the GPUs) estimates it."""
     if overhead_s < 0:
         raise ValueError(f"overhead_s={overhead_s!r}: seconds ZeRO++ adds to a micro-step, 0 or more")
     compute = 6 * psi * tokens_per_gpu / flops_per_s
@@ -845,8 +771,8 @@ def exercise_half_gradient_bytes(answer: Any, runs: Mapping[str, records.Record 
         task=f"Predict the bytes per optimizer step the comms logger records for ZeRO-3's gradient reduce-scatter "
              f"with communication_data_type bf16 in this launch: model '{half.model_name}' (Ψ = {psi:,} parameters), "
              f"{half['world_size']} ranks, gradient accumulation {accumulation}.",
-        hint="reduce-scatters per optimizer step x the size the comms logger records for one (both in chapter 05), "
-             "at the bytes of a bf16 element.",
+        hint="the quantity is the gradient reduce-scatter's bytes as the comms logger records them (chapter 05), "
+             "summed over one optimizer step, with bf16 elements.",
         why=f"{row['count']:g} reduce-scatter calls per step (ZeRO-3 reduces at every micro-step), each logged as "
             f"the whole gradient in bf16: {row['bytes'] / row['count']:,.0f} bytes, 2 x Ψ. In fp32 it would be "
             "twice that.")
@@ -873,6 +799,10 @@ def timing_verdict(runs: Mapping[str, records.Record | Refusal], load: load_guar
     lines = [f"Load beside the launch: {load.reason() or 'none, it had its devices to itself'}."]
     if not isinstance(runs.get(base), records.Record):
         return "\n".join(lines + [f"{base} did not train: no step time to compare the others with."])
+    if repeat:  # the same setting twice: their gap is what the launch's drift alone does
+        first, last = _median_step_s(runs[base]), _median_step_s(runs[again])
+        lines.append(f"Medians: {base} {first * 1e3:.0f} ms first, {last * 1e3:.0f} ms again at the end "
+                     f"({last / first:.2f}x): the same setting, so that gap is the launch's drift.")
     for name, record in runs.items():
         if name in (base, again) or not isinstance(record, records.Record):
             continue
