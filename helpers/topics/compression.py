@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from helpers.core import configs, ds, environment, exercises, load_guard, plots, profiler_comm, records, references, theory
+from helpers.core import configs, ds, exercises, load_guard, plots, profiler_comm, records, references, theory
 from helpers.topics import tensor_parallel
 from helpers.topics.tensor_parallel import Refusal
 
