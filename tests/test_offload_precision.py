@@ -456,6 +456,7 @@ def test_committed_gpu_results_are_shown_beside_the_learners(swept, demos, tmp_p
     assert "Measured on 2 x Test GPU, 2026-01-01" in report and "ZeRO-2 bf16" in report
     assert "ZeRO-2 bf16" in report and "(verdict withheld: not measured alone (" in report  # not "alone"
     assert "peak" not in report and "Conditions:" not in report  # the short form: steps and one sentence
+    assert precision.speed_takeaway_reference().startswith("Takeaway (2 x Test GPU, 2026-01-01): no fp32 peak known")
     detail = precision.speed_reference_report(detail=True)
     assert "Conditions: " in detail and "verdict withheld: " in detail
 
@@ -505,6 +506,47 @@ def test_the_speed_bounds_set_each_measured_gain_beside_the_products_least_time(
     assert "beat" not in shared and "Within that bound" in shared  # no gain judged under load
     cpu = {k: _timed(r, [90, 50, 52, 54], device="CPU") for k, r in runs.items()}
     assert "no fp32 peak known" in precision.speed_bounds(cpu, ALONE)
+
+
+def test_the_speed_takeaway_names_the_products_share_and_the_gains_beyond_the_spread(swept):
+    fp32 = _timed(swept["accum fp32 training"], [90, 50, 52, 54])
+    runs = {"ZeRO-2 fp32": fp32, "ZeRO-2 bf16": _timed(swept["stage 2"], [90, 40, 41, 42]),
+            "ZeRO-2 fp16": _timed(swept["stage 2"], [90, 50, 53, 51])}
+    text = precision.speed_takeaway(runs, ALONE)
+    assert text.startswith("At the datasheet's fp32 peak this model's matrix products would fill only 0% of "
+                           "the 52.0 ms fp32 step") and "(1.00x at most" in text  # a tiny MLP
+    assert "Only ZeRO-2 bf16's 1.27x is beyond the steps' spread (ZeRO-2 fp16: within it)." in text
+    assert "That exceeds the bound" in text
+    assert precision.speed_takeaway(runs, SHARED).endswith("No 16-bit run's gain is beyond the steps' spread.")
+    cpu = {k: _timed(r, [90, 50, 52, 54], device="CPU") for k, r in runs.items()}
+    assert "no fp32 peak known" in precision.speed_takeaway(cpu, ALONE)
+
+
+def test_the_speed_table_names_its_peak_in_plain_words(swept):
+    table = precision.speed_table({"ZeRO-2 bf16": swept["stage 2"]})
+    assert table.splitlines()[0].split("  ")[-1].strip() == "peak memory of a rank's process"  # these runs: CPU
+    assert "ru_maxrss" not in table and "peak" not in precision.speed_table({"ZeRO-2 bf16": swept["stage 2"]}, peak=False)
+
+
+def test_the_bf16_optimizer_line_splits_its_gradient_by_dtype_and_finds_its_partition(swept):
+    """BF16_Optimizer (ZeRO-1, fp32 accumulation): a whole bf16 and a whole fp32 gradient, a partitioned master."""
+    summary = copy.deepcopy(swept["accum fp32"].summary)
+    params = swept["accum fp32"].params
+    summary["optimizer"] = "BF16_Optimizer"
+    for states in (*summary["memory"]["model_states_bytes_per_rank"],
+                   *(p["accelerator"] for p in summary["memory"]["placement_bytes_per_rank"])):
+        states.update(grads=6 * params, master=2 * params, optimizer=4 * params)
+    for placement in summary["memory"]["placement_bytes_per_rank"]:
+        placement["dtypes"]["grads"] = ["bfloat16", "float32"]
+    runs = {("accum", (1, "fp32")): records.Record(summary), ("accum", (2, "fp32")): swept["accum fp32"]}
+    assert precision.bf16_optimizer_lines(runs) == (
+        "ZeRO-1, bf16, accumulated in fp32 (BF16_Optimizer): gradients 6.00 B/param = a whole bfloat16 gradient (2) + "
+        "a whole float32 gradient (4), the same at the boundary; master 2.00 + Adam's moments 4.00 B/param = 1/2 of "
+        "fp32's 4 + 8: partitioned over the 2 ranks, as ZeRO-1 does")
+    for states in summary["memory"]["model_states_bytes_per_rank"]:
+        states.update(master=4 * params, optimizer=8 * params)  # whole on every rank: not partitioned
+    assert precision.bf16_optimizer_lines(runs).endswith("= 1.00 of fp32's 4 + 8")
+    assert precision.bf16_optimizer_lines({("accum", (2, "fp32")): swept["accum fp32"]}) == ""  # a ZeRO optimizer
 
 
 def test_a_references_written_conditions_are_its_load():
@@ -593,10 +635,10 @@ def test_the_saving_lines_add_each_runs_states_and_name_the_master():
             (2, "bf16"): _States({"params": 200, "grads": 100, "optimizer": 400, "master": 200})}
     zero0, zero2 = precision.saving_lines(runs).splitlines()
     assert zero0 == ("ZeRO-0: fp32 4.00 + 4.00 + 8.00 = 16.00; bf16 2.00 + 2.00 + 8.00 + 4.00 master = 16.00 B/param. "
-                     "bf16 saves 4.00 on parameters and gradients and adds 4.00 of fp32 master: 0.00 saved "
-                     "(1.00 of fp32's).")
-    assert zero2.endswith("bf16 saves 3.00 on parameters and gradients, both keep the same fp32 master: 3.00 saved "
-                          "(0.75 of fp32's).")
+                     "bf16 saves 4.00 on parameters and gradients and adds 4.00 of fp32 master: in all, bf16 saves "
+                     "nothing (as many bytes as fp32).")
+    assert zero2.endswith("bf16 saves 3.00 on parameters and gradients, both keep the same fp32 master: in all, bf16 "
+                          "saves 3.00 B/param (75% of fp32's bytes).")
     assert precision.saving_lines({(2, "bf16"): runs[(2, "bf16")]}) == ""  # no fp32 run to set it beside
 
 

@@ -430,10 +430,12 @@ def saving_lines(runs: Mapping[tuple[int, str], Any], rank: int = 0, half: str =
         saved = sum(per["fp32"][k] - per[half][k] for k in ("params", "grads"))
         added = per[half]["master"] - per["fp32"]["master"]
         net = sum(per["fp32"].values()) - sum(per[half].values())
+        share = sum(per[half].values()) / sum(per["fp32"].values())
         lines.append(f"ZeRO-{stage}: fp32 {sums['fp32']}; {half} {sums[half]} B/param. {half} saves {saved:.2f} on "
                      f"parameters and gradients" + (f" and adds {added:.2f} of fp32 master" if added else
                                                    ", both keep the same fp32 master")
-                     + f": {net:.2f} saved ({sum(per[half].values()) / sum(per['fp32'].values()):.2f} of fp32's).")
+                     + (f": in all, {half} saves nothing (as many bytes as fp32)." if abs(net) < 0.005 else
+                        f": in all, {half} saves {net:.2f} B/param ({share:.0%} of fp32's bytes)."))
     return "\n".join(lines)
 
 
@@ -547,7 +549,7 @@ def grad_accum_table(runs: Mapping[Any, Any], rank: int = 0) -> str:
         base = runs.get(("accum", (stage, "fp32")))
         versus = "-"
         if dtype == "bf16" and isinstance(base, records.Record):
-            first = "step 1 equal" if r.losses[0] == base.losses[0] else "step 1 differs"
+            first = "step 1 equal (no update yet)" if r.losses[0] == base.losses[0] else "step 1 differs"
             versus = f"{first}, all {records.loss_agreement(base.losses, r.losses, 'bf16')}"
         rows.append([label, r["optimizer"], ", ".join(r.memory.placement(rank)["dtypes"]["grads"]),
                      f"{during:.2f}", f"{boundary:.2f}", versus])
@@ -568,6 +570,30 @@ def gradient_held_lines(runs: Mapping[Any, Any], rank: int = 0) -> str:
             lines.append(f"{_accum_label(stage, dtype)}: {during:.2f} B/param while it accumulates (the whole gradient "
                          f"on every rank), {boundary:.2f} at the boundary (after the reduction, its 1/{r['world_size']}"
                          f" partition{' only' if boundary * r['world_size'] == during else ''})")
+    return "\n".join(lines)
+
+
+def bf16_optimizer_lines(runs: Mapping[Any, Any], rank: int = 0) -> str:
+    """A line per accumulation run that DeepSpeed gave ``BF16_Optimizer``, from its record: its gradient bytes per
+    parameter split by the dtypes it holds (a whole gradient in each, where the bytes add up to that), and whether
+    its fp32 master and Adam's two moments are a 1/N_d partition of fp32's 4 + 8 bytes (as ZeRO-1's) or whole."""
+    lines = []
+    for (_, (stage, dtype)), r in sorted(((k, r) for k, r in runs.items() if k[0] == "accum"), key=lambda kr: kr[0][1]):
+        if not isinstance(r, records.Record) or r["optimizer"] != "BF16_Optimizer":
+            continue
+        during, boundary = _grads_per_param(r, rank)
+        held = r.memory.placement(rank)["dtypes"]["grads"]
+        sizes = {d: torch.finfo(getattr(torch, d)).bits / 8 for d in held}
+        grads = (" = " + " + ".join(f"a whole {d} gradient ({b:g})" for d, b in sizes.items())
+                 if abs(sum(sizes.values()) - during) < 0.01 else f" ({', '.join(held)})")
+        states, world = r.states(rank), r["world_size"]
+        master, moments = states["master"] / r.params, states["optimizer"] / r.params
+        share = (master + moments) / 12  # fp32's master (4) and two moments (8) per parameter
+        split = (f"1/{world} of fp32's 4 + 8: partitioned over the {world} ranks, as ZeRO-1 does"
+                 if abs(share * world - 1) < 0.01 else f"{share:.2f} of fp32's 4 + 8")
+        lines.append(f"{_accum_label(stage, dtype)} (BF16_Optimizer): gradients {during:.2f} B/param{grads}, "
+                     f"{'the same' if abs(during - boundary) < 0.005 else f'{boundary:.2f}'} at the boundary; "
+                     f"master {master:.2f} + Adam's moments {moments:.2f} B/param = {split}")
     return "\n".join(lines)
 
 
@@ -803,9 +829,14 @@ def speed_table(runs: Mapping[Any, Any], rank: int = 0, peak: bool = True) -> st
 
     rows = [[r.label, f"{r.timing.median_s * 1000:.1f}", f"{r['samples_per_s']:,.0f}"]
             + [records.format_peak(r, rank)] * peak for r in runs.values()]
-    first = next(iter(runs.values()))
+    source = next(iter(runs.values())).memory.peak_source
     return records.format_table(rows, ["run", "step ms", "samples/s"]
-                                + [f"peak ({first.memory.peak_source})"] * peak)
+                                + [PEAK_HEADERS.get(source, f"peak ({source})")] * peak)
+
+
+#: :func:`speed_table`'s plain header for each way :func:`helpers.core.memory.peak_bytes` measures a peak.
+PEAK_HEADERS = {"peak RSS (ru_maxrss)": "peak memory of a rank's process",
+                "torch.cuda.max_memory_allocated": "peak GPU memory in tensors"}
 
 
 # --- the formats, from torch itself ----------------------------------------------------------------
@@ -991,13 +1022,10 @@ def speed_bounds(runs: Mapping[str, records.Record], load: load_guard.Load | Non
     fp32 = runs.get(base)
     if fp32 is None:
         return f"no {base} run to compare with"
-    peak32, source32 = peak_fp32_tflops(fp32["device_name"])
-    peak16, source16 = performance.peak_tflops(fp32["device_name"])
-    if not (peak32 and peak16):
-        return source32 if not peak32 else source16
-    flops = 6 * fp32.params * fp32.micro_batch * fp32.grad_accum
-    math32, math16, step = flops / (peak32 * 1e12), flops / (peak16 * 1e12), fp32.timing.median_s
-    bound = step / (step - math32 + math16)
+    least = _products_least_time(fp32)
+    if isinstance(least, str):
+        return least
+    math32, math16, step, bound = least
     measured = {name: fp32.timing.median_s / r.timing.median_s for name, r in runs.items() if name != base}
     above = [name for name, ratio in measured.items() if ratio > bound and load_guard.compare(
         {base: timed_steps(fp32), name: timed_steps(runs[name])}, load).given]  # beyond it, and beyond the spread
@@ -1019,6 +1047,59 @@ def speed_bounds(runs: Mapping[str, records.Record], load: load_guard.Load | Non
                      + ". The two keep the same bytes and have the same dense peak: nothing these runs measured "
                      "explains a difference.")
     return "\n".join(lines)
+
+
+def _products_least_time(fp32: records.Record) -> tuple[float, float, float, float] | str:
+    """For an fp32 run: the least time its step's matrix products take at the datasheets' fp32 and dense 16-bit
+    peaks (6 x parameters x samples FLOPs per rank), its median step (s), and the speed-up 16-bit could give were
+    those products at the fp32 peak and the rest of the step unchanged; or why not (no peak known)."""
+    peak32, source32 = peak_fp32_tflops(fp32["device_name"])
+    peak16, source16 = performance.peak_tflops(fp32["device_name"])
+    if not (peak32 and peak16):
+        return source32 if not peak32 else source16
+    flops = 6 * fp32.params * fp32.micro_batch * fp32.grad_accum
+    math32, math16, step = flops / (peak32 * 1e12), flops / (peak16 * 1e12), fp32.timing.median_s
+    return math32, math16, step, step / (step - math32 + math16)
+
+
+def speed_takeaway(runs: Mapping[str, records.Record], load: load_guard.Load | None, base: str = "ZeRO-2 fp32") -> str:
+    """The speed comparison's takeaway, from ``runs``' data: the share of ``base``'s step its matrix products
+    would fill at the datasheet's fp32 peak (what 16-bit's faster products can act on), then which 16-bit runs'
+    gains are beyond the steps' spread (the load guard's rule) and whether they exceed what faster products
+    alone allow (:func:`speed_bounds` gives the arithmetic)."""
+    fp32 = runs.get(base)
+    if fp32 is None:
+        return f"no {base} run to compare with"
+    least = _products_least_time(fp32)
+    if isinstance(least, str):
+        return least
+    math32, _, step, bound = least
+    ratios = {name: fp32.timing.median_s / r.timing.median_s for name, r in runs.items() if name != base}
+    beyond = [name for name, ratio in ratios.items() if ratio > 1 and load_guard.compare(
+        {base: timed_steps(fp32), name: timed_steps(runs[name])}, load).given]
+    text = (f"At the datasheet's fp32 peak this model's matrix products would fill only {math32 / step:.0%} "
+            f"of the {step * 1e3:.1f} ms fp32 step, so faster 16-bit products can gain little here ({bound:.2f}x at "
+            "most, were they at that peak). ")
+    if not beyond:
+        return text + "No 16-bit run's gain is beyond the steps' spread."
+    gains = " and ".join(f"{name}'s {ratios[name]:.2f}x" for name in beyond)
+    others = [name for name in ratios if name not in beyond]
+    text += (f"Only {gains} {'is' if len(beyond) == 1 else 'are'} beyond the steps' spread"
+             + (f" ({', '.join(others)}: within it)" if others else "") + ".")
+    if any(ratios[name] > bound for name in beyond):
+        text += (" That exceeds the bound: either the products ran below the fp32 peak or other work got faster "
+                 "in 16-bit too; a kernel profile, which these runs did not take, would say which.")
+    return text
+
+
+def speed_takeaway_reference(name: str = "precision-speed") -> str:
+    """:func:`speed_takeaway` for each committed GPU result of experiment ``name``, under its written conditions."""
+    found = references.reference_runs(name)
+    if not found:
+        return references.no_references(name, references.GPU_HOW)
+    return "\n\n".join(f"Takeaway ({device}, {date}): "
+                         + speed_takeaway(runs, load_guard.Load.from_conditions(conditions))
+                         for (device, date, _, runs), conditions in zip(found, references.reference_conditions(name)))
 
 
 def speed_bounds_reference(name: str = "precision-speed") -> str:
