@@ -513,10 +513,11 @@ def test_the_speed_takeaway_names_the_products_share_and_the_gains_beyond_the_sp
     runs = {"ZeRO-2 fp32": fp32, "ZeRO-2 bf16": _timed(swept["stage 2"], [90, 40, 41, 42]),
             "ZeRO-2 fp16": _timed(swept["stage 2"], [90, 50, 53, 51])}
     text = precision.speed_takeaway(runs, ALONE)
-    assert text.startswith("At the datasheet's fp32 peak this model's matrix products would fill only 0% of "
-                           "the 52.0 ms fp32 step") and "(1.00x at most" in text  # a tiny MLP
+    assert text.startswith("At the datasheet's fp32 peak this model's matrix products need at least ")
+    assert "(0%) of the 52.0 ms fp32 step. That is a least time, not their real share" in text
+    assert "gain at most 1.00x" in text  # a tiny MLP
     assert "Only ZeRO-2 bf16's 1.27x is beyond the steps' spread (ZeRO-2 fp16: within it)." in text
-    assert "That exceeds the bound" in text
+    assert "That is more, so the products ran below the fp32 peak" in text
     assert precision.speed_takeaway(runs, SHARED).endswith("No 16-bit run's gain is beyond the steps' spread.")
     cpu = {k: _timed(r, [90, 50, 52, 54], device="CPU") for k, r in runs.items()}
     assert "no fp32 peak known" in precision.speed_takeaway(cpu, ALONE)

@@ -1063,10 +1063,10 @@ def _products_least_time(fp32: records.Record) -> tuple[float, float, float, flo
 
 
 def speed_takeaway(runs: Mapping[str, records.Record], load: load_guard.Load | None, base: str = "ZeRO-2 fp32") -> str:
-    """The speed comparison's takeaway, from ``runs``' data: the share of ``base``'s step its matrix products
-    would fill at the datasheet's fp32 peak (what 16-bit's faster products can act on), then which 16-bit runs'
-    gains are beyond the steps' spread (the load guard's rule) and whether they exceed what faster products
-    alone allow (:func:`speed_bounds` gives the arithmetic)."""
+    """The speed comparison's takeaway, from ``runs``' data: the least time ``base``'s matrix products need at
+    the datasheet's fp32 peak (a lower bound on their time, so no bound on what 16-bit can save), then which
+    16-bit runs' gains are beyond the steps' spread (the load guard's rule) and whether they exceed the gain
+    the products would allow were they at that peak (:func:`speed_bounds` gives the arithmetic)."""
     fp32 = runs.get(base)
     if fp32 is None:
         return f"no {base} run to compare with"
@@ -1077,9 +1077,9 @@ def speed_takeaway(runs: Mapping[str, records.Record], load: load_guard.Load | N
     ratios = {name: fp32.timing.median_s / r.timing.median_s for name, r in runs.items() if name != base}
     beyond = [name for name, ratio in ratios.items() if ratio > 1 and load_guard.compare(
         {base: timed_steps(fp32), name: timed_steps(runs[name])}, load).given]
-    text = (f"At the datasheet's fp32 peak this model's matrix products would fill only {math32 / step:.0%} "
-            f"of the {step * 1e3:.1f} ms fp32 step, so faster 16-bit products can gain little here ({bound:.2f}x at "
-            "most, were they at that peak). ")
+    text = (f"At the datasheet's fp32 peak this model's matrix products need at least {math32 * 1e3:.2f} ms "
+            f"({math32 / step:.0%}) of the {step * 1e3:.1f} ms fp32 step. That is a least time, not their real "
+            f"share: only were they at that peak would faster 16-bit products gain at most {bound:.2f}x. ")
     if not beyond:
         return text + "No 16-bit run's gain is beyond the steps' spread."
     gains = " and ".join(f"{name}'s {ratios[name]:.2f}x" for name in beyond)
@@ -1087,8 +1087,8 @@ def speed_takeaway(runs: Mapping[str, records.Record], load: load_guard.Load | N
     text += (f"Only {gains} {'is' if len(beyond) == 1 else 'are'} beyond the steps' spread"
              + (f" ({', '.join(others)}: within it)" if others else "") + ".")
     if any(ratios[name] > bound for name in beyond):
-        text += (" That exceeds the bound: either the products ran below the fp32 peak or other work got faster "
-                 "in 16-bit too; a kernel profile, which these runs did not take, would say which.")
+        text += (" That is more, so the products ran below the fp32 peak, or other work got faster in 16-bit "
+                 "too; a kernel profile, which these runs did not take, would say which.")
     return text
 
 
