@@ -568,6 +568,27 @@ def test_reference_step_note_reads_each_settings_median_and_peak_against_the_bas
     runs = {"defaults": _timed([900, 10, 12], 3, 2 * 2**30), "small": _timed([900, 30, 31], 10, 70 * 2**20)}
     monkeypatch.setattr(zero, "latest_reference", lambda name: ("2 x GPU", runs))
     lines = zero.reference_step_note("x", "defaults", ["small"]).splitlines()
-    assert lines[0].startswith("Step times on 2 x GPU (the committed reference); figures, not verdicts")
-    assert "defaults 12.0 ms (steps 10.0-12.0), peak 2 GiB" in lines[0]
-    assert lines[1].startswith("  small: 31.0 ms (steps 30.0-31.0), 2.58x the defaults median; peak 70 MiB (-1.93 GiB)")
+    assert lines[0].startswith("Step times on 2 x GPU (the committed reference), median after step 1; figures, not")
+    assert "defaults 11.0 ms (steps 10.0-12.0), peak 2 GiB" in lines[0]  # the first step (900) left out
+    assert lines[1].startswith("  small: 30.5 ms (steps 30.0-31.0), 2.77x the defaults median, every step longer "
+                               "than every defaults step; peak 70 MiB (-1.93 GiB)")
+    assert lines[2] == "Of these 2: lowest peak small, shortest median step defaults."
+
+
+def test_reference_step_note_says_where_a_settings_steps_lie_against_the_base(monkeypatch):
+    runs = {"defaults": _timed([900, 10, 14], 3, 5), "fast": _timed([900, 6, 8], 3, 9),
+            "near": _timed([900, 12, 20], 3, 7)}
+    monkeypatch.setattr(zero, "latest_reference", lambda name: ("2 x GPU", runs))
+    lines = zero.reference_step_note("x", "defaults", ["fast", "near"]).splitlines()
+    assert "every step shorter than every defaults step" in lines[1]
+    assert "its steps overlap the defaults steps' range" in lines[2]
+    assert lines[3] == "Of these 3: lowest peak defaults, shortest median step fast."
+
+
+def test_knob_table_and_peak_contrast_leave_out_or_name_columns_as_told(monkeypatch):
+    runs = {"defaults": _timed([900, 12, 12], 3, 2 * 2**30), "small": _timed([900, 19, 19], 10, 70 * 2**20)}
+    assert "buffers" in zero.knob_table(runs) and "buffers" not in zero.knob_table(runs, buffers=False)
+    assert len(zero.knob_table(runs, buffers=False).splitlines()[2].split()) == len(zero.knob_table(runs).splitlines()[2].split()) - 2
+    monkeypatch.setattr(zero, "latest_reference", lambda name: ("2 x GPU", runs))
+    said = zero.peak_contrast("x", "defaults", "small", times=False, calls_label="calls of every kind per step")
+    assert said.endswith("; 10 calls of every kind per step against 3).")

@@ -148,9 +148,9 @@ def knob_agreement(runs: Mapping[str, records.Record], base: str = "defaults") -
 
 
 def knob_table(runs: Mapping[str, records.Record], timings: bool = False, bytes_label: str = "bytes/step",
-               wire: bool = False, warm: bool = False) -> str:
-    """Per setting: collectives and the comms logger's bytes per step (headed ``bytes_label``), buffers and
-    gradients held; with timings, peak memory and the median step time (with ``warm``, of the steps after the
+               wire: bool = False, warm: bool = False, buffers: bool = True) -> str:
+    """Per setting: collectives and the comms logger's bytes per step (headed ``bytes_label``), buffers (unless
+    ``buffers`` is False) and gradients held; with timings, peak memory and the median step time (with ``warm``, of the steps after the
     first, the basis of :func:`timing_verdict`). With ``wire``, the logger's bytes are headed
     "logged bytes/step" and followed by the bytes one rank sends per step on a ring ("wire bytes/step").
 
@@ -160,14 +160,15 @@ def knob_table(runs: Mapping[str, records.Record], timings: bool = False, bytes_
     for name, r in runs.items():
         ops = r.comm_ops()
         row = [name, " ".join(f"{op}:{row['count']:g}" for op, row in ops.items()), f"{r.comm.bytes_per_step:,.0f}",
-               *([f"{r.comm.wire_bytes_per_step:,.0f}"] if wire else []), records.format_bytes(r.states(0)["buffers"]),
+               *([f"{r.comm.wire_bytes_per_step:,.0f}"] if wire else []),
+               *([records.format_bytes(r.states(0)["buffers"])] if buffers else []),
                records.format_bytes(r.states(0)["grads"]), records.format_bytes(r.states(0)["params"])]
         if timings:
             median = statistics.median(_steps_ms(r)) if warm else r.timing.median_s * 1000
             row += [records.format_peak(r, 0), f"{median:.1f}"]
         rows.append(row)
     byte_headers = ["logged bytes/step", "wire bytes/step"] if wire else [bytes_label]
-    headers = ["setting", "collectives per step", *byte_headers, "buffers", "grads", "params"]
+    headers = ["setting", "collectives per step", *byte_headers, *(["buffers"] if buffers else []), "grads", "params"]
     if timings:
         headers += ["peak (rank 0)", "step ms (median after step 1)" if warm else "step ms"]
     return records.format_table(rows, headers)
@@ -285,10 +286,11 @@ def gpu_runs(name: str, measured: Mapping[str, records.Record] | None = None) ->
 
 
 def peak_contrast(name: str, base: str, other: str, times: bool = True,
-                  measured: Mapping[str, records.Record] | None = None) -> str:
+                  measured: Mapping[str, records.Record] | None = None,
+                  calls_label: str = "collective calls per step") -> str:
     """One sentence about a GPU run (:func:`gpu_runs`: the chapter's ``measured`` runs on GPUs, else the reference
-    ``name``): rank 0's peak memory of setting ``other`` against ``base``, with their collective calls per step,
-    and their median step times unless ``times`` is False."""
+    ``name``): rank 0's peak memory of setting ``other`` against ``base``, with their collective calls per step
+    (of every kind; ``calls_label`` names them), and their median step times unless ``times`` is False."""
     label, runs = gpu_runs(name, measured)
     a, b = runs[base], runs[other]
 
@@ -299,9 +301,9 @@ def peak_contrast(name: str, base: str, other: str, times: bool = True,
     peaks = (f"On {label}, {other}: peak {records.format_bytes(b.memory.peak(0))} per rank against "
              f"{records.format_bytes(a.memory.peak(0))} with {base} ({apart} apart")
     if not times:
-        return f"{peaks}; {calls(b)} collective calls per step against {calls(a)})."
+        return f"{peaks}; {calls(b)} {calls_label} against {calls(a)})."
     return (f"{peaks}), median step {b.timing.median_s * 1000:.1f} ms against {a.timing.median_s * 1000:.1f} ms "
-            f"({calls(b)} collective calls per step against {calls(a)}).")
+            f"({calls(b)} {calls_label} against {calls(a)}).")
 
 
 def per_micro_step_volume(runs: Mapping[str, records.Record]) -> str:
@@ -382,13 +384,14 @@ def scaled_out_table(psi: float, world_size: int, largest_layer_params: int = 0,
                                        *([f"DeepSpeed estimator {unit}/device"] if estimator else [])])
 
 
-def reference_report(name: str, bytes_label: str = "bytes/step", wire: bool = False, warm: bool = False) -> str:
+def reference_report(name: str, bytes_label: str = "bytes/step", wire: bool = False, warm: bool = False,
+                     buffers: bool = True) -> str:
     """The knob table of every committed GPU result of ``name``, timings included (and the wire bytes, with
-    ``wire``; ``warm`` as in :func:`knob_table`), each labelled with its device (``bytes_label`` heads the logged
+    ``wire``; ``warm`` and ``buffers`` as in :func:`knob_table`), each labelled with its device (``bytes_label`` heads the logged
     bytes, as in :func:`knob_table`)."""
     return references.references_report(
         name, lambda runs: knob_table(current_names(name, runs), timings=True, bytes_label=bytes_label, wire=wire,
-                                      warm=warm))
+                                      warm=warm, buffers=buffers))
 
 
 def calls_and_times_note(name: str, base: str) -> str:
@@ -833,8 +836,8 @@ def exercise_overlap_buckets(answer: Any, low: float = 50e6, high: float = 100e6
 
     return exercises.satisfies(
         "overlap buckets", answer, test,
-        task=(f"Write a stage-2 zero_optimization block with overlap_comm on whose fp32 gradient buckets take "
-              f"between {low:,.0f} and {high:,.0f} bytes per GPU."),
+        task=(f"Write a stage-2 zero_optimization block with overlap_comm on whose fp32 gradient buckets, all of "
+              f"them together, take between {low:,.0f} and {high:,.0f} bytes per GPU."),
         hint="what the GPU section found overlap_comm allocates, and the bytes of one fp32 element.")
 
 
@@ -957,23 +960,40 @@ def bucket_count_note(record: records.Record, sizes: Sequence[int]) -> str:
 def reference_step_note(name: str, base: str, settings: Sequence[str],
                         measured: Mapping[str, records.Record] | None = None) -> str:
     """Lines reading the step times of a GPU run (:func:`gpu_runs`: the chapter's ``measured`` runs on GPUs, else
-    the reference ``name``): each of ``settings`` against ``base``, median step and its ratio, the steps' range
-    after the first, and rank 0's peak against ``base``'s. Figures, not verdicts: :func:`timing_verdict` judges
-    a launch's own runs through the load guard."""
+    the reference ``name``): each of ``settings`` against ``base``, its median step after the first (the statistic
+    of :func:`timing_verdict`) and its ratio, the range of those steps and where it lies against ``base``'s, rank
+    0's peak, and its gradient reductions per step; then which of them peaked lowest and stepped fastest. Figures,
+    not verdicts: :func:`timing_verdict` judges a launch's own runs through the load guard."""
     label, runs = gpu_runs(name, measured)
     a = runs[base]
 
-    def steps(r: records.Record) -> str:
-        t = _steps_ms(r) or [r.timing.median_s * 1000]
-        return f"{r.timing.median_s * 1000:.1f} ms (steps {min(t):.1f}-{max(t):.1f})"
+    def warm(r: records.Record) -> list[float]:
+        return _steps_ms(r) or [r.timing.median_s * 1000]
 
-    lines = [f"Step times on {label}; figures, not verdicts (the load guard judges only this launch's runs): "
-             f"{base} {steps(a)}, peak {records.format_bytes(a.memory.peak(0))}"]
+    def steps(r: records.Record) -> str:
+        t = warm(r)
+        return f"{statistics.median(t):.1f} ms (steps {min(t):.1f}-{max(t):.1f})"
+
+    def against(r: records.Record) -> str:
+        t, u = warm(r), warm(a)
+        if min(t) > max(u):
+            return f"every step longer than every {base} step"
+        if max(t) < min(u):
+            return f"every step shorter than every {base} step"
+        return f"its steps overlap the {base} steps' range"
+
+    lines = [f"Step times on {label}, median after step 1; figures, not verdicts (the load guard judges only this "
+             f"launch's runs): {base} {steps(a)}, peak {records.format_bytes(a.memory.peak(0))}, "
+             f"{gradient_calls(a):g} gradient-reduction calls per step"]
     for other in settings:
         b = runs[other]
         more = b.memory.peak(0) - a.memory.peak(0)
-        lines.append(f"  {other}: {steps(b)}, {b.timing.median_s / a.timing.median_s:.2f}x the {base} median; peak "
+        ratio = statistics.median(warm(b)) / statistics.median(warm(a))
+        lines.append(f"  {other}: {steps(b)}, {ratio:.2f}x the {base} median, {against(b)}; peak "
                      f"{records.format_bytes(b.memory.peak(0))} ({'+' if more >= 0 else '-'}"
-                     f"{records.format_bytes(abs(more))}); {gradient_calls(b):g} gradient calls per step "
-                     f"against {gradient_calls(a):g}")
+                     f"{records.format_bytes(abs(more))}); {gradient_calls(b):g} gradient-reduction calls per step")
+    shown = {setting: runs[setting] for setting in [base, *settings]}
+    lowest = min(shown, key=lambda setting: shown[setting].memory.peak(0))
+    fastest = min(shown, key=lambda setting: statistics.median(warm(shown[setting])))
+    lines.append(f"Of these {len(shown)}: lowest peak {lowest}, shortest median step {fastest}.")
     return "\n".join(lines)
