@@ -17,6 +17,7 @@ the step issued them: micro-step 1, 2, ... or the optimizer step). Every timing 
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -250,92 +251,178 @@ def _against_article(gain: float, about: float = 0.05) -> str:
     return "slower, so the data contradicts the article's claim"
 
 
+def _stage_names(stages: Sequence[int]) -> str:
+    """``ZeRO-0``, ``ZeRO-0 and ZeRO-2``, ``ZeRO-0, ZeRO-1 and ZeRO-3``."""
+    names = [f"ZeRO-{s}" for s in stages]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _by_reason(withheld: Mapping[int, str]) -> dict[str, list[int]]:
+    """The stages of ``withheld`` (stage -> reason) grouped by reason, in the order first met."""
+    grouped: dict[str, list[int]] = {}
+    for stage, reason in withheld.items():
+        grouped.setdefault(reason.rstrip("."), []).append(stage)
+    return grouped
+
+
+#: The reason :func:`helpers.core.load_guard.compare` gives where no load was recorded.
+UNRECORDED = "nothing recorded what else used the devices during the run"
+
+
+def unrecorded_reason(conditions: str) -> str:
+    """Why a committed result saved without a recorded load has no verdict, from its written ``conditions``:
+    the load guard recorded nothing, and what the conditions say of other work on the machine."""
+    if not conditions or conditions == "not stated":
+        return "the load guard recorded nothing during the run, and no conditions were stated with it"
+    if re.search(r"at the same time|while|beside|shared|another", conditions):
+        return "the load guard recorded nothing during the run; the stated conditions name another job on the machine"
+    return "the load guard recorded nothing during the run; only the stated conditions say what else ran"
+
+
 def claim_verdict(runs: Mapping[object, records.Record], load: load_guard.Load | None, label: str,
-                  accum: int = ARTICLE["accumulation"], about: float = 0.05) -> str:
+                  accum: int = ARTICLE["accumulation"], about: float = 0.05, unrecorded: str = UNRECORDED) -> str:
     """The sentences on ``runs`` (each stage at accumulation 1 and ``accum``, the micro batch fixed) measured
-    under ``load``, opening with ``label`` (device and date): per stage, samples/s at ``accum`` against 1 and
-    the verdict of :func:`speed_verdict`, or why it is withheld; where ZeRO-2's verdict is given, how it stands
-    against the source article's 30% (within ``about`` counts as the article's figure)."""
+    under ``load``, opening with ``label`` (device and date): per stage, samples/s at ``accum`` against 1 and,
+    where :func:`speed_verdict` gives one, the verdict (for ZeRO-2, against the source article's 30%; within
+    ``about`` counts as its figure); then one sentence per reason a verdict is withheld, naming its stages
+    (``unrecorded`` stands for the reason where no load was recorded)."""
     by_key = {(r.stage, r["grad_accum"]): r for r in runs.values()}
     lines = [f"{label}: samples/s at accumulation {accum} against 1, the micro batch fixed (steps after the first):"]
+    withheld = {}
     for stage in sorted({s for s, a in by_key if a == accum and (s, 1) in by_key}):
         verdict = speed_verdict(by_key[(stage, 1)], by_key[(stage, accum)], load)
         speedup = verdict.medians[0] / verdict.medians[1]
         if not verdict.given:
-            lines.append(f"- ZeRO-{stage}: {speedup:.2f}x; verdict withheld: {verdict.withheld}.")
+            withheld[stage] = unrecorded if verdict.withheld == UNRECORDED else verdict.withheld
+            lines.append(f"- ZeRO-{stage}: {speedup:.2f}x")
             continue
         text = f"- ZeRO-{stage}: {speedup:.2f}x, beyond the steps' spread ({verdict.spread:.0%})"
         if stage == ARTICLE["stage"] and accum == ARTICLE["accumulation"]:
             text += ": " + _against_article(speedup - 1, about)
         lines.append(text + ".")
+    lines += [f"Verdict withheld for {_stage_names(stages)}: {reason}."
+              for reason, stages in _by_reason(withheld).items()]
     return "\n".join(lines)
 
 
 def reference_verdicts(name: str = "grad-accum-claim") -> str:
     """:func:`claim_verdict` of each committed GPU result of the claim, labelled with its device and date, under
-    the load recorded with it (none recorded: every verdict withheld, and the reference's conditions quoted)."""
+    the load recorded with it (none recorded: every verdict withheld, :func:`unrecorded_reason` says why, and the
+    reference's conditions are quoted)."""
     found = references.reference_runs(name)
     if not found:
         return references.no_references(name, "run this notebook on a GPU machine to measure them.")
     lines = []
     for (device, date, _, runs), conditions in zip(found, references.reference_conditions(name)):
-        lines.append(claim_verdict(runs, load_of(runs), f"Committed reference, {device} ({date})"))
+        lines.append(claim_verdict(runs, load_of(runs), f"Committed reference, {device} ({date})",
+                                   unrecorded=unrecorded_reason(conditions)))
         if load_of(runs) is None:
             lines.append(f"  Its conditions, as stated by whoever measured it: {conditions}")
     return "\n".join(lines)
 
 
+def _reading(step: float, once: float, accum: int) -> str:
+    """What a stage's fit says, in words: ``step`` (a step at ``accum`` over one at 1) and ``once`` (the share
+    of a step at 1 paid once per optimizer step, clamped to 0..1)."""
+    if once >= 0.5:
+        return (f"most of a step is paid once, so {accum}x the samples took only {step:.2f}x the time: accumulation "
+                "spread that cost")
+    if once > 0:
+        return f"a step is mostly micro-steps; accumulation spread only the {once:.0%} paid once"
+    return f"the fit finds nothing paid once: {accum}x the samples took {step:.2f}x the time, no gain"
+
+
 def step_cost_reading(runs: Mapping[object, records.Record], load: load_guard.Load | None,
-                      accum: int = ARTICLE["accumulation"]) -> str:
+                      accum: int = ARTICLE["accumulation"], label: str = "") -> str:
     """Where the step time of ``runs`` (each stage at accumulation 1 and ``accum``, the micro batch fixed) goes:
-    per stage, a step at ``accum`` against one at 1 (median step times after the first), and the share of an
-    accumulation-1 step paid once per optimizer step, from the line t(a) = once + a x per micro-step through
-    both. Stages whose :func:`speed_verdict` under ``load`` is withheld are labelled figures; the closing line
-    sets the largest given gain beside the article's 30%, or says that every verdict is withheld."""
+    per stage, a step at ``accum`` against one at 1 and samples/s (median step times after the first), and the
+    share of an accumulation-1 step paid once per optimizer step, from the line t(a) = once + a x per micro-step
+    through both; opening with ``label`` (device and date) where given. Where :func:`speed_verdict` under
+    ``load`` is given, what the stage's fit means; where withheld, one sentence per reason saying that those
+    stages' timings cannot be read; a line on a negative fitted share where one was printed as 0%; the closing
+    line sets the largest given gain beside the article's 30%."""
     by_key = {(r.stage, r["grad_accum"]): r for r in runs.values()}
-    lines = [f"A step at accumulation {accum} ({accum}x the samples) against one at 1, and the share of a step at "
-             f"accumulation 1 paid once per optimizer step (once / t(1) in the fit):"]
-    given = []
+    lines = [(f"{label}: a" if label else "A") + f" step at accumulation {accum} ({accum}x the samples) against one "
+             f"at 1, samples/s, and the share of a step at 1 paid once per optimizer step (once / t(1) in the fit):"]
+    given, withheld, negative = [], {}, False
     for stage in sorted({s for s, a in by_key if a == accum and (s, 1) in by_key}):
         one, many = by_key[(stage, 1)], by_key[(stage, accum)]
         verdict = speed_verdict(one, many, load)
         step = (verdict.medians[1] * many["train_batch"]) / (verdict.medians[0] * one["train_batch"])
-        once = min(1.0, max(0.0, (accum - step) / (accum - 1)))
-        lines.append(f"- ZeRO-{stage}: {step:.2f}x as long; {once:.0%} paid once"
-                     + ("" if verdict.given else " (a figure: verdict withheld)"))
+        fitted = (accum - step) / (accum - 1)
+        once = min(1.0, max(0.0, fitted))
+        negative = negative or fitted < 0
+        line = f"- ZeRO-{stage}: {step:.2f}x as long, {accum / step:.2f}x samples/s; {once:.0%} paid once"
         if verdict.given:
             given.append((stage, verdict.medians[0] / verdict.medians[1] - 1))
+            line += f": {_reading(step, once, accum)}"
+        else:
+            withheld[stage] = verdict.withheld
+        lines.append(line)
+    lines += [f"The timings of {_stage_names(stages)} cannot be read: {reason}."
+              for reason, stages in _by_reason(withheld).items()]
+    if negative:
+        lines.append(f"0% stands for a negative fit: a step at {accum} took more than {accum}x as long as at 1, so "
+                     f"each micro-step cost more at {accum} than at 1 (load or caches), and nothing is paid once.")
     if given:
         stage, gain = max(given, key=lambda g: g[1])
         lines.append(f"The largest gain with a verdict, ZeRO-{stage}'s {gain:+.0%} samples/s, measures this small "
                      f"model on these ranks, not the article's {ARTICLE['gain']:.0%}.")
-    else:
-        lines.append("Every verdict is withheld: these are figures of a shared machine, not findings.")
     return "\n".join(lines)
 
 
+def bytes_per_sample_ratios(runs: Mapping[tuple[int, int], records.Record], accum: int = ARTICLE["accumulation"]
+                            ) -> dict[int, float]:
+    """Per stage, the logged bytes per training sample at ``accum`` over those at accumulation 1 (the last column
+    of :func:`comm_table`), for the stages measured at both."""
+    per_sample = {key: r.comm.bytes_per_step / r["train_batch"] for key, r in runs.items()}
+    return {stage: per_sample[(stage, accum)] / per_sample[(stage, 1)]
+            for stage, a in runs if a == accum and (stage, 1) in runs}
+
+
+def _order_reading(speedups: Mapping[int, float], ratios: Mapping[int, float]) -> str:
+    """Whether ``speedups`` (stage -> samples/s at accumulation a over 1) follow the order ``ratios`` (stage ->
+    bytes per sample at a over 1) predict: fewer bytes per sample, a larger speed-up."""
+    stages = [s for s in sorted(speedups) if s in ratios]
+    shown = ", ".join(f"ZeRO-{s} {ratios[s]:.2f}x" for s in stages)
+    follows = all(speedups[a] > speedups[b] for a in stages for b in stages if ratios[a] < ratios[b] - 1e-9)
+    if not follows:
+        return (f"they do not follow the order the CPU grid's bytes per sample predict ({shown}): bytes do not set "
+                "them alone")
+    falling = all(speedups[a] > speedups[b] for a, b in zip(stages, stages[1:]))
+    where = f"they fall from ZeRO-{stages[0]} to ZeRO-{stages[-1]} " if falling else "they follow "
+    return f"{where}in the order the CPU grid's bytes per sample predict ({shown}: fewer bytes, a larger speed-up)"
+
+
 def reference_conclusion(name: str = "grad-accum-claim", stage: int = ARTICLE["stage"],
-                         accum: int = ARTICLE["accumulation"]) -> str:
-    """One sentence per committed GPU result of the claim: the article's stage at ``accum`` against 1 (steps
-    after the first), against the article's 30%, and whether that settles the claim (the verdict of
-    :func:`speed_verdict` under the load recorded with the result, or why it is withheld)."""
+                         accum: int = ARTICLE["accumulation"], ratios: Mapping[int, float] | None = None) -> str:
+    """A plain reading of each committed GPU result of the claim: every stage's samples/s at ``accum`` against 1,
+    whether they follow the order the bytes per sample ``ratios`` (stage -> factor, :func:`bytes_per_sample_ratios`)
+    predict, and the article's stage against the article's 30%, with the verdict of :func:`speed_verdict` under
+    the load recorded with the result or why it is withheld."""
     found = references.reference_runs(name)
     if not found:
         return references.no_references(name, "run this notebook on a GPU machine to measure them.")
     lines = []
-    for device, date, _, runs in found:
+    for (device, date, _, runs), conditions in zip(found, references.reference_conditions(name)):
         by_key = {(r.stage, r["grad_accum"]): r for r in runs.values()}
         if (stage, 1) not in by_key or (stage, accum) not in by_key:
             continue
+        speedups = {s: statistics.median(seconds_per_sample(by_key[(s, 1)]))
+                    / statistics.median(seconds_per_sample(by_key[(s, accum)]))
+                    for s, a in by_key if a == accum and (s, 1) in by_key}
+        text = (f"So the committed {device} run ({date}) measured, in samples/s at accumulation {accum} against 1: "
+                + ", ".join(f"ZeRO-{s} {speedups[s]:.2f}x" for s in sorted(speedups)))
+        if ratios:
+            text += f"; {_order_reading(speedups, ratios)}"
         verdict = speed_verdict(by_key[(stage, 1)], by_key[(stage, accum)], load_of(runs))
         gain = verdict.medians[0] / verdict.medians[1] - 1
-        head = (f"So the committed {device} run ({date}) measured ZeRO-{stage} at accumulation {accum} with "
-                f"{gain:+.0%} samples/s against accumulation 1, where the article reports about {ARTICLE['gain']:.0%}")
+        head = f"ZeRO-{stage} gained {gain:+.0%}, where the article reports about {ARTICLE['gain']:.0%}"
         if verdict.given:
-            lines.append(f"{head}: {_against_article(gain)}.")
+            lines.append(f"{text}. {head}: {_against_article(gain)}.")
         else:
-            lines.append(f"{head}; it is a figure, not a verdict, because {verdict.withheld.rstrip('.')}: it neither "
-                         "confirms nor refutes the article.")
+            why = unrecorded_reason(conditions) if verdict.withheld == UNRECORDED else verdict.withheld.rstrip(".")
+            lines.append(f"{text}. {head}: figures, not a verdict, because {why}.")
     return "\n".join(lines)
 
 
@@ -517,7 +604,8 @@ def exercise_bytes_floor(answer: object, grid: Grid, stage: int = 2, accum: int 
         "bytes floor", answer, test,
         task=f"At the fixed micro batch of {grid.micro_batch}, predict the factor ZeRO-{stage}'s bytes per training "
              "sample approach, against accumulation 1, as the accumulation grows without bound.",
-        hint=f"what ZeRO-{stage} pays in every micro-step (its phase table), against a whole step at accumulation 1")
+        hint=f"in ZeRO-{stage}'s phase table, which phases serve more samples as the accumulation a grows, and which "
+             "grow with a?")
 
 
 def how_measured(name: str = "grad-accum-claim") -> str:
