@@ -307,6 +307,15 @@ def test_the_scenarios_table_names_each_scenarios_knobs_and_spikes():
         assert ("two spikes" in name) == (len(spikes) == 2), name
 
 
+def test_the_engine_runs_are_read_back_by_scenario(tmp_path):
+    """Chapter 07b's GPU branch: a run DeepSpeed ended leaves ended.json in engine-<scenario index>."""
+    (tmp_path / "engine-5").mkdir()
+    (tmp_path / "engine-5" / precision.ENDED).write_text(json.dumps({"failed": "Exception: minimum"}))
+    found = precision.load_engine_runs(tmp_path)
+    assert found == {"6 · hysteresis=1, min_loss_scale=32768, two spikes": {"failed": "Exception: minimum",
+                                                                           "device": "cuda"}}
+
+
 def test_the_article_beside_the_corrected_config():
     table = precision.article_changes_table(2)
     assert "gradient_accumulation_steps                           8  (removed)" in table
