@@ -459,6 +459,9 @@ def test_the_engine_and_the_demo_are_compared_scenario_by_scenario(swept, demos)
     # the bf16 engine never scales, the fp16 demo does: they differ; both ended at the floor: alike
     assert text.startswith("This run, Test GPU: the engine and the demo decide 1 of 2 scenarios alike; they differ in 1 (demo)")
     assert "within 1 halving of an fp16 overflow: none" in text and "exactly those: False" in text
+    numbered = {f"{i} · {name}": run for i, (name, run) in enumerate(engine.items(), 3)}
+    text = precision.engine_demo_differences(numbered, {f"{i} · {n}": demos[n] for i, n in enumerate(engine, 3)}, "R")
+    assert "they differ in 1 (scenarios 3)" in text  # numbered scenarios are named by their numbers
     rows = precision.engine_against_demo(engine, demos).splitlines()[2:]
     assert [r.split()[0] for r in rows] == ["demo", "demo"]  # in the demos' order, only where both ran
     assert rows[0].split()[-2:] == ["no", "no"]  # bf16 engine skipped nothing; the demo kept its headroom

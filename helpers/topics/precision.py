@@ -907,9 +907,15 @@ def engine_demo_differences(engine: Mapping[str, Any], demos: Mapping[str, Any],
         t = trajectory(run)
         (agree if t["scales"] == demo["scales"] and t["overflow"] == demo["overflow"] else differ).append(scenario)
     near = {s for s in differ + agree if _min_headroom(demos[s]) < EDGE_HALVINGS}
+
+    def named(scenarios: list[str]) -> str:  # numbered scenarios ("3 · ...") by their numbers
+        if scenarios and all(" · " in s for s in scenarios):
+            return "scenarios " + ", ".join(s.split(" · ")[0] for s in scenarios)
+        return "; ".join(scenarios) or "none"
+
     return (f"{label}: the engine and the demo decide {len(agree)} of {len(agree) + len(differ)} scenarios alike; they "
-            f"differ in {len(differ)} ({'; '.join(differ) or 'none'}). Scenarios whose demo came within "
-            f"{EDGE_HALVINGS:g} halving of an fp16 overflow: {'; '.join(sorted(near, key=list(demos).index)) or 'none'}. "
+            f"differ in {len(differ)} ({named(differ)}). Scenarios whose demo came within "
+            f"{EDGE_HALVINGS:g} halving of an fp16 overflow: {named(sorted(near, key=list(demos).index))}. "
             f"The scenarios that differ are exactly those: {set(differ) == near}.")
 
 
@@ -1043,6 +1049,7 @@ def loss_scale_trajectories(trajectories: Mapping[str, dict], title: str = "fp16
             ax.annotate("run ended", (len(powers), powers[-1]), textcoords="offset points", xytext=(-40, 12), fontsize=8)
         ax.set_title(textwrap.fill(name, 44), fontsize=9)
         ax.set_xlabel("optimizer step", fontsize=8)
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in axes[:, 0]:
         ax.set_ylabel("log2(loss scale)", fontsize=8)
