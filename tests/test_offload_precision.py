@@ -5,7 +5,9 @@ verdicts and the article's fp16 section. One 2-rank launch serves every test tha
 from __future__ import annotations
 
 import copy
+import json
 import math
+import re
 import statistics
 
 import pytest
@@ -258,6 +260,17 @@ def test_deepspeeds_scaler_skips_the_spiked_step_in_fp16(demos):
     assert demo["skipped_steps"] == 1 and demo["stopped"] is None
     assert all(h > 1 for h in demo["headroom_log2"] if h is not None)
     assert math.isinf(demo["losses"][1])
+    assert demo["hysteresis_per_step"] == [2, 1, 1, 1]  # the spike used up one unit; nothing refilled it
+
+
+def test_scale_by_step_says_what_the_scaler_decided_for_the_learners_block():
+    text = precision.scale_by_step({"enabled": True, "hysteresis": 1, "min_loss_scale": 32768}, [2, 3], steps=4)
+    lines = text.splitlines()
+    assert len(lines) == 2 + 3 + 1  # header, rule, three steps (the run ended at the third), the summary
+    assert lines[3].split()[:5] == ["2", "spike", "2^16", "overflow:", "skipped"] and lines[3].endswith("2^15 (halved)")
+    assert lines[4].endswith("run ended") and "DeepSpeed ended the run: Exception: Current loss scale" in lines[-1]
+    static = precision.scale_by_step({"loss_scale": 1024}, [2], steps=3)
+    assert static.splitlines()[-1] == "LossScaler; 1 of 3 steps skipped" and " - " in static.splitlines()[3]
 
 
 def test_the_scaler_ends_the_run_at_min_loss_scale(demos):
@@ -286,6 +299,31 @@ def test_the_scenarios_table_names_each_scenarios_knobs_and_spikes():
     table = precision.scenarios_table()
     assert "consecutive_hysteresis=true" in table and "(the defaults)" in table and "6, 12" in table
     assert len(table.splitlines()) == 2 + len(precision.SCENARIOS)
+    # every name numbers its scenario and lists each knob it sets besides DeepSpeed's defaults
+    defaults = precision.fp16_settings({})
+    for number, (name, (knobs, spikes)) in enumerate(precision.SCENARIOS.items(), 1):
+        assert name.startswith(f"{number} · ")
+        changed = [k for k, v in knobs.items() if v != getattr(defaults, k)]
+        assert all(f"{k}={json.dumps(knobs[k])}" in name for k in changed), name
+        assert ("two spikes" in name) == (len(spikes) == 2), name
+
+
+def test_the_engine_runs_are_read_back_by_scenario(tmp_path):
+    """Chapter 07b's GPU branch: a run DeepSpeed ended leaves ended.json in engine-<scenario index>."""
+    (tmp_path / "engine-5").mkdir()
+    (tmp_path / "engine-5" / precision.ENDED).write_text(json.dumps({"failed": "Exception: minimum"}))
+    found = precision.load_engine_runs(tmp_path)
+    assert found == {"6 · hysteresis=1, min_loss_scale=32768, two spikes": {"failed": "Exception: minimum",
+                                                                           "device": "cuda"}}
+
+
+def test_the_article_beside_the_corrected_config():
+    table = precision.article_changes_table(2)
+    assert "gradient_accumulation_steps                           8  (removed)" in table
+    assert "bf16.enabled" in table and "fp16.hysteresis" in table and "train_batch_size " not in table.split("\n\n")[0]
+    article, corrected = table.split("the corrected one:")
+    assert "32 != 4 * 8 * 2 = 64" in article and corrected.strip() == "no findings"
+    assert "32 != 4 * 8" not in precision.article_changes_table(1)  # one rank: the article's arithmetic holds
 
 
 # --- one launch for the rest -------------------------------------------------------------------------
@@ -421,6 +459,14 @@ def test_the_engine_and_the_demo_are_compared_scenario_by_scenario(swept, demos)
     # the bf16 engine never scales, the fp16 demo does: they differ; both ended at the floor: alike
     assert text.startswith("This run, Test GPU: the engine and the demo decide 1 of 2 scenarios alike; they differ in 1 (demo)")
     assert "within 1 halving of an fp16 overflow: none" in text and "exactly those: False" in text
+    numbered = {f"{i} · {name}": run for i, (name, run) in enumerate(engine.items(), 3)}
+    text = precision.engine_demo_differences(numbered, {f"{i} · {n}": demos[n] for i, n in enumerate(engine, 3)}, "R")
+    assert "they differ in 1 (scenarios 3)" in text  # numbered scenarios are named by their numbers
+    rows = precision.engine_against_demo(engine, demos).splitlines()[2:]
+    assert [r.split()[0] for r in rows] == ["demo", "demo"]  # in the demos' order, only where both ran
+    assert rows[0].split()[-2:] == ["no", "no"]  # bf16 engine skipped nothing; the demo kept its headroom
+    assert re.split(r"\s{2,}", rows[1]) == ["demo at the floor", "2; then ended at min_loss_scale",
+                                            "ended at min_loss_scale", "yes", "no"]  # both ended at the floor
 
 
 def test_the_trajectory_table_reads_both_kinds_of_result(swept, demos):
@@ -449,8 +495,8 @@ def test_committed_gpu_results_are_shown_beside_the_learners(swept, demos, tmp_p
     assert "Measured on 2 x Test GPU" in report and "DeepSpeedCPUAdam" in report and "stage 2 offload" in report
     commit("loss-scale", {"demo": swept["spiked"], "demo at the floor": {"failed": "Exception: minimum", "device": "cuda"}})
     report = precision.loss_scale_reference_report({"demo": demos["demo"], "demo at the floor": demos["demo at the floor"]})
-    assert "differ" in report and "both ended by the scaler" in report  # bf16 engine vs fp16 demo: they differ
-    assert precision.reference_demo_differences(demos).startswith("2 x Test GPU, 2026-01-01: the engine and the demo")
+    assert report.startswith("DeepSpeed's fp16 engine on 2 x Test GPU, 2026-01-01 (test), beside the demo here:")
+    assert "2 x Test GPU, 2026-01-01: the engine and the demo decide 1 of 2 scenarios alike" in report
     commit("precision-speed", {"ZeRO-2 fp32": swept["accum fp32 training"], "ZeRO-2 bf16": swept["stage 2"]})
     report = precision.speed_reference_report()
     assert "Measured on 2 x Test GPU, 2026-01-01" in report and "ZeRO-2 bf16" in report
@@ -798,6 +844,8 @@ def test_the_fp16_block_exercise_reads_back_what_deepspeed_built():
     assert not check(...).answered
     assert check(right) and "2048, 1024, and overflow 3 ends the run" in str(check(right))
     assert "hysteresis is 2, not 1" in str(check({**right, "hysteresis": 2}))
+    task = str(check(...))
+    assert "halves the scale at the first overflow" in task and "hysteresis" not in task.split("Hint")[0]
     assert "static scale" in str(check({**right, "loss_scale": 1024}))
     assert "not enabled" in str(check({k: v for k, v in right.items() if k != "enabled"}))
     assert "checker finds" in str(check({**right, "loss_scale_window": 0}))

@@ -12,6 +12,7 @@ loss scaling made visible (chapter 07b).
 - :func:`scaler_demo`: DeepSpeed's own loss scaler (``CreateLossScaler``, built from an ``fp16`` section by
   DeepSpeed's own config model) driving a small fp16 training loop on real fp16 gradients in this process,
   on every processor alike, where DeepSpeed's engine refuses fp16.
+- :func:`scale_by_step`: the same for an ``fp16`` block the learner writes, printed step by step.
 - :func:`load_runs`: chapter 07's script's records, keyed as its tables read them.
 """
 
@@ -23,6 +24,7 @@ import logging
 import math
 import re
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any, Mapping
 from unittest import mock
@@ -194,18 +196,20 @@ def make_loss_scaler(section: Mapping[str, Any]):
 
 #: Optimizer steps of each loss-scaling scenario.
 DEMO_STEPS = 20
-#: name -> (fp16 settings besides DeepSpeed's defaults, optimizer steps whose output spikes). The first is
-#: the source article's fp16 section, which restates DeepSpeed's defaults; each other one turns one knob.
+#: name -> (fp16 settings besides DeepSpeed's defaults, optimizer steps whose output spikes). Each name numbers
+#: the scenario (its panel in the chapter's plot) and lists every knob it sets besides DeepSpeed's defaults. The
+#: first is the source article's fp16 section, which restates DeepSpeed's defaults.
 SCENARIOS: dict[str, tuple[dict, list[int]]] = {
-    "the article's fp16 section": ({"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                                    "hysteresis": 2, "min_loss_scale": 1}, [6]),
-    "loss_scale=1024": ({"loss_scale": 1024}, [6]),
-    "initial_scale_power=30": ({"initial_scale_power": 30}, [6]),
-    "loss_scale_window=2": ({"initial_scale_power": 20, "loss_scale_window": 2}, [6]),
-    "loss_scale_window=2, hysteresis=1": ({"initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 1}, [6]),
-    "min_loss_scale=32768": ({"hysteresis": 1, "min_loss_scale": 32768}, [6, 12]),
-    "two spikes, hysteresis=2": ({}, [6, 12]),
-    "two spikes, consecutive_hysteresis=true": ({"consecutive_hysteresis": True}, [6, 12]),
+    "1 · the defaults (the article's block)": ({"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                                                "hysteresis": 2, "min_loss_scale": 1}, [6]),
+    "2 · loss_scale=1024": ({"loss_scale": 1024}, [6]),
+    "3 · initial_scale_power=30": ({"initial_scale_power": 30}, [6]),
+    "4 · initial_scale_power=20, loss_scale_window=2": ({"initial_scale_power": 20, "loss_scale_window": 2}, [6]),
+    "5 · initial_scale_power=20, loss_scale_window=2, hysteresis=1": ({"initial_scale_power": 20,
+                                                                       "loss_scale_window": 2, "hysteresis": 1}, [6]),
+    "6 · hysteresis=1, min_loss_scale=32768, two spikes": ({"hysteresis": 1, "min_loss_scale": 32768}, [6, 12]),
+    "7 · the defaults, two spikes": ({}, [6, 12]),
+    "8 · consecutive_hysteresis=true, two spikes": ({"consecutive_hysteresis": True}, [6, 12]),
 }
 
 
@@ -246,8 +250,9 @@ def scaler_demo(config: Mapping[str, Any], spikes: list[int] | tuple[int, ...] =
     run stops there and says so. ``config`` gives the batch sizes, learning rate and clipping; ``spikes``
     the optimizer steps (from 1) whose first micro-step's output is multiplied by :data:`SPIKE_FACTOR`.
 
-    Returns the scale each step used, overflow per step, skipped steps, losses (mean over ranks) and the
-    headroom of each applied step, log2(FP16_MAX / largest |scaled gradient|): halvings left before an overflow.
+    Returns the scale each step used, overflow per step, skipped steps, losses (mean over ranks), the
+    hysteresis left after each step's ``update_scale`` and the headroom of each applied step,
+    log2(FP16_MAX / largest |scaled gradient|): halvings left before an overflow.
     """
     loss_scaler = ds.load("deepspeed.runtime.fp16.loss_scaler")
     has_inf_or_nan = ds.load("deepspeed.runtime.utils").has_inf_or_nan
@@ -262,7 +267,7 @@ def scaler_demo(config: Mapping[str, Any], spikes: list[int] | tuple[int, ...] =
     master = [w.detach().float().clone() for w in weights]
     optimizer = torch.optim.AdamW(master, lr=params.get("lr", 1e-3), weight_decay=params.get("weight_decay", 0.01))
     hook = SpikeHook(net, list(spikes))
-    scales, overflows, losses, headroom, stopped = [], [], [], [], None
+    scales, overflows, losses, headroom, hysteresis, stopped = [], [], [], [], [], None
     # no process group here: DeepSpeed's scaler asks for the rank only to decide which rank logs, and its
     # "OVERFLOW! Skipping step" warnings are what overflow_per_step records
     with mock.patch.object(loss_scaler.dist, "get_rank", lambda: 0), _quiet(loss_scaler.logger):
@@ -307,6 +312,7 @@ def scaler_demo(config: Mapping[str, Any], spikes: list[int] | tuple[int, ...] =
             except Exception as error:  # DeepSpeed's scaler refuses to go below min_loss_scale
                 stopped = f"{type(error).__name__}: {error}"
                 break
+            hysteresis.append(getattr(scaler, "cur_hysteresis", None))  # a static scale has none
     hook.remove()
     settings = fp16_settings(section)
     return {"world_size": world, "model": model, "steps": steps, "micro_batch": micro, "grad_accum": accum,
@@ -315,7 +321,8 @@ def scaler_demo(config: Mapping[str, Any], spikes: list[int] | tuple[int, ...] =
                      "loss_scale_window": settings.loss_scale_window, "hysteresis": settings.hysteresis,
                      "min_loss_scale": settings.min_loss_scale},
             "spikes": list(spikes), "scale_per_step": scales, "overflow_per_step": overflows,
-            "skipped_steps": sum(overflows), "losses": losses, "headroom_log2": headroom, "stopped": stopped,
+            "skipped_steps": sum(overflows), "losses": losses, "headroom_log2": headroom,
+            "hysteresis_per_step": hysteresis, "stopped": stopped,
             "final_scale": float(scaler.cur_scale)}
 
 
@@ -325,6 +332,27 @@ def scenario_demos(scenarios: Mapping[str, tuple[dict, list[int]]] | None = None
     scenario's fp16 settings (:func:`demo_config`); keyed by the scenario's name."""
     return {name: scaler_demo(demo_config(fp16), spikes, steps=steps, world=world)
             for name, (fp16, spikes) in (scenarios or SCENARIOS).items()}
+
+
+def scale_by_step(fp16: Mapping[str, Any], spikes: list[int] | tuple[int, ...] = (), steps: int = DEMO_STEPS,
+                  world: int = 2) -> str:
+    """Train the scenario the learner wrote (an ``fp16`` block, the optimizer steps to spike) with
+    :func:`scaler_demo` and say, step by step, what DeepSpeed's loss scaler did: the scale the step used,
+    whether it overflowed (and so was skipped), the hysteresis left and the scale the next step will use."""
+    section = {k: v for k, v in fp16.items() if k != "enabled"}
+    result = scaler_demo(demo_config(section), spikes, steps=steps, world=world)
+    rows = []
+    for i, (scale, overflow) in enumerate(zip(result["scale_per_step"], result["overflow_per_step"])):
+        ended = i >= len(result["hysteresis_per_step"])
+        after = result["scale_per_step"][i + 1] if i + 1 < len(result["scale_per_step"]) else result["final_scale"]
+        left = result["hysteresis_per_step"][i] if not ended else None
+        rows.append([i + 1, "spike" if i + 1 in result["spikes"] else "", _power(scale),
+                     "overflow: skipped" if overflow else "applied", "-" if left is None else left,
+                     "run ended" if ended else _power(after) + {1: "", 2: " (doubled)", 0.5: " (halved)"}.get(after / scale, "")])
+    table = records.format_table(rows, ["step", "", "scale used", "verdict", "hysteresis left", "next scale"])
+    summary = (f"{result['scaler']}; {result['skipped_steps']} of {len(rows)} steps skipped"
+               + (f"; DeepSpeed ended the run: {result['stopped']}" if result["stopped"] else ""))
+    return f"{table}\n{summary}"
 
 
 def trajectory(result, spikes: list[int] | None = None) -> dict:
@@ -361,7 +389,7 @@ def trajectory_table(results: Mapping[str, Any]) -> str:
                      f"{_power(scales[0])} -> {_power(scales[-1])}", sum(c < 1 for c in changes),
                      sum(c > 1 for c in changes),
                      f"at step {len(scales)}: scale already at min_loss_scale" if t["stopped"] else "-"])
-    return records.format_table(rows, ["fp16 settings", "skipped steps", "scale first -> last", "halvings",
+    return records.format_table(rows, ["scenario", "skipped steps", "scale first -> last", "halvings",
                                        "doublings", "DeepSpeed ended the run"])
 
 
@@ -378,14 +406,14 @@ def _ranges(steps: list[int]) -> str:
 
 
 def headroom_table(results: Mapping[str, Any]) -> str:
-    """Per scenario: the smallest headroom of an applied step (halvings left before an fp16 overflow). The
-    decisions of the checked table are safe from rounding while this stays well above 0."""
+    """Per scenario: the smallest and largest headroom of an applied step (halvings left before an fp16
+    overflow). A step's overflow verdict cannot hang on rounding while this stays well above 0."""
 
     rows = []
     for name, result in results.items():
         values = [h for h in result["headroom_log2"] if h is not None]
         rows.append([name, f"{min(values):.2f}" if values else "-", f"{max(values):.2f}" if values else "-"])
-    return records.format_table(rows, ["fp16 settings", "min headroom (halvings)", "max headroom"])
+    return records.format_table(rows, ["scenario", "min headroom (halvings)", "max headroom"])
 
 
 # --- what each precision keeps ------------------------------------------------------------------------
@@ -676,6 +704,33 @@ def corrected_article(half: str = "bf16") -> dict:
     return configs.merged(corrected, {"fp16": None, "bf16": {"enabled": True}})
 
 
+def article_changes_table(world_size: int) -> str:
+    """The source article's config beside :func:`corrected_article`: each line the correction changes, and what
+    the course's checker finds in each config on ``world_size`` ranks."""
+
+    def flat(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        found = {}
+        for key, value in config.items():
+            if isinstance(value, Mapping):
+                found.update(flat(value, f"{prefix}{key}."))
+            else:
+                found[f"{prefix}{key}"] = value
+        return found
+
+    article, corrected = flat(configs.load(ARTICLE)), flat(corrected_article())
+    rows = [[key, json.dumps(article[key]) if key in article else "(absent)",
+             json.dumps(corrected[key]) if key in corrected else "(removed)"]
+            for key in list(article) + [k for k in corrected if k not in article]
+            if article.get(key) != corrected.get(key)]
+    table = records.format_table(rows, ["line", "the article", "corrected"])
+
+    def findings(config: dict) -> str:
+        return "\n".join(f"  {f}" for f in configs.check(config, world_size)) or "  no findings"
+
+    return (f"{table}\n\nThe checker on {world_size} ranks, the article's config:\n"
+            f"{findings(configs.load(ARTICLE))}\nthe corrected one:\n{findings(corrected_article())}")
+
+
 # --- the chapter's launch: its script's records -------------------------------------------------------
 
 #: How chapter 07's script names its runs' folders (the keys the chapter's tables read them by: run_key).
@@ -788,39 +843,41 @@ def memory_verdict_table(runs: Mapping[Any, Any], rank: int = 0) -> str:
 
 
 def engine_against_demo(engine: Mapping[str, Any], demos: Mapping[str, Any]) -> str:
-    """Per scenario: did DeepSpeed's fp16 engine skip the same steps, at the same scales, as DeepSpeed's
-    scaler in :func:`scaler_demo`? (An engine run DeepSpeed ended is a dict ``{"failed": message}``.)"""
+    """Per scenario, one row: the steps DeepSpeed's fp16 engine skipped and those DeepSpeed's scaler skipped in
+    :func:`scaler_demo`, whether both used the same scale at every step, and whether the demo's gradients came
+    within :data:`EDGE_HALVINGS` of fp16's largest value (where last-digit differences decide an overflow). An
+    engine run DeepSpeed ended is a dict ``{"failed": message}``."""
+
+    def skipped(t: dict) -> str:
+        steps = [i + 1 for i, o in enumerate(t["overflow"]) if o]
+        return (_ranges(steps) or "none") + ("; then ended at min_loss_scale" if t["stopped"] else "")
 
     rows = []
-    for name, run in engine.items():
-        if name not in demos:
-            continue
-        demo = trajectory(demos[name])
+    for name in (n for n in demos if n in engine):
+        run, demo = engine[name], trajectory(demos[name])
         if isinstance(run, dict) and "failed" in run:
-            same = "both ended by the scaler" if demo["stopped"] else "engine ended, scaler demo did not"
-            rows.append([name, same, run["failed"][:60]])
-            continue
-        t = trajectory(run)
-        skipped = [i + 1 for i, o in enumerate(t["overflow"]) if o]
-        demo_skipped = [i + 1 for i, o in enumerate(demo["overflow"]) if o]
-        same = t["scales"] == demo["scales"] and skipped == demo_skipped
-        rows.append([name, "same steps skipped, same scales" if same else "differ",
-                     "-" if same else f"engine skipped {_ranges(skipped) or 'none'}, demo {_ranges(demo_skipped) or 'none'}"])
-    return records.format_table(rows, ["fp16 settings", "engine vs scaler demo", "detail"])
+            same = "yes" if demo["stopped"] else "no"
+            engine_side = "ended at min_loss_scale"
+        else:
+            t = trajectory(run)
+            same = "yes" if t["scales"] == demo["scales"] and t["overflow"] == demo["overflow"] else "no"
+            engine_side = skipped(t)
+        rows.append([name, skipped(demo), engine_side, same,
+                     "yes" if _min_headroom(demos[name]) < EDGE_HALVINGS else "no"])
+    return records.format_table(rows, ["scenario", "demo skipped steps", "engine skipped steps", "same decisions",
+                                       f"demo within {EDGE_HALVINGS:g} halving of overflow"])
 
 
 def loss_scale_reference_report(demos: Mapping[str, Any], name: str = "loss-scale") -> str:
-    """The fp16 engine's trajectories measured on GPUs (committed references), against the scaler demo here."""
+    """The fp16 engine's runs measured on GPUs (committed references, labelled with their device and date) beside
+    the scaler demo here: :func:`engine_against_demo`, then :func:`engine_demo_differences`'s sentence."""
 
     found = references.reference_runs(name)
     if not found:
         return references.no_references(name, references.GPU_HOW)
-    parts = []
-    for device, date, note, runs in found:
-        trained = {k: r for k, r in runs.items() if not (isinstance(r, dict) and "failed" in r)}
-        parts.append(f"DeepSpeed's fp16 engine (ZeRO-2) on {device}, {date} ({note}):\n{trajectory_table(trained)}\n\n"
-                     f"{engine_against_demo(runs, demos)}")
-    return "\n\n".join(parts)
+    return "\n\n".join(f"DeepSpeed's fp16 engine on {device}, {date} ({note}), beside the demo here:\n"
+                         f"{engine_against_demo(runs, demos)}\n{engine_demo_differences(runs, demos, f'{device}, {date}')}"
+                         for device, date, note, runs in found)
 
 
 def speed_table(runs: Mapping[Any, Any], rank: int = 0, peak: bool = True) -> str:
@@ -907,19 +964,16 @@ def engine_demo_differences(engine: Mapping[str, Any], demos: Mapping[str, Any],
         t = trajectory(run)
         (agree if t["scales"] == demo["scales"] and t["overflow"] == demo["overflow"] else differ).append(scenario)
     near = {s for s in differ + agree if _min_headroom(demos[s]) < EDGE_HALVINGS}
+
+    def named(scenarios: list[str]) -> str:  # numbered scenarios ("3 · ...") by their numbers
+        if scenarios and all(" · " in s for s in scenarios):
+            return "scenarios " + ", ".join(s.split(" · ")[0] for s in scenarios)
+        return "; ".join(scenarios) or "none"
+
     return (f"{label}: the engine and the demo decide {len(agree)} of {len(agree) + len(differ)} scenarios alike; they "
-            f"differ in {len(differ)} ({'; '.join(differ) or 'none'}). Scenarios whose demo came within "
-            f"{EDGE_HALVINGS:g} halving of an fp16 overflow: {'; '.join(sorted(near, key=list(demos).index)) or 'none'}. "
+            f"differ in {len(differ)} ({named(differ)}). Scenarios whose demo came within "
+            f"{EDGE_HALVINGS:g} halving of an fp16 overflow: {named(sorted(near, key=list(demos).index))}. "
             f"The scenarios that differ are exactly those: {set(differ) == near}.")
-
-
-def reference_demo_differences(demos: Mapping[str, Any], name: str = "loss-scale") -> str:
-    """:func:`engine_demo_differences` for each committed GPU result of the fp16 engine (experiment ``name``),
-    labelled with its device and date."""
-    found = references.reference_runs(name)
-    if not found:
-        return references.no_references(name, references.GPU_HOW)
-    return "\n".join(engine_demo_differences(runs, demos, f"{device}, {date}") for device, date, _, runs in found)
 
 
 def _min_headroom(result: Mapping[str, Any]) -> float:
@@ -1149,8 +1203,9 @@ def loss_scale_trajectories(trajectories: Mapping[str, dict], title: str = "fp16
             ax.axvline(spike, color="grey", linestyle="--", linewidth=0.8)
         if t["stopped"]:
             ax.annotate("run ended", (len(powers), powers[-1]), textcoords="offset points", xytext=(-40, 12), fontsize=8)
-        ax.set_title(name, fontsize=9)
+        ax.set_title(textwrap.fill(name, 44), fontsize=9)
         ax.set_xlabel("optimizer step", fontsize=8)
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in axes[:, 0]:
         ax.set_ylabel("log2(loss scale)", fontsize=8)
@@ -1293,9 +1348,11 @@ def exercise_fp16_block(answer: dict, task: Mapping[str, float] = SCALER_TASK, w
         return True, (f"{story}. initial_scale_power sets 2^power, hysteresis 1 halves at the first overflow, "
                       "and min_loss_scale is the floor where DeepSpeed's ZeRO optimizers end the run.")
 
-    wanted = ", ".join(f"{k} {v:g}" for k, v in task.items())
+    nth = ("first", "second", "third", "fourth")[int(task["hysteresis"]) - 1]
+    wanted = (f"starts at {task['initial scale']:g}, halves the scale at the {nth} overflow, doubles it after {task['loss_scale_window']:g} clean steps and never goes below "
+              f"{task['min_loss_scale']:g}")
     return exercises.satisfies("fp16 block", answer, test,
-                               task=f"Write an fp16 block for dynamic loss scaling with {wanted}.",
+                               task=f"Write an fp16 block for dynamic loss scaling that {wanted}.",
                                hint="the knobs are loss_scale (0: dynamic), initial_scale_power (the scale starts at "
                                     "2**power), loss_scale_window, hysteresis and min_loss_scale; the checker's cases "
                                     "above show the block's form")
