@@ -271,12 +271,12 @@ UNRECORDED = "nothing recorded what else used the devices during the run"
 
 def unrecorded_reason(conditions: str) -> str:
     """Why a committed result saved without a recorded load has no verdict, from its written ``conditions``:
-    the load guard recorded nothing, and what the conditions say of other work on the machine."""
+    the load guard took no samples, and what the conditions say of other work on the machine."""
     if not conditions or conditions == "not stated":
-        return "the load guard recorded nothing during the run, and no conditions were stated with it"
+        return "the load guard took no samples during that run, and no conditions were stated with it"
     if re.search(r"at the same time|while|beside|shared|another", conditions):
-        return "the load guard recorded nothing during the run; the stated conditions name another job on the machine"
-    return "the load guard recorded nothing during the run; only the stated conditions say what else ran"
+        return "the load guard took no samples during that run; its stated conditions name another job on the machine"
+    return "the load guard took no samples during that run; only its stated conditions say what else ran"
 
 
 def claim_verdict(runs: Mapping[object, records.Record], load: load_guard.Load | None, label: str,
@@ -359,8 +359,9 @@ def step_cost_reading(runs: Mapping[object, records.Record], load: load_guard.Lo
         else:
             withheld[stage] = verdict.withheld
         lines.append(line)
-    lines += [f"The timings of {_stage_names(stages)} cannot be read: {reason}."
-              for reason, stages in _by_reason(withheld).items()]
+    # what cannot be read comes first, before the figures it applies to
+    lines[1:1] = [f"The timings of {_stage_names(stages)} cannot be read: {reason}."
+                  for reason, stages in _by_reason(withheld).items()]
     if negative:
         lines.append(f"0% stands for a negative fit: a step at {accum} took more than {accum}x as long as at 1, so "
                      f"each micro-step cost more at {accum} than at 1 (load or caches), and nothing is paid once.")
