@@ -681,12 +681,13 @@ def grad_accum_error_summary(runs: Mapping[Any, Any]) -> str:
         return "no pair of bf16 runs accumulated in bf16 and in fp32"
     low, high = min(shares), max(shares)
     training = runs.get(("accum", (2, "fp32 training")))
-    tail = (f"; fp32 training's gradient is {accumulated_gradient(training)['relative_error']:.1e} from it"
+    tail = (f"; fp32 training's gradient is {accumulated_gradient(training)['relative_error']:.1e} from the reference"
             if isinstance(training, records.Record) else "")
     part = "most" if low > 0.5 else "about half" if high >= 0.4 else "a small part"
-    return (f"Accumulating in fp32 instead of bf16 ({'; '.join(errors)}) keeps {low:.0%}-{high:.0%} of the error: "
-            f"{part} of it comes from computing the forward and backward in bf16, which the accumulation dtype does "
-            f"not change{tail}.")
+    removed = f"{1 - high:.0%}" if f"{1 - high:.0%}" == f"{1 - low:.0%}" else f"{1 - high:.0%}-{1 - low:.0%}"
+    return (f"Accumulating in fp32 instead of bf16 makes the step-1 gradient's error {removed} smaller "
+            f"({'; '.join(errors)}). The rest, {part} of it, comes from computing the forward and backward in bf16, "
+            f"which the accumulation dtype does not change{tail}.")
 
 
 # --- the source article's configuration ---------------------------------------------------------------
@@ -927,11 +928,11 @@ def half_bytes_table(runs: Mapping[str, Any], rank: int = 0) -> str:
         a, b = fp16.memory.placement(rank), bf16.memory.placement(rank)
         same = [k for k in records.MODEL_STATE_KEYS
                 if a["accelerator"][k] + a["host"][k] == b["accelerator"][k] + b["host"][k]]
+        differ = [k for k in records.MODEL_STATE_KEYS if k not in same]
         rows.append([f"{fp16_name} vs {fp16_name.replace('fp16', 'bf16')}",
-                     f"{len(same)} of {len(records.MODEL_STATE_KEYS)} equal" + ("" if len(same) == len(records.MODEL_STATE_KEYS)
-                                                                              else f" (differ: {', '.join(k for k in records.MODEL_STATE_KEYS if k not in same)})"),
+                     f"the same for {', '.join(same) or 'none'}" + (f"; differ: {', '.join(differ)}" if differ else ""),
                      " | ".join(f"{k} {', '.join(a['dtypes'].get(k, ['-']))}" for k in ("params", "grads"))])
-    return records.format_table(rows, ["runs", "bytes of each kind of state", "fp16 run's 16-bit states"])
+    return records.format_table(rows, ["runs", "bytes held by each kind of state", "fp16 run's 16-bit states"])
 
 
 def half_bytes_reference_report(name: str = "precision-speed") -> str:
