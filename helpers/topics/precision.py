@@ -463,7 +463,7 @@ def saving_lines(runs: Mapping[tuple[int, str], Any], rank: int = 0, half: str =
                      f"parameters and gradients" + (f" and adds {added:.2f} of fp32 master" if added else
                                                    ", both keep the same fp32 master")
                      + (f": in all, {half} saves nothing (as many bytes as fp32)." if abs(net) < 0.005 else
-                        f": in all, {half} saves {net:.2f} B/param ({share:.0%} of fp32's bytes)."))
+                        f": in all, {half} needs {share:.0%} of fp32's bytes (saves {net:.2f} B/param)."))
     return "\n".join(lines)
 
 
@@ -681,12 +681,13 @@ def grad_accum_error_summary(runs: Mapping[Any, Any]) -> str:
         return "no pair of bf16 runs accumulated in bf16 and in fp32"
     low, high = min(shares), max(shares)
     training = runs.get(("accum", (2, "fp32 training")))
-    tail = (f"; fp32 training's gradient is {accumulated_gradient(training)['relative_error']:.1e} from it"
+    tail = (f"; fp32 training's gradient is {accumulated_gradient(training)['relative_error']:.1e} from the reference"
             if isinstance(training, records.Record) else "")
     part = "most" if low > 0.5 else "about half" if high >= 0.4 else "a small part"
-    return (f"Accumulating in fp32 instead of bf16 ({'; '.join(errors)}) keeps {low:.0%}-{high:.0%} of the error: "
-            f"{part} of it comes from computing the forward and backward in bf16, which the accumulation dtype does "
-            f"not change{tail}.")
+    removed = f"{1 - high:.0%}" if f"{1 - high:.0%}" == f"{1 - low:.0%}" else f"{1 - high:.0%}-{1 - low:.0%}"
+    return (f"Accumulating in fp32 instead of bf16 makes the step-1 gradient's error {removed} smaller "
+            f"({'; '.join(errors)}). The rest, {part} of it, comes from computing the forward and backward in bf16, "
+            f"which the accumulation dtype does not change{tail}.")
 
 
 # --- the source article's configuration ---------------------------------------------------------------
@@ -927,11 +928,11 @@ def half_bytes_table(runs: Mapping[str, Any], rank: int = 0) -> str:
         a, b = fp16.memory.placement(rank), bf16.memory.placement(rank)
         same = [k for k in records.MODEL_STATE_KEYS
                 if a["accelerator"][k] + a["host"][k] == b["accelerator"][k] + b["host"][k]]
+        differ = [k for k in records.MODEL_STATE_KEYS if k not in same]
         rows.append([f"{fp16_name} vs {fp16_name.replace('fp16', 'bf16')}",
-                     f"{len(same)} of {len(records.MODEL_STATE_KEYS)} equal" + ("" if len(same) == len(records.MODEL_STATE_KEYS)
-                                                                              else f" (differ: {', '.join(k for k in records.MODEL_STATE_KEYS if k not in same)})"),
+                     f"the same for {', '.join(same) or 'none'}" + (f"; differ: {', '.join(differ)}" if differ else ""),
                      " | ".join(f"{k} {', '.join(a['dtypes'].get(k, ['-']))}" for k in ("params", "grads"))])
-    return records.format_table(rows, ["runs", "bytes of each kind of state", "fp16 run's 16-bit states"])
+    return records.format_table(rows, ["runs", "bytes held by each kind of state", "fp16 run's 16-bit states"])
 
 
 def half_bytes_reference_report(name: str = "precision-speed") -> str:
@@ -1118,32 +1119,24 @@ def _products_least_time(fp32: records.Record) -> tuple[float, float, float, flo
 
 def speed_takeaway(runs: Mapping[str, records.Record], load: load_guard.Load | None, base: str = "ZeRO-2 fp32") -> str:
     """The speed comparison's takeaway, from ``runs``' data: the least time ``base``'s matrix products need at
-    the datasheet's fp32 peak (a lower bound on their time, so no bound on what 16-bit can save), then which
-    16-bit runs' gains are beyond the steps' spread (the load guard's rule) and whether they exceed the gain
-    the products would allow were they at that peak (:func:`speed_bounds` gives the arithmetic)."""
+    the datasheet's fp32 peak, as a share of its step (a lower bound on their time, so no bound on what 16-bit can
+    save), then each 16-bit run's median speed-up, fastest first, and whether it is beyond the steps' spread (the
+    load guard's rule; :func:`speed_bounds` gives the arithmetic)."""
     fp32 = runs.get(base)
     if fp32 is None:
         return f"no {base} run to compare with"
     least = _products_least_time(fp32)
     if isinstance(least, str):
         return least
-    math32, _, step, bound = least
+    math32, _, step, _ = least
     ratios = {name: fp32.timing.median_s / r.timing.median_s for name, r in runs.items() if name != base}
-    beyond = [name for name, ratio in ratios.items() if ratio > 1 and load_guard.compare(
-        {base: timed_steps(fp32), name: timed_steps(runs[name])}, load).given]
-    text = (f"At the datasheet's fp32 peak this model's matrix products need at least {math32 * 1e3:.2f} ms "
-            f"({math32 / step:.0%}) of the {step * 1e3:.1f} ms fp32 step. That is a least time, not their real "
-            f"share: only were they at that peak would faster 16-bit products gain at most {bound:.2f}x. ")
-    if not beyond:
-        return text + "No 16-bit run's gain is beyond the steps' spread."
-    gains = " and ".join(f"{name}'s {ratios[name]:.2f}x" for name in beyond)
-    others = [name for name in ratios if name not in beyond]
-    text += (f"Only {gains} {'is' if len(beyond) == 1 else 'are'} beyond the steps' spread"
-             + (f" ({', '.join(others)}: within it)" if others else "") + ".")
-    if any(ratios[name] > bound for name in beyond):
-        text += (" That is more, so the products ran below the fp32 peak, or other work got faster in 16-bit "
-                 "too; a kernel profile, which these runs did not take, would say which.")
-    return text
+    spread = {name: "beyond the steps' spread" if load_guard.compare(
+        {base: timed_steps(fp32), name: timed_steps(runs[name])}, load).given else "within the spread"
+        for name in ratios}
+    return (f"On this model the matrix products need at least {math32 / step:.0%} of an fp32 step (at the "
+            "datasheet's peak; their real share is unknown without a kernel profile). Measured: "
+            + ", ".join(f"{name.split()[-1]} {ratios[name]:.2f}x ({spread[name]})"
+                        for name in sorted(ratios, key=ratios.get, reverse=True)) + ".")
 
 
 def speed_takeaway_reference(name: str = "precision-speed") -> str:
