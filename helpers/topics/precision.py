@@ -1074,13 +1074,10 @@ def speed_bounds(runs: Mapping[str, records.Record], load: load_guard.Load | Non
     ``base`` would get if its products ran at the fp32 peak and became free of all but their 16-bit time, against
     each 16-bit run's measured one; then ``pair`` (fp16 against bf16: the same bytes, the same dense peak)
     compared through the load guard, and that these runs do not explain a difference between them."""
-    fp32 = runs.get(base)
-    if fp32 is None:
-        return f"no {base} run to compare with"
-    least = _products_least_time(fp32)
-    if isinstance(least, str):
-        return least
-    math32, math16, step, bound = least
+    found = _base_least_time(runs, base)
+    if isinstance(found, str):
+        return found
+    fp32, (math32, math16, step, bound) = found
     measured = {name: fp32.timing.median_s / r.timing.median_s for name, r in runs.items() if name != base}
     above = [name for name, ratio in measured.items() if ratio > bound and load_guard.compare(
         {base: timed_steps(fp32), name: timed_steps(runs[name])}, load).given]  # beyond it, and beyond the spread
@@ -1117,18 +1114,25 @@ def _products_least_time(fp32: records.Record) -> tuple[float, float, float, flo
     return math32, math16, step, step / (step - math32 + math16)
 
 
+def _base_least_time(runs: Mapping[str, records.Record], base: str
+                     ) -> tuple[records.Record, tuple[float, float, float, float]] | str:
+    """``runs[base]`` and :func:`_products_least_time` of it; or why not (no such run, no peak known)."""
+    fp32 = runs.get(base)
+    if fp32 is None:
+        return f"no {base} run to compare with"
+    least = _products_least_time(fp32)
+    return least if isinstance(least, str) else (fp32, least)
+
+
 def speed_takeaway(runs: Mapping[str, records.Record], load: load_guard.Load | None, base: str = "ZeRO-2 fp32") -> str:
     """The speed comparison's takeaway, from ``runs``' data: the least time ``base``'s matrix products need at
     the datasheet's fp32 peak, as a share of its step (a lower bound on their time, so no bound on what 16-bit can
     save), then each 16-bit run's median speed-up, fastest first, and whether it is beyond the steps' spread (the
     load guard's rule; :func:`speed_bounds` gives the arithmetic)."""
-    fp32 = runs.get(base)
-    if fp32 is None:
-        return f"no {base} run to compare with"
-    least = _products_least_time(fp32)
-    if isinstance(least, str):
-        return least
-    math32, _, step, _ = least
+    found = _base_least_time(runs, base)
+    if isinstance(found, str):
+        return found
+    fp32, (math32, _, step, _) = found
     ratios = {name: fp32.timing.median_s / r.timing.median_s for name, r in runs.items() if name != base}
     spread = {name: "beyond the steps' spread" if load_guard.compare(
         {base: timed_steps(fp32), name: timed_steps(runs[name])}, load).given else "within the spread"
