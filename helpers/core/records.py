@@ -180,6 +180,11 @@ class CommView(_Section):
         return self._data().get("by_caller")
 
     @property
+    def callers(self) -> dict[str, dict[str, dict[str, float]]]:
+        """:attr:`by_caller`, or where the functions were not logged each collective under the caller ``""``."""
+        return self.by_caller or {op: {"": row} for op, row in self.by_op.items()}
+
+    @property
     def calls_per_step(self) -> float:
         return sum(row["count"] for row in self.by_op.values())
 
@@ -494,15 +499,19 @@ def memory_table(runs: Sequence[Record], rank: int = 0) -> str:
     return format_table(rows, ["run", "state", "measured bytes", "paper bytes", "measured/paper"])
 
 
+def collective_rows(record: Record) -> list[list[str]]:
+    """Table rows of ``record``'s collectives per optimizer step: run, collective, the DeepSpeed function that
+    issued it ("-" where not logged), count and logged bytes."""
+    return [[record.label, op, caller or "-", f"{row['count']:g}", f"{row['bytes']:,.0f}"]
+            for op, by_caller in record.comm.callers.items() for caller, row in by_caller.items()]
+
+
 def comm_table(runs: Sequence[Record], totals: bool = True) -> str:
     """Collectives per optimizer step (count and logged bytes, and the DeepSpeed function that issued them)
     run by run, with (``totals``) the wire bytes per rank and the paper's volume."""
     rows = []
     for r in runs:
-        callers = r.summary["comm"].get("by_caller") or {op: {"": row} for op, row in r.comm_ops().items()}
-        for op, by_caller in callers.items():
-            for caller, row in by_caller.items():
-                rows.append([r.label, op, caller or "-", f"{row['count']:g}", f"{row['bytes']:,.0f}"])
+        rows += collective_rows(r)
         if totals:
             comm = r.summary["comm"]
             rows.append([r.label, "= wire bytes per rank (ring)", "", "", f"{comm['wire_bytes_per_step']:,.0f}"])

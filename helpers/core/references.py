@@ -132,6 +132,17 @@ def reference_conditions(name: str) -> list[str]:
 
 
 
+def each_reference(name: str, render: Callable[[str, str, str, dict, str], str], how: str = GPU_HOW,
+                   sep: str = "\n\n") -> str:
+    """``render(device, date, note, runs, conditions)`` for every committed GPU result of experiment ``name``
+    (:func:`reference_runs`, :func:`reference_conditions`), joined by ``sep``; or :func:`no_references`."""
+    found = reference_runs(name)
+    if not found:
+        return no_references(name, how)
+    return sep.join(render(device, date, note, runs, conditions)
+                    for (device, date, note, runs), conditions in zip(found, reference_conditions(name)))
+
+
 def bytes_and_time_report(name: str, table: Callable[[dict, dict], str], how: str = "") -> str:
     """:func:`references_report` for references that keep two sets of the same runs, ``"bytes: <run>"`` (with
     the probes that measure communication) and ``"time: <run>"`` (timing only): ``table(by_bytes, by_time)``,

@@ -611,8 +611,6 @@ def exercise_bytes_floor(answer: object, grid: Grid, stage: int = 2, accum: int 
 
 def how_measured(name: str = "grad-accum-claim") -> str:
     """What measured each committed GPU result of the claim experiment: device, date, note and conditions."""
-    found = references.reference_runs(name)
-    if not found:
-        return references.no_references(name, references.GPU_HOW)
-    return "\n".join(f"Measured on {device}, {date} ({note}).\nConditions: {conditions}"
-                     for (device, date, note, _), conditions in zip(found, references.reference_conditions(name)))
+    return references.each_reference(
+        name, lambda device, date, note, _, conditions: f"Measured on {device}, {date} ({note}).\nConditions: {conditions}",
+        sep="\n")

@@ -72,9 +72,8 @@ def agreement_table(own: Mapping[str, records.Record], course: Mapping[str, reco
 def collectives_table(record: records.Record) -> str:
     """The collectives of one optimizer step of ``record``, by the DeepSpeed function that issued them, as
     DeepSpeed's comms logger counted them (its totals over the measured steps, divided by their number)."""
-    callers = record.comm.by_caller or {op: {"": row} for op, row in record.comm_ops().items()}
     rows = [[op, caller or "-", f"{row['count']:g}", f"{row['bytes']:,.0f}"]
-            for op, by_caller in sorted(callers.items()) for caller, row in sorted(by_caller.items())]
+            for op, by_caller in sorted(record.comm.callers.items()) for caller, row in sorted(by_caller.items())]
     rows.append(["total", "", "", f"{record.comm.bytes_per_step:,.0f}"])
     return records.format_table(rows, ["collective", "issued by (DeepSpeed function)", "calls per step",
                                        "bytes per step"])

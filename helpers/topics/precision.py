@@ -26,7 +26,7 @@ import re
 import statistics
 import textwrap
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 from unittest import mock
 
 import torch
@@ -1005,6 +1005,16 @@ def timed_steps(record: records.Record) -> list[float]:
     return sorted(record["step_time_s"]["all"][1:])
 
 
+def _against_base(runs: Mapping[str, records.Record], base: str,
+                  load: load_guard.Load | None) -> dict[str, tuple[float, load_guard.Verdict]]:
+    """Each run but ``base``: its median step speed against ``base``'s, and the load guard's verdict on their
+    timed steps (:func:`timed_steps`) under ``load``."""
+    fp32 = runs[base]
+    return {name: (fp32.timing.median_s / r.timing.median_s,
+                   load_guard.compare({base: timed_steps(fp32), name: timed_steps(r)}, load))
+            for name, r in runs.items() if name != base}
+
+
 def speed_explanation(runs: Mapping[str, records.Record], load: load_guard.Load | None, base: str = "ZeRO-2 fp32",
                       flops: bool = True) -> str:
     """What the step times of ``runs`` ({"ZeRO-2 fp32": record, "ZeRO-2 bf16": record, ...}, one device) show,
@@ -1020,11 +1030,7 @@ def speed_explanation(runs: Mapping[str, records.Record], load: load_guard.Load 
     spread = {name: timed_steps(r) for name, r in runs.items()}
     lines = ["Timed steps after the first, fastest to slowest: " + "; ".join(
         f"{name} {t[0] * 1e3:.1f}-{t[-1] * 1e3:.1f} ms" for name, t in spread.items()) + "."]
-    for name, r in runs.items():
-        if name == base:
-            continue
-        ratio = fp32.timing.median_s / r.timing.median_s
-        verdict = load_guard.compare({base: spread[base], name: spread[name]}, load)
+    for name, (ratio, verdict) in _against_base(runs, base, load).items():
         if verdict.given:
             lines.append(f"{name}: {ratio:.2f}x {base}'s speed (median step), beyond the steps' spread of "
                          f"{verdict.spread:.0%}.")
@@ -1032,20 +1038,15 @@ def speed_explanation(runs: Mapping[str, records.Record], load: load_guard.Load 
             lines.append(f"{name}: median step {ratio:.2f}x {base}'s speed; verdict withheld: {verdict.withheld}.")
     if not flops:
         return "\n".join(lines)
-    device_name = fp32["device_name"]
-    peak32, source32 = peak_fp32_tflops(device_name)
-    peak16, source16 = performance.peak_tflops(device_name)
-    if peak32 and peak16:
-        flops = 6 * fp32.params * fp32.micro_batch * fp32.grad_accum
-        math32, math16, step = flops / (peak32 * 1e12), flops / (peak16 * 1e12), fp32.timing.median_s
-        lines.append(f"The step's matrix products, {flops:.3g} FLOPs per rank (6 x {fp32.params:,} parameters x "
-                     f"{fp32.micro_batch * fp32.grad_accum} samples), need at least {math32 * 1e3:.2f} ms at the fp32 "
-                     f"peak ({peak32:g} TFLOP/s) and at least {math16 * 1e3:.2f} ms at the dense 16-bit peak "
-                     f"({peak16:g} TFLOP/s), beside a {step * 1e3:.1f} ms fp32 step. Sources: {source32}; {source16}. "
-                     "These are lower bounds on the products' time: how long they really took in the step, and so how "
-                     "much of any gain they account for, needs a kernel profile, which these runs did not take.")
-    else:
-        lines.append(source32 if not peak32 else source16)
+    least = _products_least_time(fp32)
+    if isinstance(least, str):
+        return "\n".join([*lines, least])
+    lines.append(f"The step's matrix products, {least.flops:.3g} FLOPs per rank (6 x {fp32.params:,} parameters x "
+                 f"{fp32.micro_batch * fp32.grad_accum} samples), need at least {least.math32 * 1e3:.2f} ms at the fp32 "
+                 f"peak ({least.peak32:g} TFLOP/s) and at least {least.math16 * 1e3:.2f} ms at the dense 16-bit peak "
+                 f"({least.peak16:g} TFLOP/s), beside a {least.step * 1e3:.1f} ms fp32 step. Sources: {least.sources}. "
+                 "These are lower bounds on the products' time: how long they really took in the step, and so how "
+                 "much of any gain they account for, needs a kernel profile, which these runs did not take.")
     return "\n".join(lines)
 
 
@@ -1056,11 +1057,7 @@ def speed_summary(runs: Mapping[str, records.Record], load: load_guard.Load | No
     if fp32 is None:
         return f"no {base} run to compare with"
     parts = []
-    for name, r in runs.items():
-        if name == base:
-            continue
-        ratio = fp32.timing.median_s / r.timing.median_s
-        verdict = load_guard.compare({base: timed_steps(fp32), name: timed_steps(r)}, load)
+    for name, (ratio, verdict) in _against_base(runs, base, load).items():
         parts.append(f"{name} {ratio:.2f}x ({'faster' if ratio > 1 else 'slower'}, beyond the steps' spread"
                      if verdict.given else f"{name} {ratio:.2f}x (verdict withheld: {verdict.withheld}")
         parts[-1] += ")"
@@ -1074,13 +1071,13 @@ def speed_bounds(runs: Mapping[str, records.Record], load: load_guard.Load | Non
     ``base`` would get if its products ran at the fp32 peak and became free of all but their 16-bit time, against
     each 16-bit run's measured one; then ``pair`` (fp16 against bf16: the same bytes, the same dense peak)
     compared through the load guard, and that these runs do not explain a difference between them."""
-    found = _base_least_time(runs, base)
-    if isinstance(found, str):
-        return found
-    fp32, (math32, math16, step, bound) = found
-    measured = {name: fp32.timing.median_s / r.timing.median_s for name, r in runs.items() if name != base}
-    above = [name for name, ratio in measured.items() if ratio > bound and load_guard.compare(
-        {base: timed_steps(fp32), name: timed_steps(runs[name])}, load).given]  # beyond it, and beyond the spread
+    least = _base_least_time(runs, base)
+    if isinstance(least, str):
+        return least
+    math32, math16, step, bound = least.math32, least.math16, least.step, least.bound
+    against = _against_base(runs, base, load)
+    measured = {name: ratio for name, (ratio, _) in against.items()}
+    above = [name for name, (ratio, verdict) in against.items() if ratio > bound and verdict.given]  # and the spread
     lines = [f"At the datasheets' peaks the step's matrix products need at least {math32 * 1e3:.2f} ms of the "
              f"{step * 1e3:.1f} ms fp32 step ({math32 / step:.0%}) and {math16 * 1e3:.2f} ms in 16-bit: were they at "
              f"the fp32 peak, 16-bit could speed the step up {bound:.2f}x at most, the rest of the step unchanged. "
@@ -1101,27 +1098,35 @@ def speed_bounds(runs: Mapping[str, records.Record], load: load_guard.Load | Non
     return "\n".join(lines)
 
 
-def _products_least_time(fp32: records.Record) -> tuple[float, float, float, float] | str:
-    """For an fp32 run: the least time its step's matrix products take at the datasheets' fp32 and dense 16-bit
-    peaks (6 x parameters x samples FLOPs per rank), its median step (s), and the speed-up 16-bit could give were
-    those products at the fp32 peak and the rest of the step unchanged; or why not (no peak known)."""
+class ProductsTime(NamedTuple):
+    """The least time an fp32 run's matrix products take (6 x parameters x samples FLOPs per rank) at the
+    datasheets' fp32 and dense 16-bit peaks, beside its median step (seconds), and the speed-up 16-bit could
+    give were those products at the fp32 peak and the rest of the step unchanged (``bound``)."""
+    flops: float
+    peak32: float
+    peak16: float
+    sources: str
+    math32: float
+    math16: float
+    step: float
+    bound: float
+
+
+def _products_least_time(fp32: records.Record) -> ProductsTime | str:
+    """:class:`ProductsTime` of an fp32 run; or why not (no peak known)."""
     peak32, source32 = peak_fp32_tflops(fp32["device_name"])
     peak16, source16 = performance.peak_tflops(fp32["device_name"])
     if not (peak32 and peak16):
         return source32 if not peak32 else source16
     flops = 6 * fp32.params * fp32.micro_batch * fp32.grad_accum
     math32, math16, step = flops / (peak32 * 1e12), flops / (peak16 * 1e12), fp32.timing.median_s
-    return math32, math16, step, step / (step - math32 + math16)
+    return ProductsTime(flops, peak32, peak16, f"{source32}; {source16}", math32, math16, step,
+                        step / (step - math32 + math16))
 
 
-def _base_least_time(runs: Mapping[str, records.Record], base: str
-                     ) -> tuple[records.Record, tuple[float, float, float, float]] | str:
-    """``runs[base]`` and :func:`_products_least_time` of it; or why not (no such run, no peak known)."""
-    fp32 = runs.get(base)
-    if fp32 is None:
-        return f"no {base} run to compare with"
-    least = _products_least_time(fp32)
-    return least if isinstance(least, str) else (fp32, least)
+def _base_least_time(runs: Mapping[str, records.Record], base: str) -> ProductsTime | str:
+    """:func:`_products_least_time` of ``runs[base]``; or why not (no such run, no peak known)."""
+    return _products_least_time(runs[base]) if base in runs else f"no {base} run to compare with"
 
 
 def speed_takeaway(runs: Mapping[str, records.Record], load: load_guard.Load | None, base: str = "ZeRO-2 fp32") -> str:
@@ -1129,14 +1134,14 @@ def speed_takeaway(runs: Mapping[str, records.Record], load: load_guard.Load | N
     the datasheet's fp32 peak, as a share of its step (a lower bound on their time, so no bound on what 16-bit can
     save), then each 16-bit run's median speed-up, fastest first, and whether it is beyond the steps' spread (the
     load guard's rule; :func:`speed_bounds` gives the arithmetic)."""
-    found = _base_least_time(runs, base)
-    if isinstance(found, str):
-        return found
-    fp32, (math32, _, step, _) = found
-    ratios = {name: fp32.timing.median_s / r.timing.median_s for name, r in runs.items() if name != base}
-    spread = {name: "beyond the steps' spread" if load_guard.compare(
-        {base: timed_steps(fp32), name: timed_steps(runs[name])}, load).given else "within the spread"
-        for name in ratios}
+    least = _base_least_time(runs, base)
+    if isinstance(least, str):
+        return least
+    math32, step = least.math32, least.step
+    against = _against_base(runs, base, load)
+    ratios = {name: ratio for name, (ratio, _) in against.items()}
+    spread = {name: "beyond the steps' spread" if verdict.given else "within the spread"
+              for name, (_, verdict) in against.items()}
     return (f"On this model the matrix products need at least {math32 / step:.0%} of an fp32 step (at the "
             "datasheet's peak; their real share is unknown without a kernel profile). Measured: "
             + ", ".join(f"{name.split()[-1]} {ratios[name]:.2f}x ({spread[name]})"
@@ -1145,21 +1150,14 @@ def speed_takeaway(runs: Mapping[str, records.Record], load: load_guard.Load | N
 
 def speed_takeaway_reference(name: str = "precision-speed") -> str:
     """:func:`speed_takeaway` for each committed GPU result of experiment ``name``, under its written conditions."""
-    found = references.reference_runs(name)
-    if not found:
-        return references.no_references(name, references.GPU_HOW)
-    return "\n\n".join(f"Takeaway ({device}, {date}): "
-                         + speed_takeaway(runs, load_guard.Load.from_conditions(conditions))
-                         for (device, date, _, runs), conditions in zip(found, references.reference_conditions(name)))
+    return references.each_reference(name, lambda device, date, _, runs, conditions: (
+        f"Takeaway ({device}, {date}): " + speed_takeaway(runs, load_guard.Load.from_conditions(conditions))))
 
 
 def speed_bounds_reference(name: str = "precision-speed") -> str:
     """:func:`speed_bounds` for each committed GPU result of experiment ``name``, under its written conditions."""
-    found = references.reference_runs(name)
-    if not found:
-        return references.no_references(name, references.GPU_HOW)
-    return "\n\n".join(f"{device}, {date}: {speed_bounds(runs, load_guard.Load.from_conditions(conditions))}"
-                         for (device, date, _, runs), conditions in zip(found, references.reference_conditions(name)))
+    return references.each_reference(name, lambda device, date, _, runs, conditions: (
+        f"{device}, {date}: {speed_bounds(runs, load_guard.Load.from_conditions(conditions))}"))
 
 
 def speed_reference_report(name: str = "precision-speed", detail: bool = False) -> str:

@@ -81,10 +81,7 @@ def logged_table(runs: Sequence[records.Record]) -> str:
     for all_reduce, a rank's own shard for all_gather), not what a rank sends (:func:`wire_note`)."""
     rows = []
     for r in runs:
-        callers = r.comm.by_caller or {op: {"-": row} for op, row in r.comm_ops().items()}
-        for op, by_caller in callers.items():
-            for caller, row in by_caller.items():
-                rows.append([r.label, op, caller, f"{row['count']:g}", f"{row['bytes']:,.0f}"])
+        rows += records.collective_rows(r)
         rows.append([r.label, "total", "", "", f"{r.comm.bytes_per_step:,.0f}"])
     return records.format_table(rows, ["run", "collective", "issued by (DeepSpeed function)", "calls/step",
                                        "logged bytes/step"])
@@ -326,9 +323,7 @@ def comm_table_per_optimizer_step(runs: Sequence[records.Record]) -> str:
     against it: every byte figure of the table in one unit, per optimizer step."""
     rows = []
     for r in runs:
-        for op, by_caller in (r.comm.by_caller or {op: {"": row} for op, row in r.comm_ops().items()}).items():
-            rows += [[r.label, op, caller or "-", f"{row['count']:g}", f"{row['bytes']:,.0f}"]
-                     for caller, row in by_caller.items()]
+        rows += records.collective_rows(r)
         paper = r.theory.comm_wire_bytes_per_optimizer_step
         formula = f"3Ψ(n-1)/n x {r.grad_accum} micro-steps" if r.stage == 3 else "2Ψ(n-1)/n, once"
         wire = r.comm.wire_bytes_per_step
